@@ -1,0 +1,333 @@
+//! The SQL-callable functions written in Rust. Their SQL declarations (names, argument names,
+//! defaults, volatility, pinned search_path) are hand-written in `sql/idempotency.sql`; each
+//! function here reads its arguments by position from the call.
+
+use crate::canonical::{self, NumberMode, Value};
+use crate::error::{arg_error, canon_error, check, raise};
+use crate::keys::{self, ArgError};
+use crate::store::{self, ClaimRequest, ClaimResult};
+use crate::{guc, jsonb};
+use pgrx::datum::{Interval, TimestampWithTimeZone};
+use pgrx::fcinfo::{pg_arg_is_null, pg_getarg, pg_getarg_datum_raw, pg_return_null};
+use pgrx::prelude::*;
+use pgrx::{pg_sys, PgSqlErrorCode};
+use sha2::{Digest, Sha256};
+
+/// Declares the V1 calling-convention record PostgreSQL looks up for `$name`.
+macro_rules! v1 {
+    ($finfo:ident) => {
+        #[unsafe(no_mangle)]
+        #[doc(hidden)]
+        pub extern "C" fn $finfo() -> &'static pg_sys::Pg_finfo_record {
+            const V1: pg_sys::Pg_finfo_record = pg_sys::Pg_finfo_record { api_version: 1 };
+            &V1
+        }
+    };
+}
+
+unsafe fn jsonb_arg(fcinfo: pg_sys::FunctionCallInfo, n: usize) -> Option<pg_sys::Datum> {
+    unsafe {
+        if pg_arg_is_null(fcinfo, n) {
+            None
+        } else {
+            Some(pg_getarg_datum_raw(fcinfo, n))
+        }
+    }
+}
+
+/// Reads a jsonb argument into a canonical tree, raising a clear error naming `arg`.
+unsafe fn value_arg(fcinfo: pg_sys::FunctionCallInfo, n: usize, arg: &str) -> Option<Value> {
+    unsafe {
+        jsonb_arg(fcinfo, n).map(|d| jsonb::to_value(d).unwrap_or_else(|e| canon_error(arg, e)))
+    }
+}
+
+fn interval_parts(i: &Interval) -> (i32, i32, i64) {
+    (i.months(), i.days(), i.micros())
+}
+
+fn seconds_interval(seconds: i32) -> Interval {
+    Interval::new(0, 0, seconds as i64 * 1_000_000).unwrap_or_else(|e| {
+        raise(
+            PgSqlErrorCode::ERRCODE_INVALID_PARAMETER_VALUE,
+            format!("bad setting: {e}"),
+            None,
+        )
+    })
+}
+
+/// A TTL or lease argument, or the setting's default when NULL; checked either way.
+fn duration_arg(arg: &str, given: Option<Interval>, default_seconds: i32) -> (Interval, i128) {
+    let value = given.unwrap_or_else(|| seconds_interval(default_seconds));
+    let (m, d, us) = interval_parts(&value);
+    let total = check(keys::check_duration(arg, m, d, us));
+    (value, total)
+}
+
+fn hash_of(value: &Value) -> [u8; 32] {
+    keys::hash_value(value).unwrap_or_else(|e| canon_error("request", e))
+}
+
+fn text_datum(s: &str) -> pg_sys::Datum {
+    s.into_datum().unwrap_or_else(|| {
+        raise(
+            PgSqlErrorCode::ERRCODE_INTERNAL_ERROR,
+            "text conversion".into(),
+            None,
+        )
+    })
+}
+
+fn bytea_datum(b: &[u8]) -> pg_sys::Datum {
+    b.into_datum().unwrap_or_else(|| {
+        raise(
+            PgSqlErrorCode::ERRCODE_INTERNAL_ERROR,
+            "bytea conversion".into(),
+            None,
+        )
+    })
+}
+
+v1!(pg_finfo_idempotency_claim);
+/// `idempotency.claim(key, request, scope, ttl, lease) RETURNS idempotency.claim_result`
+#[pg_guard]
+#[unsafe(no_mangle)]
+pub extern "C-unwind" fn idempotency_claim(fcinfo: pg_sys::FunctionCallInfo) -> pg_sys::Datum {
+    unsafe {
+        let key: Option<String> = pg_getarg(fcinfo, 0);
+        let scope: Option<String> = pg_getarg(fcinfo, 2);
+        let key = check(keys::check_key("key", key.as_deref(), false));
+        let scope = check(keys::check_key("scope", scope.as_deref(), true));
+        let (ttl, ttl_us) = duration_arg("ttl", pg_getarg(fcinfo, 3), guc::DEFAULT_TTL.get());
+        let (lease, lease_us) =
+            duration_arg("lease", pg_getarg(fcinfo, 4), guc::DEFAULT_LEASE.get());
+        check(keys::check_lease_within_ttl(lease_us, ttl_us));
+        let hash = value_arg(fcinfo, 1, "request").map(|v| hash_of(&v));
+        let result = store::claim(&ClaimRequest {
+            scope,
+            key,
+            hash,
+            ttl,
+            lease,
+        });
+        claim_tuple(fcinfo, result)
+    }
+}
+
+unsafe fn claim_tuple(fcinfo: pg_sys::FunctionCallInfo, r: ClaimResult) -> pg_sys::Datum {
+    unsafe {
+        let mut tupdesc: pg_sys::TupleDesc = std::ptr::null_mut();
+        let class = pg_sys::get_call_result_type(fcinfo, std::ptr::null_mut(), &mut tupdesc);
+        if class != pg_sys::TypeFuncClass::TYPEFUNC_COMPOSITE
+            || tupdesc.is_null()
+            || (*tupdesc).natts < 7
+        {
+            raise(
+                PgSqlErrorCode::ERRCODE_DATATYPE_MISMATCH,
+                "idempotency.claim must return idempotency.claim_result".into(),
+                None,
+            );
+        }
+        let tupdesc = pg_sys::BlessTupleDesc(tupdesc);
+        let natts = (*tupdesc).natts as usize;
+        let outcome_type = (*tupdesc).attrs.as_slice(natts)[0].atttypid;
+        let label = std::ffi::CString::new(r.outcome.label()).unwrap_or_default();
+        let outcome = pgrx::direct_function_call_as_datum(
+            pg_sys::enum_in,
+            &[
+                Some(pg_sys::Datum::from(label.as_ptr())),
+                Some(pg_sys::Datum::from(outcome_type)),
+            ],
+        );
+        let fields: [Option<pg_sys::Datum>; 7] = [
+            outcome,
+            r.token.into_datum(),
+            r.response.and_then(|j| j.into_datum()),
+            r.response_status.into_datum(),
+            r.retry_after.into_datum(),
+            r.expires_at.into_datum(),
+            r.recovery_point.into_datum(),
+        ];
+        let mut values = vec![pg_sys::Datum::from(0usize); natts];
+        let mut nulls = vec![true; natts];
+        for (i, f) in fields.into_iter().enumerate() {
+            if let Some(d) = f {
+                values[i] = d;
+                nulls[i] = false;
+            }
+        }
+        let tuple = pg_sys::heap_form_tuple(tupdesc, values.as_mut_ptr(), nulls.as_mut_ptr());
+        pg_sys::HeapTupleHeaderGetDatum((*tuple).t_data)
+    }
+}
+
+v1!(pg_finfo_idempotency_check_args);
+/// `idempotency._check_args(key, scope, ttl)`: the argument rules the SQL-language functions
+/// share with `claim`, kept in one place (`keys.rs`).
+#[pg_guard]
+#[unsafe(no_mangle)]
+pub extern "C-unwind" fn idempotency_check_args(fcinfo: pg_sys::FunctionCallInfo) -> pg_sys::Datum {
+    unsafe {
+        let key: Option<String> = pg_getarg(fcinfo, 0);
+        let scope: Option<String> = pg_getarg(fcinfo, 1);
+        check(keys::check_key("key", key.as_deref(), false));
+        check(keys::check_key("scope", scope.as_deref(), true));
+        if let Some(ttl) = pg_getarg::<Interval>(fcinfo, 2) {
+            let (m, d, us) = interval_parts(&ttl);
+            check(keys::check_duration("ttl", m, d, us));
+        }
+        pgrx::fcinfo::pg_return_void()
+    }
+}
+
+v1!(pg_finfo_idempotency_canonical_json);
+/// `idempotency.canonical_json(doc jsonb, numbers text DEFAULT 'exact') RETURNS text`
+#[pg_guard]
+#[unsafe(no_mangle)]
+pub extern "C-unwind" fn idempotency_canonical_json(
+    fcinfo: pg_sys::FunctionCallInfo,
+) -> pg_sys::Datum {
+    unsafe {
+        let mode: Option<String> = pg_getarg(fcinfo, 1);
+        let mode = match mode.as_deref() {
+            None => arg_error(ArgError::null("numbers")),
+            Some(m) => NumberMode::parse(m).unwrap_or_else(|| {
+                raise(
+                    PgSqlErrorCode::ERRCODE_INVALID_PARAMETER_VALUE,
+                    format!("numbers must be 'exact' or 'rfc8785' (got {m:?})"),
+                    None,
+                )
+            }),
+        };
+        let Some(doc) = value_arg(fcinfo, 0, "doc") else {
+            return pg_return_null(fcinfo);
+        };
+        let text = canonical::canonicalize(&doc, mode).unwrap_or_else(|e| canon_error("doc", e));
+        text_datum(&text)
+    }
+}
+
+v1!(pg_finfo_idempotency_canonical_hash);
+/// `idempotency.canonical_hash(doc jsonb, exclude text[] DEFAULT '{}') RETURNS bytea`
+#[pg_guard]
+#[unsafe(no_mangle)]
+pub extern "C-unwind" fn idempotency_canonical_hash(
+    fcinfo: pg_sys::FunctionCallInfo,
+) -> pg_sys::Datum {
+    unsafe {
+        let exclude: Option<Vec<Option<String>>> = pg_getarg(fcinfo, 1);
+        let Some(exclude) = exclude else {
+            arg_error(ArgError::null("exclude"));
+        };
+        let Some(mut doc) = value_arg(fcinfo, 0, "doc") else {
+            return pg_return_null(fcinfo);
+        };
+        for entry in &exclude {
+            let Some(entry) = entry else {
+                arg_error(ArgError::null("exclude element"));
+            };
+            canonical::exclude(&mut doc, entry).unwrap_or_else(|e| canon_error("exclude", e));
+        }
+        let mut text = String::new();
+        canonical::write_canonical(&doc, NumberMode::Exact, &mut text)
+            .unwrap_or_else(|e| canon_error("doc", e));
+        bytea_datum(&Sha256::digest(text.as_bytes()))
+    }
+}
+
+v1!(pg_finfo_idempotency_derive_key);
+/// `idempotency.derive_key(parent text, step text, params jsonb DEFAULT NULL) RETURNS text`
+#[pg_guard]
+#[unsafe(no_mangle)]
+pub extern "C-unwind" fn idempotency_derive_key(fcinfo: pg_sys::FunctionCallInfo) -> pg_sys::Datum {
+    unsafe {
+        let parent: Option<String> = pg_getarg(fcinfo, 0);
+        let step: Option<String> = pg_getarg(fcinfo, 1);
+        let params = value_arg(fcinfo, 2, "params");
+        let key = check(keys::derive_key(
+            parent.as_deref(),
+            step.as_deref(),
+            params.as_ref(),
+        ));
+        text_datum(&key)
+    }
+}
+
+v1!(pg_finfo_idempotency_cron_key);
+/// `idempotency.cron_key(job text, scheduled_at timestamptz, slot interval) RETURNS text`
+#[pg_guard]
+#[unsafe(no_mangle)]
+pub extern "C-unwind" fn idempotency_cron_key(fcinfo: pg_sys::FunctionCallInfo) -> pg_sys::Datum {
+    unsafe {
+        let job: Option<String> = pg_getarg(fcinfo, 0);
+        let at: Option<TimestampWithTimeZone> = pg_getarg(fcinfo, 1);
+        let slot: Option<Interval> = pg_getarg(fcinfo, 2);
+        let at = at.map(|t| pg_sys::TimestampTz::from(t));
+        let key = check(keys::cron_key(
+            job.as_deref(),
+            at,
+            slot.as_ref().map(interval_parts),
+        ));
+        text_datum(&key)
+    }
+}
+
+v1!(pg_finfo_idempotency_request_fingerprint);
+/// `idempotency.request_fingerprint(method, path, query jsonb, body jsonb) RETURNS bytea`
+#[pg_guard]
+#[unsafe(no_mangle)]
+pub extern "C-unwind" fn idempotency_request_fingerprint(
+    fcinfo: pg_sys::FunctionCallInfo,
+) -> pg_sys::Datum {
+    unsafe {
+        let method: Option<String> = pg_getarg(fcinfo, 0);
+        let path: Option<String> = pg_getarg(fcinfo, 1);
+        let query = value_arg(fcinfo, 2, "query");
+        if let Some(q) = &query {
+            if !matches!(q, Value::Object(_)) {
+                raise(
+                    PgSqlErrorCode::ERRCODE_INVALID_PARAMETER_VALUE,
+                    "query must be a JSON object of parameter names to values".into(),
+                    None,
+                );
+            }
+        }
+        let body = value_arg(fcinfo, 3, "body");
+        let doc = check(keys::fingerprint_document(
+            method.as_deref(),
+            path.as_deref(),
+            query,
+            body,
+        ));
+        let digest = keys::hash_value(&doc).unwrap_or_else(|e| canon_error("body", e));
+        bytea_datum(&digest)
+    }
+}
+
+v1!(pg_finfo_idempotency_sweep);
+/// `idempotency.sweep(batch_size int DEFAULT NULL) RETURNS bigint`: deletes expired rows in
+/// batches until a batch comes back short, skipping rows that other transactions hold.
+#[pg_guard]
+#[unsafe(no_mangle)]
+pub extern "C-unwind" fn idempotency_sweep(fcinfo: pg_sys::FunctionCallInfo) -> pg_sys::Datum {
+    unsafe {
+        let batch = pg_getarg::<i32>(fcinfo, 0).unwrap_or_else(|| guc::SWEEP_BATCH_SIZE.get());
+        if batch < 1 {
+            raise(
+                PgSqlErrorCode::ERRCODE_INVALID_PARAMETER_VALUE,
+                format!("batch_size must be positive (got {batch})"),
+                None,
+            );
+        }
+        let mut total = 0i64;
+        loop {
+            let n = store::sweep_batch(batch as i64);
+            total += n;
+            if n < batch as i64 {
+                break;
+            }
+            pgrx::check_for_interrupts!();
+        }
+        pg_sys::Datum::from(total)
+    }
+}

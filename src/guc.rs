@@ -1,0 +1,71 @@
+//! The extension's settings (`idempotency.*`).
+
+use pgrx::{GucContext, GucFlags, GucRegistry, GucSetting};
+
+/// TTL in seconds when a call passes NULL.
+pub static DEFAULT_TTL: GucSetting<i32> = GucSetting::<i32>::new(24 * 3600);
+/// In-progress lease in seconds when a call passes NULL.
+pub static DEFAULT_LEASE: GucSetting<i32> = GucSetting::<i32>::new(5 * 60);
+/// Milliseconds a claim may wait on another open transaction's claim of the same key.
+pub static CLAIM_WAIT: GucSetting<i32> = GucSetting::<i32>::new(0);
+/// Seconds between sweeps when nothing is left to delete.
+pub static SWEEP_INTERVAL: GucSetting<i32> = GucSetting::<i32>::new(60);
+/// Rows deleted per sweep batch.
+pub static SWEEP_BATCH_SIZE: GucSetting<i32> = GucSetting::<i32>::new(10_000);
+
+/// Longest TTL or lease a setting accepts: ten years in seconds.
+const MAX_SECONDS: i32 = 10 * 366 * 86_400;
+
+pub fn init() {
+    GucRegistry::define_int_guc(
+        c"idempotency.default_ttl",
+        c"How long a key is kept when claim or complete passes ttl => NULL.",
+        c"Must cover the caller's whole retry window.",
+        &DEFAULT_TTL,
+        1,
+        MAX_SECONDS,
+        GucContext::Userset,
+        GucFlags::UNIT_S,
+    );
+    GucRegistry::define_int_guc(
+        c"idempotency.default_lease",
+        c"How long an in-progress claim is protected when claim passes lease => NULL.",
+        c"After the lease runs out another claim may take the key over with a larger token.",
+        &DEFAULT_LEASE,
+        1,
+        MAX_SECONDS,
+        GucContext::Userset,
+        GucFlags::UNIT_S,
+    );
+    GucRegistry::define_int_guc(
+        c"idempotency.claim_wait",
+        c"How long claim may wait on another open transaction's claim of the same key.",
+        c"0 answers in_progress at once.",
+        &CLAIM_WAIT,
+        0,
+        3_600_000,
+        GucContext::Userset,
+        GucFlags::UNIT_MS,
+    );
+    GucRegistry::define_int_guc(
+        c"idempotency.sweep_interval",
+        c"Pause between sweeps of expired keys when nothing is left to delete.",
+        c"",
+        &SWEEP_INTERVAL,
+        1,
+        86_400,
+        GucContext::Sighup,
+        GucFlags::UNIT_S,
+    );
+    GucRegistry::define_int_guc(
+        c"idempotency.sweep_batch_size",
+        c"Expired keys deleted per sweep batch (one short transaction each in the worker).",
+        c"",
+        &SWEEP_BATCH_SIZE,
+        1,
+        1_000_000,
+        GucContext::Sighup,
+        GucFlags::default(),
+    );
+    unsafe { pgrx::pg_sys::MarkGUCPrefixReserved(c"idempotency".as_ptr()) };
+}

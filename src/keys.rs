@@ -1,0 +1,418 @@
+//! Argument rules and key derivation: pure Rust, no pgrx.
+//!
+//! Every rule here is enforced before anything is written, and every violation names the
+//! argument and the rule, so the SQL layer only has to turn an [`ArgError`] into an ERROR.
+
+use crate::canonical::{self, NumberMode, Value};
+use sha2::{Digest, Sha256};
+
+/// Longest accepted key and scope, in characters.
+pub const MAX_KEY_CHARS: usize = 255;
+/// Longest accepted TTL: keys are never stored forever.
+pub const MAX_TTL_MICROS: i128 = 10 * 366 * 86_400 * 1_000_000;
+/// Characters of the params hash that `derive_key` appends.
+pub const DERIVED_HASH_HEX: usize = 16;
+
+/// Which SQLSTATE an argument error maps to.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ArgErrorKind {
+    /// 22004 null_value_not_allowed
+    Null,
+    /// 22023 invalid_parameter_value
+    Invalid,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ArgError {
+    pub kind: ArgErrorKind,
+    pub message: String,
+}
+
+impl ArgError {
+    pub fn null(arg: &str) -> ArgError {
+        ArgError {
+            kind: ArgErrorKind::Null,
+            message: format!("{arg} must not be NULL"),
+        }
+    }
+    pub fn invalid(message: String) -> ArgError {
+        ArgError {
+            kind: ArgErrorKind::Invalid,
+            message,
+        }
+    }
+}
+
+/// Checks a key or scope argument: not NULL, at most 255 characters, and (for keys) not empty.
+pub fn check_key<'a>(
+    arg: &str,
+    value: Option<&'a str>,
+    allow_empty: bool,
+) -> Result<&'a str, ArgError> {
+    let v = value.ok_or_else(|| ArgError::null(arg))?;
+    if !allow_empty && v.is_empty() {
+        return Err(ArgError::invalid(format!("{arg} must not be empty")));
+    }
+    if v.len() > MAX_KEY_CHARS && v.chars().count() > MAX_KEY_CHARS {
+        return Err(ArgError::invalid(format!(
+            "{arg} must be at most {MAX_KEY_CHARS} characters (got {})",
+            v.chars().count()
+        )));
+    }
+    Ok(v)
+}
+
+/// An interval as PostgreSQL orders it: a month is 30 days, a day 24 hours.
+pub fn interval_micros(months: i32, days: i32, micros: i64) -> i128 {
+    (months as i128 * 30 + days as i128) * 86_400_000_000 + micros as i128
+}
+
+/// Checks a TTL or lease: strictly positive and at most ten years.
+pub fn check_duration(arg: &str, months: i32, days: i32, micros: i64) -> Result<i128, ArgError> {
+    let total = interval_micros(months, days, micros);
+    if total <= 0 {
+        return Err(ArgError::invalid(format!(
+            "{arg} must be a positive interval"
+        )));
+    }
+    if total > MAX_TTL_MICROS {
+        return Err(ArgError::invalid(format!("{arg} must be at most 10 years")));
+    }
+    Ok(total)
+}
+
+/// Checks that a lease fits inside the TTL (a lease outliving its key would be meaningless).
+pub fn check_lease_within_ttl(lease: i128, ttl: i128) -> Result<(), ArgError> {
+    if lease > ttl {
+        return Err(ArgError::invalid(
+            "lease must not be longer than ttl".to_string(),
+        ));
+    }
+    Ok(())
+}
+
+/// Checks an HTTP-like response status.
+pub fn check_status(status: Option<i32>) -> Result<i32, ArgError> {
+    let s = status.ok_or_else(|| ArgError::null("response_status"))?;
+    if !(100..=599).contains(&s) {
+        return Err(ArgError::invalid(format!(
+            "response_status must be between 100 and 599 (got {s})"
+        )));
+    }
+    Ok(s)
+}
+
+pub fn hex(bytes: &[u8]) -> String {
+    bytes.iter().map(|b| format!("{b:02x}")).collect()
+}
+
+/// SHA-256 of the exact canonical form.
+pub fn hash_value(value: &Value) -> Result<[u8; 32], canonical::CanonError> {
+    let mut text = String::new();
+    canonical::write_canonical(value, NumberMode::Exact, &mut text)?;
+    Ok(Sha256::digest(text.as_bytes()).into())
+}
+
+/// `parent:step`, or `parent:step:<16 hex of the params hash>`.
+pub fn derive_key(
+    parent: Option<&str>,
+    step: Option<&str>,
+    params: Option<&Value>,
+) -> Result<String, ArgError> {
+    let parent = check_key("parent", parent, false)?;
+    let step = step.ok_or_else(|| ArgError::null("step"))?;
+    if step.is_empty() {
+        return Err(ArgError::invalid("step must not be empty".to_string()));
+    }
+    if step.contains(':') {
+        return Err(ArgError::invalid(
+            "step must not contain ':' (it separates the parts of a derived key)".to_string(),
+        ));
+    }
+    let mut key = format!("{parent}:{step}");
+    if let Some(params) = params {
+        let digest = hash_value(params).map_err(|e| ArgError::invalid(format!("params: {e}")))?;
+        key.push(':');
+        key.push_str(&hex(&digest)[..DERIVED_HASH_HEX]);
+    }
+    if key.chars().count() > MAX_KEY_CHARS {
+        return Err(ArgError::invalid(format!(
+            "derived key would be longer than {MAX_KEY_CHARS} characters: shorten parent or step"
+        )));
+    }
+    Ok(key)
+}
+
+/// Microseconds between 1970-01-01 and PostgreSQL's epoch 2000-01-01.
+const PG_EPOCH_UNIX_MICROS: i64 = 946_684_800_000_000;
+
+/// Civil date of a day count since 1970-01-01 (proleptic Gregorian).
+fn civil_from_days(z: i64) -> (i64, u32, u32) {
+    let z = z + 719_468;
+    let era = z.div_euclid(146_097);
+    let doe = z.rem_euclid(146_097);
+    let yoe = (doe - doe / 1460 + doe / 36_524 - doe / 146_096) / 365;
+    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
+    let mp = (5 * doy + 2) / 153;
+    let d = (doy - (153 * mp + 2) / 5 + 1) as u32;
+    let m = if mp < 10 { mp + 3 } else { mp - 9 } as u32;
+    (yoe + era * 400 + i64::from(m <= 2), m, d)
+}
+
+fn days_from_civil(y: i64, m: u32, d: u32) -> i64 {
+    let y = if m <= 2 { y - 1 } else { y };
+    let era = y.div_euclid(400);
+    let yoe = y.rem_euclid(400);
+    let mp = (m as i64 + 9) % 12;
+    let doy = (153 * mp + 2) / 5 + d as i64 - 1;
+    let doe = yoe * 365 + yoe / 4 - yoe / 100 + doy;
+    era * 146_097 + doe - 719_468
+}
+
+fn format_utc(unix_micros: i64) -> String {
+    let days = unix_micros.div_euclid(86_400_000_000);
+    let in_day = unix_micros.rem_euclid(86_400_000_000);
+    let (y, m, d) = civil_from_days(days);
+    let secs = in_day / 1_000_000;
+    let frac = in_day % 1_000_000;
+    let mut s = format!(
+        "{y:04}-{m:02}-{d:02}T{:02}:{:02}:{:02}",
+        secs / 3600,
+        secs / 60 % 60,
+        secs % 60
+    );
+    if frac != 0 {
+        s.push_str(&format!(".{frac:06}").trim_end_matches('0').to_string());
+    }
+    s.push('Z');
+    s
+}
+
+fn iso_duration(months: i32, micros: i128) -> String {
+    if months != 0 {
+        return format!("P{months}M");
+    }
+    let day = 86_400_000_000i128;
+    if micros % day == 0 {
+        return format!("P{}D", micros / day);
+    }
+    let secs = micros / 1_000_000;
+    let frac = micros % 1_000_000;
+    if frac == 0 {
+        format!("PT{secs}S")
+    } else {
+        format!("PT{secs}.{}S", format!("{frac:06}").trim_end_matches('0'))
+    }
+}
+
+/// `job:<slot start, UTC>/<slot length>`: the same for every scheduler firing in one slot.
+///
+/// `scheduled_at` is microseconds since 2000-01-01 UTC (PostgreSQL's timestamptz). A slot is
+/// either whole months (floored to calendar months since 1970-01) or a fixed length without
+/// months (floored on the Unix epoch).
+pub fn cron_key(
+    job: Option<&str>,
+    scheduled_at: Option<i64>,
+    slot: Option<(i32, i32, i64)>,
+) -> Result<String, ArgError> {
+    let job = check_key("job", job, false)?;
+    let at = scheduled_at.ok_or_else(|| ArgError::null("scheduled_at"))?;
+    let (months, days, micros) = slot.ok_or_else(|| ArgError::null("slot"))?;
+    if at == i64::MAX || at == i64::MIN {
+        return Err(ArgError::invalid("scheduled_at must be finite".to_string()));
+    }
+    let unix = at
+        .checked_add(PG_EPOCH_UNIX_MICROS)
+        .ok_or_else(|| ArgError::invalid("scheduled_at is out of range".to_string()))?;
+    let (start, length) = if months != 0 {
+        if days != 0 || micros != 0 || months < 0 {
+            return Err(ArgError::invalid(
+                "slot must be whole months, or a positive length without months".to_string(),
+            ));
+        }
+        let days_since = unix.div_euclid(86_400_000_000);
+        let (y, m, _) = civil_from_days(days_since);
+        let index = (y - 1970) * 12 + (m as i64 - 1);
+        let floored = index - index.rem_euclid(months as i64);
+        let (fy, fm) = (
+            1970 + floored.div_euclid(12),
+            floored.rem_euclid(12) as u32 + 1,
+        );
+        (
+            days_from_civil(fy, fm, 1) * 86_400_000_000,
+            iso_duration(months, 0),
+        )
+    } else {
+        let len = interval_micros(0, days, micros);
+        if len <= 0 {
+            return Err(ArgError::invalid(
+                "slot must be a positive interval".to_string(),
+            ));
+        }
+        let len64 =
+            i64::try_from(len).map_err(|_| ArgError::invalid("slot is too long".to_string()))?;
+        (unix - unix.rem_euclid(len64), iso_duration(0, len))
+    };
+    let key = format!("{job}:{}/{length}", format_utc(start));
+    if key.chars().count() > MAX_KEY_CHARS {
+        return Err(ArgError::invalid(format!(
+            "cron key would be longer than {MAX_KEY_CHARS} characters: shorten job"
+        )));
+    }
+    Ok(key)
+}
+
+/// The document `request_fingerprint` hashes: `{"body":…,"method":…,"path":…,"query":…}`.
+pub fn fingerprint_document(
+    method: Option<&str>,
+    path: Option<&str>,
+    query: Option<Value>,
+    body: Option<Value>,
+) -> Result<Value, ArgError> {
+    let method = method.ok_or_else(|| ArgError::null("method"))?;
+    if method.is_empty()
+        || !method
+            .bytes()
+            .all(|b| b.is_ascii_alphanumeric() || b"!#$%&'*+-.^_`|~".contains(&b))
+    {
+        return Err(ArgError::invalid(
+            "method must be a non-empty HTTP token such as POST".to_string(),
+        ));
+    }
+    let path = path.ok_or_else(|| ArgError::null("path"))?;
+    Ok(Value::Object(vec![
+        (
+            "method".to_string(),
+            Value::String(method.to_ascii_uppercase()),
+        ),
+        ("path".to_string(), Value::String(path.to_string())),
+        (
+            "query".to_string(),
+            query.unwrap_or(Value::Object(Vec::new())),
+        ),
+        ("body".to_string(), body.unwrap_or(Value::Null)),
+    ]))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::canonical::parse_json;
+
+    #[test]
+    fn key_rules() {
+        assert_eq!(check_key("key", Some("a"), false), Ok("a"));
+        assert_eq!(
+            check_key("key", None, false).unwrap_err().kind,
+            ArgErrorKind::Null
+        );
+        assert!(check_key("key", Some(""), false)
+            .unwrap_err()
+            .message
+            .contains("key must not be empty"));
+        assert_eq!(check_key("scope", Some(""), true), Ok(""));
+        let max = "é".repeat(255);
+        assert!(check_key("key", Some(&max), false).is_ok());
+        let long = "x".repeat(256);
+        assert!(check_key("key", Some(&long), false)
+            .unwrap_err()
+            .message
+            .contains("at most 255"));
+    }
+
+    #[test]
+    fn duration_rules() {
+        assert!(check_duration("ttl", 0, 0, 1).is_ok());
+        assert!(check_duration("ttl", 0, 0, 0)
+            .unwrap_err()
+            .message
+            .contains("ttl must be a positive"));
+        assert!(check_duration("lease", 0, 1, -86_400_000_001).is_err());
+        assert!(check_duration("ttl", 12 * 11, 0, 0)
+            .unwrap_err()
+            .message
+            .contains("10 years"));
+        assert!(check_lease_within_ttl(2, 1).is_err());
+        assert!(check_lease_within_ttl(1, 1).is_ok());
+    }
+
+    #[test]
+    fn status_rules() {
+        assert_eq!(check_status(Some(200)), Ok(200));
+        assert!(check_status(Some(99)).is_err());
+        assert!(check_status(Some(600)).is_err());
+        assert_eq!(check_status(None).unwrap_err().kind, ArgErrorKind::Null);
+    }
+
+    #[test]
+    fn derived_keys_are_stable_and_unambiguous() {
+        let p = parse_json(r#"{"b":1.0,"a":[1]}"#).unwrap();
+        let q = parse_json(r#"{"a":[1],"b":1}"#).unwrap();
+        let k1 = derive_key(Some("order-1"), Some("charge"), Some(&p)).unwrap();
+        let k2 = derive_key(Some("order-1"), Some("charge"), Some(&q)).unwrap();
+        assert_eq!(k1, k2);
+        assert!(k1.starts_with("order-1:charge:"));
+        assert_eq!(k1.len(), "order-1:charge:".len() + DERIVED_HASH_HEX);
+        assert_eq!(derive_key(Some("a"), Some("b"), None).unwrap(), "a:b");
+        assert!(derive_key(Some("a"), Some("b:c"), None).is_err());
+        assert!(derive_key(Some(&"x".repeat(250)), Some("charge"), None).is_err());
+        assert!(derive_key(None, Some("b"), None).is_err());
+    }
+
+    #[test]
+    fn cron_keys_floor_to_the_slot() {
+        // 2026-11-30 01:59:30 UTC in PostgreSQL microseconds.
+        let unix = (days_from_civil(2026, 11, 30) * 86_400 + 3600 + 59 * 60 + 30) * 1_000_000;
+        let pg = unix - PG_EPOCH_UNIX_MICROS;
+        let hour = cron_key(Some("report"), Some(pg), Some((0, 0, 3_600_000_000))).unwrap();
+        assert_eq!(hour, "report:2026-11-30T01:00:00Z/PT3600S");
+        let later = cron_key(
+            Some("report"),
+            Some(pg + 29 * 1_000_000),
+            Some((0, 0, 3_600_000_000)),
+        )
+        .unwrap();
+        assert_eq!(hour, later);
+        let day = cron_key(Some("report"), Some(pg), Some((0, 1, 0))).unwrap();
+        assert_eq!(day, "report:2026-11-30T00:00:00Z/P1D");
+        let quarter = cron_key(Some("billing"), Some(pg), Some((3, 0, 0))).unwrap();
+        assert_eq!(quarter, "billing:2026-10-01T00:00:00Z/P3M");
+        let before_epoch = cron_key(
+            Some("j"),
+            Some(-PG_EPOCH_UNIX_MICROS - 1),
+            Some((0, 0, 1_000_000)),
+        )
+        .unwrap();
+        assert_eq!(before_epoch, "j:1969-12-31T23:59:59Z/PT1S");
+        assert!(cron_key(Some("j"), Some(pg), Some((0, 0, 0))).is_err());
+        assert!(cron_key(Some("j"), Some(pg), Some((1, 1, 0))).is_err());
+        assert!(cron_key(Some("j"), Some(i64::MAX), Some((0, 0, 1))).is_err());
+        for days in [-1_000_000i64, -1, 0, 1, 59, 60, 365, 10_000, 2_000_000] {
+            let (y, m, d) = civil_from_days(days);
+            assert_eq!(days_from_civil(y, m, d), days);
+        }
+    }
+
+    #[test]
+    fn fingerprint_ignores_query_order_and_method_case() {
+        let a = fingerprint_document(
+            Some("post"),
+            Some("/orders"),
+            Some(parse_json(r#"{"a":"1","b":"2"}"#).unwrap()),
+            None,
+        )
+        .unwrap();
+        let b = fingerprint_document(
+            Some("POST"),
+            Some("/orders"),
+            Some(parse_json(r#"{"b":"2","a":"1"}"#).unwrap()),
+            None,
+        )
+        .unwrap();
+        assert_eq!(hash_value(&a).unwrap(), hash_value(&b).unwrap());
+        let c = fingerprint_document(Some("POST"), Some("/orders/"), None, None).unwrap();
+        assert_ne!(hash_value(&a).unwrap(), hash_value(&c).unwrap());
+        assert!(fingerprint_document(Some("PO ST"), Some("/"), None, None).is_err());
+        assert!(fingerprint_document(Some("POST"), None, None, None).is_err());
+    }
+}

@@ -1,0 +1,47 @@
+//! `idempotency`: retry-safe state-changing operations inside PostgreSQL.
+//!
+//! Module map:
+//! - `canonical`, `keys`, `state`: pure logic (RFC 8785, argument rules, key derivation, the
+//!   claim state machine), tested with plain `cargo test`;
+//! - `jsonb`: reads a jsonb datum into the canonical tree;
+//! - `store`: the SQL the extension runs against its table (claim, sweep);
+//! - `api`: the SQL-callable functions, declared in `sql/idempotency.sql`;
+//! - `guc`, `error`: settings and error reporting.
+
+pub mod api;
+pub mod canonical;
+pub mod error;
+pub mod guc;
+pub mod jsonb;
+pub mod keys;
+pub mod state;
+pub mod store;
+
+#[cfg(any(test, feature = "pg_test"))]
+mod tests;
+
+use pgrx::prelude::*;
+
+pgrx::pg_module_magic!();
+
+pgrx::extension_sql_file!(
+    "../sql/idempotency.sql",
+    name = "idempotency_schema",
+    bootstrap
+);
+
+#[pg_guard]
+pub extern "C-unwind" fn _PG_init() {
+    guc::init();
+}
+
+/// Hooks for `cargo pgrx test`.
+#[cfg(test)]
+pub mod pg_test {
+    pub fn setup(_options: Vec<&str>) {}
+
+    #[must_use]
+    pub fn postgresql_conf_options() -> Vec<&'static str> {
+        vec![]
+    }
+}
