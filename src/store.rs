@@ -154,11 +154,17 @@ struct Row {
 }
 
 fn read_row(
-    client: &SpiClient<'_>,
-    sql: &str,
+    client: &mut SpiClient<'_>,
+    lock: bool,
     req: &ClaimRequest<'_>,
 ) -> Result<Option<Row>, pgrx::spi::Error> {
-    let table = client.select(sql, Some(1), &[req.scope.into(), req.key.into()])?;
+    let args = [req.scope.into(), req.key.into()];
+    let table = if lock {
+        // Row locks need a read-write SPI call.
+        client.update(&select_sql(true), Some(1), &args)?
+    } else {
+        client.select(&select_sql(false), Some(1), &args)?
+    };
     if table.is_empty() {
         return Ok(None);
     }
@@ -332,10 +338,11 @@ pub fn claim(req: &ClaimRequest<'_>) -> ClaimResult {
     let wait = Duration::from_millis(guc::CLAIM_WAIT.get().max(0) as u64);
     let started = Instant::now();
     let given = req.hash.as_ref().map(|h| &h[..]);
-    for _ in 0..MAX_ROUNDS {
+    let mut rounds = 0;
+    while rounds < MAX_ROUNDS {
         let step =
             Spi::connect_mut(|client| -> Result<Step, pgrx::spi::Error> {
-                let row = read_row(client, &select_sql(false), req)?;
+                let row = read_row(client, false, req)?;
                 let Some(row) = row else {
                     return match probe(req.scope, req.key) {
                         Probe::Busy { locked_until } => Ok(Step::Busy(locked_until)),
@@ -356,7 +363,7 @@ pub fn claim(req: &ClaimRequest<'_>) -> ClaimResult {
                     Decision::InProgress => Ok(Step::Done(in_progress(row))),
                     Decision::Restart | Decision::TakeOver => {
                         // Lock the newest version without waiting, then decide again on it.
-                        let Some(locked) = read_row(client, &select_sql(true), req)? else {
+                        let Some(locked) = read_row(client, true, req)? else {
                             return Ok(match probe(req.scope, req.key) {
                                 Probe::Busy { locked_until } => Step::Busy(locked_until),
                                 _ => Step::Again,
@@ -385,7 +392,8 @@ pub fn claim(req: &ClaimRequest<'_>) -> ClaimResult {
                 }
                 sleep_a_little();
             }
-            Ok(Step::Again) => {}
+            // Only rounds where the row changed under us count; waiting does not.
+            Ok(Step::Again) => rounds += 1,
             Err(e) => raise(
                 PgSqlErrorCode::ERRCODE_INTERNAL_ERROR,
                 format!("idempotency.claim: {e}"),

@@ -84,7 +84,9 @@ mod tests {
             text("SELECT status::text || ' ' || (locked_until = now() + interval '5 minutes')::text || ' ' || (expires_at = now() + interval '24 hours')::text FROM idempotency.idempotency_keys WHERE key = 'order-1'"),
             "in_progress true true"
         );
-        let exp = text("SELECT idempotency.complete('order-1', '{\"id\": 7, \"price\": 1.50}', 201)::text");
+        let exp = text(
+            "SELECT idempotency.complete('order-1', '{\"id\": 7, \"price\": 1.50}', 201)::text",
+        );
         assert_eq!(exp, text("SELECT (now() + interval '24 hours')::text"));
         // Same request spelt differently: replay of the stored response, untouched.
         let (o2, token2, resp2, status2, _) = claim_row("'order-1', '{\"amount\": 100.0}'");
@@ -115,7 +117,10 @@ mod tests {
     #[pg_test]
     fn null_request_skips_the_comparison() {
         assert_eq!(claim("'k'").0, "new");
-        assert_eq!(text("SELECT coalesce(request_hash::text, 'none') FROM idempotency.idempotency_keys"), "none");
+        assert_eq!(
+            text("SELECT coalesce(request_hash::text, 'none') FROM idempotency.idempotency_keys"),
+            "none"
+        );
         Spi::run("SELECT idempotency.complete('k', '{\"ok\": true}')").unwrap();
         // A row stored without a hash matches any request...
         assert_eq!(claim("'k', '{\"x\": 1}'").0, "replay");
@@ -135,14 +140,21 @@ mod tests {
         // A lease of under a second still asks for at least one second.
         assert_eq!(claim("'short', lease => '10 milliseconds'").0, "new");
         Spi::run("UPDATE idempotency.idempotency_keys SET locked_until = now() + interval '1 millisecond' WHERE key = 'short'").unwrap();
-        assert_eq!(text("SELECT retry_after::text FROM idempotency.claim('short')"), "00:00:01");
+        assert_eq!(
+            text("SELECT retry_after::text FROM idempotency.claim('short')"),
+            "00:00:01"
+        );
     }
 
     #[pg_test]
     fn lease_takeover_has_a_larger_token_and_returns_the_recovery_point() {
         let (o, t1, _, _, _) = claim_row("'wf', '{\"step\": 1}', lease => '1 minute'");
         assert_eq!(o, "new");
-        Spi::run(&format!("SELECT idempotency.checkpoint('wf', 'charged', token => {})", t1.unwrap())).unwrap();
+        Spi::run(&format!(
+            "SELECT idempotency.checkpoint('wf', 'charged', token => {})",
+            t1.unwrap()
+        ))
+        .unwrap();
         expire_lease("wf");
         let (o2, t2, _, _, rp) = claim_row("'wf', '{\"step\": 1}', lease => '2 minutes'");
         assert_eq!(o2, "new");
@@ -154,9 +166,20 @@ mod tests {
         );
         // The fenced-off worker can no longer complete, checkpoint or release.
         let stale = t1.unwrap();
-        assert!(try_sql(&format!("SELECT idempotency.complete('wf', '{{}}', token => {stale})")).starts_with("IK003"));
-        assert!(try_sql(&format!("SELECT idempotency.checkpoint('wf', 'x', token => {stale})")).starts_with("IK003"));
-        assert_eq!(text(&format!("SELECT idempotency.release('wf', token => {stale})::text")), "false");
+        assert!(try_sql(&format!(
+            "SELECT idempotency.complete('wf', '{{}}', token => {stale})"
+        ))
+        .starts_with("IK003"));
+        assert!(try_sql(&format!(
+            "SELECT idempotency.checkpoint('wf', 'x', token => {stale})"
+        ))
+        .starts_with("IK003"));
+        assert_eq!(
+            text(&format!(
+                "SELECT idempotency.release('wf', token => {stale})::text"
+            )),
+            "false"
+        );
         assert_eq!(rows(), 1);
         // The new holder can.
         assert_eq!(
@@ -178,10 +201,16 @@ mod tests {
         Spi::run("SELECT idempotency.complete('k', '{\"v\": 1}')").unwrap();
         assert_eq!(text("SELECT (expires_at = now() + interval '1 hour')::text FROM idempotency.idempotency_keys"), "true");
         expire_row("k");
-        assert_eq!(text("SELECT coalesce(idempotency.lookup('k')::text, 'NULL')"), "NULL");
+        assert_eq!(
+            text("SELECT coalesce(idempotency.lookup('k')::text, 'NULL')"),
+            "NULL"
+        );
         // A different request is not a mismatch: the old key is gone.
         let (o, t2, resp, _, rp) = claim_row("'k', '{\"a\": 2}'");
-        assert_eq!((o.as_str(), resp.as_str(), rp.as_str()), ("new", "<NULL>", "<NULL>"));
+        assert_eq!(
+            (o.as_str(), resp.as_str(), rp.as_str()),
+            ("new", "<NULL>", "<NULL>")
+        );
         assert!(t2.unwrap() > t1.unwrap());
         assert_eq!(rows(), 1);
         // An expired in-progress claim can be neither completed nor checkpointed.
@@ -199,12 +228,18 @@ mod tests {
         claim("'k'");
         Spi::run("SELECT idempotency.complete('k', '{}')").unwrap();
         let e = try_sql("SELECT idempotency.complete('k', '{}')");
-        assert!(e.starts_with("IK002") && e.contains("already completed"), "{e}");
+        assert!(
+            e.starts_with("IK002") && e.contains("already completed"),
+            "{e}"
+        );
         assert!(try_sql("SELECT idempotency.checkpoint('k', 'x')").starts_with("IK002"));
         claim("'j'");
         let e = try_sql("SELECT idempotency.complete('j', '{}', token => -5)");
         assert!(e.starts_with("IK003") && e.contains("stale"), "{e}");
-        assert_eq!(text("SELECT status::text FROM idempotency.idempotency_keys WHERE key = 'j'"), "in_progress");
+        assert_eq!(
+            text("SELECT status::text FROM idempotency.idempotency_keys WHERE key = 'j'"),
+            "in_progress"
+        );
     }
 
     #[pg_test]
@@ -219,16 +254,31 @@ mod tests {
             text("SELECT (idempotency.complete('b', '{}', ttl => '7 days') = now() + interval '7 days')::text"),
             "true"
         );
-        assert_eq!(text("SELECT (response IS NULL)::text FROM idempotency.claim('c')"), "true");
+        assert_eq!(
+            text("SELECT (response IS NULL)::text FROM idempotency.claim('c')"),
+            "true"
+        );
         Spi::run("SELECT idempotency.complete('c', NULL, 204)").unwrap();
-        assert_eq!(text("SELECT outcome::text || ' ' || response_status FROM idempotency.claim('c')"), "replay 204");
+        assert_eq!(
+            text("SELECT outcome::text || ' ' || response_status FROM idempotency.claim('c')"),
+            "replay 204"
+        );
     }
 
     #[pg_test]
     fn release_frees_an_in_progress_key_but_never_a_completed_one() {
         let (_, t1, _, _, _) = claim_row("'k'");
-        assert_eq!(text("SELECT idempotency.release('k', token => 0)::text"), "false");
-        assert_eq!(text(&format!("SELECT idempotency.release('k', token => {})::text", t1.unwrap())), "true");
+        assert_eq!(
+            text("SELECT idempotency.release('k', token => 0)::text"),
+            "false"
+        );
+        assert_eq!(
+            text(&format!(
+                "SELECT idempotency.release('k', token => {})::text",
+                t1.unwrap()
+            )),
+            "true"
+        );
         assert_eq!(rows(), 0);
         let (o, t2, _, _, _) = claim_row("'k'");
         assert_eq!(o, "new");
@@ -258,8 +308,14 @@ mod tests {
             text("SELECT (l).status::text || ' ' || (l).scope || ' ' || length((l).request_hash) FROM idempotency.lookup('k', 'tenant-1') l"),
             "in_progress tenant-1 32"
         );
-        assert_eq!(text("SELECT coalesce(idempotency.lookup('k')::text, 'NULL')"), "NULL");
-        assert_eq!(text("SELECT coalesce(idempotency.lookup('k', 'tenant-2')::text, 'NULL')"), "NULL");
+        assert_eq!(
+            text("SELECT coalesce(idempotency.lookup('k')::text, 'NULL')"),
+            "NULL"
+        );
+        assert_eq!(
+            text("SELECT coalesce(idempotency.lookup('k', 'tenant-2')::text, 'NULL')"),
+            "NULL"
+        );
     }
 
     #[pg_test]
@@ -300,7 +356,10 @@ mod tests {
         Spi::run("SELECT idempotency.claim('live-' || i) FROM generate_series(1, 10) i").unwrap();
         Spi::run("SELECT idempotency.claim('old-' || i) FROM generate_series(1, 25) i").unwrap();
         Spi::run("UPDATE idempotency.idempotency_keys SET expires_at = now() - interval '1 minute' WHERE key LIKE 'old-%'").unwrap();
-        assert_eq!(one::<i64>("SELECT idempotency.sweep(batch_size => 7)"), Some(25));
+        assert_eq!(
+            one::<i64>("SELECT idempotency.sweep(batch_size => 7)"),
+            Some(25)
+        );
         assert_eq!(rows(), 10);
         assert_eq!(one::<i64>("SELECT idempotency.sweep()"), Some(0));
         assert!(try_sql("SELECT idempotency.sweep(0)").starts_with("22023"));
@@ -309,54 +368,165 @@ mod tests {
     #[pg_test]
     fn bad_arguments_name_the_argument_and_write_nothing() {
         let cases = [
-            ("SELECT idempotency.claim(NULL)", "22004: key must not be NULL"),
-            ("SELECT idempotency.claim('')", "22023: key must not be empty"),
-            ("SELECT idempotency.claim(repeat('x', 256))", "22023: key must be at most 255 characters"),
-            ("SELECT idempotency.claim('k', scope => NULL)", "22004: scope must not be NULL"),
-            ("SELECT idempotency.claim('k', scope => repeat('s', 256))", "22023: scope must be at most 255"),
-            ("SELECT idempotency.claim('k', ttl => '0 seconds')", "22023: ttl must be a positive interval"),
-            ("SELECT idempotency.claim('k', ttl => '-1 hour')", "22023: ttl must be a positive interval"),
-            ("SELECT idempotency.claim('k', ttl => '11 years')", "22023: ttl must be at most 10 years"),
-            ("SELECT idempotency.claim('k', lease => '0')", "22023: lease must be a positive interval"),
-            ("SELECT idempotency.claim('k', lease => '-5 minutes')", "22023: lease must be a positive interval"),
-            ("SELECT idempotency.claim('k', ttl => '1 minute', lease => '2 minutes')", "22023: lease must not be longer than ttl"),
-            ("SELECT idempotency.complete(NULL, '{}')", "22004: key must not be NULL"),
-            ("SELECT idempotency.complete('k', '{}', 99)", "22023: response_status must be between 100 and 599"),
-            ("SELECT idempotency.complete('k', '{}', 600)", "22023: response_status must be between 100 and 599"),
-            ("SELECT idempotency.complete('k', '{}', NULL)", "22004: response_status must not be NULL"),
-            ("SELECT idempotency.complete('k', '{}', ttl => '-1 day')", "22023: ttl must be a positive interval"),
-            ("SELECT idempotency.release('')", "22023: key must not be empty"),
-            ("SELECT idempotency.forget(NULL)", "22004: key must not be NULL"),
-            ("SELECT idempotency.lookup(repeat('x', 300))", "22023: key must be at most 255"),
-            ("SELECT idempotency.checkpoint(NULL, 'x')", "22004: key must not be NULL"),
-            ("SELECT idempotency.canonical_json('1', 'fast')", "22023: numbers must be 'exact' or 'rfc8785'"),
-            ("SELECT idempotency.canonical_json('1', NULL)", "22004: numbers must not be NULL"),
-            ("SELECT idempotency.canonical_json('[1e400]', 'rfc8785')", "22003: doc: number 1"),
-            ("SELECT idempotency.canonical_hash('{}', NULL)", "22004: exclude must not be NULL"),
-            ("SELECT idempotency.canonical_hash('{}', '{/a~2}')", "22P02: exclude:"),
-            ("SELECT idempotency.derive_key('p', 'a:b')", "22023: step must not contain ':'"),
-            ("SELECT idempotency.cron_key('j', now(), '0')", "22023: slot must be a positive interval"),
-            ("SELECT idempotency.cron_key('j', 'infinity', '1 hour')", "22023: scheduled_at must be finite"),
-            ("SELECT idempotency.request_fingerprint('', '/')", "22023: method must be"),
-            ("SELECT idempotency.request_fingerprint('GET', '/', '[1]')", "22023: query must be a JSON object"),
+            (
+                "SELECT idempotency.claim(NULL)",
+                "22004: key must not be NULL",
+            ),
+            (
+                "SELECT idempotency.claim('')",
+                "22023: key must not be empty",
+            ),
+            (
+                "SELECT idempotency.claim(repeat('x', 256))",
+                "22023: key must be at most 255 characters",
+            ),
+            (
+                "SELECT idempotency.claim('k', scope => NULL)",
+                "22004: scope must not be NULL",
+            ),
+            (
+                "SELECT idempotency.claim('k', scope => repeat('s', 256))",
+                "22023: scope must be at most 255",
+            ),
+            (
+                "SELECT idempotency.claim('k', ttl => '0 seconds')",
+                "22023: ttl must be a positive interval",
+            ),
+            (
+                "SELECT idempotency.claim('k', ttl => '-1 hour')",
+                "22023: ttl must be a positive interval",
+            ),
+            (
+                "SELECT idempotency.claim('k', ttl => '11 years')",
+                "22023: ttl must be at most 10 years",
+            ),
+            (
+                "SELECT idempotency.claim('k', lease => '0')",
+                "22023: lease must be a positive interval",
+            ),
+            (
+                "SELECT idempotency.claim('k', lease => '-5 minutes')",
+                "22023: lease must be a positive interval",
+            ),
+            (
+                "SELECT idempotency.claim('k', ttl => '1 minute', lease => '2 minutes')",
+                "22023: lease must not be longer than ttl",
+            ),
+            (
+                "SELECT idempotency.complete(NULL, '{}')",
+                "22004: key must not be NULL",
+            ),
+            (
+                "SELECT idempotency.complete('k', '{}', 99)",
+                "22023: response_status must be between 100 and 599",
+            ),
+            (
+                "SELECT idempotency.complete('k', '{}', 600)",
+                "22023: response_status must be between 100 and 599",
+            ),
+            (
+                "SELECT idempotency.complete('k', '{}', NULL)",
+                "22004: response_status must not be NULL",
+            ),
+            (
+                "SELECT idempotency.complete('k', '{}', ttl => '-1 day')",
+                "22023: ttl must be a positive interval",
+            ),
+            (
+                "SELECT idempotency.release('')",
+                "22023: key must not be empty",
+            ),
+            (
+                "SELECT idempotency.forget(NULL)",
+                "22004: key must not be NULL",
+            ),
+            (
+                "SELECT idempotency.lookup(repeat('x', 300))",
+                "22023: key must be at most 255",
+            ),
+            (
+                "SELECT idempotency.checkpoint(NULL, 'x')",
+                "22004: key must not be NULL",
+            ),
+            (
+                "SELECT idempotency.canonical_json('1', 'fast')",
+                "22023: numbers must be 'exact' or 'rfc8785'",
+            ),
+            (
+                "SELECT idempotency.canonical_json('1', NULL)",
+                "22004: numbers must not be NULL",
+            ),
+            (
+                "SELECT idempotency.canonical_json('[1e400]', 'rfc8785')",
+                "22003: doc: number 1",
+            ),
+            (
+                "SELECT idempotency.canonical_hash('{}', NULL)",
+                "22004: exclude must not be NULL",
+            ),
+            (
+                "SELECT idempotency.canonical_hash('{}', '{/a~2}')",
+                "22P02: exclude:",
+            ),
+            (
+                "SELECT idempotency.derive_key('p', 'a:b')",
+                "22023: step must not contain ':'",
+            ),
+            (
+                "SELECT idempotency.cron_key('j', now(), '0')",
+                "22023: slot must be a positive interval",
+            ),
+            (
+                "SELECT idempotency.cron_key('j', 'infinity', '1 hour')",
+                "22023: scheduled_at must be finite",
+            ),
+            (
+                "SELECT idempotency.request_fingerprint('', '/')",
+                "22023: method must be",
+            ),
+            (
+                "SELECT idempotency.request_fingerprint('GET', '/', '[1]')",
+                "22023: query must be a JSON object",
+            ),
         ];
         for (sql, expected) in cases {
             let got = try_sql(sql);
-            assert!(got.starts_with(expected), "{sql}: got {got:?}, expected {expected:?}");
+            assert!(
+                got.starts_with(expected),
+                "{sql}: got {got:?}, expected {expected:?}"
+            );
         }
         assert_eq!(rows(), 0);
     }
 
     #[pg_test]
     fn deep_nesting_is_an_error_not_a_crash() {
-        let ok = format!("SELECT length(idempotency.canonical_json('{}{}'))", "[".repeat(1000), "]".repeat(1000));
+        let ok = format!(
+            "SELECT length(idempotency.canonical_json('{}{}'))",
+            "[".repeat(1000),
+            "]".repeat(1000)
+        );
         assert_eq!(one::<i32>(&ok), Some(2000));
-        let deep = format!("SELECT idempotency.canonical_json('{}{}')", "[".repeat(2000), "]".repeat(2000));
-        assert!(try_sql(&deep).starts_with("54001: doc: document is nested deeper than 1000 levels"));
-        let deep_claim = format!("SELECT idempotency.claim('k', '{}1{}')", "{\"a\":".repeat(1500), "}".repeat(1500));
+        let deep = format!(
+            "SELECT idempotency.canonical_json('{}{}')",
+            "[".repeat(2000),
+            "]".repeat(2000)
+        );
+        assert!(
+            try_sql(&deep).starts_with("54001: doc: document is nested deeper than 1000 levels")
+        );
+        let deep_claim = format!(
+            "SELECT idempotency.claim('k', '{}1{}')",
+            "{\"a\":".repeat(1500),
+            "}".repeat(1500)
+        );
         assert!(try_sql(&deep_claim).starts_with("54001: request:"));
         // 10,000 levels: PostgreSQL's own parser or ours refuses it; the backend survives.
-        let very = format!("SELECT idempotency.canonical_hash('{}{}')", "[".repeat(10_000), "]".repeat(10_000));
+        let very = format!(
+            "SELECT idempotency.canonical_hash('{}{}')",
+            "[".repeat(10_000),
+            "]".repeat(10_000)
+        );
         assert!(try_sql(&very).starts_with("54001"));
         assert_eq!(rows(), 0);
     }
@@ -368,7 +538,9 @@ mod tests {
             "{\"literals\":[null,true,false],\"numbers\":[333333333.3333333,1e+30,4.5,0.002,1e-27],\"string\":\"€$\\u000f\\nA'B\\\"\\\\\\\\\\\"/\"}"
         );
         assert_eq!(
-            text(r#"SELECT encode(sha256(convert_to(idempotency.canonical_json('{"numbers": [333333333.33333329, 1E30, 4.50, 2e-3, 0.000000000000000000000000001], "string": "\u20ac$\u000F\u000aA''\u0042\u0022\u005c\\\"\/", "literals": [null, true, false]}', 'rfc8785'), 'UTF8')), 'hex')"#),
+            text(
+                r#"SELECT encode(sha256(convert_to(idempotency.canonical_json('{"numbers": [333333333.33333329, 1E30, 4.50, 2e-3, 0.000000000000000000000000001], "string": "\u20ac$\u000F\u000aA''\u0042\u0022\u005c\\\"\/", "literals": [null, true, false]}', 'rfc8785'), 'UTF8')), 'hex')"#
+            ),
             "2d5e01a318d0f0879ab568c4be289c8b1f64ef8921a53c6277d5e069978baacb"
         );
         // Exact mode keeps what doubles cannot hold.
@@ -382,12 +554,17 @@ mod tests {
         );
         // UTF-16 order: a supplementary character sorts before U+FB33.
         assert_eq!(
-            text(r#"SELECT idempotency.canonical_json('{"\ufb33": 1, "\ud83d\ude00": 2, "\r": 3}')"#),
+            text(
+                r#"SELECT idempotency.canonical_json('{"\ufb33": 1, "\ud83d\ude00": 2, "\r": 3}')"#
+            ),
             "{\"\\r\":3,\"😀\":2,\"\u{fb33}\":1}"
         );
         assert_eq!(text("SELECT idempotency.canonical_json('\"x\"')"), "\"x\"");
         assert_eq!(text("SELECT idempotency.canonical_json('12.50')"), "12.5");
-        assert_eq!(text("SELECT coalesce(idempotency.canonical_json(NULL), 'NULL')"), "NULL");
+        assert_eq!(
+            text("SELECT coalesce(idempotency.canonical_json(NULL), 'NULL')"),
+            "NULL"
+        );
     }
 
     #[pg_test]
@@ -400,7 +577,10 @@ mod tests {
             text("SELECT (idempotency.canonical_hash('{\"a\": 1, \"ts\": 5, \"n\": {\"ts\": 6, \"x\": 1}}', '{ts,/n/ts}') = idempotency.canonical_hash('{\"a\": 1, \"n\": {\"x\": 1}}'))::text"),
             "true"
         );
-        assert_eq!(text("SELECT length(idempotency.canonical_hash('[]'))::text"), "32");
+        assert_eq!(
+            text("SELECT length(idempotency.canonical_hash('[]'))::text"),
+            "32"
+        );
         // claim hashes request with canonical_hash.
         claim("'k', '{\"z\": 1, \"a\": 2}'");
         assert_eq!(
@@ -412,12 +592,18 @@ mod tests {
     #[pg_test]
     fn derived_and_cron_keys_are_stable() {
         let k = text("SELECT idempotency.derive_key('order-42', 'charge', '{\"amount\": 100, \"currency\": \"EUR\"}')");
-        assert!(k.starts_with("order-42:charge:") && k.len() == "order-42:charge:".len() + 16, "{k}");
+        assert!(
+            k.starts_with("order-42:charge:") && k.len() == "order-42:charge:".len() + 16,
+            "{k}"
+        );
         assert_eq!(
             k,
             text("SELECT idempotency.derive_key(parent => 'order-42', step => 'charge', params => '{\"currency\": \"EUR\", \"amount\": 100.0}')")
         );
-        assert_eq!(text("SELECT idempotency.derive_key('order-42', 'email')"), "order-42:email");
+        assert_eq!(
+            text("SELECT idempotency.derive_key('order-42', 'email')"),
+            "order-42:email"
+        );
         assert_eq!(
             text("SELECT idempotency.cron_key('nightly', '2026-11-30 01:59:30+02', '1 hour')"),
             "nightly:2026-11-29T23:00:00Z/PT3600S"
@@ -426,7 +612,10 @@ mod tests {
             text("SELECT idempotency.cron_key('nightly', '2026-11-29 23:00:00+00', '1 hour')"),
             text("SELECT idempotency.cron_key('nightly', '2026-11-29 23:59:59.999+00', '1 hour')")
         );
-        assert_eq!(text("SELECT idempotency.cron_key('m', '2026-11-30 12:00+00', '1 month')"), "m:2026-11-01T00:00:00Z/P1M");
+        assert_eq!(
+            text("SELECT idempotency.cron_key('m', '2026-11-30 12:00+00', '1 month')"),
+            "m:2026-11-01T00:00:00Z/P1M"
+        );
     }
 
     #[pg_test]

@@ -1,0 +1,216 @@
+"""Real sessions racing on one key: at most one `new` per token, and every later claim replays
+the single stored response. Claims never wait on another open transaction's claim."""
+
+import threading
+import time
+
+import psycopg
+from psycopg.types.json import Jsonb
+
+SESSIONS = 24
+
+
+def race(cluster, worker, n=SESSIONS):
+    """Runs worker(conn, i) in n threads, each with its own session, released together."""
+    conns = [psycopg.connect(cluster.conninfo(), autocommit=True) for _ in range(n)]
+    barrier = threading.Barrier(n)
+    results = [None] * n
+    errors = []
+
+    def run(i):
+        try:
+            barrier.wait()
+            results[i] = worker(conns[i], i)
+        except Exception as e:  # surfaced below
+            errors.append(e)
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    for c in conns:
+        c.close()
+    assert not errors, errors
+    return results
+
+
+def claim(conn, key, request=None, **kw):
+    args = ", ".join(f"{k} => %({k})s" for k in kw)
+    sql = f"SELECT outcome::text, token, response, response_status, retry_after, recovery_point FROM idempotency.claim(%(key)s, %(request)s{', ' if args else ''}{args})"
+    return conn.execute(sql, {"key": key, "request": Jsonb(request) if request is not None else None, **kw}).fetchone()
+
+
+def check_invariant(results, final_response, conn, key, request):
+    news = [r for r in results if r[0] == "new"]
+    tokens = [r[1] for r in news]
+    assert len(tokens) == len(set(tokens)), f"two sessions got new with one token: {tokens}"
+    for r in results:
+        assert r[0] in ("new", "in_progress", "replay"), r
+        if r[0] == "replay":
+            assert r[2] == final_response
+    # Every later claim replays the single stored response.
+    for _ in range(3):
+        again = claim(conn, key, request)
+        assert again[0] == "replay" and again[2] == final_response, again
+
+
+def test_one_transaction_style_race(cluster, db):
+    request = {"amount": 100, "currency": "EUR"}
+
+    def worker(conn, i):
+        with conn.transaction():
+            r = claim(conn, "race-1tx", request)
+            if r[0] == "new":
+                time.sleep(0.3)  # the side effect, inside the transaction
+                conn.execute("SELECT idempotency.complete('race-1tx', %s)", (Jsonb({"winner": i}),))
+        return r
+
+    results = race(cluster, worker)
+    news = [i for i, r in enumerate(results) if r[0] == "new"]
+    assert len(news) == 1, results
+    check_invariant(results, {"winner": news[0]}, db, "race-1tx", request)
+
+
+def test_leased_style_race(cluster, db):
+    request = {"order": 42}
+
+    def worker(conn, i):
+        r = claim(conn, "race-leased", request, lease="30 seconds")
+        if r[0] == "new":
+            time.sleep(0.3)  # side effect outside any transaction
+            conn.execute("SELECT idempotency.complete('race-leased', %s, token => %s)", (Jsonb({"winner": i}), r[1]))
+        return r
+
+    results = race(cluster, worker)
+    news = [i for i, r in enumerate(results) if r[0] == "new"]
+    assert len(news) == 1, results
+    check_invariant(results, {"winner": news[0]}, db, "race-leased", request)
+
+
+def test_expired_lease_takeover_race(cluster, db):
+    request = {"job": "resize"}
+    first = claim(db, "race-takeover", request, lease="1 second")
+    assert first[0] == "new"
+    db.execute("SELECT idempotency.checkpoint('race-takeover', 'step-2', token => %s)", (first[1],))
+    time.sleep(1.2)
+
+    def worker(conn, i):
+        r = claim(conn, "race-takeover", request, lease="30 seconds")
+        if r[0] == "new":
+            assert r[5] == "step-2", "takeover returns the recovery point"
+            time.sleep(0.2)
+            conn.execute("SELECT idempotency.complete('race-takeover', %s, token => %s)", (Jsonb({"winner": i}), r[1]))
+        return r
+
+    results = race(cluster, worker)
+    news = [(i, r) for i, r in enumerate(results) if r[0] == "new"]
+    assert len(news) == 1, results
+    assert news[0][1][1] > first[1], "takeover token is strictly larger"
+    check_invariant(results, {"winner": news[0][0]}, db, "race-takeover", request)
+    # The original holder is fenced off.
+    try:
+        db.execute("SELECT idempotency.complete('race-takeover', '{}', token => %s)", (first[1],))
+        raise AssertionError("stale token accepted")
+    except psycopg.Error as e:
+        assert e.sqlstate == "IK002"  # completed by the new holder
+
+
+def test_many_keys_many_rounds(cluster, db):
+    keys = [f"multi-{k}" for k in range(8)]
+
+    def worker(conn, i):
+        out = []
+        for key in keys:
+            with conn.transaction():
+                r = claim(conn, key, {"k": key})
+                if r[0] == "new":
+                    conn.execute("SELECT idempotency.complete(%s, %s)", (key, Jsonb({"by": i})))
+            out.append((key, r))
+        return out
+
+    results = race(cluster, worker, n=20)
+    for key in keys:
+        per_key = [r for session in results for (k, r) in session if k == key]
+        assert sum(1 for r in per_key if r[0] == "new") == 1, per_key
+        stored = db.execute("SELECT response FROM idempotency.idempotency_keys WHERE key = %s", (key,)).fetchone()[0]
+        for r in per_key:
+            if r[0] == "replay":
+                assert r[2] == stored
+
+
+def test_claim_never_waits_on_an_open_transaction(connect):
+    holder, other = connect(), connect()
+    other.execute("SET statement_timeout = '5s'")
+    with holder.transaction():
+        assert claim(holder, "open-tx", {"a": 1}, lease="20 seconds")[0] == "new"
+        started = time.monotonic()
+        r = claim(other, "open-tx", {"a": 1})
+        elapsed = time.monotonic() - started
+        assert r[0] == "in_progress", r
+        assert elapsed < 1.0, f"claim waited {elapsed:.2f}s"
+        assert 19 <= r[4].total_seconds() <= 20, "retry_after is the holder's lease"
+        # Also for an open takeover of an expired row.
+    # The holder committed: now it is an ordinary in-progress row.
+    assert claim(other, "open-tx", {"a": 1})[0] == "in_progress"
+
+
+def test_claim_never_waits_on_an_open_takeover(connect):
+    holder, other = connect(), connect()
+    assert claim(holder, "open-takeover", None, ttl="1 second", lease="1 second")[0] == "new"
+    time.sleep(1.1)
+    with holder.transaction():
+        assert claim(holder, "open-takeover", None)[0] == "new"  # rewrites the expired row, uncommitted
+        started = time.monotonic()
+        r = claim(other, "open-takeover", None)
+        assert r[0] == "in_progress", r
+        assert time.monotonic() - started < 1.0
+
+
+def test_claim_wait_waits_for_the_holder(connect):
+    holder, other = connect(), connect()
+    other.execute("SET idempotency.claim_wait = '3s'")
+    result = {}
+
+    def late_claim():
+        started = time.monotonic()
+        result["r"] = claim(other, "waited", {"a": 1})
+        result["elapsed"] = time.monotonic() - started
+
+    with holder.transaction():
+        claim(holder, "waited", {"a": 1})
+        t = threading.Thread(target=late_claim)
+        t.start()
+        time.sleep(0.5)
+        holder.execute("SELECT idempotency.complete('waited', '{\"ok\": 1}')")
+    t.join(10)
+    assert result["r"][0] == "replay", result
+    assert 0.4 < result["elapsed"] < 3.0
+    # With a short wait, the answer is in_progress after about that long.
+    other.execute("SET idempotency.claim_wait = '300ms'")
+    with holder.transaction():
+        claim(holder, "waited-2")
+        started = time.monotonic()
+        assert claim(other, "waited-2")[0] == "in_progress"
+        assert 0.25 < time.monotonic() - started < 2.0
+
+
+def test_backfill_of_many_keys_in_one_statement(db):
+    n = db.execute(
+        "SELECT count(*) FROM generate_series(1, 100000) i WHERE (idempotency.claim('bf-' || i, ttl => '1 hour')).outcome = 'new'"
+    ).fetchone()[0]
+    assert n == 100000
+
+
+def test_mismatch_logs_one_warning_with_hash_prefixes(db):
+    notices = []
+    db.add_notice_handler(lambda d: notices.append((d.severity_nonlocalized, d.message_primary)))
+    assert claim(db, "mm", {"a": 1})[0] == "new"
+    assert claim(db, "mm", {"a": 2})[0] == "mismatch"
+    warnings = [m for s, m in notices if s == "WARNING"]
+    assert len(warnings) == 1, notices
+    stored = db.execute("SELECT encode(request_hash, 'hex') FROM idempotency.idempotency_keys WHERE key = 'mm'").fetchone()[0]
+    given = db.execute("SELECT encode(idempotency.canonical_hash('{\"a\": 2}'), 'hex')").fetchone()[0]
+    w = warnings[0]
+    assert 'key="mm"' in w and 'scope=""' in w
+    assert f"stored_hash={stored[:12]}" in w and f"request_hash={given[:12]}" in w, w

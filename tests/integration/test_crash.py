@@ -1,0 +1,50 @@
+"""A killed backend never leaves a key stuck: a one-transaction claim vanishes with its
+transaction, and a leased claim whose holder died is taken over once the lease runs out."""
+
+import os
+import signal
+import time
+
+import psycopg
+
+from test_concurrency import claim
+
+
+def test_terminated_backend_releases_its_one_transaction_claim(connect):
+    victim, killer = connect(), connect()
+    victim.execute("BEGIN")
+    assert claim(victim, "crash-term", {"a": 1})[0] == "new"
+    pid = victim.info.backend_pid
+    assert claim(killer, "crash-term", {"a": 1})[0] == "in_progress"
+    assert killer.execute("SELECT pg_terminate_backend(%s, 5000)", (pid,)).fetchone()[0]
+    r = claim(killer, "crash-term", {"a": 1})
+    assert r[0] == "new", r
+
+
+def test_sigkilled_backend_releases_its_one_transaction_claim(cluster, connect):
+    victim = connect()
+    victim.execute("BEGIN")
+    assert claim(victim, "crash-kill", {"a": 1})[0] == "new"
+    os.kill(victim.info.backend_pid, signal.SIGKILL)
+    # The postmaster resets every backend after a crash; wait until it accepts connections.
+    time.sleep(0.5)
+    cluster.wait_ready()
+    with psycopg.connect(cluster.conninfo(), autocommit=True) as conn:
+        r = claim(conn, "crash-kill", {"a": 1})
+        assert r[0] == "new", r
+
+
+def test_dead_leased_holder_is_taken_over_after_its_lease(cluster, connect):
+    holder = connect()
+    first = claim(holder, "crash-lease", {"a": 1}, lease="2 seconds")
+    assert first[0] == "new"
+    holder.execute("SELECT idempotency.checkpoint('crash-lease', 'charged', token => %s)", (first[1],))
+    os.kill(holder.info.backend_pid, signal.SIGKILL)
+    time.sleep(0.5)
+    cluster.wait_ready()
+    with psycopg.connect(cluster.conninfo(), autocommit=True) as conn:
+        r = claim(conn, "crash-lease", {"a": 1})
+        assert r[0] == "in_progress" and r[4].total_seconds() <= 2, r
+        time.sleep(2.1)
+        r = claim(conn, "crash-lease", {"a": 1})
+        assert r[0] == "new" and r[1] > first[1] and r[5] == "charged", r
