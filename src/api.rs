@@ -262,7 +262,7 @@ pub extern "C-unwind" fn idempotency_cron_key(fcinfo: pg_sys::FunctionCallInfo) 
         let job: Option<String> = pg_getarg(fcinfo, 0);
         let at: Option<TimestampWithTimeZone> = pg_getarg(fcinfo, 1);
         let slot: Option<Interval> = pg_getarg(fcinfo, 2);
-        let at = at.map(|t| pg_sys::TimestampTz::from(t));
+        let at = at.map(pg_sys::TimestampTz::from);
         let key = check(keys::cron_key(
             job.as_deref(),
             at,

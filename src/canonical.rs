@@ -239,7 +239,7 @@ pub fn es_layout(text: &str) -> String {
             out.push_str(&s[1..]);
         }
         out.push('e');
-        out.push(if n - 1 >= 0 { '+' } else { '-' });
+        out.push(if n > 0 { '+' } else { '-' });
         out.push_str(&(n - 1).abs().to_string());
     }
     out

@@ -182,7 +182,7 @@ fn format_utc(unix_micros: i64) -> String {
         secs % 60
     );
     if frac != 0 {
-        s.push_str(&format!(".{frac:06}").trim_end_matches('0').to_string());
+        s.push_str(format!(".{frac:06}").trim_end_matches('0'));
     }
     s.push('Z');
     s

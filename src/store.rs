@@ -288,6 +288,42 @@ fn probe(scope: &str, key: &str) -> Probe {
     }
 }
 
+/// `locktag_field4` of the extension's advisory locks; the SQL advisory lock functions use 1
+/// and 2, so these never collide with an application's own advisory locks.
+const LOCK_CLASS: u16 = 0x1de7;
+
+/// A session-level lock on hash(scope, key), held only while one claim probes and inserts the
+/// key: microseconds, never until commit, so a transaction can claim any number of keys.
+struct KeyInsertLock(pg_sys::LOCKTAG);
+
+impl KeyInsertLock {
+    fn acquire(scope: &str, key: &str) -> KeyInsertLock {
+        use std::hash::{Hash, Hasher};
+        let mut h = std::collections::hash_map::DefaultHasher::new();
+        (scope, key).hash(&mut h);
+        let hash = h.finish();
+        let tag = pg_sys::LOCKTAG {
+            locktag_field1: unsafe { pg_sys::MyDatabaseId }.to_u32(),
+            locktag_field2: (hash >> 32) as u32,
+            locktag_field3: hash as u32,
+            locktag_field4: LOCK_CLASS,
+            locktag_type: pg_sys::LockTagType::LOCKTAG_ADVISORY as u8,
+            locktag_lockmethodid: pg_sys::USER_LOCKMETHOD as u8,
+        };
+        unsafe {
+            pg_sys::LockAcquire(&tag, pg_sys::ExclusiveLock as pg_sys::LOCKMODE, true, false)
+        };
+        KeyInsertLock(tag)
+    }
+}
+
+impl Drop for KeyInsertLock {
+    /// Runs on success and while an ERROR unwinds through claim alike.
+    fn drop(&mut self) {
+        unsafe { pg_sys::LockRelease(&self.0, pg_sys::ExclusiveLock as pg_sys::LOCKMODE, true) };
+    }
+}
+
 fn seconds_left(locked_until: Option<pg_sys::TimestampTz>) -> Interval {
     let now = unsafe { pg_sys::GetCurrentTransactionStartTimestamp() };
     let left = locked_until.map(|t| t.saturating_sub(now)).unwrap_or(0);
@@ -344,6 +380,10 @@ pub fn claim(req: &ClaimRequest<'_>) -> ClaimResult {
             Spi::connect_mut(|client| -> Result<Step, pgrx::spi::Error> {
                 let row = read_row(client, false, req)?;
                 let Some(row) = row else {
+                    // Serialize probe+insert of this key across backends for a moment, so an
+                    // insert never meets another claimer's half-finished insert of the same key
+                    // (ON CONFLICT would then wait for that transaction to end).
+                    let _insert_lock = KeyInsertLock::acquire(req.scope, req.key);
                     return match probe(req.scope, req.key) {
                         Probe::Busy { locked_until } => Ok(Step::Busy(locked_until)),
                         Probe::Absent | Probe::Committed => {

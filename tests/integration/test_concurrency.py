@@ -58,11 +58,15 @@ def check_invariant(results, final_response, conn, key, request):
 def test_one_transaction_style_race(cluster, db):
     request = {"amount": 100, "currency": "EUR"}
 
+    elapsed = {}
+
     def worker(conn, i):
         with conn.transaction():
+            started = time.monotonic()
             r = claim(conn, "race-1tx", request)
+            elapsed[i] = time.monotonic() - started
             if r[0] == "new":
-                time.sleep(0.3)  # the side effect, inside the transaction
+                time.sleep(0.5)  # the side effect, inside the transaction
                 conn.execute("SELECT idempotency.complete('race-1tx', %s)", (Jsonb({"winner": i}),))
         return r
 
@@ -70,6 +74,10 @@ def test_one_transaction_style_race(cluster, db):
     news = [i for i, r in enumerate(results) if r[0] == "new"]
     assert len(news) == 1, results
     check_invariant(results, {"winner": news[0]}, db, "race-1tx", request)
+    # Nobody waited for the winner's transaction: every other claim answered at once.
+    slow = {i: round(t, 3) for i, t in elapsed.items() if i != news[0] and t >= 0.4}
+    assert not slow, f"claims waited on the open transaction: {slow}"
+    assert all(r[0] == "in_progress" for i, r in enumerate(results) if i != news[0]), results
 
 
 def test_leased_style_race(cluster, db):

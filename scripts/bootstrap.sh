@@ -1,0 +1,35 @@
+#!/usr/bin/env bash
+# Installs everything building and testing the extension needs on a fresh Debian 12 machine
+# (run as root): PostgreSQL 15 and its server headers, clang for bindgen, sudo (cargo pgrx test
+# --runas uses it), cargo-pgrx 0.18.1, `cargo pgrx init` against the system PostgreSQL, and the
+# Python packages of the integration tests. Safe to run again: it skips what is there.
+set -euo pipefail
+
+PG_CONFIG=/usr/lib/postgresql/15/bin/pg_config
+APT_PACKAGES=(postgresql-15 postgresql-server-dev-15 libclang-dev clang sudo)
+PIP_PACKAGES=("psycopg[binary]>=3.1,<3.3" "pytest>=8,<9" "rfc8785==0.1.4")
+
+missing=()
+for p in "${APT_PACKAGES[@]}"; do
+    dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
+done
+if ((${#missing[@]})); then
+    echo "bootstrap: apt-get install ${missing[*]}"
+    apt-get update -qq
+    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${missing[@]}" >/dev/null
+fi
+
+if ! cargo pgrx --version 2>/dev/null | grep -q "0\.18\.1"; then
+    echo "bootstrap: cargo install cargo-pgrx 0.18.1"
+    cargo install cargo-pgrx --version 0.18.1 --locked
+fi
+
+if ! grep -qs "pg15 *= *\"$PG_CONFIG\"" "${PGRX_HOME:-$HOME/.pgrx}/config.toml"; then
+    echo "bootstrap: cargo pgrx init --pg15=$PG_CONFIG"
+    cargo pgrx init --pg15="$PG_CONFIG"
+fi
+
+if ! python3 -c "import psycopg, pytest, rfc8785" 2>/dev/null; then
+    echo "bootstrap: pip install ${PIP_PACKAGES[*]}"
+    python3 -m pip install -q --root-user-action=ignore "${PIP_PACKAGES[@]}"
+fi

@@ -1,0 +1,23 @@
+#!/usr/bin/env bash
+# Runs every test: installs the prerequisites, checks formatting and lints, runs the unit and
+# #[pg_test] tests (cargo pgrx test), installs the extension into the system PostgreSQL 15 and
+# runs the integration tests against throwaway clusters (concurrency, crashes, oracle, dump).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+PG_CONFIG=/usr/lib/postgresql/15/bin/pg_config
+scripts/bootstrap.sh
+
+echo "== cargo fmt --check, cargo clippy"
+cargo fmt --all -- --check
+cargo clippy --all-targets -- -D warnings
+
+echo "== unit and #[pg_test] tests (cargo pgrx test)"
+# initdb refuses root: the test cluster runs as postgres, in a fresh directory it creates itself.
+pgdata=$(mktemp -u /tmp/idempotency-pgrx-XXXXXX)
+trap 'rm -rf "$pgdata"' EXIT
+cargo pgrx test pg15 --runas postgres --pgdata "$pgdata"
+
+echo "== integration tests (pytest, real sessions against throwaway clusters)"
+cargo pgrx install --pg-config "$PG_CONFIG" >/dev/null
+python3 -m pytest -q tests/integration

@@ -1,0 +1,43 @@
+"""Expiry in real time (checked on read, whether or not anything swept), sweeping, and
+pg_dump keeping the store."""
+
+import subprocess
+import time
+
+import psycopg
+
+from cluster import PG_BIN
+from test_concurrency import claim
+
+
+def test_expired_key_is_new_without_any_sweep(db):
+    assert claim(db, "ttl-1", {"a": 1}, ttl="1 second", lease="1 second")[0] == "new"
+    db.execute("SELECT idempotency.complete('ttl-1', '{\"v\": 1}')")
+    assert claim(db, "ttl-1", {"a": 1})[0] == "replay"
+    time.sleep(1.2)
+    assert db.execute("SELECT idempotency.lookup('ttl-1') IS NULL").fetchone()[0]
+    r = claim(db, "ttl-1", {"a": 2})  # a different request: not a mismatch any more
+    assert r[0] == "new" and r[2] is None, r
+
+
+def test_sweep_removes_only_expired_rows(db):
+    db.execute("SELECT idempotency.claim('short-' || i, ttl => '1 second', lease => '1 second') FROM generate_series(1, 300) i")
+    db.execute("SELECT idempotency.claim('long-' || i) FROM generate_series(1, 50) i")
+    time.sleep(1.2)
+    assert db.execute("SELECT idempotency.sweep(100)").fetchone()[0] == 300
+    assert db.execute("SELECT count(*) FROM idempotency.idempotency_keys").fetchone()[0] == 50
+
+
+def test_pg_dump_keeps_keys_and_tokens(cluster, db):
+    r = claim(db, "dumped", {"a": 1})
+    db.execute("SELECT idempotency.complete('dumped', '{\"kept\": true}', 201)")
+    conn = ["-h", cluster.dir, "-p", str(cluster.port), "-U", "postgres"]
+    dump = subprocess.run([f"{PG_BIN}/pg_dump", *conn, "-Fc", cluster.dbname], check=True, capture_output=True).stdout
+    subprocess.run([f"{PG_BIN}/createdb", *conn, "restored"], check=True)
+    subprocess.run([f"{PG_BIN}/pg_restore", *conn, "-d", "restored"], input=dump, check=True)
+    with psycopg.connect(f"host={cluster.dir} port={cluster.port} user=postgres dbname=restored", autocommit=True) as other:
+        again = claim(other, "dumped", {"a": 1})
+        assert again[0] == "replay" and again[2] == {"kept": True} and again[3] == 201, again
+        fresh = claim(other, "after-restore")
+        assert fresh[1] > r[1], "the token sequence was restored too"
+    subprocess.run([f"{PG_BIN}/dropdb", *conn, "restored"], check=True)
