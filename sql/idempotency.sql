@@ -74,6 +74,12 @@ RETURNS void
 LANGUAGE c IMMUTABLE PARALLEL SAFE
 AS 'MODULE_PATHNAME', 'idempotency_check_args';
 
+-- Counts completions and releases in shared memory (a no-op unless preloaded).
+CREATE FUNCTION idempotency._count(event text)
+RETURNS void
+LANGUAGE c VOLATILE PARALLEL SAFE
+AS 'MODULE_PATHNAME', 'idempotency_count';
+
 -- Raises the error that explains why complete/checkpoint found no row it may change.
 CREATE FUNCTION idempotency._raise_not_claimed(p_key text, p_scope text, p_token bigint, p_action text)
 RETURNS void
@@ -148,6 +154,7 @@ BEGIN
     IF NOT FOUND THEN
         PERFORM idempotency._raise_not_claimed(complete.key, complete.scope, complete.token, 'complete');
     END IF;
+    PERFORM idempotency._count('completion');
     RETURN v_expires;
 END
 $fn$;
@@ -191,7 +198,11 @@ BEGIN
        AND k.status OPERATOR(pg_catalog.=) 'in_progress'::idempotency.key_status
        AND k.expires_at OPERATOR(pg_catalog.>) pg_catalog.now()
        AND (release.token IS NULL OR k.token OPERATOR(pg_catalog.=) release.token);
-    RETURN FOUND;
+    IF FOUND THEN
+        PERFORM idempotency._count('release');
+        RETURN true;
+    END IF;
+    RETURN false;
 END
 $fn$;
 
@@ -269,3 +280,67 @@ CREATE FUNCTION idempotency.request_fingerprint(
 ) RETURNS bytea
 LANGUAGE c IMMUTABLE PARALLEL SAFE
 AS 'MODULE_PATHNAME', 'idempotency_request_fingerprint';
+
+-- Observability -------------------------------------------------------------------------------
+
+CREATE FUNCTION idempotency._sweeper_preloaded()
+RETURNS boolean
+LANGUAGE c STABLE PARALLEL SAFE
+AS 'MODULE_PATHNAME', 'idempotency_sweeper_preloaded';
+
+CREATE FUNCTION idempotency._shared_stats(
+    OUT preloaded          boolean,
+    OUT claims_new         bigint,
+    OUT claims_replay      bigint,
+    OUT claims_in_progress bigint,
+    OUT claims_mismatch    bigint,
+    OUT completions        bigint,
+    OUT releases           bigint,
+    OUT rows_swept         bigint,
+    OUT last_sweep_at      timestamptz,
+    OUT last_sweep_rows    bigint
+)
+LANGUAGE c VOLATILE PARALLEL SAFE
+AS 'MODULE_PATHNAME', 'idempotency_shared_stats';
+
+-- One row for the current database: the store's contents (expired rows count apart: they are
+-- absent to claim and wait for the sweeper) and the counters since server start.
+CREATE VIEW idempotency.stats AS
+SELECT pg_catalog.current_database() AS database,
+       t.rows_in_progress,
+       t.rows_completed,
+       t.rows_expired,
+       t.oldest_expiry,
+       s.last_sweep_at,
+       s.last_sweep_rows,
+       s.claims_new,
+       s.claims_replay,
+       s.claims_in_progress,
+       s.claims_mismatch,
+       s.completions,
+       s.releases,
+       s.rows_swept,
+       s.preloaded AS sweeper_enabled
+  FROM (SELECT pg_catalog.count(*) FILTER (
+                   WHERE k.status OPERATOR(pg_catalog.=) 'in_progress'::idempotency.key_status
+                     AND k.expires_at OPERATOR(pg_catalog.>) pg_catalog.now()) AS rows_in_progress,
+               pg_catalog.count(*) FILTER (
+                   WHERE k.status OPERATOR(pg_catalog.=) 'completed'::idempotency.key_status
+                     AND k.expires_at OPERATOR(pg_catalog.>) pg_catalog.now()) AS rows_completed,
+               pg_catalog.count(*) FILTER (
+                   WHERE k.expires_at OPERATOR(pg_catalog.<=) pg_catalog.now()) AS rows_expired,
+               pg_catalog.min(k.expires_at) AS oldest_expiry
+          FROM idempotency.idempotency_keys AS k) AS t,
+       idempotency._shared_stats() AS s;
+
+DO $notice$
+BEGIN
+    IF NOT idempotency._sweeper_preloaded() THEN
+        -- CREATE EXTENSION runs its script with client_min_messages = warning; let this through.
+        PERFORM pg_catalog.set_config('client_min_messages', 'notice', true);
+        RAISE NOTICE 'idempotency: no background sweeper runs: the library is not in shared_preload_libraries'
+            USING HINT = 'Add idempotency to shared_preload_libraries and restart PostgreSQL, '
+                         'or schedule SELECT idempotency.sweep(); expired keys count as absent either way.';
+    END IF;
+END
+$notice$;

@@ -5,7 +5,8 @@
 use crate::canonical::{self, NumberMode, Value};
 use crate::error::{arg_error, canon_error, check, raise};
 use crate::keys::{self, ArgError};
-use crate::store::{self, ClaimRequest, ClaimResult};
+use crate::stats::{self, Event};
+use crate::store::{self, ClaimRequest, ClaimResult, Outcome};
 use crate::{guc, jsonb};
 use pgrx::datum::{Interval, TimestampWithTimeZone};
 use pgrx::fcinfo::{pg_arg_is_null, pg_getarg, pg_getarg_datum_raw, pg_return_null};
@@ -110,54 +111,88 @@ pub extern "C-unwind" fn idempotency_claim(fcinfo: pg_sys::FunctionCallInfo) -> 
             ttl,
             lease,
         });
+        let event = match result.outcome {
+            Outcome::New => Event::ClaimNew,
+            Outcome::Replay => Event::ClaimReplay,
+            Outcome::InProgress => Event::ClaimInProgress,
+            Outcome::Mismatch => Event::ClaimMismatch,
+        };
+        stats::count(event, 1);
         claim_tuple(fcinfo, result)
     }
 }
 
-unsafe fn claim_tuple(fcinfo: pg_sys::FunctionCallInfo, r: ClaimResult) -> pg_sys::Datum {
+/// Builds the function's composite result (its declared row type or OUT parameters).
+unsafe fn form_tuple(
+    fcinfo: pg_sys::FunctionCallInfo,
+    fields: &[Option<pg_sys::Datum>],
+) -> pg_sys::Datum {
     unsafe {
         let mut tupdesc: pg_sys::TupleDesc = std::ptr::null_mut();
         let class = pg_sys::get_call_result_type(fcinfo, std::ptr::null_mut(), &mut tupdesc);
         if class != pg_sys::TypeFuncClass::TYPEFUNC_COMPOSITE
             || tupdesc.is_null()
-            || (*tupdesc).natts < 7
+            || ((*tupdesc).natts as usize) < fields.len()
         {
             raise(
                 PgSqlErrorCode::ERRCODE_DATATYPE_MISMATCH,
-                "idempotency.claim must return idempotency.claim_result".into(),
-                None,
+                "function result type does not match the extension's declaration".into(),
+                Some("reinstall the extension"),
             );
         }
         let tupdesc = pg_sys::BlessTupleDesc(tupdesc);
         let natts = (*tupdesc).natts as usize;
-        let outcome_type = (*tupdesc).attrs.as_slice(natts)[0].atttypid;
-        let label = std::ffi::CString::new(r.outcome.label()).unwrap_or_default();
-        let outcome = pgrx::direct_function_call_as_datum(
-            pg_sys::enum_in,
-            &[
-                Some(pg_sys::Datum::from(label.as_ptr())),
-                Some(pg_sys::Datum::from(outcome_type)),
-            ],
-        );
-        let fields: [Option<pg_sys::Datum>; 7] = [
-            outcome,
-            r.token.into_datum(),
-            r.response.and_then(|j| j.into_datum()),
-            r.response_status.into_datum(),
-            r.retry_after.into_datum(),
-            r.expires_at.into_datum(),
-            r.recovery_point.into_datum(),
-        ];
         let mut values = vec![pg_sys::Datum::from(0usize); natts];
         let mut nulls = vec![true; natts];
-        for (i, f) in fields.into_iter().enumerate() {
+        for (i, f) in fields.iter().enumerate() {
             if let Some(d) = f {
-                values[i] = d;
+                values[i] = *d;
                 nulls[i] = false;
             }
         }
         let tuple = pg_sys::heap_form_tuple(tupdesc, values.as_mut_ptr(), nulls.as_mut_ptr());
         pg_sys::HeapTupleHeaderGetDatum((*tuple).t_data)
+    }
+}
+
+/// The type of the first column of the function's composite result.
+unsafe fn first_column_type(fcinfo: pg_sys::FunctionCallInfo) -> pg_sys::Oid {
+    unsafe {
+        let mut tupdesc: pg_sys::TupleDesc = std::ptr::null_mut();
+        pg_sys::get_call_result_type(fcinfo, std::ptr::null_mut(), &mut tupdesc);
+        if tupdesc.is_null() || (*tupdesc).natts < 1 {
+            raise(
+                PgSqlErrorCode::ERRCODE_DATATYPE_MISMATCH,
+                "claim must return idempotency.claim_result".into(),
+                None,
+            );
+        }
+        (*tupdesc).attrs.as_slice(1)[0].atttypid
+    }
+}
+
+unsafe fn claim_tuple(fcinfo: pg_sys::FunctionCallInfo, r: ClaimResult) -> pg_sys::Datum {
+    unsafe {
+        let label = std::ffi::CString::new(r.outcome.label()).unwrap_or_default();
+        let outcome = pgrx::direct_function_call_as_datum(
+            pg_sys::enum_in,
+            &[
+                Some(pg_sys::Datum::from(label.as_ptr())),
+                Some(pg_sys::Datum::from(first_column_type(fcinfo))),
+            ],
+        );
+        form_tuple(
+            fcinfo,
+            &[
+                outcome,
+                r.token.into_datum(),
+                r.response.and_then(|j| j.into_datum()),
+                r.response_status.into_datum(),
+                r.retry_after.into_datum(),
+                r.expires_at.into_datum(),
+                r.recovery_point.into_datum(),
+            ],
+        )
     }
 }
 
@@ -328,6 +363,73 @@ pub extern "C-unwind" fn idempotency_sweep(fcinfo: pg_sys::FunctionCallInfo) -> 
             }
             pgrx::check_for_interrupts!();
         }
+        stats::sweep_finished(total);
         pg_sys::Datum::from(total)
+    }
+}
+
+v1!(pg_finfo_idempotency_count);
+/// `idempotency._count(event text)`: counts a completion or release of the SQL functions.
+#[pg_guard]
+#[unsafe(no_mangle)]
+pub extern "C-unwind" fn idempotency_count(fcinfo: pg_sys::FunctionCallInfo) -> pg_sys::Datum {
+    unsafe {
+        match pg_getarg::<&str>(fcinfo, 0) {
+            Some("completion") => stats::count(Event::Completion, 1),
+            Some("release") => stats::count(Event::Release, 1),
+            other => raise(
+                PgSqlErrorCode::ERRCODE_INVALID_PARAMETER_VALUE,
+                format!("event must be 'completion' or 'release' (got {other:?})"),
+                None,
+            ),
+        }
+        pgrx::fcinfo::pg_return_void()
+    }
+}
+
+v1!(pg_finfo_idempotency_sweeper_preloaded);
+/// `idempotency._sweeper_preloaded()`: whether the library was loaded at server start, so the
+/// background sweeper runs and counters are kept.
+#[pg_guard]
+#[unsafe(no_mangle)]
+pub extern "C-unwind" fn idempotency_sweeper_preloaded(
+    _fcinfo: pg_sys::FunctionCallInfo,
+) -> pg_sys::Datum {
+    pg_sys::Datum::from(stats::enabled())
+}
+
+v1!(pg_finfo_idempotency_shared_stats);
+/// `idempotency._shared_stats()`: this database's counters since server start (NULL when the
+/// library is not preloaded).
+#[pg_guard]
+#[unsafe(no_mangle)]
+pub extern "C-unwind" fn idempotency_shared_stats(
+    fcinfo: pg_sys::FunctionCallInfo,
+) -> pg_sys::Datum {
+    unsafe {
+        let slot = stats::snapshot();
+        let counter = |e: Event| slot.map(|s| s.counters[e as usize] as i64).into_datum();
+        let last_at = slot
+            .filter(|s| s.last_sweep_at != 0)
+            .map(|s| pg_sys::Datum::from(s.last_sweep_at));
+        let last_rows = slot
+            .filter(|s| s.last_sweep_at != 0)
+            .map(|s| s.last_sweep_rows)
+            .into_datum();
+        form_tuple(
+            fcinfo,
+            &[
+                Some(pg_sys::Datum::from(stats::enabled())),
+                counter(Event::ClaimNew),
+                counter(Event::ClaimReplay),
+                counter(Event::ClaimInProgress),
+                counter(Event::ClaimMismatch),
+                counter(Event::Completion),
+                counter(Event::Release),
+                counter(Event::Swept),
+                last_at,
+                last_rows,
+            ],
+        )
     }
 }

@@ -6,6 +6,8 @@
 //! - `jsonb`: reads a jsonb datum into the canonical tree;
 //! - `store`: the SQL the extension runs against its table (claim, sweep);
 //! - `api`: the SQL-callable functions, declared in `sql/idempotency.sql`;
+//! - `worker`: the background sweeper (launcher and per-database sweepers);
+//! - `stats`: counters in shared memory;
 //! - `guc`, `error`: settings and error reporting.
 
 pub mod api;
@@ -15,7 +17,9 @@ pub mod guc;
 pub mod jsonb;
 pub mod keys;
 pub mod state;
+pub mod stats;
 pub mod store;
+pub mod worker;
 
 #[cfg(any(test, feature = "pg_test"))]
 mod tests;
@@ -33,6 +37,13 @@ pgrx::extension_sql_file!(
 #[pg_guard]
 pub extern "C-unwind" fn _PG_init() {
     guc::init();
+    // Shared memory and the background sweeper exist only when the library is preloaded
+    // (shared_preload_libraries); loaded later, every SQL function still works.
+    if unsafe { !pg_sys::process_shared_preload_libraries_in_progress } {
+        return;
+    }
+    stats::init_shmem();
+    worker::register();
 }
 
 /// Hooks for `cargo pgrx test`.

@@ -2,8 +2,8 @@
 //! algorithm and the sweep. Every statement is schema-qualified and parameterized.
 
 use crate::error::raise;
-use crate::guc;
 use crate::state::{self, Decision, Stored};
+use crate::{guc, stats};
 use pgrx::datum::{Interval, TimestampWithTimeZone};
 use pgrx::pg_sys;
 use pgrx::prelude::*;
@@ -482,7 +482,7 @@ const SWEEP_SQL: &str = "DELETE FROM idempotency.idempotency_keys AS k \
 
 /// Deletes up to `batch` expired rows, skipping rows other transactions hold; returns how many.
 pub fn sweep_batch(batch: i64) -> i64 {
-    Spi::connect_mut(|client| {
+    let deleted = Spi::connect_mut(|client| {
         client
             .update(SWEEP_SQL, None, &[batch.into()])
             .map(|t| t.len() as i64)
@@ -493,5 +493,7 @@ pub fn sweep_batch(batch: i64) -> i64 {
             format!("idempotency.sweep: {e}"),
             None,
         )
-    })
+    });
+    stats::count(stats::Event::Swept, deleted as u64);
+    deleted
 }

@@ -1,0 +1,109 @@
+//! Counters since server start, per database, in shared memory (only when the library is in
+//! `shared_preload_libraries`; otherwise every counter reads NULL).
+
+use pgrx::prelude::*;
+use pgrx::{pg_shmem_init, PGRXSharedMemory, PgLwLock};
+use std::sync::atomic::{AtomicBool, Ordering};
+
+/// Databases tracked at once; further databases work but are not counted.
+pub const SLOTS: usize = 64;
+
+/// What is counted.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Event {
+    ClaimNew = 0,
+    ClaimReplay = 1,
+    ClaimInProgress = 2,
+    ClaimMismatch = 3,
+    Completion = 4,
+    Release = 5,
+    Swept = 6,
+}
+
+pub const EVENTS: usize = 7;
+
+#[derive(Clone, Copy, Default)]
+pub struct Slot {
+    pub database: u32,
+    pub counters: [u64; EVENTS],
+    /// Microseconds since 2000-01-01 of the last finished sweep of this database, or 0.
+    pub last_sweep_at: i64,
+    pub last_sweep_rows: i64,
+}
+
+#[derive(Clone, Copy)]
+pub struct Table {
+    pub slots: [Slot; SLOTS],
+}
+
+impl Default for Table {
+    fn default() -> Self {
+        Table {
+            slots: [Slot::default(); SLOTS],
+        }
+    }
+}
+
+unsafe impl PGRXSharedMemory for Table {}
+
+static TABLE: PgLwLock<Table> = unsafe { PgLwLock::new(c"idempotency_stats") };
+
+/// Set in the postmaster by `_PG_init` while preloading; inherited by every backend.
+static READY: AtomicBool = AtomicBool::new(false);
+
+/// Reserves the shared memory. Only valid while `shared_preload_libraries` is processed.
+pub fn init_shmem() {
+    pg_shmem_init!(TABLE);
+    READY.store(true, Ordering::Relaxed);
+}
+
+pub fn enabled() -> bool {
+    READY.load(Ordering::Relaxed)
+}
+
+fn with_slot<R>(database: u32, f: impl FnOnce(&mut Slot) -> R) -> Option<R> {
+    if !enabled() || database == 0 {
+        return None;
+    }
+    let mut table = TABLE.exclusive();
+    let index = table
+        .slots
+        .iter()
+        .position(|s| s.database == database)
+        .or_else(|| table.slots.iter().position(|s| s.database == 0))?;
+    let slot = &mut table.slots[index];
+    slot.database = database;
+    Some(f(slot))
+}
+
+fn current_database() -> u32 {
+    unsafe { pg_sys::MyDatabaseId }.to_u32()
+}
+
+/// Counts `n` events of `kind` for the current database.
+pub fn count(kind: Event, n: u64) {
+    with_slot(current_database(), |s| s.counters[kind as usize] += n);
+}
+
+/// Records a finished sweep of the current database.
+pub fn sweep_finished(rows: i64) {
+    let now = unsafe { pg_sys::GetCurrentTimestamp() };
+    with_slot(current_database(), |s| {
+        s.last_sweep_at = now;
+        s.last_sweep_rows = rows;
+    });
+}
+
+/// The current database's slot, or None when not preloaded (or not tracked).
+pub fn snapshot() -> Option<Slot> {
+    if !enabled() {
+        return None;
+    }
+    let db = current_database();
+    let table = TABLE.share();
+    let found = table.slots.iter().find(|s| s.database == db).copied();
+    Some(found.unwrap_or(Slot {
+        database: db,
+        ..Slot::default()
+    }))
+}

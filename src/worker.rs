@@ -1,0 +1,215 @@
+//! The background sweeper.
+//!
+//! One static "idempotency launcher" (started by the postmaster when the library is preloaded,
+//! restarted if it crashes) connects to no database. Every `idempotency.sweep_interval` it lists
+//! the databases that accept connections and, one at a time, starts a short-lived dynamic
+//! "idempotency sweeper" in each. The sweeper checks whether the extension is installed there
+//! (a database without it costs one connection per interval and nothing else), deletes expired
+//! rows in batches of `idempotency.sweep_batch_size`, one short transaction per batch, and exits.
+//! Because no process stays connected to a database between sweeps, and a sweeper gives way as
+//! soon as `DROP DATABASE` asks for its database, the worker never holds up `DROP DATABASE`.
+
+use crate::{guc, stats, store};
+use pgrx::bgworkers::{
+    BackgroundWorker, BackgroundWorkerBuilder, BackgroundWorkerStatus, SignalWakeFlags,
+};
+use pgrx::prelude::*;
+use std::time::{Duration, Instant};
+
+pub const LAUNCHER_TYPE: &str = "idempotency launcher";
+pub const SWEEPER_TYPE: &str = "idempotency sweeper";
+
+/// Registers the launcher. Called from `_PG_init` while preloading.
+pub fn register() {
+    BackgroundWorkerBuilder::new(LAUNCHER_TYPE)
+        .set_type(LAUNCHER_TYPE)
+        .set_library("idempotency")
+        .set_function("idempotency_launcher_main")
+        .enable_shmem_access(None)
+        // A connection without a database, to read pg_database; starts once recovery finished.
+        .enable_spi_access()
+        .set_restart_time(Some(Duration::from_secs(5)))
+        .load();
+}
+
+fn shutdown_requested() -> bool {
+    unsafe { pg_sys::ShutdownRequestPending != 0 }
+}
+
+fn reload_if_asked() {
+    if BackgroundWorker::sighup_received() {
+        unsafe { pg_sys::ProcessConfigFile(pg_sys::GucContext::PGC_SIGHUP) };
+    }
+}
+
+/// Sleeps up to `d`, waking early for a signal. Returns false once the worker should stop.
+fn nap(d: Duration) -> bool {
+    BackgroundWorker::wait_latch(Some(d)) && !shutdown_requested()
+}
+
+struct Database {
+    oid: pg_sys::Oid,
+    name: String,
+}
+
+/// Databases that accept connections, read from the shared catalog pg_database.
+fn databases() -> Vec<Database> {
+    BackgroundWorker::transaction(|| unsafe {
+        let rel = pg_sys::table_open(
+            pg_sys::DatabaseRelationId,
+            pg_sys::AccessShareLock as pg_sys::LOCKMODE,
+        );
+        let scan = pg_sys::table_beginscan_catalog(rel, 0, std::ptr::null_mut());
+        let mut out = Vec::new();
+        loop {
+            let tuple = pg_sys::heap_getnext(scan, pg_sys::ScanDirection::ForwardScanDirection);
+            if tuple.is_null() {
+                break;
+            }
+            let header = (*tuple).t_data;
+            let form = (header as *const u8).add((*header).t_hoff as usize)
+                as *const pg_sys::FormData_pg_database;
+            // datconnlimit -2 marks a database whose DROP was interrupted.
+            if (*form).datallowconn && (*form).datconnlimit != -2 {
+                let name = std::ffi::CStr::from_ptr((*form).datname.data.as_ptr())
+                    .to_string_lossy()
+                    .into_owned();
+                out.push(Database {
+                    oid: (*form).oid,
+                    name,
+                });
+            }
+        }
+        pg_sys::table_endscan(scan);
+        pg_sys::table_close(rel, pg_sys::AccessShareLock as pg_sys::LOCKMODE);
+        out
+    })
+}
+
+/// Runs one sweeper in `db` and waits for it, terminating it if the launcher must stop.
+/// Returns false once the launcher should stop.
+fn sweep_database(db: &Database) -> bool {
+    let mut name = format!("{SWEEPER_TYPE} for {}", db.name);
+    while name.len() > 95 {
+        name.pop(); // bgw_name holds 96 bytes
+    }
+    let started = BackgroundWorkerBuilder::new(&name)
+        .set_type(SWEEPER_TYPE)
+        .set_library("idempotency")
+        .set_function("idempotency_sweeper_main")
+        .set_argument(Some(pg_sys::Datum::from(db.oid)))
+        .enable_spi_access()
+        .set_restart_time(None)
+        .set_notify_pid(unsafe { pg_sys::MyProcPid })
+        .load_dynamic();
+    let Ok(worker) = started else {
+        // No free worker slot (max_worker_processes): try again next round.
+        log!(
+            "idempotency: no background worker slot free to sweep database \"{}\"",
+            db.name
+        );
+        return true;
+    };
+    loop {
+        match worker.pid() {
+            Ok(_) | Err(BackgroundWorkerStatus::NotYetStarted) => {}
+            Err(_) => return !shutdown_requested(),
+        }
+        if !nap(Duration::from_millis(100)) {
+            let _ = worker.terminate();
+            return false;
+        }
+        reload_if_asked();
+    }
+}
+
+#[pg_guard]
+#[unsafe(no_mangle)]
+pub extern "C-unwind" fn idempotency_launcher_main(_arg: pg_sys::Datum) {
+    BackgroundWorker::attach_signal_handlers(SignalWakeFlags::SIGHUP | SignalWakeFlags::SIGTERM);
+    // No database: the launcher reads only the shared catalog pg_database.
+    BackgroundWorker::connect_worker_to_spi(None, None);
+    log!("idempotency launcher started");
+    launcher_loop();
+    // Like PostgreSQL's own launchers, exit with status 1 on SIGTERM: the postmaster starts the
+    // launcher again after bgw_restart_time (5 s) unless the server is shutting down, so
+    // pg_terminate_backend() restarts the sweeper instead of switching it off for good.
+    log!("idempotency launcher stopping");
+    unsafe { pg_sys::proc_exit(1) };
+}
+
+fn launcher_loop() {
+    loop {
+        let round = Instant::now();
+        for db in databases() {
+            if shutdown_requested() || !sweep_database(&db) {
+                return;
+            }
+        }
+        let interval = Duration::from_secs(guc::SWEEP_INTERVAL.get().max(1) as u64);
+        // Sleep out the interval; a reload (SIGHUP) ends the sleep so new settings apply now.
+        loop {
+            let left = interval.saturating_sub(round.elapsed());
+            if left.is_zero() {
+                break;
+            }
+            if !nap(left) {
+                return;
+            }
+            if BackgroundWorker::sighup_received() {
+                unsafe { pg_sys::ProcessConfigFile(pg_sys::GucContext::PGC_SIGHUP) };
+                break;
+            }
+        }
+    }
+}
+
+/// True while `DROP DATABASE` (or another exclusive operation on this database) waits.
+fn database_wanted_exclusively() -> bool {
+    unsafe {
+        let tag = pg_sys::LOCKTAG {
+            locktag_field1: 0,
+            locktag_field2: pg_sys::DatabaseRelationId.to_u32(),
+            locktag_field3: pg_sys::MyDatabaseId.to_u32(),
+            locktag_field4: 0,
+            locktag_type: pg_sys::LockTagType::LOCKTAG_OBJECT as u8,
+            locktag_lockmethodid: pg_sys::DEFAULT_LOCKMETHOD as u8,
+        };
+        let mode = pg_sys::AccessShareLock as pg_sys::LOCKMODE;
+        let got = pg_sys::LockAcquire(&tag, mode, true, true);
+        if got == pg_sys::LockAcquireResult::LOCKACQUIRE_NOT_AVAIL {
+            return true;
+        }
+        pg_sys::LockRelease(&tag, mode, true);
+        false
+    }
+}
+
+#[pg_guard]
+#[unsafe(no_mangle)]
+pub extern "C-unwind" fn idempotency_sweeper_main(arg: pg_sys::Datum) {
+    BackgroundWorker::attach_signal_handlers(SignalWakeFlags::SIGHUP | SignalWakeFlags::SIGTERM);
+    let oid = pg_sys::Oid::from(arg.value() as u32);
+    BackgroundWorker::connect_worker_to_spi_by_oid(Some(oid), None);
+    let installed = BackgroundWorker::transaction(|| {
+        Spi::get_one::<bool>(
+            "SELECT EXISTS (SELECT FROM pg_catalog.pg_extension WHERE extname OPERATOR(pg_catalog.=) 'idempotency')",
+        )
+    });
+    if !matches!(installed, Ok(Some(true))) {
+        return;
+    }
+    let mut total = 0i64;
+    loop {
+        if shutdown_requested() || database_wanted_exclusively() {
+            break;
+        }
+        let batch = guc::SWEEP_BATCH_SIZE.get().max(1) as i64;
+        let deleted = BackgroundWorker::transaction(move || store::sweep_batch(batch));
+        total += deleted;
+        if deleted < batch {
+            break;
+        }
+    }
+    stats::sweep_finished(total);
+}

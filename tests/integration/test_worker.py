@@ -1,0 +1,244 @@
+"""The background sweeper, in a cluster with shared_preload_libraries = 'idempotency'."""
+
+import os
+import signal
+import threading
+import time
+
+import psycopg
+import pytest
+
+from cluster import Cluster
+from test_concurrency import claim
+
+
+@pytest.fixture(scope="module")
+def preloaded():
+    c = Cluster(settings={
+        "shared_preload_libraries": "'idempotency'",
+        "idempotency.sweep_interval": "'1s'",
+        "max_worker_processes": "16",
+    }).start()
+    with psycopg.connect(c.conninfo(), autocommit=True) as conn:
+        conn.execute("CREATE EXTENSION idempotency")
+        conn.execute("CREATE DATABASE second")
+        conn.execute("CREATE DATABASE plain")  # never gets the extension
+    with psycopg.connect(c.conninfo().replace("dbname=idem", "dbname=second"), autocommit=True) as conn:
+        conn.execute("CREATE EXTENSION idempotency")
+    yield c
+    c.destroy()
+
+
+def connect(cluster, db="idem"):
+    return psycopg.connect(cluster.conninfo().replace("dbname=idem", f"dbname={db}"), autocommit=True)
+
+
+def wait_for(predicate, timeout=15.0, step=0.2):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(step)
+    return predicate()
+
+
+def seed(conn, prefix, expired, live):
+    conn.execute(
+        "SELECT idempotency.claim(%s || i, ttl => '1 hour') FROM generate_series(1, %s) i", (prefix + "-live-", live)
+    )
+    conn.execute(
+        "SELECT idempotency.claim(%s || i, ttl => '1 hour') FROM generate_series(1, %s) i", (prefix + "-old-", expired)
+    )
+    conn.execute(
+        "UPDATE idempotency.idempotency_keys SET expires_at = now() - interval '1 minute' WHERE key LIKE %s",
+        (prefix + "-old-%",),
+    )
+
+
+def count(conn, pattern):
+    return conn.execute("SELECT count(*) FROM idempotency.idempotency_keys WHERE key LIKE %s", (pattern,)).fetchone()[0]
+
+
+def launcher_pid(conn):
+    row = conn.execute(
+        "SELECT pid FROM pg_stat_activity WHERE backend_type = 'idempotency launcher'"
+    ).fetchone()
+    return row[0] if row else None
+
+
+def test_expired_rows_vanish_in_every_database_live_rows_stay(preloaded):
+    with connect(preloaded) as a, connect(preloaded, "second") as b:
+        seed(a, "a", expired=500, live=20)
+        seed(b, "b", expired=300, live=10)
+        assert wait_for(lambda: count(a, "a-old-%") == 0 and count(b, "b-old-%") == 0)
+        assert count(a, "a-live-%") == 20 and count(b, "b-live-%") == 10
+        stats = a.execute("SELECT sweeper_enabled, rows_swept >= 500, last_sweep_at IS NOT NULL FROM idempotency.stats").fetchone()
+        assert stats == (True, True, True)
+
+
+def test_launcher_is_visible_and_databases_without_the_extension_cost_nothing(preloaded):
+    with connect(preloaded) as a:
+        assert launcher_pid(a) is not None
+        # The launcher is connected to no database; sweepers come and go per database.
+        assert a.execute("SELECT datname FROM pg_stat_activity WHERE backend_type = 'idempotency launcher'").fetchone()[0] is None
+    # Sweepers ran in "plain" (no extension) and in "postgres" without failing.
+    log = preloaded.server_log()
+    assert "ERROR" not in log and "FATAL" not in log, log[-2000:]
+
+
+def test_extension_created_and_dropped_later_is_noticed(preloaded):
+    with connect(preloaded) as a:
+        a.execute("CREATE DATABASE late")
+    with connect(preloaded, "late") as late:
+        late.execute("CREATE EXTENSION idempotency")
+        seed(late, "late", expired=50, live=5)
+        assert wait_for(lambda: count(late, "late-old-%") == 0)
+        late.execute("DROP EXTENSION idempotency")
+    time.sleep(2.5)  # a few rounds over a database without the extension
+    with connect(preloaded) as a:
+        # DROP DATABASE is not held up by the sweeper.
+        started = time.monotonic()
+        a.execute("DROP DATABASE late")
+        assert time.monotonic() - started < 5
+
+
+def test_drop_database_gives_way_during_a_long_sweep(preloaded):
+    with connect(preloaded) as a:
+        a.execute("CREATE DATABASE doomed")
+    with connect(preloaded, "doomed") as d:
+        d.execute("CREATE EXTENSION idempotency")
+        d.execute("""INSERT INTO idempotency.idempotency_keys (key, status, token, expires_at, ttl, locked_until)
+                     SELECT 'x' || i, 'in_progress', i, now() - interval '1 minute', interval '1 hour', now()
+                       FROM generate_series(1, 300000) i""")
+    with connect(preloaded) as a:
+        assert wait_for(lambda: a.execute(
+            "SELECT count(*) FROM pg_stat_activity WHERE backend_type = 'idempotency sweeper' AND datname = 'doomed'"
+        ).fetchone()[0] > 0, timeout=5, step=0.02)
+        a.execute("DROP DATABASE doomed")  # waits at most 5 s for other sessions, else fails
+
+
+def test_reload_applies_new_settings(preloaded):
+    with connect(preloaded) as a:
+        a.execute("ALTER SYSTEM SET idempotency.sweep_interval = '1h'")
+        a.execute("SELECT pg_reload_conf()")
+        time.sleep(2.5)  # let the current round finish
+        seed(a, "reload", expired=40, live=0)
+        time.sleep(3)
+        assert count(a, "reload-old-%") == 40, "swept although the interval is one hour"
+        a.execute("ALTER SYSTEM SET idempotency.sweep_interval = '1s'")
+        a.execute("ALTER SYSTEM SET idempotency.sweep_batch_size = 7")
+        a.execute("SELECT pg_reload_conf()")
+        assert wait_for(lambda: count(a, "reload-old-%") == 0, timeout=10)
+        assert a.execute("SHOW idempotency.sweep_batch_size").fetchone()[0] == "7"
+        a.execute("ALTER SYSTEM RESET idempotency.sweep_batch_size")
+        a.execute("SELECT pg_reload_conf()")
+
+
+def test_counters_since_server_start(preloaded):
+    with connect(preloaded) as a:
+        before = a.execute("SELECT claims_new, claims_replay, claims_in_progress, claims_mismatch, completions, releases FROM idempotency.stats").fetchone()
+        claim(a, "stat-1", {"x": 1})
+        a.execute("SELECT idempotency.complete('stat-1', '{}')")
+        claim(a, "stat-1", {"x": 1})
+        claim(a, "stat-1", {"x": 2})
+        claim(a, "stat-2")
+        claim(a, "stat-2")
+        a.execute("SELECT idempotency.release('stat-2')")
+        after = a.execute("SELECT claims_new, claims_replay, claims_in_progress, claims_mismatch, completions, releases FROM idempotency.stats").fetchone()
+        assert [x - y for x, y in zip(after, before)] == [2, 1, 1, 1, 1, 1]
+        row = a.execute("SELECT rows_in_progress, rows_completed FROM idempotency.stats").fetchone()
+        assert row[1] >= 1
+
+
+def test_sweep_of_a_million_rows_under_claim_load(preloaded):
+    with connect(preloaded) as a:
+        a.execute("""INSERT INTO idempotency.idempotency_keys (key, status, token, expires_at, ttl, locked_until)
+                     SELECT 'm' || i, 'in_progress', -i, now() - interval '1 minute', interval '1 hour', now()
+                       FROM generate_series(1, 1000000) i""")
+    stop = threading.Event()
+    errors, done = [], []
+
+    def load(n):
+        try:
+            with connect(preloaded) as c:
+                i = 0
+                while not stop.is_set():
+                    key = f"load-{n}-{i}"
+                    with c.transaction():
+                        r = claim(c, key, {"n": i})
+                        assert r[0] == "new", r
+                        c.execute("SELECT idempotency.complete(%s, '{}')", (key,))
+                    assert claim(c, key, {"n": i})[0] == "replay"
+                    i += 1
+                done.append(i)
+        except Exception as e:
+            errors.append(e)
+
+    threads = [threading.Thread(target=load, args=(n,)) for n in range(8)]
+    for t in threads:
+        t.start()
+    with connect(preloaded) as a:
+        ok = wait_for(lambda: count(a, "m%") == 0, timeout=120, step=0.5)
+    stop.set()
+    for t in threads:
+        t.join(30)
+    assert not errors, errors[:3]
+    assert ok, "the million expired rows were not swept"
+    assert sum(done) > 0
+    with connect(preloaded) as a:
+        assert count(a, "load-%") == sum(done), "the sweeper deleted live rows"
+
+
+def test_worker_survives_a_killed_backend_and_its_own_sigkill(preloaded):
+    with connect(preloaded) as a:
+        victim = connect(preloaded)
+        os.kill(victim.info.backend_pid, signal.SIGKILL)
+    time.sleep(1)
+    preloaded.wait_ready()
+    with connect(preloaded) as a:
+        assert wait_for(lambda: launcher_pid(a) is not None, timeout=20)
+        pid = launcher_pid(a)
+    os.kill(pid, signal.SIGKILL)
+    time.sleep(1)
+    preloaded.wait_ready()
+    with connect(preloaded) as a:
+        assert wait_for(lambda: launcher_pid(a) not in (None, pid), timeout=20), "launcher not restarted"
+        seed(a, "after-kill", expired=30, live=3)
+        assert wait_for(lambda: count(a, "after-kill-old-%") == 0)
+
+
+def test_sigterm_stops_the_launcher_within_a_second_and_it_comes_back(preloaded):
+    with connect(preloaded) as a:
+        pid = launcher_pid(a)
+        os.kill(pid, signal.SIGTERM)
+        assert wait_for(lambda: launcher_pid(a) is None, timeout=1.0, step=0.05)
+        assert wait_for(lambda: launcher_pid(a) not in (None, pid), timeout=15), "not restarted"
+
+
+def test_server_shutdown_is_not_held_up_by_a_sweep(preloaded):
+    with connect(preloaded) as a:
+        a.execute("""INSERT INTO idempotency.idempotency_keys (key, status, token, expires_at, ttl, locked_until)
+                     SELECT 's' || i, 'in_progress', -i, now() - interval '1 minute', interval '1 hour', now()
+                       FROM generate_series(1, 300000) i""")
+        assert wait_for(lambda: a.execute(
+            "SELECT count(*) FROM pg_stat_activity WHERE backend_type = 'idempotency sweeper'"
+        ).fetchone()[0] > 0, timeout=5, step=0.02)
+    started = time.monotonic()
+    preloaded.stop("fast")
+    assert time.monotonic() - started < 3
+    preloaded.pg_ctl("start", "-w", "-l", preloaded.log)
+
+
+def test_not_preloaded_says_so_and_counts_nothing(cluster):
+    notices = []
+    with psycopg.connect(cluster.conninfo(), autocommit=True) as conn:
+        conn.execute("DROP DATABASE IF EXISTS fresh")
+        conn.execute("CREATE DATABASE fresh")
+    with psycopg.connect(cluster.conninfo().replace("dbname=idem", "dbname=fresh"), autocommit=True) as conn:
+        conn.add_notice_handler(lambda d: notices.append((d.severity_nonlocalized, d.message_primary, d.message_hint)))
+        conn.execute("CREATE EXTENSION idempotency")
+        assert any(sev == "NOTICE" and "no background sweeper" in msg and "shared_preload_libraries" in (hint or "")
+                   for sev, msg, hint in notices), notices
+        claim(conn, "k")
+        row = conn.execute("SELECT sweeper_enabled, claims_new, rows_swept, last_sweep_at, rows_in_progress FROM idempotency.stats").fetchone()
+        assert row == (False, None, None, None, 1)
