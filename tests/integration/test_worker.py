@@ -117,6 +117,28 @@ def test_drop_database_gives_way_during_a_long_sweep(preloaded):
         a.execute("DROP DATABASE doomed")  # waits at most 5 s for other sessions, else fails
 
 
+def test_an_error_in_one_database_does_not_stop_the_others(preloaded):
+    with connect(preloaded) as a:
+        a.execute("CREATE DATABASE broken")
+    with connect(preloaded, "broken") as br, connect(preloaded, "second") as b:
+        br.execute("CREATE EXTENSION idempotency")
+        seed(br, "br", expired=20, live=0)
+        # Break the sweep there: its DELETE now fails on every attempt.
+        br.execute("""CREATE FUNCTION public.refuse() RETURNS trigger LANGUAGE plpgsql AS
+                      $$BEGIN RAISE EXCEPTION 'sweeping refused for the test'; END$$""")
+        br.execute("""CREATE TRIGGER refuse BEFORE DELETE ON idempotency.idempotency_keys
+                      FOR EACH ROW EXECUTE FUNCTION public.refuse()""")
+        seed(b, "other", expired=25, live=0)
+        assert wait_for(lambda: count(b, "other-old-%") == 0), "other databases are still swept"
+        assert count(br, "br-old-%") == 20
+        assert wait_for(lambda: "sweeping refused for the test" in preloaded.server_log(), timeout=5)
+        # Mended, the next round sweeps it.
+        br.execute("DROP TRIGGER refuse ON idempotency.idempotency_keys")
+        assert wait_for(lambda: count(br, "br-old-%") == 0)
+    with connect(preloaded) as a:
+        a.execute("DROP DATABASE broken")
+
+
 def test_reload_applies_new_settings(preloaded):
     with connect(preloaded) as a:
         a.execute("ALTER SYSTEM SET idempotency.sweep_interval = '1h'")
