@@ -7,8 +7,10 @@ use crate::{guc, stats};
 use pgrx::datum::{Interval, TimestampWithTimeZone};
 use pgrx::pg_sys;
 use pgrx::prelude::*;
-use pgrx::spi::SpiClient;
+use pgrx::spi::{OwnedPreparedStatement, SpiClient};
+use pgrx::PgOid;
 use pgrx::PgSqlErrorCode;
+use std::cell::Cell;
 use std::time::{Duration, Instant};
 
 /// A jsonb value copied out of an SPI result into the caller's memory context.
@@ -139,6 +141,53 @@ fn stored(r: &Row) -> Stored<'_> {
     }
 }
 
+/// The statements claim and sweep run, prepared once per backend (SPI_keepplan) so a claim
+/// pays for execution only. PostgreSQL's plan cache re-plans them after DDL on the table,
+/// re-resolving names, so they survive even DROP and CREATE EXTENSION in one session.
+struct Plans {
+    select: OwnedPreparedStatement,
+    select_locked: OwnedPreparedStatement,
+    insert: OwnedPreparedStatement,
+    restart: OwnedPreparedStatement,
+    takeover: OwnedPreparedStatement,
+    sweep: OwnedPreparedStatement,
+}
+
+thread_local! {
+    static PLANS: Cell<Option<&'static Plans>> = const { Cell::new(None) };
+}
+
+fn plans(client: &SpiClient<'_>) -> Result<&'static Plans, pgrx::spi::Error> {
+    if let Some(p) = PLANS.with(Cell::get) {
+        return Ok(p);
+    }
+    let text = PgOid::from(pg_sys::TEXTOID);
+    let key_args = [text, text];
+    let claim_args = [
+        text,
+        text,
+        PgOid::from(pg_sys::BYTEAOID),
+        PgOid::from(pg_sys::INTERVALOID),
+        PgOid::from(pg_sys::INTERVALOID),
+    ];
+    let p: &'static Plans = Box::leak(Box::new(Plans {
+        select: client
+            .prepare(select_sql(false).as_str(), &key_args)?
+            .keep(),
+        select_locked: client
+            .prepare_mut(select_sql(true).as_str(), &key_args)?
+            .keep(),
+        insert: client.prepare_mut(INSERT_SQL, &claim_args)?.keep(),
+        restart: client.prepare_mut(RESTART_SQL, &claim_args)?.keep(),
+        takeover: client.prepare_mut(TAKEOVER_SQL, &claim_args)?.keep(),
+        sweep: client
+            .prepare_mut(SWEEP_SQL, &[PgOid::from(pg_sys::INT8OID)])?
+            .keep(),
+    }));
+    PLANS.with(|c| c.set(Some(p)));
+    Ok(p)
+}
+
 /// One row as claim reads it.
 struct Row {
     completed: bool,
@@ -159,11 +208,12 @@ fn read_row(
     req: &ClaimRequest<'_>,
 ) -> Result<Option<Row>, pgrx::spi::Error> {
     let args = [req.scope.into(), req.key.into()];
+    let p = plans(client)?;
     let table = if lock {
         // Row locks need a read-write SPI call.
-        client.update(&select_sql(true), Some(1), &args)?
+        client.update(&p.select_locked, Some(1), &args)?
     } else {
-        client.select(&select_sql(false), Some(1), &args)?
+        client.select(&p.select, Some(1), &args)?
     };
     if table.is_empty() {
         return Ok(None);
@@ -183,14 +233,27 @@ fn read_row(
     }))
 }
 
+#[derive(Clone, Copy)]
+enum Write {
+    Insert,
+    Restart,
+    TakeOver,
+}
+
 fn write_claim(
     client: &mut SpiClient<'_>,
-    sql: &str,
+    write: Write,
     req: &ClaimRequest<'_>,
 ) -> Result<Option<ClaimResult>, pgrx::spi::Error> {
     let hash = req.hash.map(|h| h.to_vec());
+    let p = plans(client)?;
+    let stmt = match write {
+        Write::Insert => &p.insert,
+        Write::Restart => &p.restart,
+        Write::TakeOver => &p.takeover,
+    };
     let table = client.update(
-        sql,
+        stmt,
         None,
         &[
             req.scope.into(),
@@ -376,54 +439,53 @@ pub fn claim(req: &ClaimRequest<'_>) -> ClaimResult {
     let given = req.hash.as_ref().map(|h| &h[..]);
     let mut rounds = 0;
     while rounds < MAX_ROUNDS {
-        let step =
-            Spi::connect_mut(|client| -> Result<Step, pgrx::spi::Error> {
-                let row = read_row(client, false, req)?;
-                let Some(row) = row else {
-                    // Serialize probe+insert of this key across backends for a moment, so an
-                    // insert never meets another claimer's half-finished insert of the same key
-                    // (ON CONFLICT would then wait for that transaction to end).
-                    let _insert_lock = KeyInsertLock::acquire(req.scope, req.key);
-                    return match probe(req.scope, req.key) {
-                        Probe::Busy { locked_until } => Ok(Step::Busy(locked_until)),
-                        Probe::Absent | Probe::Committed => {
-                            match write_claim(client, INSERT_SQL, req)? {
-                                Some(r) => Ok(Step::Done(r)),
-                                None => Ok(Step::Again),
-                            }
+        let step = Spi::connect_mut(|client| -> Result<Step, pgrx::spi::Error> {
+            let row = read_row(client, false, req)?;
+            let Some(row) = row else {
+                // Serialize probe+insert of this key across backends for a moment, so an
+                // insert never meets another claimer's half-finished insert of the same key
+                // (ON CONFLICT would then wait for that transaction to end).
+                let _insert_lock = KeyInsertLock::acquire(req.scope, req.key);
+                return match probe(req.scope, req.key) {
+                    Probe::Busy { locked_until } => Ok(Step::Busy(locked_until)),
+                    Probe::Absent | Probe::Committed => {
+                        match write_claim(client, Write::Insert, req)? {
+                            Some(r) => Ok(Step::Done(r)),
+                            None => Ok(Step::Again),
                         }
-                    };
-                };
-                match state::decide(stored(&row), given) {
-                    Decision::Replay => Ok(Step::Done(replay(row))),
-                    Decision::Mismatch => {
-                        log_mismatch(req, row.request_hash.as_deref());
-                        Ok(Step::Done(ClaimResult::new(Outcome::Mismatch)))
                     }
-                    Decision::InProgress => Ok(Step::Done(in_progress(row))),
-                    Decision::Restart | Decision::TakeOver => {
-                        // Lock the newest version without waiting, then decide again on it.
-                        let Some(locked) = read_row(client, true, req)? else {
-                            return Ok(match probe(req.scope, req.key) {
-                                Probe::Busy { locked_until } => Step::Busy(locked_until),
-                                _ => Step::Again,
-                            });
-                        };
-                        match state::decide(stored(&locked), given) {
-                            Decision::Restart => Ok(write_claim(client, RESTART_SQL, req)?
-                                .map_or(Step::Again, Step::Done)),
-                            Decision::TakeOver => Ok(write_claim(client, TAKEOVER_SQL, req)?
-                                .map_or(Step::Again, Step::Done)),
-                            Decision::Replay => Ok(Step::Done(replay(locked))),
-                            Decision::InProgress => Ok(Step::Done(in_progress(locked))),
-                            Decision::Mismatch => {
-                                log_mismatch(req, locked.request_hash.as_deref());
-                                Ok(Step::Done(ClaimResult::new(Outcome::Mismatch)))
-                            }
+                };
+            };
+            match state::decide(stored(&row), given) {
+                Decision::Replay => Ok(Step::Done(replay(row))),
+                Decision::Mismatch => {
+                    log_mismatch(req, row.request_hash.as_deref());
+                    Ok(Step::Done(ClaimResult::new(Outcome::Mismatch)))
+                }
+                Decision::InProgress => Ok(Step::Done(in_progress(row))),
+                Decision::Restart | Decision::TakeOver => {
+                    // Lock the newest version without waiting, then decide again on it.
+                    let Some(locked) = read_row(client, true, req)? else {
+                        return Ok(match probe(req.scope, req.key) {
+                            Probe::Busy { locked_until } => Step::Busy(locked_until),
+                            _ => Step::Again,
+                        });
+                    };
+                    match state::decide(stored(&locked), given) {
+                        Decision::Restart => Ok(write_claim(client, Write::Restart, req)?
+                            .map_or(Step::Again, Step::Done)),
+                        Decision::TakeOver => Ok(write_claim(client, Write::TakeOver, req)?
+                            .map_or(Step::Again, Step::Done)),
+                        Decision::Replay => Ok(Step::Done(replay(locked))),
+                        Decision::InProgress => Ok(Step::Done(in_progress(locked))),
+                        Decision::Mismatch => {
+                            log_mismatch(req, locked.request_hash.as_deref());
+                            Ok(Step::Done(ClaimResult::new(Outcome::Mismatch)))
                         }
                     }
                 }
-            });
+            }
+        });
         match step {
             Ok(Step::Done(result)) => return result,
             Ok(Step::Busy(locked_until)) => {
@@ -484,7 +546,7 @@ const SWEEP_SQL: &str = "DELETE FROM idempotency.idempotency_keys AS k \
 pub fn sweep_batch(batch: i64) -> i64 {
     let deleted = Spi::connect_mut(|client| {
         client
-            .update(SWEEP_SQL, None, &[batch.into()])
+            .update(&plans(client)?.sweep, None, &[batch.into()])
             .map(|t| t.len() as i64)
     })
     .unwrap_or_else(|e| {

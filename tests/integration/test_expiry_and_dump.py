@@ -41,3 +41,18 @@ def test_pg_dump_keeps_keys_and_tokens(cluster, db):
         fresh = claim(other, "after-restore")
         assert fresh[1] > r[1], "the token sequence was restored too"
     subprocess.run([f"{PG_BIN}/dropdb", *conn, "restored"], check=True)
+
+
+def test_cached_plans_survive_reinstalling_the_extension_in_one_session(cluster, db):
+    db.execute("DROP DATABASE IF EXISTS reinstall")
+    db.execute("CREATE DATABASE reinstall")
+    with psycopg.connect(cluster.conninfo().replace("dbname=idem", "dbname=reinstall"), autocommit=True) as c:
+        c.execute("CREATE EXTENSION idempotency")
+        assert claim(c, "k")[0] == "new"
+        assert c.execute("SELECT idempotency.sweep()").fetchone()[0] == 0
+        c.execute("DROP EXTENSION idempotency")
+        c.execute("CREATE EXTENSION idempotency")
+        assert claim(c, "k")[0] == "new"
+        assert claim(c, "k")[0] == "in_progress"
+        assert c.execute("SELECT idempotency.sweep()").fetchone()[0] == 0
+    db.execute("DROP DATABASE reinstall")
