@@ -66,8 +66,11 @@ CREATE FUNCTION idempotency.claim(
     lease interval DEFAULT NULL
 ) RETURNS idempotency.claim_result
 LANGUAGE c VOLATILE PARALLEL UNSAFE
-SET search_path = pg_catalog, pg_temp
 AS 'MODULE_PATHNAME', 'idempotency_claim';
+-- claim and complete, the two calls on every request's path, do not SET search_path (it costs
+-- a configuration save and restore per call and stops complete from being inlined): the
+-- statements they run name every table, type, function and operator with its schema, so no
+-- search_path can redirect them. The other functions pin search_path = pg_catalog, pg_temp.
 
 CREATE FUNCTION idempotency._check_args(key text, scope text, ttl interval DEFAULT NULL)
 RETURNS void
@@ -82,7 +85,7 @@ AS 'MODULE_PATHNAME', 'idempotency_count';
 
 -- Raises the error that explains why complete/checkpoint found no row it may change.
 CREATE FUNCTION idempotency._raise_not_claimed(p_key text, p_scope text, p_token bigint, p_action text)
-RETURNS void
+RETURNS timestamptz
 LANGUAGE plpgsql VOLATILE
 SET search_path = pg_catalog, pg_temp
 AS $fn$
@@ -110,9 +113,19 @@ BEGIN
                                         p_action, p_key, p_scope, p_token, r.token),
             HINT = 'another worker took the key over after this lease ran out; abandon this attempt';
     END IF;
+    RETURN NULL;  -- not reached
 END
 $fn$;
 
+CREATE FUNCTION idempotency._complete(
+    key text, response jsonb, response_status integer, scope text, token bigint, ttl interval)
+RETURNS timestamptz
+LANGUAGE c VOLATILE PARALLEL UNSAFE
+AS 'MODULE_PATHNAME', 'idempotency_complete';
+
+-- A single-expression SQL function, so the planner inlines it into the caller's statement:
+-- on success it costs one C call; otherwise _raise_not_claimed raises IK001..IK003.
+-- (No SET search_path here, which would prevent inlining: every name is schema-qualified.)
 CREATE FUNCTION idempotency.complete(
     key             text,
     response        jsonb,
@@ -121,42 +134,10 @@ CREATE FUNCTION idempotency.complete(
     token           bigint DEFAULT NULL,
     ttl             interval DEFAULT NULL
 ) RETURNS timestamptz
-LANGUAGE plpgsql VOLATILE
-SET search_path = pg_catalog, pg_temp
+LANGUAGE sql VOLATILE
 AS $fn$
-#variable_conflict use_column
-DECLARE
-    v_expires timestamptz;
-BEGIN
-    PERFORM idempotency._check_args(complete.key, complete.scope, complete.ttl);
-    IF complete.response_status IS NULL THEN
-        RAISE EXCEPTION USING ERRCODE = 'null_value_not_allowed',
-            MESSAGE = 'response_status must not be NULL';
-    ELSIF complete.response_status OPERATOR(pg_catalog.<) 100
-       OR complete.response_status OPERATOR(pg_catalog.>) 599 THEN
-        RAISE EXCEPTION USING ERRCODE = 'invalid_parameter_value',
-            MESSAGE = pg_catalog.format('response_status must be between 100 and 599 (got %s)', complete.response_status);
-    END IF;
-    UPDATE idempotency.idempotency_keys AS k
-       SET status = 'completed',
-           response = complete.response,
-           response_status = complete.response_status,
-           completed_at = pg_catalog.now(),
-           locked_until = NULL,
-           expires_at = pg_catalog.now() OPERATOR(pg_catalog.+) COALESCE(complete.ttl, k.ttl),
-           ttl = COALESCE(complete.ttl, k.ttl)
-     WHERE k.scope OPERATOR(pg_catalog.=) complete.scope
-       AND k.key OPERATOR(pg_catalog.=) complete.key
-       AND k.status OPERATOR(pg_catalog.=) 'in_progress'::idempotency.key_status
-       AND k.expires_at OPERATOR(pg_catalog.>) pg_catalog.now()
-       AND (complete.token IS NULL OR k.token OPERATOR(pg_catalog.=) complete.token)
-    RETURNING k.expires_at INTO v_expires;
-    IF NOT FOUND THEN
-        PERFORM idempotency._raise_not_claimed(complete.key, complete.scope, complete.token, 'complete');
-    END IF;
-    PERFORM idempotency._count('completion');
-    RETURN v_expires;
-END
+    SELECT COALESCE(idempotency._complete($1, $2, $3, $4, $5, $6),
+                    idempotency._raise_not_claimed($1, $4, $5, 'complete'))
 $fn$;
 
 CREATE FUNCTION idempotency.checkpoint(

@@ -65,8 +65,12 @@ fn duration_arg(arg: &str, given: Option<Interval>, default_seconds: i32) -> (In
     (value, total)
 }
 
-fn hash_of(value: &Value) -> [u8; 32] {
-    keys::hash_value(value).unwrap_or_else(|e| canon_error("request", e))
+/// SHA-256 of the exact canonical form of a jsonb argument, written straight from the jsonb.
+unsafe fn hash_arg(datum: pg_sys::Datum, arg: &str) -> [u8; 32] {
+    let mut text = String::new();
+    unsafe { jsonb::write_canonical(datum, NumberMode::Exact, &mut text) }
+        .unwrap_or_else(|e| canon_error(arg, e));
+    Sha256::digest(text.as_bytes()).into()
 }
 
 fn text_datum(s: &str) -> pg_sys::Datum {
@@ -103,7 +107,7 @@ pub extern "C-unwind" fn idempotency_claim(fcinfo: pg_sys::FunctionCallInfo) -> 
         let (lease, lease_us) =
             duration_arg("lease", pg_getarg(fcinfo, 4), guc::DEFAULT_LEASE.get());
         check(keys::check_lease_within_ttl(lease_us, ttl_us));
-        let hash = value_arg(fcinfo, 1, "request").map(|v| hash_of(&v));
+        let hash = jsonb_arg(fcinfo, 1).map(|d| hash_arg(d, "request"));
         let result = store::claim(&ClaimRequest {
             scope,
             key,
@@ -234,10 +238,11 @@ pub extern "C-unwind" fn idempotency_canonical_json(
                 )
             }),
         };
-        let Some(doc) = value_arg(fcinfo, 0, "doc") else {
+        let Some(doc) = jsonb_arg(fcinfo, 0) else {
             return pg_return_null(fcinfo);
         };
-        let text = canonical::canonicalize(&doc, mode).unwrap_or_else(|e| canon_error("doc", e));
+        let mut text = String::new();
+        jsonb::write_canonical(doc, mode, &mut text).unwrap_or_else(|e| canon_error("doc", e));
         text_datum(&text)
     }
 }
@@ -254,9 +259,14 @@ pub extern "C-unwind" fn idempotency_canonical_hash(
         let Some(exclude) = exclude else {
             arg_error(ArgError::null("exclude"));
         };
-        let Some(mut doc) = value_arg(fcinfo, 0, "doc") else {
+        let Some(datum) = jsonb_arg(fcinfo, 0) else {
             return pg_return_null(fcinfo);
         };
+        if exclude.is_empty() {
+            return bytea_datum(&hash_arg(datum, "doc"));
+        }
+        // Exclusions edit a tree of the document, then hash that.
+        let mut doc = jsonb::to_value(datum).unwrap_or_else(|e| canon_error("doc", e));
         for entry in &exclude {
             let Some(entry) = entry else {
                 arg_error(ArgError::null("exclude element"));
@@ -431,5 +441,38 @@ pub extern "C-unwind" fn idempotency_shared_stats(
                 last_rows,
             ],
         )
+    }
+}
+
+v1!(pg_finfo_idempotency_complete);
+/// `idempotency._complete(key, response, response_status, scope, token, ttl)`: the work of
+/// `idempotency.complete`; NULL when there is no live claim to complete, which the SQL wrapper
+/// turns into the IK001..IK003 error that says why.
+#[pg_guard]
+#[unsafe(no_mangle)]
+pub extern "C-unwind" fn idempotency_complete(fcinfo: pg_sys::FunctionCallInfo) -> pg_sys::Datum {
+    unsafe {
+        let key: Option<String> = pg_getarg(fcinfo, 0);
+        let scope: Option<String> = pg_getarg(fcinfo, 3);
+        let key = check(keys::check_key("key", key.as_deref(), false));
+        let scope = check(keys::check_key("scope", scope.as_deref(), true));
+        let response_status = check(keys::check_status(pg_getarg::<i32>(fcinfo, 2)));
+        let ttl = pg_getarg::<Interval>(fcinfo, 5);
+        if let Some(t) = &ttl {
+            let (m, d, us) = interval_parts(t);
+            check(keys::check_duration("ttl", m, d, us));
+        }
+        let request = store::CompleteRequest {
+            scope,
+            key,
+            response: jsonb_arg(fcinfo, 1),
+            response_status,
+            token: pg_getarg::<i64>(fcinfo, 4),
+            ttl,
+        };
+        match store::complete(&request) {
+            Some(expires_at) => pg_sys::Datum::from(pg_sys::TimestampTz::from(expires_at)),
+            None => pg_return_null(fcinfo),
+        }
     }
 }

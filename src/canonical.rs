@@ -93,10 +93,7 @@ pub fn write_canonical(
         Value::Null => out.push_str("null"),
         Value::Bool(true) => out.push_str("true"),
         Value::Bool(false) => out.push_str("false"),
-        Value::Number(text) => match mode {
-            NumberMode::Exact => out.push_str(&es_layout(text)),
-            NumberMode::Rfc8785 => out.push_str(&rfc8785_number(text)?),
-        },
+        Value::Number(text) => write_number(text, mode, out)?,
         Value::String(s) => write_string(s, out),
         Value::Array(items) => {
             out.push('[');
@@ -207,17 +204,37 @@ fn split_number(text: &str) -> (bool, &str, &str, i64) {
 /// Lays out an exact decimal number in the ECMAScript Number::toString form, in pure decimal
 /// arithmetic. For the shortest spelling of any double this equals RFC 8785's output.
 pub fn es_layout(text: &str) -> String {
+    let mut out = String::with_capacity(text.len() + 8);
+    es_layout_into(text, &mut out);
+    out
+}
+
+/// [`es_layout`], appended to `out` (no allocation for numbers of up to 64 digits).
+pub fn es_layout_into(text: &str, out: &mut String) {
     let (neg, int, frac, exp) = split_number(text);
-    let all: String = [int, frac].concat();
-    let digits = all.trim_start_matches('0');
+    let mut buf = [0u8; 64];
+    let mut heap = Vec::new();
+    let all: &[u8] = if int.len() + frac.len() <= buf.len() {
+        buf[..int.len()].copy_from_slice(int.as_bytes());
+        buf[int.len()..int.len() + frac.len()].copy_from_slice(frac.as_bytes());
+        &buf[..int.len() + frac.len()]
+    } else {
+        heap.extend_from_slice(int.as_bytes());
+        heap.extend_from_slice(frac.as_bytes());
+        &heap
+    };
+    let lead = all.iter().take_while(|&&b| b == b'0').count();
+    let digits = &all[lead..];
     if digits.is_empty() {
-        return "0".to_string();
+        out.push('0');
+        return;
     }
-    let s = digits.trim_end_matches('0');
+    let trail = digits.iter().rev().take_while(|&&b| b == b'0').count();
+    // ASCII digits only: the slices below are valid UTF-8.
+    let s = std::str::from_utf8(&digits[..digits.len() - trail]).unwrap_or("0");
     let k = s.len() as i64;
     // value = 0.s * 10^n
     let n = exp - frac.len() as i64 + digits.len() as i64;
-    let mut out = String::with_capacity(s.len() + 8);
     if neg {
         out.push('-');
     }
@@ -242,7 +259,15 @@ pub fn es_layout(text: &str) -> String {
         out.push(if n > 0 { '+' } else { '-' });
         out.push_str(&(n - 1).abs().to_string());
     }
-    out
+}
+
+/// Writes a number from its exact decimal text in `mode`.
+pub fn write_number(text: &str, mode: NumberMode, out: &mut String) -> Result<(), CanonError> {
+    match mode {
+        NumberMode::Exact => es_layout_into(text, out),
+        NumberMode::Rfc8785 => out.push_str(&rfc8785_number(text)?),
+    }
+    Ok(())
 }
 
 /// Rounds exact decimal text to the nearest double and writes it as RFC 8785 does.

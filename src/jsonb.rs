@@ -110,3 +110,162 @@ pub unsafe fn to_value(datum: pg_sys::Datum) -> Result<Value, CanonError> {
         Ok(result.unwrap_or(Value::Null))
     }
 }
+
+/// One open container while writing; `open_at` is where its bracket stands in the output.
+enum Open {
+    Array {
+        open_at: usize,
+        first: bool,
+    },
+    /// Members are written in jsonb's order, then put into RFC 8785 order when it closes.
+    Object {
+        open_at: usize,
+        members: Vec<Member>,
+        key: Option<&'static str>,
+    },
+    RawScalar,
+}
+
+struct Member {
+    key: &'static str,
+    value: std::ops::Range<usize>,
+}
+
+/// Records a finished value: a member of the enclosing object, if it is one.
+fn finished(stack: &mut [Open], value: std::ops::Range<usize>) {
+    if let Some(Open::Object { members, key, .. }) = stack.last_mut() {
+        members.push(Member {
+            key: key.take().unwrap_or(""),
+            value,
+        });
+    }
+}
+
+/// Writes the canonical form of a (possibly toasted) jsonb datum straight from its binary form,
+/// without building a tree: scalars are written where they stand and each object's members are
+/// reordered once, when the object closes. Same output as `canonical::write_canonical` on
+/// [`to_value`]'s tree (a test compares the two).
+///
+/// # Safety
+/// `datum` must be a non-NULL jsonb datum.
+pub unsafe fn write_canonical(
+    datum: pg_sys::Datum,
+    mode: crate::canonical::NumberMode,
+    out: &mut String,
+) -> Result<(), CanonError> {
+    use crate::canonical::{utf16_cmp, write_number, write_string};
+    unsafe {
+        let jb = pg_sys::pg_detoast_datum(datum.cast_mut_ptr()) as *mut pg_sys::Jsonb;
+        let mut it = pg_sys::JsonbIteratorInit(&mut (*jb).root);
+        let mut v: pg_sys::JsonbValue = std::mem::zeroed();
+        let mut stack: Vec<Open> = Vec::new();
+        let mut depth = 0usize;
+        let mut scratch = String::new();
+        // Strings point into the detoasted jsonb, which outlives this function's work.
+        let text = |v: &pg_sys::JsonbValue| -> &'static str {
+            let s = v.val.string;
+            let bytes = std::slice::from_raw_parts(s.val as *const u8, s.len as usize);
+            std::str::from_utf8(bytes).unwrap_or("\u{fffd}")
+        };
+        loop {
+            let tok = pg_sys::JsonbIteratorNext(&mut it, &mut v, false);
+            let raw_scalar = tok == Tok::WJB_BEGIN_ARRAY && v.val.array.rawScalar;
+            let begins_value = matches!(
+                tok,
+                Tok::WJB_VALUE | Tok::WJB_ELEM | Tok::WJB_BEGIN_ARRAY | Tok::WJB_BEGIN_OBJECT
+            );
+            if begins_value && !raw_scalar {
+                if let Some(Open::Array { first, .. }) = stack.last_mut() {
+                    if !*first {
+                        out.push(',');
+                    }
+                    *first = false;
+                }
+            }
+            match tok {
+                Tok::WJB_DONE => break,
+                _ if raw_scalar => stack.push(Open::RawScalar),
+                Tok::WJB_BEGIN_ARRAY | Tok::WJB_BEGIN_OBJECT => {
+                    depth += 1;
+                    if depth > MAX_DEPTH {
+                        return Err(CanonError::TooDeep);
+                    }
+                    let open_at = out.len();
+                    if v.type_ == pg_sys::jbvType::jbvArray {
+                        out.push('[');
+                        stack.push(Open::Array {
+                            open_at,
+                            first: true,
+                        });
+                    } else {
+                        out.push('{');
+                        let n = v.val.object.nPairs.max(0) as usize;
+                        stack.push(Open::Object {
+                            open_at,
+                            members: Vec::with_capacity(n),
+                            key: None,
+                        });
+                    }
+                }
+                Tok::WJB_KEY => {
+                    if let Some(Open::Object { key, .. }) = stack.last_mut() {
+                        *key = Some(text(&v));
+                    }
+                }
+                Tok::WJB_VALUE | Tok::WJB_ELEM => {
+                    let start = out.len();
+                    match v.type_ {
+                        pg_sys::jbvType::jbvNull => out.push_str("null"),
+                        pg_sys::jbvType::jbvBool => {
+                            out.push_str(if v.val.boolean { "true" } else { "false" })
+                        }
+                        pg_sys::jbvType::jbvString => write_string(text(&v), out),
+                        pg_sys::jbvType::jbvNumeric => {
+                            let t = pg_sys::numeric_normalize(v.val.numeric);
+                            let r = write_number(&CStr::from_ptr(t).to_string_lossy(), mode, out);
+                            pg_sys::pfree(t.cast());
+                            r?;
+                        }
+                        other => panic!("unexpected jsonb scalar type {other}"),
+                    }
+                    finished(&mut stack, start..out.len());
+                }
+                Tok::WJB_END_ARRAY => match stack.pop() {
+                    Some(Open::Array { open_at, .. }) => {
+                        depth -= 1;
+                        out.push(']');
+                        finished(&mut stack, open_at..out.len());
+                    }
+                    _ => {} // the end of a top-level scalar
+                },
+                Tok::WJB_END_OBJECT => {
+                    if let Some(Open::Object {
+                        open_at,
+                        mut members,
+                        ..
+                    }) = stack.pop()
+                    {
+                        depth -= 1;
+                        members.sort_by(|a, b| utf16_cmp(a.key, b.key));
+                        let body = open_at + 1;
+                        scratch.clear();
+                        scratch.push_str(&out[body..]);
+                        out.truncate(body);
+                        for (i, m) in members.iter().enumerate() {
+                            if i > 0 {
+                                out.push(',');
+                            }
+                            write_string(m.key, out);
+                            out.push(':');
+                            out.push_str(&scratch[m.value.start - body..m.value.end - body]);
+                        }
+                        out.push('}');
+                        finished(&mut stack, open_at..out.len());
+                    }
+                }
+                other => panic!("unexpected jsonb iterator token {other}"),
+            }
+        }
+        Ok(())
+    }
+}

@@ -3,7 +3,7 @@
 
 use pgrx::prelude::*;
 use pgrx::{pg_shmem_init, PGRXSharedMemory, PgLwLock};
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 
 /// Databases tracked at once; further databases work but are not counted.
 pub const SLOTS: usize = 64;
@@ -61,6 +61,21 @@ pub fn enabled() -> bool {
     READY.load(Ordering::Relaxed)
 }
 
+thread_local! {
+    /// This backend's slot (a backend stays in one database): counting needs no lock.
+    static MY_SLOT: std::cell::Cell<*mut Slot> = const { std::cell::Cell::new(std::ptr::null_mut()) };
+}
+
+fn my_slot() -> Option<*mut Slot> {
+    let cached = MY_SLOT.with(|c| c.get());
+    if !cached.is_null() {
+        return Some(cached);
+    }
+    let ptr = with_slot(current_database(), |s| s as *mut Slot)?;
+    MY_SLOT.with(|c| c.set(ptr));
+    Some(ptr)
+}
+
 fn with_slot<R>(database: u32, f: impl FnOnce(&mut Slot) -> R) -> Option<R> {
     if !enabled() || database == 0 {
         return None;
@@ -82,7 +97,15 @@ fn current_database() -> u32 {
 
 /// Counts `n` events of `kind` for the current database.
 pub fn count(kind: Event, n: u64) {
-    with_slot(current_database(), |s| s.counters[kind as usize] += n);
+    if !enabled() {
+        return;
+    }
+    if let Some(slot) = my_slot() {
+        // SAFETY: the slot lives in shared memory for the server's lifetime and is never
+        // reassigned; every access to a counter is atomic.
+        let counter = unsafe { AtomicU64::from_ptr(&raw mut (*slot).counters[kind as usize]) };
+        counter.fetch_add(n, Ordering::Relaxed);
+    }
 }
 
 /// Records a finished sweep of the current database.
@@ -101,9 +124,22 @@ pub fn snapshot() -> Option<Slot> {
     }
     let db = current_database();
     let table = TABLE.share();
-    let found = table.slots.iter().find(|s| s.database == db).copied();
-    Some(found.unwrap_or(Slot {
+    let Some(slot) = table.slots.iter().find(|s| s.database == db) else {
+        return Some(Slot {
+            database: db,
+            ..Slot::default()
+        });
+    };
+    let mut copy = Slot {
         database: db,
-        ..Slot::default()
-    }))
+        counters: [0; EVENTS],
+        last_sweep_at: slot.last_sweep_at,
+        last_sweep_rows: slot.last_sweep_rows,
+    };
+    for (i, c) in copy.counters.iter_mut().enumerate() {
+        // SAFETY: as in count(): counters are only ever accessed atomically.
+        let counter = unsafe { AtomicU64::from_ptr(&slot.counters[i] as *const u64 as *mut u64) };
+        *c = counter.load(Ordering::Relaxed);
+    }
+    Some(copy)
 }

@@ -150,6 +150,7 @@ struct Plans {
     insert: OwnedPreparedStatement,
     restart: OwnedPreparedStatement,
     takeover: OwnedPreparedStatement,
+    complete: OwnedPreparedStatement,
     sweep: OwnedPreparedStatement,
 }
 
@@ -180,6 +181,19 @@ fn plans(client: &SpiClient<'_>) -> Result<&'static Plans, pgrx::spi::Error> {
         insert: client.prepare_mut(INSERT_SQL, &claim_args)?.keep(),
         restart: client.prepare_mut(RESTART_SQL, &claim_args)?.keep(),
         takeover: client.prepare_mut(TAKEOVER_SQL, &claim_args)?.keep(),
+        complete: client
+            .prepare_mut(
+                COMPLETE_SQL,
+                &[
+                    text,
+                    text,
+                    PgOid::from(pg_sys::JSONBOID),
+                    PgOid::from(pg_sys::INT4OID),
+                    PgOid::from(pg_sys::INT8OID),
+                    PgOid::from(pg_sys::INTERVALOID),
+                ],
+            )?
+            .keep(),
         sweep: client
             .prepare_mut(SWEEP_SQL, &[PgOid::from(pg_sys::INT8OID)])?
             .keep(),
@@ -284,13 +298,25 @@ enum Probe {
     Busy {
         locked_until: Option<pg_sys::TimestampTz>,
     },
-    /// A committed row our snapshot may not show yet.
-    Committed,
+    /// The newest committed version (or our own transaction's).
+    Committed(Row),
 }
 
-/// Looks the key up in the primary key with a dirty snapshot, as PostgreSQL's own unique
-/// checks do, to learn without waiting whether another open transaction holds the key.
-fn probe(scope: &str, key: &str) -> Probe {
+/// Per-backend cache of the table's OIDs and column numbers, checked against the catalog's
+/// current OIDs on every use (they change when the extension is reinstalled).
+#[derive(Clone, Copy)]
+struct Layout {
+    relid: pg_sys::Oid,
+    idxid: pg_sys::Oid,
+    /// request_hash, token, response, response_status, recovery_point, expires_at, locked_until
+    att: [i32; 7],
+}
+
+thread_local! {
+    static LAYOUT: Cell<Option<Layout>> = const { Cell::new(None) };
+}
+
+fn layout() -> Layout {
     unsafe {
         let nsp = pg_sys::get_namespace_oid(c"idempotency".as_ptr(), false);
         let relid = pg_sys::get_relname_relid(c"idempotency_keys".as_ptr(), nsp);
@@ -302,9 +328,74 @@ fn probe(scope: &str, key: &str) -> Probe {
                 Some("reinstall the extension: DROP EXTENSION idempotency; CREATE EXTENSION idempotency;"),
             );
         }
+        if let Some(l) = LAYOUT
+            .with(Cell::get)
+            .filter(|l| l.relid == relid && l.idxid == idxid)
+        {
+            return l;
+        }
+        let names = [
+            c"request_hash",
+            c"token",
+            c"response",
+            c"response_status",
+            c"recovery_point",
+            c"expires_at",
+            c"locked_until",
+        ];
+        let mut att = [0i32; 7];
+        for (i, n) in names.iter().enumerate() {
+            att[i] = pg_sys::get_attnum(relid, n.as_ptr()) as i32;
+        }
+        let l = Layout { relid, idxid, att };
+        LAYOUT.with(|c| c.set(Some(l)));
+        l
+    }
+}
+
+/// Reads the row in `slot` (copied out of the buffer) and judges it at `now()`.
+unsafe fn row_from_slot(slot: *mut pg_sys::TupleTableSlot, att: &[i32; 7]) -> Row {
+    unsafe {
+        let get = |n: i32| {
+            let mut isnull = false;
+            let d = pg_sys::slot_getattr(slot, n, &mut isnull);
+            (d, isnull)
+        };
+        let (hash, hash_null) = get(att[0]);
+        let (token, _) = get(att[1]);
+        let (response, response_null) = get(att[2]);
+        let (status, status_null) = get(att[3]);
+        let (recovery, recovery_null) = get(att[4]);
+        let (expires, _) = get(att[5]);
+        let (locked, locked_null) = get(att[6]);
+        let now = pg_sys::GetCurrentTransactionStartTimestamp();
+        let expires_at = expires.value() as i64;
+        let locked_until = (!locked_null).then_some(locked.value() as i64);
+        Row {
+            // The table's CHECK constraint ties "completed" to locked_until IS NULL.
+            completed: locked_null,
+            request_hash: Vec::<u8>::from_datum(hash, hash_null),
+            token: Some(token.value() as i64),
+            response: OwnedJsonb::from_datum(response, response_null),
+            response_status: (!status_null).then_some(status.value() as i32),
+            recovery_point: String::from_datum(recovery, recovery_null),
+            expires_at: TimestampWithTimeZone::from_datum(expires, false),
+            expired: expires_at <= now,
+            lease_over: locked_until.is_some_and(|l| l <= now),
+            retry_after: Some(seconds_left(locked_until)),
+        }
+    }
+}
+
+/// Looks the key up in the primary key with a dirty snapshot, as PostgreSQL's own unique
+/// checks do: it sees committed rows and learns, without waiting, whether another open
+/// transaction is inserting, changing or deleting the key.
+fn probe(scope: &str, key: &str) -> Probe {
+    let l = layout();
+    unsafe {
         let lock = pg_sys::AccessShareLock as pg_sys::LOCKMODE;
-        let heap = pg_sys::table_open(relid, lock);
-        let index = pg_sys::index_open(idxid, lock);
+        let heap = pg_sys::table_open(l.relid, lock);
+        let index = pg_sys::index_open(l.idxid, lock);
         let mut snapshot: pg_sys::SnapshotData = std::mem::zeroed();
         snapshot.snapshot_type = pg_sys::SnapshotType::SNAPSHOT_DIRTY;
         let mut keys: [pg_sys::ScanKeyData; 2] = std::mem::zeroed();
@@ -312,20 +403,15 @@ fn probe(scope: &str, key: &str) -> Probe {
         let scope_text =
             pg_sys::cstring_to_text_with_len(scope.as_ptr().cast(), scope.len() as i32);
         let key_text = pg_sys::cstring_to_text_with_len(key.as_ptr().cast(), key.len() as i32);
-        pg_sys::ScanKeyInit(
-            &mut keys[0],
-            1,
-            pg_sys::BTEqualStrategyNumber as u16,
-            pg_sys::Oid::from(pg_sys::F_TEXTEQ),
-            pg_sys::Datum::from(scope_text),
-        );
-        pg_sys::ScanKeyInit(
-            &mut keys[1],
-            2,
-            pg_sys::BTEqualStrategyNumber as u16,
-            pg_sys::Oid::from(pg_sys::F_TEXTEQ),
-            pg_sys::Datum::from(key_text),
-        );
+        for (i, d) in [scope_text, key_text].into_iter().enumerate() {
+            pg_sys::ScanKeyInit(
+                &mut keys[i],
+                (i + 1) as pg_sys::AttrNumber,
+                pg_sys::BTEqualStrategyNumber as u16,
+                pg_sys::Oid::from(pg_sys::F_TEXTEQ),
+                pg_sys::Datum::from(d),
+            );
+        }
         let scan = pg_sys::index_beginscan(heap, index, &mut snapshot, 2, 0);
         pg_sys::index_rescan(scan, keys.as_mut_ptr(), 2, std::ptr::null_mut(), 0);
         let slot = pg_sys::table_slot_create(heap, std::ptr::null_mut());
@@ -334,14 +420,13 @@ fn probe(scope: &str, key: &str) -> Probe {
             let other_xact = snapshot.xmin != pg_sys::InvalidTransactionId
                 || snapshot.xmax != pg_sys::InvalidTransactionId;
             if other_xact {
-                let attnum = pg_sys::get_attnum(relid, c"locked_until".as_ptr());
                 let mut isnull = false;
-                let d = pg_sys::slot_getattr(slot, attnum as i32, &mut isnull);
+                let d = pg_sys::slot_getattr(slot, l.att[6], &mut isnull);
                 let locked_until = if isnull { None } else { Some(d.value() as i64) };
                 found = Probe::Busy { locked_until };
                 break;
             }
-            found = Probe::Committed;
+            found = Probe::Committed(row_from_slot(slot, &l.att));
         }
         pg_sys::ExecDropSingleTupleTableSlot(slot);
         pg_sys::index_endscan(scan);
@@ -431,61 +516,40 @@ fn log_mismatch(req: &ClaimRequest<'_>, stored: Option<&[u8]>) {
 const MAX_ROUNDS: usize = 50;
 
 /// The claim algorithm. Never waits on another transaction's claim of the same key beyond
-/// `idempotency.claim_wait`: uncommitted inserts are seen through a dirty-snapshot probe and
-/// locked rows are skipped, both answered `in_progress`.
+/// `idempotency.claim_wait`: uncommitted inserts and changes are seen through a dirty-snapshot
+/// probe and locked rows are skipped, both answered `in_progress`.
+///
+/// Under READ COMMITTED (where every statement sees the newest committed data anyway) the
+/// probe's row is the answer: replays, mismatches and in-progress answers touch no SQL at all.
+/// Under REPEATABLE READ and SERIALIZABLE the row is read through the transaction's snapshot.
 pub fn claim(req: &ClaimRequest<'_>) -> ClaimResult {
     let wait = Duration::from_millis(guc::CLAIM_WAIT.get().max(0) as u64);
     let started = Instant::now();
-    let given = req.hash.as_ref().map(|h| &h[..]);
+    let snapshot_reads = unsafe { pg_sys::XactIsoLevel } >= pg_sys::XACT_REPEATABLE_READ as i32;
     let mut rounds = 0;
     while rounds < MAX_ROUNDS {
-        let step = Spi::connect_mut(|client| -> Result<Step, pgrx::spi::Error> {
-            let row = read_row(client, false, req)?;
-            let Some(row) = row else {
-                // Serialize probe+insert of this key across backends for a moment, so an
-                // insert never meets another claimer's half-finished insert of the same key
-                // (ON CONFLICT would then wait for that transaction to end).
-                let _insert_lock = KeyInsertLock::acquire(req.scope, req.key);
-                return match probe(req.scope, req.key) {
-                    Probe::Busy { locked_until } => Ok(Step::Busy(locked_until)),
-                    Probe::Absent | Probe::Committed => {
-                        match write_claim(client, Write::Insert, req)? {
-                            Some(r) => Ok(Step::Done(r)),
-                            None => Ok(Step::Again),
+        let step = if snapshot_reads {
+            Spi::connect_mut(|client| match read_row(client, false, req)? {
+                Some(row) => decide(client, req, row),
+                None => insert(client, req),
+            })
+        } else {
+            match probe_or_insert(req) {
+                Looked::Inserted(step) => step,
+                Looked::Found(Probe::Busy { locked_until }) => Ok(Step::Busy(locked_until)),
+                Looked::Found(Probe::Committed(row)) => {
+                    match state::decide(stored(&row), given(req)) {
+                        d @ (Decision::Replay | Decision::Mismatch | Decision::InProgress) => {
+                            Ok(Step::Done(answer(req, d, row)))
                         }
-                    }
-                };
-            };
-            match state::decide(stored(&row), given) {
-                Decision::Replay => Ok(Step::Done(replay(row))),
-                Decision::Mismatch => {
-                    log_mismatch(req, row.request_hash.as_deref());
-                    Ok(Step::Done(ClaimResult::new(Outcome::Mismatch)))
-                }
-                Decision::InProgress => Ok(Step::Done(in_progress(row))),
-                Decision::Restart | Decision::TakeOver => {
-                    // Lock the newest version without waiting, then decide again on it.
-                    let Some(locked) = read_row(client, true, req)? else {
-                        return Ok(match probe(req.scope, req.key) {
-                            Probe::Busy { locked_until } => Step::Busy(locked_until),
-                            _ => Step::Again,
-                        });
-                    };
-                    match state::decide(stored(&locked), given) {
-                        Decision::Restart => Ok(write_claim(client, Write::Restart, req)?
-                            .map_or(Step::Again, Step::Done)),
-                        Decision::TakeOver => Ok(write_claim(client, Write::TakeOver, req)?
-                            .map_or(Step::Again, Step::Done)),
-                        Decision::Replay => Ok(Step::Done(replay(locked))),
-                        Decision::InProgress => Ok(Step::Done(in_progress(locked))),
-                        Decision::Mismatch => {
-                            log_mismatch(req, locked.request_hash.as_deref());
-                            Ok(Step::Done(ClaimResult::new(Outcome::Mismatch)))
+                        Decision::Restart | Decision::TakeOver => {
+                            Spi::connect_mut(|client| decide(client, req, row))
                         }
                     }
                 }
+                Looked::Found(Probe::Absent) => Ok(Step::Again),
             }
-        });
+        };
         match step {
             Ok(Step::Done(result)) => return result,
             Ok(Step::Busy(locked_until)) => {
@@ -513,6 +577,87 @@ pub fn claim(req: &ClaimRequest<'_>) -> ClaimResult {
     )
 }
 
+enum Looked {
+    Inserted(Result<Step, pgrx::spi::Error>),
+    Found(Probe),
+}
+
+/// One look at the key under its insert lock (READ COMMITTED): an absent key is inserted at
+/// once; anything else is returned after the lock is released.
+fn probe_or_insert(req: &ClaimRequest<'_>) -> Looked {
+    let _insert_lock = KeyInsertLock::acquire(req.scope, req.key);
+    match probe(req.scope, req.key) {
+        Probe::Absent => Looked::Inserted(Spi::connect_mut(|client| {
+            Ok(write_claim(client, Write::Insert, req)?.map_or(Step::Again, Step::Done))
+        })),
+        found => Looked::Found(found),
+    }
+}
+
+fn given<'a>(req: &'a ClaimRequest<'_>) -> Option<&'a [u8]> {
+    req.hash.as_ref().map(|h| &h[..])
+}
+
+/// The key looked absent: insert it, unless another claimer got there first.
+fn insert(client: &mut SpiClient<'_>, req: &ClaimRequest<'_>) -> Result<Step, pgrx::spi::Error> {
+    // Serialize probe+insert of this key across backends for a moment, so an insert never
+    // meets another claimer's half-finished insert of the same key (ON CONFLICT would then
+    // wait for that transaction to end).
+    let _insert_lock = KeyInsertLock::acquire(req.scope, req.key);
+    match probe(req.scope, req.key) {
+        Probe::Busy { locked_until } => Ok(Step::Busy(locked_until)),
+        // Absent; or committed meanwhile (ON CONFLICT DO NOTHING then inserts nothing and the
+        // next round reads the row), or committed but not in a REPEATABLE READ snapshot (the
+        // insert then fails with a serialization error, as it should).
+        Probe::Absent | Probe::Committed(_) => {
+            Ok(write_claim(client, Write::Insert, req)?.map_or(Step::Again, Step::Done))
+        }
+    }
+}
+
+/// The answers that write nothing: replay, mismatch and in_progress.
+fn answer(req: &ClaimRequest<'_>, decision: Decision, row: Row) -> ClaimResult {
+    match decision {
+        Decision::Replay => replay(row),
+        Decision::Mismatch => {
+            log_mismatch(req, row.request_hash.as_deref());
+            ClaimResult::new(Outcome::Mismatch)
+        }
+        _ => in_progress(row),
+    }
+}
+
+/// Applies the outcome table to a row that exists.
+fn decide(
+    client: &mut SpiClient<'_>,
+    req: &ClaimRequest<'_>,
+    row: Row,
+) -> Result<Step, pgrx::spi::Error> {
+    match state::decide(stored(&row), given(req)) {
+        d @ (Decision::Replay | Decision::Mismatch | Decision::InProgress) => {
+            Ok(Step::Done(answer(req, d, row)))
+        }
+        Decision::Restart | Decision::TakeOver => {
+            // Lock the newest version without waiting, then decide again on it.
+            let Some(locked) = read_row(client, true, req)? else {
+                return Ok(match probe(req.scope, req.key) {
+                    Probe::Busy { locked_until } => Step::Busy(locked_until),
+                    _ => Step::Again,
+                });
+            };
+            match state::decide(stored(&locked), given(req)) {
+                Decision::Restart => {
+                    Ok(write_claim(client, Write::Restart, req)?.map_or(Step::Again, Step::Done))
+                }
+                Decision::TakeOver => {
+                    Ok(write_claim(client, Write::TakeOver, req)?.map_or(Step::Again, Step::Done))
+                }
+                d => Ok(Step::Done(answer(req, d, locked))),
+            }
+        }
+    }
+}
+
 enum Step {
     Done(ClaimResult),
     Busy(Option<pg_sys::TimestampTz>),
@@ -534,6 +679,69 @@ fn in_progress(row: Row) -> ClaimResult {
     r.expires_at = row.expires_at;
     r.recovery_point = row.recovery_point;
     r
+}
+
+/// Stores the response on the live in-progress claim (with the right token, when given).
+const COMPLETE_SQL: &str = "UPDATE idempotency.idempotency_keys AS k SET \
+       status = 'completed'::idempotency.key_status, response = $3, response_status = $4, \
+       completed_at = pg_catalog.now(), locked_until = NULL, \
+       expires_at = pg_catalog.now() OPERATOR(pg_catalog.+) COALESCE($6, k.ttl), \
+       ttl = COALESCE($6, k.ttl) \
+     WHERE k.scope OPERATOR(pg_catalog.=) $1 AND k.key OPERATOR(pg_catalog.=) $2 \
+       AND k.status OPERATOR(pg_catalog.=) 'in_progress'::idempotency.key_status \
+       AND k.expires_at OPERATOR(pg_catalog.>) pg_catalog.now() \
+       AND ($5 IS NULL OR k.token OPERATOR(pg_catalog.=) $5) \
+     RETURNING k.expires_at";
+
+pub struct CompleteRequest<'a> {
+    pub scope: &'a str,
+    pub key: &'a str,
+    pub response: Option<pg_sys::Datum>,
+    pub response_status: i32,
+    pub token: Option<i64>,
+    pub ttl: Option<Interval>,
+}
+
+/// Completes a claim; None when there is no live in-progress claim with that token (the SQL
+/// wrapper then explains why, with its own SQLSTATE).
+pub fn complete(req: &CompleteRequest<'_>) -> Option<TimestampWithTimeZone> {
+    let response = req
+        .response
+        .map(|d| unsafe { pgrx::datum::DatumWithOid::new(d, pg_sys::JSONBOID) });
+    let result = Spi::connect_mut(|client| {
+        let p = plans(client)?;
+        let response = match response {
+            Some(d) => d,
+            None => pgrx::datum::DatumWithOid::null_oid(pg_sys::JSONBOID),
+        };
+        let table = client.update(
+            &p.complete,
+            None,
+            &[
+                req.scope.into(),
+                req.key.into(),
+                response,
+                req.response_status.into(),
+                req.token.into(),
+                req.ttl.into(),
+            ],
+        )?;
+        if table.is_empty() {
+            return Ok(None);
+        }
+        table.first().get::<TimestampWithTimeZone>(1)
+    })
+    .unwrap_or_else(|e: pgrx::spi::Error| {
+        raise(
+            PgSqlErrorCode::ERRCODE_INTERNAL_ERROR,
+            format!("idempotency.complete: {e}"),
+            None,
+        )
+    });
+    if result.is_some() {
+        stats::count(stats::Event::Completion, 1);
+    }
+    result
 }
 
 const SWEEP_SQL: &str = "DELETE FROM idempotency.idempotency_keys AS k \

@@ -130,3 +130,19 @@ def test_rfc8785_mode_matches_the_oracle(db):
     ]
     compare(docs, expected, ours(db, docs, "rfc8785"))
     assert expected[-4:-2] == ["!error 22003", "!error 22003"]
+
+
+def test_streaming_and_tree_paths_agree(db):
+    """canonical_hash without exclusions writes straight from jsonb; with exclusions it edits a
+    tree first. An exclusion that matches nothing must give the same hash."""
+    r = random.Random(SEED + 3)
+    random.seed(SEED + 3)
+    docs = [rand_doc(r, exact=True) for _ in range(DOCS // 2)]
+    rows = db.execute(
+        """SELECT count(*) FILTER (WHERE idempotency.canonical_hash(d::jsonb)
+                                       = idempotency.canonical_hash(d::jsonb, '{/no such member/x}')),
+                  count(*)
+             FROM unnest(%s::text[]) AS t(d)""",
+        (docs,),
+    ).fetchone()
+    assert rows[0] == rows[1] == len(docs)

@@ -222,3 +222,22 @@ def test_mismatch_logs_one_warning_with_hash_prefixes(db):
     w = warnings[0]
     assert 'key="mm"' in w and 'scope=""' in w
     assert f"stored_hash={stored[:12]}" in w and f"request_hash={given[:12]}" in w, w
+
+
+def test_repeatable_read_claims_read_their_snapshot(connect):
+    a, b = connect(), connect()
+    claim(b, "rr-old", {"a": 1})
+    b.execute("SELECT idempotency.complete('rr-old', '{\"v\": 1}')")
+    a.execute("BEGIN ISOLATION LEVEL REPEATABLE READ")
+    assert claim(a, "rr-old", {"a": 1})[0] == "replay"
+    assert claim(a, "rr-new", {"a": 1})[0] == "new"
+    # A key another session claims and commits after our snapshot cannot be claimed here:
+    # the claim fails with a serialization failure instead of answering from a stale view.
+    assert claim(b, "rr-race")[0] == "new"
+    try:
+        claim(a, "rr-race")
+        raise AssertionError("expected a serialization failure")
+    except psycopg.errors.SerializationFailure:
+        pass
+    a.execute("ROLLBACK")
+    assert claim(b, "rr-new", {"a": 1})[0] == "new", "the rolled-back claim left nothing"

@@ -1,0 +1,408 @@
+#!/usr/bin/env python3
+"""Benchmark harness: the extension against the floor and the alternatives, side by side in one
+run with alternating rounds. Writes bench/RESULTS.md and bench/throughput_p99.png.
+
+Run through bench/run.sh (it installs the prerequisites and a release build). Options:
+  --seconds N   length of each pgbench/redis run (default 5)
+  --rounds N    alternating rounds per comparison (default 2)
+  --big N       rows for the scale comparison (default 10,000,000)
+  --quick       a smoke run: 1 s runs, 1 round, 100,000 rows (checks the harness, not targets)
+"""
+
+import argparse
+import csv
+import io
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.join(HERE, "..", "tests", "integration"))
+from cluster import PG_BIN, Cluster, free_port  # noqa: E402
+
+import psycopg  # noqa: E402
+
+CLIENTS = [1, 4, 16]
+REQUEST = '{"amount": 100, "currency": "EUR"}'
+
+
+def pgbench(cluster, script, clients, seconds, tag, logdir):
+    """Runs one pgbench script; returns (tps, p99 latency in ms)."""
+    prefix = os.path.join(logdir, f"{tag}-{clients}")
+    for f in os.listdir(logdir):
+        if f.startswith(os.path.basename(prefix) + "."):
+            os.remove(os.path.join(logdir, f))
+    env = dict(os.environ, PGOPTIONS="-c client_min_messages=error")
+    out = subprocess.run(
+        [f"{PG_BIN}/pgbench", "-h", cluster.dir, "-p", str(cluster.port), "-U", "postgres", "-n",
+         "-c", str(clients), "-j", str(min(clients, 4)), "-T", str(seconds), "-M", "prepared",
+         "-f", os.path.join(HERE, "sql", script), "-l", "--log-prefix", prefix, cluster.dbname],
+        capture_output=True, text=True, env=env, cwd=logdir,
+    )
+    if out.returncode != 0:
+        raise RuntimeError(f"pgbench {script} failed:\n{out.stdout}\n{out.stderr}")
+    tps = None
+    for line in out.stdout.splitlines():
+        if line.startswith("tps ="):
+            tps = float(line.split()[2])
+    latencies = []
+    for f in os.listdir(logdir):
+        if f.startswith(os.path.basename(prefix) + "."):
+            with open(os.path.join(logdir, f)) as fh:
+                for row in fh:
+                    parts = row.split()
+                    if len(parts) >= 3:
+                        latencies.append(int(parts[2]))
+    latencies.sort()
+    p99 = latencies[int(len(latencies) * 0.99) - 1] / 1000.0 if latencies else float("nan")
+    return tps, p99
+
+
+def redis_bench(port, clients, seconds, command):
+    """redis-benchmark for about `seconds`; returns (rps, p99 ms)."""
+    n = max(2000, int(20000 * seconds * min(clients, 4)))
+    out = subprocess.run(
+        ["redis-benchmark", "-p", str(port), "-c", str(clients), "-n", str(n), "-r", "100000000",
+         "--csv", *command],
+        capture_output=True, text=True, check=True,
+    )
+    rows = list(csv.DictReader(io.StringIO(out.stdout)))
+    return float(rows[-1]["rps"]), float(rows[-1]["p99_latency_ms"])
+
+
+class Redis:
+    def __init__(self, aof):
+        self.dir = tempfile.mkdtemp(prefix="idempotency-redis-")
+        self.port = free_port()
+        args = ["redis-server", "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
+                "--dir", self.dir, "--daemonize", "no"]
+        if aof:
+            args += ["--appendonly", "yes", "--appendfsync", "everysec"]
+        else:
+            args += ["--appendonly", "no"]
+        self.proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        for _ in range(100):
+            if subprocess.run(["redis-cli", "-p", str(self.port), "ping"], capture_output=True).returncode == 0:
+                return
+            time.sleep(0.05)
+        raise RuntimeError("redis-server did not start")
+
+    def stop(self):
+        self.proc.terminate()
+        self.proc.wait(10)
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+
+SETNX = ["SET", "idem:__rand_int__", '{"ok":true}', "NX", "EX", "86400"]
+LUA = ["EVAL",
+       "local v = redis.call('GET', KEYS[1]) if v then return v end "
+       "redis.call('SET', KEYS[1], ARGV[1], 'EX', 86400) return false",
+       "1", "idem:__rand_int__", '{"ok":true}']
+
+
+def sql(cluster, statement, params=None):
+    with psycopg.connect(cluster.conninfo(), autocommit=True) as c:
+        cur = c.execute(statement, params)
+        return cur.fetchall() if cur.description else None
+
+
+def median(xs):
+    return statistics.median(xs) if xs else float("nan")
+
+
+def alternate(rounds, variants, run):
+    """Runs every variant once per round, reversing the order every other round."""
+    results = {v: [] for v in variants}
+    for r in range(rounds):
+        order = variants if r % 2 == 0 else list(reversed(variants))
+        for v in order:
+            results[v].append(run(v))
+    return {v: (median([x[0] for x in xs]), median([x[1] for x in xs])) for v, xs in results.items()}
+
+
+def populate_replay_keys(cluster):
+    sql(cluster, f"""INSERT INTO idempotency.idempotency_keys
+                       (key, request_hash, status, token, response, response_status, expires_at, ttl, completed_at)
+                     SELECT 'r' || i, idempotency.canonical_hash('{REQUEST}'), 'completed', i, '{{"ok": true}}', 200,
+                            now() + interval '1 day', interval '1 day', now()
+                       FROM generate_series(1, 10000) i""")
+    sql(cluster, """INSERT INTO bench.floor (key, status, token, response, response_status, expires_at, ttl)
+                    SELECT 'r' || i, 'completed', i, '{"ok": true}', 200, now() + interval '1 day', interval '1 day'
+                      FROM generate_series(1, 10000) i""")
+    sql(cluster, f"""INSERT INTO idempotency.idempotency_keys
+                       (key, request_hash, status, token, expires_at, ttl, locked_until)
+                     SELECT 'hot-' || i, idempotency.canonical_hash('{REQUEST}'), 'in_progress', i,
+                            now() + interval '1 day', interval '1 day', now() + interval '1 hour'
+                       FROM generate_series(1, 100) i""")
+    sql(cluster, "VACUUM ANALYZE")
+
+
+def wal_bytes_per_tx(cluster, script, logdir):
+    before = sql(cluster, "SELECT wal_bytes FROM pg_stat_wal")[0][0]
+    out = subprocess.run(
+        [f"{PG_BIN}/pgbench", "-h", cluster.dir, "-p", str(cluster.port), "-U", "postgres", "-n", "-c", "1",
+         "-t", "2000", "-M", "prepared", "-f", os.path.join(HERE, "sql", script), cluster.dbname],
+        capture_output=True, text=True, check=True,
+    )
+    after = sql(cluster, "SELECT wal_bytes FROM pg_stat_wal")[0][0]
+    del out
+    return float(after - before) / 2000
+
+
+def make_doc(size):
+    """A JSON document of about `size` bytes with nested objects, arrays, strings and numbers."""
+    import json
+    import random
+    r = random.Random(size)
+    items = []
+    total = 0
+    while total < size:
+        item = {"id": r.randint(1, 10**12), "name": "item-" + str(r.random()), "price": round(r.uniform(0, 1000), 2),
+                "tags": [r.choice(["a", "bb", "ccc", "été", "€"]) for _ in range(3)], "ok": r.random() < 0.5,
+                "nested": {"z": r.random(), "a": None, "m": "x" * r.randint(0, 20)}}
+        items.append(item)
+        total += len(json.dumps(item))
+    return json.dumps({"order": {"items": items, "currency": "EUR"}, "customer": "c-42"})
+
+
+def hashing(cluster, seconds):
+    """MB/s of canonical_hash, sha256(doc::text) and the PL/pgSQL canonicalizer."""
+    results = {}
+    for label, size, copies in [("200 B", 200, 20000), ("10 KB", 10_000, 2000), ("1 MB", 1_000_000, 20)]:
+        doc = make_doc(size)
+        sql(cluster, "DELETE FROM bench.docs")
+        sql(cluster, "INSERT INTO bench.docs SELECT %s, (%s::jsonb || jsonb_build_object('copy', i)) FROM generate_series(1, %s) i",
+            (label, doc, copies))
+        nbytes = sql(cluster, "SELECT sum(length(doc::text)) FROM bench.docs")[0][0]
+        row = {}
+        for name, expr in [("canonical_hash", "idempotency.canonical_hash(doc)"),
+                           ("sha256(doc::text)", "sha256(convert_to(doc::text, 'UTF8'))"),
+                           ("PL/pgSQL canonicalizer", "sha256(convert_to(bench.plpgsql_canonical(doc), 'UTF8'))")]:
+            rates = []
+            deadline = time.monotonic() + seconds
+            while True:
+                started = time.monotonic()
+                sql(cluster, f"SELECT count({expr}) FROM bench.docs")
+                rates.append(nbytes / (time.monotonic() - started) / 1e6)
+                if time.monotonic() > deadline or len(rates) >= 5:
+                    break
+            row[name] = max(rates)
+        results[label] = row
+    return results
+
+
+def sweep_bench(cluster, seconds, logdir):
+    """Deletion rate of the background sweeper on 1M expired rows, and the p99 of 8 claiming
+    sessions during the sweep against without it."""
+    base_tps, base_p99 = pgbench(cluster, "ext_one_tx.sql", 8, seconds, "sweep-base", logdir)
+    sql(cluster, """INSERT INTO idempotency.idempotency_keys (key, status, token, expires_at, ttl, locked_until)
+                    SELECT 'x' || i, 'in_progress', -i, now() - interval '1 minute', interval '1 hour', now()
+                      FROM generate_series(1, 1000000) i""")
+    swept0 = sql(cluster, "SELECT rows_swept FROM idempotency._shared_stats()")[0][0]
+    import threading
+    box = {}
+
+    def load():
+        box["during"] = pgbench(cluster, "ext_one_tx.sql", 8, max(seconds, 10), "sweep-during", logdir)
+
+    t = threading.Thread(target=load)
+    t.start()
+    first = last = None
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline:
+        swept = sql(cluster, "SELECT rows_swept FROM idempotency._shared_stats()")[0][0] - swept0
+        now = time.monotonic()
+        if swept > 0 and first is None:
+            first = (now, swept)
+        if swept >= 1_000_000:
+            last = (now, swept)
+            break
+        time.sleep(0.05)
+    t.join()
+    rate = (last[1] - first[1]) / (last[0] - first[0]) if first and last and last[0] > first[0] else float("nan")
+    return {"rows_per_second": rate, "p99_without": base_p99, "p99_during": box["during"][1],
+            "tps_without": base_tps, "tps_during": box["during"][0]}
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--seconds", type=int, default=5)
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--big", type=int, default=10_000_000)
+    ap.add_argument("--quick", action="store_true")
+    args = ap.parse_args()
+    if args.quick:
+        args.seconds, args.rounds, args.big = 1, 1, 100_000
+    logdir = tempfile.mkdtemp(prefix="idempotency-bench-")
+    os.chmod(logdir, 0o777)
+    cluster = Cluster(settings={
+        "shared_buffers": "256MB", "fsync": "on", "max_connections": "100",
+        "shared_preload_libraries": "'idempotency'", "idempotency.sweep_interval": "'1s'",
+        "log_min_messages": "error",
+    }, dbname="bench").start()
+    try:
+        sql(cluster, "CREATE EXTENSION idempotency")
+        with open(os.path.join(HERE, "sql", "setup.sql")) as f:
+            sql(cluster, f.read())
+        populate_replay_keys(cluster)
+        report = {"settings": sql(cluster, "SELECT name, setting FROM pg_settings WHERE name IN "
+                                           "('shared_buffers','fsync','synchronous_commit','max_connections')")}
+        scripts = {
+            "floor: INSERT ON CONFLICT + UPDATE": "floor_write.sql",
+            "reference: PL/pgSQL claim + complete": "reference.sql",
+            "extension: claim + complete, one transaction": "ext_one_tx.sql",
+            "extension: claim, then complete (leased)": "ext_leased.sql",
+            "floor: primary-key SELECT": "floor_read.sql",
+            "extension: replay": "ext_replay.sql",
+            "extension: mismatch": "ext_mismatch.sql",
+        }
+        pg = {}
+        for clients in CLIENTS:
+            print(f"== PostgreSQL, {clients} clients", flush=True)
+            res = alternate(args.rounds, list(scripts), lambda v: pgbench(cluster, scripts[v], clients, args.seconds,
+                                                                            scripts[v][:-4], logdir))
+            for v, r in res.items():
+                pg[(v, clients)] = r
+        pg[("extension: in_progress, 16 sessions on 100 hot keys", 16)] = pgbench(
+            cluster, "ext_contention.sql", 16, args.seconds, "contention", logdir)
+        report["wal"] = {v: wal_bytes_per_tx(cluster, s, logdir) for v, s in [
+            ("floor: INSERT ON CONFLICT + UPDATE", "floor_write.sql"),
+            ("extension: claim + complete, one transaction", "ext_one_tx.sql")]}
+
+        print("== Redis", flush=True)
+        redis = {}
+        if shutil.which("redis-server"):
+            for aof in (False, True):
+                server = Redis(aof)
+                try:
+                    for clients in CLIENTS:
+                        for name, cmd in [("SET NX EX", SETNX), ("Lua check-and-set", LUA)]:
+                            label = f"redis: {name}" + (", appendfsync everysec" if aof else ", no persistence")
+                            runs = [redis_bench(server.port, clients, args.seconds, cmd) for _ in range(args.rounds)]
+                            redis[(label, clients)] = (median([x[0] for x in runs]), median([x[1] for x in runs]))
+                finally:
+                    server.stop()
+
+        print("== scale", flush=True)
+        # The runs above left their keys behind: back to the 10,000 replay keys (and 100 hot ones).
+        sql(cluster, "DELETE FROM idempotency.idempotency_keys WHERE key !~ '^(r|hot-)[0-9]+$'")
+        sql(cluster, "VACUUM ANALYZE idempotency.idempotency_keys")
+        small = sql(cluster, "SELECT count(*) FROM idempotency.idempotency_keys")[0][0]
+        scale = {}
+        scale["small"] = (small, pgbench(cluster, "ext_one_tx.sql", 4, args.seconds * 2, "scale-small", logdir))
+        sql(cluster, f"""INSERT INTO idempotency.idempotency_keys
+                           (key, request_hash, status, token, response, response_status, expires_at, ttl, completed_at)
+                         SELECT 'big-' || i, (SELECT idempotency.canonical_hash('{REQUEST}')), 'completed', i, '{{"ok": true}}',
+                                200, now() + interval '1 day', interval '1 day', now()
+                           FROM generate_series(1, {args.big}) i""")
+        sql(cluster, "VACUUM ANALYZE idempotency.idempotency_keys")
+        big = sql(cluster, "SELECT count(*) FROM idempotency.idempotency_keys")[0][0]
+        scale["big"] = (big, pgbench(cluster, "ext_one_tx.sql", 4, args.seconds * 2, "scale-big", logdir))
+        sql(cluster, "DELETE FROM idempotency.idempotency_keys WHERE key LIKE 'big-%'")
+        sql(cluster, "VACUUM idempotency.idempotency_keys")
+
+        print("== sweep", flush=True)
+        sweep = sweep_bench(cluster, args.seconds, logdir)
+
+        print("== hashing", flush=True)
+        hashes = hashing(cluster, args.seconds)
+    finally:
+        cluster.destroy()
+        shutil.rmtree(logdir, ignore_errors=True)
+    write_results(args, report, pg, redis, scale, sweep, hashes)
+
+
+def fmt(x, digits=0):
+    return "n/a" if x is None or x != x else f"{x:,.{digits}f}"
+
+
+def write_results(args, report, pg, redis, scale, sweep, hashes):
+    floor, ref = "floor: INSERT ON CONFLICT + UPDATE", "reference: PL/pgSQL claim + complete"
+    one, sel, replay = "extension: claim + complete, one transaction", "floor: primary-key SELECT", "extension: replay"
+    lines = ["# Benchmark results", "",
+             f"Generated by `bench/run.sh` ({args.seconds} s per run, {args.rounds} alternating rounds, medians). "
+             "Release build, PostgreSQL 15, default settings but `shared_buffers = 256MB` (fsync and "
+             "synchronous_commit on), pgbench `-M prepared`, on a shared 2-core machine: read the ratios, "
+             "not the absolute numbers.", "",
+             "## Throughput (transactions/s) and p99 latency (ms) by client count", "",
+             "| comparison | " + " | ".join(f"{c} clients tps | p99" for c in CLIENTS) + " |",
+             "|---|" + "---|---|" * len(CLIENTS)]
+    names = sorted({k[0] for k in pg}, key=lambda n: (not n.startswith("floor"), n))
+    for name in names + sorted({k[0] for k in redis}):
+        src = pg if (name, CLIENTS[-1]) in pg or (name, 1) in pg else redis
+        cells = []
+        for c in CLIENTS:
+            v = src.get((name, c))
+            cells += [fmt(v[0]) if v else "", fmt(v[1], 2) if v else ""]
+        lines.append(f"| {name} | " + " | ".join(cells) + " |")
+    lines += ["", "## Targets", "", "| target | measured | met |", "|---|---|---|"]
+
+    def target(desc, value, ok):
+        lines.append(f"| {desc} | {value} | {'yes' if ok else '**no**'} |")
+
+    for c in CLIENTS:
+        r = pg[(one, c)][0] / pg[(floor, c)][0]
+        if c in (4, 16):
+            target(f"claim+complete ≥ 0.90 × floor at {c} clients", f"{r:.2f}", r >= 0.90)
+        rr = pg[(one, c)][0] / pg[(ref, c)][0]
+        target(f"claim+complete > PL/pgSQL reference at {c} clients", f"{rr:.2f}", rr > 1.0)
+    for c in CLIENTS:
+        r = pg[(replay, c)][0] / pg[(sel, c)][0]
+        target(f"replay ≥ 0.80 × primary-key SELECT at {c} clients", f"{r:.2f}", r >= 0.80)
+    (n_small, (t_small, _)), (n_big, (t_big, _)) = scale["small"], scale["big"]
+    r = t_big / t_small
+    target(f"claim+complete at {n_big:,} rows ≥ 0.80 × at {n_small:,} rows (4 clients)", f"{r:.2f}", r >= 0.80)
+    target("sweep ≥ 100,000 rows/s (1M expired rows, background sweeper)", fmt(sweep["rows_per_second"]),
+           sweep["rows_per_second"] >= 100_000)
+    r = sweep["p99_during"] / sweep["p99_without"]
+    target("claim p99 during the sweep ≤ 1.25 × without (8 sessions)",
+           f"{r:.2f} ({sweep['p99_during']:.2f} ms vs {sweep['p99_without']:.2f} ms)", r <= 1.25)
+    for label in ("10 KB", "1 MB"):
+        r = hashes[label]["canonical_hash"] / hashes[label]["sha256(doc::text)"]
+        target(f"canonical_hash ≥ 0.5 × sha256(doc::text) at {label}", f"{r:.2f}", r >= 0.5)
+    lines += ["", "## Hashing throughput (MB/s of document text)", "",
+              "| document | canonical_hash | sha256(doc::text) | PL/pgSQL canonicalizer |", "|---|---|---|---|"]
+    for label, row in hashes.items():
+        lines.append(f"| {label} | {row['canonical_hash']:.1f} | {row['sha256(doc::text)']:.1f} | "
+                     f"{row['PL/pgSQL canonicalizer']:.1f} |")
+    lines += ["", "## Scale, sweep and WAL", "",
+              f"- claim+complete, 4 clients: {t_small:,.0f} tps at {n_small:,} rows, {t_big:,.0f} tps at {n_big:,} rows.",
+              f"- background sweeper: {sweep['rows_per_second']:,.0f} rows/s on 1,000,000 expired rows; "
+              f"8 claiming sessions: {sweep['tps_without']:,.0f} tps / p99 {sweep['p99_without']:.2f} ms without, "
+              f"{sweep['tps_during']:,.0f} tps / p99 {sweep['p99_during']:.2f} ms during the sweep.",
+              ] + [f"- WAL per transaction, {k}: {v:,.0f} bytes." for k, v in report["wal"].items()]
+    lines += ["", "![throughput and p99 by client count](throughput_p99.png)", ""]
+    with open(os.path.join(HERE, "RESULTS.md"), "w") as f:
+        f.write("\n".join(lines))
+    chart(pg, redis)
+    print("\n".join(lines))
+
+
+def chart(pg, redis):
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, (a, b) = plt.subplots(1, 2, figsize=(13, 5))
+    series = {**pg, **redis}
+    for name in sorted({k[0] for k in series}):
+        xs = [c for c in CLIENTS if (name, c) in series]
+        if len(xs) < 2:
+            continue
+        a.plot(xs, [series[(name, c)][0] for c in xs], marker="o", label=name)
+        b.plot(xs, [series[(name, c)][1] for c in xs], marker="o", label=name)
+    a.set(xlabel="clients", ylabel="transactions / s", title="throughput", xscale="log", yscale="log")
+    b.set(xlabel="clients", ylabel="p99 latency (ms)", title="p99 latency", xscale="log", yscale="log")
+    for ax in (a, b):
+        ax.set_xticks(CLIENTS, [str(c) for c in CLIENTS])
+        ax.grid(True, which="both", alpha=0.3)
+    b.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.02, 1))
+    fig.tight_layout()
+    fig.savefig(os.path.join(HERE, "throughput_p99.png"), dpi=110)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,2 @@
+\set k random(1, 10000)
+SELECT * FROM idempotency.claim('r' || :k, '{"amount": 999, "currency": "EUR"}');
