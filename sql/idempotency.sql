@@ -67,10 +67,11 @@ CREATE FUNCTION idempotency.claim(
 ) RETURNS idempotency.claim_result
 LANGUAGE c VOLATILE PARALLEL UNSAFE
 AS 'MODULE_PATHNAME', 'idempotency_claim';
--- claim and complete, the two calls on every request's path, do not SET search_path (it costs
--- a configuration save and restore per call and stops complete from being inlined): the
--- statements they run name every table, type, function and operator with its schema, so no
--- search_path can redirect them. The other functions pin search_path = pg_catalog, pg_temp.
+-- claim, complete and sweep, the calls on every request's path, pin their search path inside
+-- the C code (to pg_catalog alone, for every statement they run) instead of with a SET clause,
+-- which costs a configuration save and restore per call and would stop complete from being
+-- inlined. Their statements also name every table, type, function and operator with its
+-- schema. The other functions pin search_path = pg_catalog, pg_temp with SET.
 
 CREATE FUNCTION idempotency._check_args(key text, scope text, ttl interval DEFAULT NULL)
 RETURNS void
@@ -230,7 +231,6 @@ $fn$;
 CREATE FUNCTION idempotency.sweep(batch_size integer DEFAULT NULL)
 RETURNS bigint
 LANGUAGE c VOLATILE PARALLEL UNSAFE
-SET search_path = pg_catalog, pg_temp
 AS 'MODULE_PATHNAME', 'idempotency_sweep';
 
 CREATE FUNCTION idempotency.canonical_json(doc jsonb, numbers text DEFAULT 'exact')

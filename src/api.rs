@@ -144,11 +144,111 @@ unsafe fn form_tuple(
                 Some("reinstall the extension"),
             );
         }
-        let tupdesc = pg_sys::BlessTupleDesc(tupdesc);
+        tuple_datum(pg_sys::BlessTupleDesc(tupdesc), fields)
+    }
+}
+
+/// `claim_result`'s row descriptor and the OIDs of the `outcome` labels, looked up once per
+/// backend (and again if the type is recreated, which gives it a new OID).
+#[derive(Clone, Copy)]
+struct ResultType {
+    typid: pg_sys::Oid,
+    tupdesc: pg_sys::TupleDesc,
+    /// new, replay, in_progress, mismatch
+    outcomes: [pg_sys::Datum; 4],
+}
+
+thread_local! {
+    static RESULT_TYPE: std::cell::Cell<Option<ResultType>> = const { std::cell::Cell::new(None) };
+}
+
+unsafe fn result_type(fcinfo: pg_sys::FunctionCallInfo) -> ResultType {
+    unsafe {
+        let typid = pg_sys::get_fn_expr_rettype((*fcinfo).flinfo);
+        if let Some(t) = RESULT_TYPE
+            .with(|c| c.get())
+            .filter(|t| t.typid == typid && typid != pg_sys::InvalidOid)
+        {
+            return t;
+        }
+        let tupdesc = pgrx::PgMemoryContexts::TopMemoryContext
+            .switch_to(|_| pg_sys::BlessTupleDesc(pg_sys::lookup_rowtype_tupdesc_copy(typid, -1)));
+        if (*tupdesc).natts < 7 {
+            raise(
+                PgSqlErrorCode::ERRCODE_DATATYPE_MISMATCH,
+                "idempotency.claim must return idempotency.claim_result".into(),
+                Some("reinstall the extension"),
+            );
+        }
+        let outcome_type = (*tupdesc).attrs.as_slice(1)[0].atttypid;
+        let mut outcomes = [pg_sys::Datum::from(0usize); 4];
+        for (i, o) in [
+            Outcome::New,
+            Outcome::Replay,
+            Outcome::InProgress,
+            Outcome::Mismatch,
+        ]
+        .iter()
+        .enumerate()
+        {
+            let label = std::ffi::CString::new(o.label()).unwrap_or_default();
+            outcomes[i] = pgrx::direct_function_call_as_datum(
+                pg_sys::enum_in,
+                &[
+                    Some(pg_sys::Datum::from(label.as_ptr())),
+                    Some(pg_sys::Datum::from(outcome_type)),
+                ],
+            )
+            .unwrap_or_else(|| {
+                raise(
+                    PgSqlErrorCode::ERRCODE_INTERNAL_ERROR,
+                    "enum_in".into(),
+                    None,
+                )
+            });
+        }
+        let t = ResultType {
+            typid,
+            tupdesc,
+            outcomes,
+        };
+        RESULT_TYPE.with(|c| c.set(Some(t)));
+        t
+    }
+}
+
+unsafe fn claim_tuple(fcinfo: pg_sys::FunctionCallInfo, r: ClaimResult) -> pg_sys::Datum {
+    unsafe {
+        let t = result_type(fcinfo);
+        let outcome = match r.outcome {
+            Outcome::New => t.outcomes[0],
+            Outcome::Replay => t.outcomes[1],
+            Outcome::InProgress => t.outcomes[2],
+            Outcome::Mismatch => t.outcomes[3],
+        };
+        let fields: [Option<pg_sys::Datum>; 7] = [
+            Some(outcome),
+            r.token.into_datum(),
+            r.response.and_then(|j| j.into_datum()),
+            r.response_status.into_datum(),
+            r.retry_after.into_datum(),
+            r.expires_at.into_datum(),
+            r.recovery_point.into_datum(),
+        ];
+        tuple_datum(t.tupdesc, &fields)
+    }
+}
+
+/// A composite datum of `tupdesc` with `fields` (NULL where None or missing).
+unsafe fn tuple_datum(
+    tupdesc: pg_sys::TupleDesc,
+    fields: &[Option<pg_sys::Datum>],
+) -> pg_sys::Datum {
+    unsafe {
         let natts = (*tupdesc).natts as usize;
         let mut values = vec![pg_sys::Datum::from(0usize); natts];
         let mut nulls = vec![true; natts];
-        for (i, f) in fields.iter().enumerate() {
+        for (i, f) in fields.iter().enumerate().take(natts) {
             if let Some(d) = f {
                 values[i] = *d;
                 nulls[i] = false;
@@ -156,47 +256,6 @@ unsafe fn form_tuple(
         }
         let tuple = pg_sys::heap_form_tuple(tupdesc, values.as_mut_ptr(), nulls.as_mut_ptr());
         pg_sys::HeapTupleHeaderGetDatum((*tuple).t_data)
-    }
-}
-
-/// The type of the first column of the function's composite result.
-unsafe fn first_column_type(fcinfo: pg_sys::FunctionCallInfo) -> pg_sys::Oid {
-    unsafe {
-        let mut tupdesc: pg_sys::TupleDesc = std::ptr::null_mut();
-        pg_sys::get_call_result_type(fcinfo, std::ptr::null_mut(), &mut tupdesc);
-        if tupdesc.is_null() || (*tupdesc).natts < 1 {
-            raise(
-                PgSqlErrorCode::ERRCODE_DATATYPE_MISMATCH,
-                "claim must return idempotency.claim_result".into(),
-                None,
-            );
-        }
-        (*tupdesc).attrs.as_slice(1)[0].atttypid
-    }
-}
-
-unsafe fn claim_tuple(fcinfo: pg_sys::FunctionCallInfo, r: ClaimResult) -> pg_sys::Datum {
-    unsafe {
-        let label = std::ffi::CString::new(r.outcome.label()).unwrap_or_default();
-        let outcome = pgrx::direct_function_call_as_datum(
-            pg_sys::enum_in,
-            &[
-                Some(pg_sys::Datum::from(label.as_ptr())),
-                Some(pg_sys::Datum::from(first_column_type(fcinfo))),
-            ],
-        );
-        form_tuple(
-            fcinfo,
-            &[
-                outcome,
-                r.token.into_datum(),
-                r.response.and_then(|j| j.into_datum()),
-                r.response_status.into_datum(),
-                r.retry_after.into_datum(),
-                r.expires_at.into_datum(),
-                r.recovery_point.into_datum(),
-            ],
-        )
     }
 }
 

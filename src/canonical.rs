@@ -146,30 +146,32 @@ pub fn utf16_cmp(a: &str, b: &str) -> Ordering {
 /// Writes `s` as a JSON string with RFC 8785 escaping.
 pub fn write_string(s: &str, out: &mut String) {
     out.push('"');
+    let bytes = s.as_bytes();
     let mut start = 0;
-    for (i, c) in s.char_indices() {
-        let escape = match c {
-            '"' => Some("\\\""),
-            '\\' => Some("\\\\"),
-            '\u{8}' => Some("\\b"),
-            '\t' => Some("\\t"),
-            '\n' => Some("\\n"),
-            '\u{c}' => Some("\\f"),
-            '\r' => Some("\\r"),
-            c if (c as u32) < 0x20 => None,
+    // Only ASCII bytes are ever escaped, and they never occur inside a multi-byte character,
+    // so a byte scan finds every split point at a character boundary.
+    for (i, &b) in bytes.iter().enumerate() {
+        let escape = match b {
+            b'"' => "\\\"",
+            b'\\' => "\\\\",
+            0x08 => "\\b",
+            b'\t' => "\\t",
+            b'\n' => "\\n",
+            0x0c => "\\f",
+            b'\r' => "\\r",
+            0x00..=0x1f => "",
             _ => continue,
         };
         out.push_str(&s[start..i]);
-        match escape {
-            Some(e) => out.push_str(e),
-            None => {
-                const HEX: &[u8; 16] = b"0123456789abcdef";
-                out.push_str("\\u00");
-                out.push(HEX[(c as usize) >> 4] as char);
-                out.push(HEX[(c as usize) & 0xf] as char);
-            }
+        if escape.is_empty() {
+            const HEX: &[u8; 16] = b"0123456789abcdef";
+            out.push_str("\\u00");
+            out.push(HEX[(b >> 4) as usize] as char);
+            out.push(HEX[(b & 0xf) as usize] as char);
+        } else {
+            out.push_str(escape);
         }
-        start = i + c.len_utf8();
+        start = i + 1;
     }
     out.push_str(&s[start..]);
     out.push('"');

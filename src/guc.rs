@@ -12,6 +12,8 @@ pub static CLAIM_WAIT: GucSetting<i32> = GucSetting::<i32>::new(0);
 pub static SWEEP_INTERVAL: GucSetting<i32> = GucSetting::<i32>::new(60);
 /// Rows deleted per sweep batch.
 pub static SWEEP_BATCH_SIZE: GucSetting<i32> = GucSetting::<i32>::new(10_000);
+/// Milliseconds the sweeper pauses after each full batch.
+pub static SWEEP_DELAY: GucSetting<i32> = GucSetting::<i32>::new(50);
 
 /// Longest TTL or lease a setting accepts: ten years in seconds.
 const MAX_SECONDS: i32 = 10 * 366 * 86_400;
@@ -66,6 +68,16 @@ pub fn init() {
         1_000_000,
         GucContext::Sighup,
         GucFlags::default(),
+    );
+    GucRegistry::define_int_guc(
+        c"idempotency.sweep_delay",
+        c"Pause of the background sweeper after each full batch.",
+        c"Leaves CPU and WAL bandwidth to the application while a large backlog is swept; 0 sweeps flat out.",
+        &SWEEP_DELAY,
+        0,
+        10_000,
+        GucContext::Sighup,
+        GucFlags::UNIT_MS,
     );
     unsafe { pgrx::pg_sys::MarkGUCPrefixReserved(c"idempotency".as_ptr()) };
 }

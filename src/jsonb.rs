@@ -111,39 +111,10 @@ pub unsafe fn to_value(datum: pg_sys::Datum) -> Result<Value, CanonError> {
     }
 }
 
-/// One open container while writing; `open_at` is where its bracket stands in the output.
-enum Open {
-    Array {
-        open_at: usize,
-        first: bool,
-    },
-    /// Members are written in jsonb's order, then put into RFC 8785 order when it closes.
-    Object {
-        open_at: usize,
-        members: Vec<Member>,
-        key: Option<&'static str>,
-    },
-    RawScalar,
-}
-
-struct Member {
-    key: &'static str,
-    value: std::ops::Range<usize>,
-}
-
-/// Records a finished value: a member of the enclosing object, if it is one.
-fn finished(stack: &mut [Open], value: std::ops::Range<usize>) {
-    if let Some(Open::Object { members, key, .. }) = stack.last_mut() {
-        members.push(Member {
-            key: key.take().unwrap_or(""),
-            value,
-        });
-    }
-}
-
 /// Writes the canonical form of a (possibly toasted) jsonb datum straight from its binary form,
-/// without building a tree: scalars are written where they stand and each object's members are
-/// reordered once, when the object closes. Same output as `canonical::write_canonical` on
+/// without building a tree or copying output: each object's members are read (nested
+/// containers unopened), put into RFC 8785 order, and written one by one, descending into
+/// nested containers as they come. Same output as `canonical::write_canonical` on
 /// [`to_value`]'s tree (a test compares the two).
 ///
 /// # Safety
@@ -153,119 +124,105 @@ pub unsafe fn write_canonical(
     mode: crate::canonical::NumberMode,
     out: &mut String,
 ) -> Result<(), CanonError> {
-    use crate::canonical::{utf16_cmp, write_number, write_string};
     unsafe {
         let jb = pg_sys::pg_detoast_datum(datum.cast_mut_ptr()) as *mut pg_sys::Jsonb;
-        let mut it = pg_sys::JsonbIteratorInit(&mut (*jb).root);
+        write_container(&mut (*jb).root, mode, out, 0)
+    }
+}
+
+/// A string of the jsonb (valid as long as the jsonb is).
+unsafe fn text<'a>(v: &pg_sys::JsonbValue) -> &'a str {
+    unsafe {
+        let s = v.val.string;
+        let bytes = std::slice::from_raw_parts(s.val as *const u8, s.len as usize);
+        std::str::from_utf8(bytes).unwrap_or("\u{fffd}")
+    }
+}
+
+unsafe fn write_value(
+    v: &pg_sys::JsonbValue,
+    mode: crate::canonical::NumberMode,
+    out: &mut String,
+    depth: usize,
+) -> Result<(), CanonError> {
+    use crate::canonical::{write_number, write_string};
+    unsafe {
+        match v.type_ {
+            pg_sys::jbvType::jbvNull => out.push_str("null"),
+            pg_sys::jbvType::jbvBool => out.push_str(if v.val.boolean { "true" } else { "false" }),
+            pg_sys::jbvType::jbvString => write_string(text(v), out),
+            pg_sys::jbvType::jbvNumeric => {
+                let t = pg_sys::numeric_normalize(v.val.numeric);
+                let r = write_number(&CStr::from_ptr(t).to_string_lossy(), mode, out);
+                pg_sys::pfree(t.cast());
+                r?;
+            }
+            pg_sys::jbvType::jbvBinary => write_container(v.val.binary.data, mode, out, depth)?,
+            other => panic!("unexpected jsonb value type {other}"),
+        }
+    }
+    Ok(())
+}
+
+/// Writes one container (object, array, or the raw-scalar wrapper of a top-level scalar).
+unsafe fn write_container(
+    container: *mut pg_sys::JsonbContainer,
+    mode: crate::canonical::NumberMode,
+    out: &mut String,
+    depth: usize,
+) -> Result<(), CanonError> {
+    use crate::canonical::{utf16_cmp, write_string};
+    unsafe {
+        let mut it = pg_sys::JsonbIteratorInit(container);
         let mut v: pg_sys::JsonbValue = std::mem::zeroed();
-        let mut stack: Vec<Open> = Vec::new();
-        let mut depth = 0usize;
-        let mut scratch = String::new();
-        // Strings point into the detoasted jsonb, which outlives this function's work.
-        let text = |v: &pg_sys::JsonbValue| -> &'static str {
-            let s = v.val.string;
-            let bytes = std::slice::from_raw_parts(s.val as *const u8, s.len as usize);
-            std::str::from_utf8(bytes).unwrap_or("\u{fffd}")
-        };
-        loop {
-            let tok = pg_sys::JsonbIteratorNext(&mut it, &mut v, false);
-            let raw_scalar = tok == Tok::WJB_BEGIN_ARRAY && v.val.array.rawScalar;
-            let begins_value = matches!(
-                tok,
-                Tok::WJB_VALUE | Tok::WJB_ELEM | Tok::WJB_BEGIN_ARRAY | Tok::WJB_BEGIN_OBJECT
-            );
-            if begins_value && !raw_scalar {
-                if let Some(Open::Array { first, .. }) = stack.last_mut() {
-                    if !*first {
+        match pg_sys::JsonbIteratorNext(&mut it, &mut v, true) {
+            Tok::WJB_BEGIN_ARRAY if v.val.array.rawScalar => {
+                pg_sys::JsonbIteratorNext(&mut it, &mut v, true);
+                write_value(&v, mode, out, depth)?;
+            }
+            Tok::WJB_BEGIN_ARRAY => {
+                if depth + 1 > MAX_DEPTH {
+                    return Err(CanonError::TooDeep);
+                }
+                out.push('[');
+                let mut first = true;
+                while pg_sys::JsonbIteratorNext(&mut it, &mut v, true) == Tok::WJB_ELEM {
+                    if !first {
                         out.push(',');
                     }
-                    *first = false;
+                    first = false;
+                    write_value(&v, mode, out, depth + 1)?;
                 }
+                out.push(']');
             }
-            match tok {
-                Tok::WJB_DONE => break,
-                _ if raw_scalar => stack.push(Open::RawScalar),
-                Tok::WJB_BEGIN_ARRAY | Tok::WJB_BEGIN_OBJECT => {
-                    depth += 1;
-                    if depth > MAX_DEPTH {
-                        return Err(CanonError::TooDeep);
-                    }
-                    let open_at = out.len();
-                    if v.type_ == pg_sys::jbvType::jbvArray {
-                        out.push('[');
-                        stack.push(Open::Array {
-                            open_at,
-                            first: true,
-                        });
-                    } else {
-                        out.push('{');
-                        let n = v.val.object.nPairs.max(0) as usize;
-                        stack.push(Open::Object {
-                            open_at,
-                            members: Vec::with_capacity(n),
-                            key: None,
-                        });
+            Tok::WJB_BEGIN_OBJECT => {
+                if depth + 1 > MAX_DEPTH {
+                    return Err(CanonError::TooDeep);
+                }
+                let mut members: Vec<(&str, pg_sys::JsonbValue)> =
+                    Vec::with_capacity(v.val.object.nPairs.max(0) as usize);
+                let mut key = "";
+                loop {
+                    match pg_sys::JsonbIteratorNext(&mut it, &mut v, true) {
+                        Tok::WJB_KEY => key = text(&v),
+                        Tok::WJB_VALUE => members.push((key, v)),
+                        _ => break,
                     }
                 }
-                Tok::WJB_KEY => {
-                    if let Some(Open::Object { key, .. }) = stack.last_mut() {
-                        *key = Some(text(&v));
+                members.sort_by(|a, b| utf16_cmp(a.0, b.0));
+                out.push('{');
+                for (i, (k, value)) in members.iter().enumerate() {
+                    if i > 0 {
+                        out.push(',');
                     }
+                    write_string(k, out);
+                    out.push(':');
+                    write_value(value, mode, out, depth + 1)?;
                 }
-                Tok::WJB_VALUE | Tok::WJB_ELEM => {
-                    let start = out.len();
-                    match v.type_ {
-                        pg_sys::jbvType::jbvNull => out.push_str("null"),
-                        pg_sys::jbvType::jbvBool => {
-                            out.push_str(if v.val.boolean { "true" } else { "false" })
-                        }
-                        pg_sys::jbvType::jbvString => write_string(text(&v), out),
-                        pg_sys::jbvType::jbvNumeric => {
-                            let t = pg_sys::numeric_normalize(v.val.numeric);
-                            let r = write_number(&CStr::from_ptr(t).to_string_lossy(), mode, out);
-                            pg_sys::pfree(t.cast());
-                            r?;
-                        }
-                        other => panic!("unexpected jsonb scalar type {other}"),
-                    }
-                    finished(&mut stack, start..out.len());
-                }
-                Tok::WJB_END_ARRAY => match stack.pop() {
-                    Some(Open::Array { open_at, .. }) => {
-                        depth -= 1;
-                        out.push(']');
-                        finished(&mut stack, open_at..out.len());
-                    }
-                    _ => {} // the end of a top-level scalar
-                },
-                Tok::WJB_END_OBJECT => {
-                    if let Some(Open::Object {
-                        open_at,
-                        mut members,
-                        ..
-                    }) = stack.pop()
-                    {
-                        depth -= 1;
-                        members.sort_by(|a, b| utf16_cmp(a.key, b.key));
-                        let body = open_at + 1;
-                        scratch.clear();
-                        scratch.push_str(&out[body..]);
-                        out.truncate(body);
-                        for (i, m) in members.iter().enumerate() {
-                            if i > 0 {
-                                out.push(',');
-                            }
-                            write_string(m.key, out);
-                            out.push(':');
-                            out.push_str(&scratch[m.value.start - body..m.value.end - body]);
-                        }
-                        out.push('}');
-                        finished(&mut stack, open_at..out.len());
-                    }
-                }
-                other => panic!("unexpected jsonb iterator token {other}"),
+                out.push('}');
             }
+            other => panic!("unexpected jsonb iterator token {other}"),
         }
-        Ok(())
     }
+    Ok(())
 }

@@ -290,6 +290,31 @@ fn write_claim(
     Ok(Some(result))
 }
 
+/// Pins the search path to `pg_catalog` (no temporary schema) while the extension runs its own
+/// statements, whatever the caller's `search_path`: the pinning `SET search_path` clause would
+/// give, without its per-call cost. Every statement is schema-qualified as well.
+pub struct PinnedSearchPath(());
+
+impl PinnedSearchPath {
+    pub fn pin() -> PinnedSearchPath {
+        let mut path = pg_sys::OverrideSearchPath {
+            schemas: std::ptr::null_mut(),
+            addCatalog: true,
+            addTemp: false,
+            generation: 0,
+        };
+        unsafe { pg_sys::PushOverrideSearchPath(&mut path) };
+        PinnedSearchPath(())
+    }
+}
+
+impl Drop for PinnedSearchPath {
+    /// Also runs while an ERROR unwinds through the extension.
+    fn drop(&mut self) {
+        unsafe { pg_sys::PopOverrideSearchPath() };
+    }
+}
+
 /// What a dirty-snapshot look at the primary key found.
 enum Probe {
     /// No version of the row exists, committed or not.
@@ -316,7 +341,33 @@ thread_local! {
     static LAYOUT: Cell<Option<Layout>> = const { Cell::new(None) };
 }
 
+/// Forgets the cached layout when the relation cache is invalidated (the table may have been
+/// dropped, e.g. by DROP EXTENSION).
+#[pg_guard]
+unsafe extern "C-unwind" fn forget_layout(_arg: pg_sys::Datum, relid: pg_sys::Oid) {
+    LAYOUT.with(|c| {
+        if c.get()
+            .is_some_and(|l| relid == pg_sys::InvalidOid || l.relid == relid || l.idxid == relid)
+        {
+            c.set(None);
+        }
+    });
+}
+
+thread_local! {
+    static CALLBACK_REGISTERED: Cell<bool> = const { Cell::new(false) };
+}
+
 fn layout() -> Layout {
+    if let Some(l) = LAYOUT.with(Cell::get) {
+        return l;
+    }
+    if !CALLBACK_REGISTERED.with(Cell::get) {
+        unsafe {
+            pg_sys::CacheRegisterRelcacheCallback(Some(forget_layout), pg_sys::Datum::from(0usize))
+        };
+        CALLBACK_REGISTERED.with(|c| c.set(true));
+    }
     unsafe {
         let nsp = pg_sys::get_namespace_oid(c"idempotency".as_ptr(), false);
         let relid = pg_sys::get_relname_relid(c"idempotency_keys".as_ptr(), nsp);
@@ -327,12 +378,6 @@ fn layout() -> Layout {
                 "idempotency.idempotency_keys or its primary key is missing".to_string(),
                 Some("reinstall the extension: DROP EXTENSION idempotency; CREATE EXTENSION idempotency;"),
             );
-        }
-        if let Some(l) = LAYOUT
-            .with(Cell::get)
-            .filter(|l| l.relid == relid && l.idxid == idxid)
-        {
-            return l;
         }
         let names = [
             c"request_hash",
@@ -523,6 +568,7 @@ const MAX_ROUNDS: usize = 50;
 /// probe's row is the answer: replays, mismatches and in-progress answers touch no SQL at all.
 /// Under REPEATABLE READ and SERIALIZABLE the row is read through the transaction's snapshot.
 pub fn claim(req: &ClaimRequest<'_>) -> ClaimResult {
+    let _path = PinnedSearchPath::pin();
     let wait = Duration::from_millis(guc::CLAIM_WAIT.get().max(0) as u64);
     let started = Instant::now();
     let snapshot_reads = unsafe { pg_sys::XactIsoLevel } >= pg_sys::XACT_REPEATABLE_READ as i32;
@@ -582,9 +628,13 @@ enum Looked {
     Found(Probe),
 }
 
-/// One look at the key under its insert lock (READ COMMITTED): an absent key is inserted at
-/// once; anything else is returned after the lock is released.
+/// A look at the key (READ COMMITTED). An existing key is answered without any lock; an absent
+/// one is looked at again under its insert lock and inserted at once.
 fn probe_or_insert(req: &ClaimRequest<'_>) -> Looked {
+    match probe(req.scope, req.key) {
+        Probe::Absent => {}
+        found => return Looked::Found(found),
+    }
     let _insert_lock = KeyInsertLock::acquire(req.scope, req.key);
     match probe(req.scope, req.key) {
         Probe::Absent => Looked::Inserted(Spi::connect_mut(|client| {
@@ -705,6 +755,7 @@ pub struct CompleteRequest<'a> {
 /// Completes a claim; None when there is no live in-progress claim with that token (the SQL
 /// wrapper then explains why, with its own SQLSTATE).
 pub fn complete(req: &CompleteRequest<'_>) -> Option<TimestampWithTimeZone> {
+    let _path = PinnedSearchPath::pin();
     let response = req
         .response
         .map(|d| unsafe { pgrx::datum::DatumWithOid::new(d, pg_sys::JSONBOID) });
@@ -752,6 +803,7 @@ const SWEEP_SQL: &str = "DELETE FROM idempotency.idempotency_keys AS k \
 
 /// Deletes up to `batch` expired rows, skipping rows other transactions hold; returns how many.
 pub fn sweep_batch(batch: i64) -> i64 {
+    let _path = PinnedSearchPath::pin();
     let deleted = Spi::connect_mut(|client| {
         client
             .update(&plans(client)?.sweep, None, &[batch.into()])

@@ -210,6 +210,12 @@ pub extern "C-unwind" fn idempotency_sweeper_main(arg: pg_sys::Datum) {
         if deleted < batch {
             break;
         }
+        // A backlog: go on at once, after a short breather for the application.
+        let delay = guc::SWEEP_DELAY.get().max(0) as u64;
+        if delay > 0 && !nap(Duration::from_millis(delay)) {
+            break;
+        }
+        reload_if_asked();
     }
     stats::sweep_finished(total);
 }
