@@ -628,13 +628,10 @@ enum Looked {
     Found(Probe),
 }
 
-/// A look at the key (READ COMMITTED). An existing key is answered without any lock; an absent
-/// one is looked at again under its insert lock and inserted at once.
+/// One look at the key under its insert lock (READ COMMITTED): an absent key is inserted at
+/// once; anything else is returned after the lock is released. (Taking the lock first costs a
+/// replay less than a second look at the index would cost every new key.)
 fn probe_or_insert(req: &ClaimRequest<'_>) -> Looked {
-    match probe(req.scope, req.key) {
-        Probe::Absent => {}
-        found => return Looked::Found(found),
-    }
     let _insert_lock = KeyInsertLock::acquire(req.scope, req.key);
     match probe(req.scope, req.key) {
         Probe::Absent => Looked::Inserted(Spi::connect_mut(|client| {

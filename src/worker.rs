@@ -199,6 +199,17 @@ pub extern "C-unwind" fn idempotency_sweeper_main(arg: pg_sys::Datum) {
     if !matches!(installed, Ok(Some(true))) {
         return;
     }
+    // Deleting expired rows needs no durable commit: after a crash the rows come back still
+    // expired (claims treat them as absent) and the next sweep deletes them again. Not waiting
+    // for WAL flushes keeps the sweeper's commits off the application's commit path.
+    unsafe {
+        pg_sys::SetConfigOption(
+            c"synchronous_commit".as_ptr(),
+            c"off".as_ptr(),
+            pg_sys::GucContext::PGC_USERSET,
+            pg_sys::GucSource::PGC_S_SESSION,
+        )
+    };
     let mut total = 0i64;
     loop {
         if shutdown_requested() || database_wanted_exclusively() {
