@@ -1,15 +1,15 @@
 """The README's worked stored procedure (examples/place_order.sql) and the demo script."""
 
 import os
-import threading
-
-import psycopg
-from psycopg.types.json import Jsonb
-
-ROOT = os.path.join(os.path.dirname(__file__), "..", "..")
-
+import subprocess
 
 import pytest
+from psycopg.types.json import Jsonb
+
+from cluster import PG_BIN
+from test_concurrency import race
+
+ROOT = os.path.join(os.path.dirname(__file__), "..", "..")
 
 
 @pytest.fixture
@@ -42,23 +42,28 @@ def test_place_order_charges_once(shop, db):
 
 def test_place_order_storm_creates_one_order(shop, cluster, db):
     order = {"items": [{"sku": "B2", "qty": 1}], "amount": 10, "currency": "USD"}
-    conns = [psycopg.connect(cluster.conninfo(), autocommit=True) for _ in range(20)]
-    barrier = threading.Barrier(len(conns))
-    answers = []
-
-    def post(conn):
-        barrier.wait()
-        answers.append(conn.execute("SELECT shop.place_order('storm', 'k', %s)", (Jsonb(order),)).fetchone()[0])
-
-    threads = [threading.Thread(target=post, args=(c,)) for c in conns]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(30)
-    for c in conns:
-        c.close()
+    answers = race(
+        cluster,
+        lambda conn, i: conn.execute("SELECT shop.place_order('storm', 'k', %s)", (Jsonb(order),)).fetchone()[0],
+        n=20,
+    )
     assert sorted(a["status"] for a in answers).count(201) >= 1
     assert all(a["status"] in (201, 409) for a in answers), answers
     assert db.execute("SELECT count(*) FROM shop.orders WHERE client_id = 'storm'").fetchone()[0] == 1
     created = [a for a in answers if a["status"] == 201]
     assert all(a["body"] == created[0]["body"] for a in created)
+
+
+def test_demo_script_runs(cluster, db):
+    db.execute("DROP DATABASE IF EXISTS demo")
+    db.execute("CREATE DATABASE demo")
+    conn = f"host={cluster.dir} port={cluster.port} user=postgres dbname=demo"
+    out = subprocess.run(
+        [f"{PG_BIN}/psql", "-X", "-v", "ON_ERROR_STOP=1", "-v", f"conn={conn}", "-d", conn,
+         "-f", os.path.join(ROOT, "examples", "demo.sql")],
+        capture_output=True, text=True,
+    )
+    assert out.returncode == 0, out.stderr
+    for expected in ("replay", "mismatch", "in_progress", "image-resized", "stale worker refused"):
+        assert expected in out.stdout + out.stderr, expected
+    db.execute("DROP DATABASE demo")
