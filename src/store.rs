@@ -491,10 +491,12 @@ struct KeyInsertLock(pg_sys::LOCKTAG);
 
 impl KeyInsertLock {
     fn acquire(scope: &str, key: &str) -> KeyInsertLock {
-        use std::hash::{Hash, Hasher};
-        let mut h = std::collections::hash_map::DefaultHasher::new();
-        (scope, key).hash(&mut h);
-        let hash = h.finish();
+        // FNV-1a: stable across builds, so backends running different builds of the library
+        // (during an upgrade) still agree on the lock of a key.
+        let mut hash: u64 = 0xcbf2_9ce4_8422_2325;
+        for b in scope.bytes().chain([0xff]).chain(key.bytes()) {
+            hash = (hash ^ b as u64).wrapping_mul(0x0100_0000_01b3);
+        }
         let tag = pg_sys::LOCKTAG {
             locktag_field1: unsafe { pg_sys::MyDatabaseId }.to_u32(),
             locktag_field2: (hash >> 32) as u32,
