@@ -314,8 +314,16 @@ SELECT pg_catalog.current_database() AS database,
           FROM idempotency.idempotency_keys AS k) AS t,
        idempotency._shared_stats() AS s;
 
+CREATE FUNCTION idempotency._announce()
+RETURNS void
+LANGUAGE c VOLATILE PARALLEL UNSAFE
+AS 'MODULE_PATHNAME', 'idempotency_announce';
+
 DO $notice$
 BEGIN
+    -- Databases found without the extension are not visited by the sweeper until they
+    -- announce it here.
+    PERFORM idempotency._announce();
     IF NOT idempotency._sweeper_preloaded() THEN
         -- CREATE EXTENSION runs its script with client_min_messages = warning; let this through.
         PERFORM pg_catalog.set_config('client_min_messages', 'notice', true);

@@ -535,3 +535,13 @@ pub extern "C-unwind" fn idempotency_complete(fcinfo: pg_sys::FunctionCallInfo) 
         }
     }
 }
+
+v1!(pg_finfo_idempotency_announce);
+/// `idempotency._announce()`: tells the background sweeper that this database now has the
+/// extension (run by CREATE EXTENSION), so it is swept from the next round on.
+#[pg_guard]
+#[unsafe(no_mangle)]
+pub extern "C-unwind" fn idempotency_announce(_fcinfo: pg_sys::FunctionCallInfo) -> pg_sys::Datum {
+    stats::announce();
+    pgrx::fcinfo::pg_return_void()
+}

@@ -25,21 +25,28 @@ pub const EVENTS: usize = 7;
 #[derive(Clone, Copy, Default)]
 pub struct Slot {
     pub database: u32,
+    /// What the last sweeper visit found: 0 not visited, 1 extension installed, 2 not installed.
+    pub extension: u8,
     pub counters: [u64; EVENTS],
     /// Microseconds since 2000-01-01 of the last finished sweep of this database, or 0.
     pub last_sweep_at: i64,
     pub last_sweep_rows: i64,
 }
 
+/// Databases that ran CREATE EXTENSION since the launcher last looked.
+pub const ANNOUNCED: usize = 32;
+
 #[derive(Clone, Copy)]
 pub struct Table {
     pub slots: [Slot; SLOTS],
+    pub announced: [u32; ANNOUNCED],
 }
 
 impl Default for Table {
     fn default() -> Self {
         Table {
             slots: [Slot::default(); SLOTS],
+            announced: [0; ANNOUNCED],
         }
     }
 }
@@ -117,6 +124,61 @@ pub fn sweep_finished(rows: i64) {
     });
 }
 
+/// Records whether the current database has the extension (called by its sweeper).
+pub fn set_extension_present(present: bool) {
+    with_slot(current_database(), |s| {
+        s.extension = if present { 1 } else { 2 }
+    });
+}
+
+/// Whether the last sweeper visit to `database` found the extension; None if unknown.
+pub fn extension_present(database: u32) -> Option<bool> {
+    if !enabled() {
+        return None;
+    }
+    let table = TABLE.share();
+    let slot = table.slots.iter().find(|s| s.database == database)?;
+    match slot.extension {
+        1 => Some(true),
+        2 => Some(false),
+        _ => None,
+    }
+}
+
+/// Asks the launcher to visit the current database at its next round (CREATE EXTENSION).
+pub fn announce() {
+    if !enabled() {
+        return;
+    }
+    let db = current_database();
+    let mut table = TABLE.exclusive();
+    if table.announced.contains(&db) {
+        return;
+    }
+    if let Some(free) = table.announced.iter_mut().find(|d| **d == 0) {
+        *free = db;
+    } else {
+        // Full: the launcher then visits every database anyway at its next full scan.
+        table.announced[ANNOUNCED - 1] = db;
+    }
+}
+
+/// The databases announced since the last call (the launcher's).
+pub fn take_announced() -> Vec<u32> {
+    if !enabled() {
+        return Vec::new();
+    }
+    let mut table = TABLE.exclusive();
+    let out = table
+        .announced
+        .iter()
+        .copied()
+        .filter(|&d| d != 0)
+        .collect();
+    table.announced = [0; ANNOUNCED];
+    out
+}
+
 /// The current database's slot, or None when not preloaded (or not tracked).
 pub fn snapshot() -> Option<Slot> {
     if !enabled() {
@@ -132,6 +194,7 @@ pub fn snapshot() -> Option<Slot> {
     };
     let mut copy = Slot {
         database: db,
+        extension: slot.extension,
         counters: [0; EVENTS],
         last_sweep_at: slot.last_sweep_at,
         last_sweep_rows: slot.last_sweep_rows,

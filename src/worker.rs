@@ -3,8 +3,9 @@
 //! One static "idempotency launcher" (started by the postmaster when the library is preloaded,
 //! restarted if it crashes) connects to no database. Every `idempotency.sweep_interval` it lists
 //! the databases that accept connections and, one at a time, starts a short-lived dynamic
-//! "idempotency sweeper" in each. The sweeper checks whether the extension is installed there
-//! (a database without it costs one connection per interval and nothing else), deletes expired
+//! "idempotency sweeper" in each. The sweeper checks whether the extension is installed there;
+//! a database found without it is not visited again until it runs CREATE EXTENSION (which
+//! announces itself through shared memory) or an hourly full scan. The sweeper deletes expired
 //! rows in batches of `idempotency.sweep_batch_size`, one short transaction per batch, and exits.
 //! Because no process stays connected to a database between sweeps, and a sweeper gives way as
 //! soon as `DROP DATABASE` asks for its database, the worker never holds up `DROP DATABASE`.
@@ -14,6 +15,7 @@ use pgrx::bgworkers::{
     BackgroundWorker, BackgroundWorkerBuilder, BackgroundWorkerStatus, SignalWakeFlags,
 };
 use pgrx::prelude::*;
+use std::collections::{HashMap, HashSet};
 use std::time::{Duration, Instant};
 
 pub const LAUNCHER_TYPE: &str = "idempotency launcher";
@@ -138,12 +140,43 @@ pub extern "C-unwind" fn idempotency_launcher_main(_arg: pg_sys::Datum) {
     unsafe { pg_sys::proc_exit(1) };
 }
 
+/// Every this many rounds the launcher visits databases known to lack the extension too (a
+/// safety net: CREATE EXTENSION announces itself, and new databases are always visited).
+const FULL_SCAN_ROUNDS: u64 = 60;
+
 fn launcher_loop() {
+    // Databases whose last visit found no extension: skipped until they announce one.
+    let mut without: HashSet<u32> = HashSet::new();
+    // Announced databases, with how many visits since found no extension yet: the announcing
+    // CREATE EXTENSION may not have committed when the sweeper first looks.
+    let mut announced: HashMap<u32, u64> = HashMap::new();
+    let mut rounds: u64 = 0;
     loop {
         let round = Instant::now();
+        for oid in stats::take_announced() {
+            announced.insert(oid, 0);
+        }
+        let full_scan = rounds % FULL_SCAN_ROUNDS == 0;
+        rounds += 1;
         for db in databases() {
+            let oid = db.oid.to_u32();
+            if !full_scan && without.contains(&oid) && !announced.contains_key(&oid) {
+                continue;
+            }
             if shutdown_requested() || !sweep_database(&db) {
                 return;
+            }
+            if stats::extension_present(oid) == Some(false) {
+                without.insert(oid);
+                if let Some(misses) = announced.get_mut(&oid) {
+                    *misses += 1;
+                    if *misses >= FULL_SCAN_ROUNDS {
+                        announced.remove(&oid); // that CREATE EXTENSION never committed
+                    }
+                }
+            } else {
+                without.remove(&oid);
+                announced.remove(&oid);
             }
         }
         let interval = Duration::from_secs(guc::SWEEP_INTERVAL.get().max(1) as u64);
@@ -196,7 +229,9 @@ pub extern "C-unwind" fn idempotency_sweeper_main(arg: pg_sys::Datum) {
             "SELECT EXISTS (SELECT FROM pg_catalog.pg_extension WHERE extname OPERATOR(pg_catalog.=) 'idempotency')",
         )
     });
-    if !matches!(installed, Ok(Some(true))) {
+    let present = matches!(installed, Ok(Some(true)));
+    stats::set_extension_present(present);
+    if !present {
         return;
     }
     // Deleting expired rows needs no durable commit: after a crash the rows come back still

@@ -86,11 +86,26 @@ def test_launcher_is_visible_and_databases_without_the_extension_cost_nothing(pr
     assert "ERROR" not in log and "FATAL" not in log, log[-2000:]
 
 
+def xact_commits(conn, db):
+    conn.execute("SELECT pg_stat_clear_snapshot()")
+    return conn.execute("SELECT xact_commit FROM pg_stat_database WHERE datname = %s", (db,)).fetchone()[0]
+
+
+def test_a_database_without_the_extension_is_not_visited(preloaded):
+    with connect(preloaded) as a:
+        time.sleep(2.5)  # the first rounds have visited every database
+        plain, second = xact_commits(a, "plain"), xact_commits(a, "second")
+        time.sleep(3.5)  # three more rounds
+        assert xact_commits(a, "plain") == plain, "the sweeper kept visiting a database without the extension"
+        assert xact_commits(a, "second") > second, "the sweeper stopped visiting a database with it"
+
+
 def test_extension_created_and_dropped_later_is_noticed(preloaded):
     with connect(preloaded) as a:
         a.execute("CREATE DATABASE late")
+    time.sleep(2.5)  # visited and found without the extension: no longer visited...
     with connect(preloaded, "late") as late:
-        late.execute("CREATE EXTENSION idempotency")
+        late.execute("CREATE EXTENSION idempotency")  # ...until CREATE EXTENSION announces it
         seed(late, "late", expired=50, live=5)
         assert wait_for(lambda: count(late, "late-old-%") == 0)
         late.execute("DROP EXTENSION idempotency")
