@@ -156,7 +156,7 @@ fn launcher_loop() {
         for oid in stats::take_announced() {
             announced.insert(oid, 0);
         }
-        let full_scan = rounds % FULL_SCAN_ROUNDS == 0;
+        let full_scan = rounds.is_multiple_of(FULL_SCAN_ROUNDS);
         rounds += 1;
         for db in databases() {
             let oid = db.oid.to_u32();
