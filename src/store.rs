@@ -335,6 +335,8 @@ struct Layout {
     idxid: pg_sys::Oid,
     /// request_hash, token, response, response_status, recovery_point, expires_at, locked_until
     att: [i32; 7],
+    /// The role whose table privileges were checked for this layout (see `check_access`).
+    checked_for: pg_sys::Oid,
 }
 
 thread_local! {
@@ -392,10 +394,46 @@ fn layout() -> Layout {
         for (i, n) in names.iter().enumerate() {
             att[i] = pg_sys::get_attnum(relid, n.as_ptr()) as i32;
         }
-        let l = Layout { relid, idxid, att };
+        let l = Layout {
+            relid,
+            idxid,
+            att,
+            checked_for: pg_sys::InvalidOid,
+        };
         LAYOUT.with(|c| c.set(Some(l)));
         l
     }
+}
+
+/// The probe reads the table below SQL, where PostgreSQL checks no privileges: so claim checks
+/// that the current role may SELECT, INSERT and UPDATE the table, as its SQL would need.
+/// The result is cached with the layout: GRANT and REVOKE invalidate it (relcache), and a
+/// different role (SET ROLE, SECURITY DEFINER callers) is checked again.
+fn check_access() {
+    let l = layout();
+    let role = unsafe { pg_sys::GetUserId() };
+    if l.checked_for == role {
+        return;
+    }
+    // pg_class_aclcheck accepts any one of the bits it is given: check them one by one.
+    for mode in [pg_sys::ACL_SELECT, pg_sys::ACL_INSERT, pg_sys::ACL_UPDATE] {
+        unsafe {
+            let result = pg_sys::pg_class_aclcheck(l.relid, role, mode as pg_sys::AclMode);
+            if result != pg_sys::AclResult::ACLCHECK_OK {
+                pg_sys::aclcheck_error(
+                    result,
+                    pg_sys::ObjectType::OBJECT_TABLE,
+                    c"idempotency_keys".as_ptr(),
+                );
+            }
+        }
+    }
+    LAYOUT.with(|c| {
+        c.set(Some(Layout {
+            checked_for: role,
+            ..l
+        }))
+    });
 }
 
 /// Reads the row in `slot` (copied out of the buffer) and judges it at `now()`.
@@ -571,6 +609,7 @@ const MAX_ROUNDS: usize = 50;
 /// Under REPEATABLE READ and SERIALIZABLE the row is read through the transaction's snapshot.
 pub fn claim(req: &ClaimRequest<'_>) -> ClaimResult {
     let _path = PinnedSearchPath::pin();
+    check_access();
     let wait = Duration::from_millis(guc::CLAIM_WAIT.get().max(0) as u64);
     let started = Instant::now();
     let snapshot_reads = unsafe { pg_sys::XactIsoLevel } >= pg_sys::XACT_REPEATABLE_READ as i32;
