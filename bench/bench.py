@@ -142,6 +142,9 @@ def populate_replay_keys(cluster):
 
 
 def wal_bytes_per_tx(cluster, script, logdir):
+    # Start both measurements right after a checkpoint, so they pay for the same kind of
+    # full-page images (a checkpoint inside one of them made it look 40x heavier once).
+    sql(cluster, "CHECKPOINT")
     before = sql(cluster, "SELECT wal_bytes FROM pg_stat_wal")[0][0]
     out = subprocess.run(
         [f"{PG_BIN}/pgbench", "-h", cluster.dir, "-p", str(cluster.port), "-U", "postgres", "-n", "-c", "1",
