@@ -78,7 +78,7 @@ RETURNS void
 LANGUAGE c IMMUTABLE PARALLEL SAFE
 AS 'MODULE_PATHNAME', 'idempotency_check_args';
 
--- Counts completions and releases in shared memory (a no-op unless preloaded).
+-- Counts releases in shared memory (a no-op unless preloaded); the C functions count the rest.
 CREATE FUNCTION idempotency._count(event text)
 RETURNS void
 LANGUAGE c VOLATILE PARALLEL SAFE

@@ -93,24 +93,43 @@ fn bytea_datum(b: &[u8]) -> pg_sys::Datum {
     })
 }
 
+/// The `key` and `scope` arguments at positions `k` and `s`, checked by the shared rules.
+unsafe fn key_and_scope(fcinfo: pg_sys::FunctionCallInfo, k: usize, s: usize) -> (String, String) {
+    unsafe {
+        let key: Option<String> = pg_getarg(fcinfo, k);
+        let scope: Option<String> = pg_getarg(fcinfo, s);
+        check(keys::check_key("key", key.as_deref(), false));
+        check(keys::check_key("scope", scope.as_deref(), true));
+        // Both were checked to be non-NULL above.
+        (key.unwrap_or_default(), scope.unwrap_or_default())
+    }
+}
+
+/// An optional `ttl` argument (NULL: the caller's default applies), checked when given.
+unsafe fn optional_ttl(fcinfo: pg_sys::FunctionCallInfo, n: usize) -> Option<Interval> {
+    let ttl = unsafe { pg_getarg::<Interval>(fcinfo, n) };
+    if let Some(t) = &ttl {
+        let (m, d, us) = interval_parts(t);
+        check(keys::check_duration("ttl", m, d, us));
+    }
+    ttl
+}
+
 v1!(pg_finfo_idempotency_claim);
 /// `idempotency.claim(key, request, scope, ttl, lease) RETURNS idempotency.claim_result`
 #[pg_guard]
 #[unsafe(no_mangle)]
 pub extern "C-unwind" fn idempotency_claim(fcinfo: pg_sys::FunctionCallInfo) -> pg_sys::Datum {
     unsafe {
-        let key: Option<String> = pg_getarg(fcinfo, 0);
-        let scope: Option<String> = pg_getarg(fcinfo, 2);
-        let key = check(keys::check_key("key", key.as_deref(), false));
-        let scope = check(keys::check_key("scope", scope.as_deref(), true));
+        let (key, scope) = key_and_scope(fcinfo, 0, 2);
         let (ttl, ttl_us) = duration_arg("ttl", pg_getarg(fcinfo, 3), guc::DEFAULT_TTL.get());
         let (lease, lease_us) =
             duration_arg("lease", pg_getarg(fcinfo, 4), guc::DEFAULT_LEASE.get());
         check(keys::check_lease_within_ttl(lease_us, ttl_us));
         let hash = jsonb_arg(fcinfo, 1).map(|d| hash_arg(d, "request"));
         let result = store::claim(&ClaimRequest {
-            scope,
-            key,
+            scope: &scope,
+            key: &key,
             hash,
             ttl,
             lease,
@@ -266,14 +285,8 @@ v1!(pg_finfo_idempotency_check_args);
 #[unsafe(no_mangle)]
 pub extern "C-unwind" fn idempotency_check_args(fcinfo: pg_sys::FunctionCallInfo) -> pg_sys::Datum {
     unsafe {
-        let key: Option<String> = pg_getarg(fcinfo, 0);
-        let scope: Option<String> = pg_getarg(fcinfo, 1);
-        check(keys::check_key("key", key.as_deref(), false));
-        check(keys::check_key("scope", scope.as_deref(), true));
-        if let Some(ttl) = pg_getarg::<Interval>(fcinfo, 2) {
-            let (m, d, us) = interval_parts(&ttl);
-            check(keys::check_duration("ttl", m, d, us));
-        }
+        key_and_scope(fcinfo, 0, 1);
+        optional_ttl(fcinfo, 2);
         pgrx::fcinfo::pg_return_void()
     }
 }
@@ -438,17 +451,17 @@ pub extern "C-unwind" fn idempotency_sweep(fcinfo: pg_sys::FunctionCallInfo) -> 
 }
 
 v1!(pg_finfo_idempotency_count);
-/// `idempotency._count(event text)`: counts a completion or release of the SQL functions.
+/// `idempotency._count(event text)`: counts an event of a PL/pgSQL function (`release`;
+/// the C functions count their own).
 #[pg_guard]
 #[unsafe(no_mangle)]
 pub extern "C-unwind" fn idempotency_count(fcinfo: pg_sys::FunctionCallInfo) -> pg_sys::Datum {
     unsafe {
         match pg_getarg::<&str>(fcinfo, 0) {
-            Some("completion") => stats::count(Event::Completion, 1),
             Some("release") => stats::count(Event::Release, 1),
             other => raise(
                 PgSqlErrorCode::ERRCODE_INVALID_PARAMETER_VALUE,
-                format!("event must be 'completion' or 'release' (got {other:?})"),
+                format!("event must be 'release' (got {other:?})"),
                 None,
             ),
         }
@@ -511,19 +524,12 @@ v1!(pg_finfo_idempotency_complete);
 #[unsafe(no_mangle)]
 pub extern "C-unwind" fn idempotency_complete(fcinfo: pg_sys::FunctionCallInfo) -> pg_sys::Datum {
     unsafe {
-        let key: Option<String> = pg_getarg(fcinfo, 0);
-        let scope: Option<String> = pg_getarg(fcinfo, 3);
-        let key = check(keys::check_key("key", key.as_deref(), false));
-        let scope = check(keys::check_key("scope", scope.as_deref(), true));
+        let (key, scope) = key_and_scope(fcinfo, 0, 3);
         let response_status = check(keys::check_status(pg_getarg::<i32>(fcinfo, 2)));
-        let ttl = pg_getarg::<Interval>(fcinfo, 5);
-        if let Some(t) = &ttl {
-            let (m, d, us) = interval_parts(t);
-            check(keys::check_duration("ttl", m, d, us));
-        }
+        let ttl = optional_ttl(fcinfo, 5);
         let request = store::CompleteRequest {
-            scope,
-            key,
+            scope: &scope,
+            key: &key,
             response: jsonb_arg(fcinfo, 1),
             response_status,
             token: pg_getarg::<i64>(fcinfo, 4),

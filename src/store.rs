@@ -618,10 +618,17 @@ pub fn claim(req: &ClaimRequest<'_>) -> ClaimResult {
         let step = if snapshot_reads {
             Spi::connect_mut(|client| match read_row(client, false, req)? {
                 Some(row) => decide(client, req, row),
-                None => insert(client, req),
+                None => match probe_or_insert(req, || insert(client, req)) {
+                    Looked::Inserted(step) => step,
+                    Looked::Found(Probe::Busy { locked_until }) => Ok(Step::Busy(locked_until)),
+                    // Committed, but not in this REPEATABLE READ snapshot: the insert fails with
+                    // a serialization error, as it should.
+                    Looked::Found(Probe::Committed(_)) => insert(client, req),
+                    Looked::Found(Probe::Absent) => Ok(Step::Again),
+                },
             })
         } else {
-            match probe_or_insert(req) {
+            match probe_or_insert(req, || Spi::connect_mut(|client| insert(client, req))) {
                 Looked::Inserted(step) => step,
                 Looked::Found(Probe::Busy { locked_until }) => Ok(Step::Busy(locked_until)),
                 Looked::Found(Probe::Committed(row)) => {
@@ -669,15 +676,19 @@ enum Looked {
     Found(Probe),
 }
 
-/// One look at the key under its insert lock (READ COMMITTED): an absent key is inserted at
-/// once; anything else is returned after the lock is released. (Taking the lock first costs a
-/// replay less than a second look at the index would cost every new key.)
-fn probe_or_insert(req: &ClaimRequest<'_>) -> Looked {
+/// One look at the key under its insert lock: an absent key is inserted at once (by `insert`);
+/// anything else is returned after the lock is released. The lock serializes probe+insert of
+/// a key across backends for a moment, so an insert never meets another claimer's
+/// half-finished insert of the same key (ON CONFLICT would then wait for that transaction to
+/// end). (Taking the lock before the look costs a replay less than a second look at the index
+/// would cost every new key.)
+fn probe_or_insert(
+    req: &ClaimRequest<'_>,
+    insert: impl FnOnce() -> Result<Step, pgrx::spi::Error>,
+) -> Looked {
     let _insert_lock = KeyInsertLock::acquire(req.scope, req.key);
     match probe(req.scope, req.key) {
-        Probe::Absent => Looked::Inserted(Spi::connect_mut(|client| {
-            Ok(write_claim(client, Write::Insert, req)?.map_or(Step::Again, Step::Done))
-        })),
+        Probe::Absent => Looked::Inserted(insert()),
         found => Looked::Found(found),
     }
 }
@@ -686,21 +697,9 @@ fn given<'a>(req: &'a ClaimRequest<'_>) -> Option<&'a [u8]> {
     req.hash.as_ref().map(|h| &h[..])
 }
 
-/// The key looked absent: insert it, unless another claimer got there first.
+/// Inserts the claim; `Again` when another claimer's row got there first.
 fn insert(client: &mut SpiClient<'_>, req: &ClaimRequest<'_>) -> Result<Step, pgrx::spi::Error> {
-    // Serialize probe+insert of this key across backends for a moment, so an insert never
-    // meets another claimer's half-finished insert of the same key (ON CONFLICT would then
-    // wait for that transaction to end).
-    let _insert_lock = KeyInsertLock::acquire(req.scope, req.key);
-    match probe(req.scope, req.key) {
-        Probe::Busy { locked_until } => Ok(Step::Busy(locked_until)),
-        // Absent; or committed meanwhile (ON CONFLICT DO NOTHING then inserts nothing and the
-        // next round reads the row), or committed but not in a REPEATABLE READ snapshot (the
-        // insert then fails with a serialization error, as it should).
-        Probe::Absent | Probe::Committed(_) => {
-            Ok(write_claim(client, Write::Insert, req)?.map_or(Step::Again, Step::Done))
-        }
-    }
+    Ok(write_claim(client, Write::Insert, req)?.map_or(Step::Again, Step::Done))
 }
 
 /// The answers that write nothing: replay, mismatch and in_progress.
