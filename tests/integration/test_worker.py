@@ -171,6 +171,28 @@ def test_reload_applies_new_settings(preloaded):
         a.execute("SELECT pg_reload_conf()")
 
 
+def test_sweep_delay_paces_a_backlog(preloaded):
+    def drain_seconds(delay):
+        with connect(preloaded) as a:
+            a.execute("ALTER SYSTEM SET idempotency.sweep_batch_size = 100")
+            a.execute("ALTER SYSTEM SET idempotency.sweep_delay = %s" % repr(delay))
+            a.execute("SELECT pg_reload_conf()")
+            time.sleep(1.5)
+            seed(a, f"paced-{delay}", expired=1000, live=0)
+            started = time.monotonic()
+            assert wait_for(lambda: count(a, f"paced-{delay}-old-%") == 0, timeout=30)
+            return time.monotonic() - started
+
+    try:
+        assert drain_seconds("0") < 2.5  # ten batches at once
+        assert drain_seconds("400ms") > 3.2  # ten batches, nine pauses of 0.4 s
+    finally:
+        with connect(preloaded) as a:
+            a.execute("ALTER SYSTEM RESET idempotency.sweep_batch_size")
+            a.execute("ALTER SYSTEM RESET idempotency.sweep_delay")
+            a.execute("SELECT pg_reload_conf()")
+
+
 def test_counters_since_server_start(preloaded):
     with connect(preloaded) as a:
         before = a.execute("SELECT claims_new, claims_replay, claims_in_progress, claims_mismatch, completions, releases FROM idempotency.stats").fetchone()
