@@ -729,7 +729,10 @@ fn decide(
             let Some(locked) = read_row(client, true, req)? else {
                 return Ok(match probe(req.scope, req.key) {
                     Probe::Busy { locked_until } => Step::Busy(locked_until),
-                    _ => Step::Again,
+                    // Still there, so another claimer holds its row lock while it decides on a
+                    // takeover: the key is busy (spinning here would only burn rounds).
+                    Probe::Committed(_) => Step::Busy(None),
+                    Probe::Absent => Step::Again,
                 });
             };
             match state::decide(stored(&locked), given(req)) {
