@@ -264,4 +264,34 @@ pub extern "C-unwind" fn idempotency_sweeper_main(arg: pg_sys::Datum) {
         reload_if_asked();
     }
     stats::sweep_finished(total);
+    sweep_audit();
+}
+
+/// Deletes audit rows past `idempotency.audit_retention` (kept forever when it is 0), in
+/// batches like the keys; skipped in a database whose extension predates the audit table.
+fn sweep_audit() {
+    let has_audit = BackgroundWorker::transaction(|| {
+        Spi::get_one::<bool>("SELECT pg_catalog.to_regclass('idempotency.audit') IS NOT NULL")
+    });
+    if !matches!(has_audit, Ok(Some(true))) {
+        return;
+    }
+    loop {
+        let retention = guc::AUDIT_RETENTION.get();
+        if retention <= 0 || shutdown_requested() || database_wanted_exclusively() {
+            break;
+        }
+        let batch = guc::SWEEP_BATCH_SIZE.get().max(1) as i64;
+        let deleted = BackgroundWorker::transaction(move || {
+            store::sweep_audit_batch(retention as f64, batch)
+        });
+        if deleted < batch {
+            break;
+        }
+        let delay = guc::SWEEP_DELAY.get().max(0) as u64;
+        if delay > 0 && !nap(Duration::from_millis(delay)) {
+            break;
+        }
+        reload_if_asked();
+    }
 }
