@@ -193,6 +193,28 @@ def test_sweep_delay_paces_a_backlog(preloaded):
             a.execute("SELECT pg_reload_conf()")
 
 
+def test_audit_rows_are_swept_past_their_retention_only(preloaded):
+    with connect(preloaded) as c:
+        c.execute("DELETE FROM idempotency.audit")
+        c.execute("SET idempotency.audit = on")
+        for i in range(6):
+            t = claim(c, f"audited-{i}")[1]
+            c.execute("SELECT idempotency.complete(%s, '{}', token => %s)", (f"audited-{i}", t))
+        c.execute("UPDATE idempotency.audit SET completed_at = now() - interval '2 hours' WHERE key IN ('audited-0', 'audited-1')")
+        time.sleep(2.5)  # retention 0 (default): the sweeper keeps every audit row
+        assert c.execute("SELECT count(*) FROM idempotency.audit").fetchone()[0] == 6
+        c.execute("ALTER SYSTEM SET idempotency.audit_retention = '1h'")
+        c.execute("SELECT pg_reload_conf()")
+        try:
+            assert wait_for(lambda: c.execute("SELECT count(*) FROM idempotency.audit").fetchone()[0] == 4)
+            assert sorted(k for (k,) in c.execute("SELECT key FROM idempotency.audit").fetchall()) == [
+                f"audited-{i}" for i in range(2, 6)]
+        finally:
+            c.execute("ALTER SYSTEM RESET idempotency.audit_retention")
+            c.execute("SELECT pg_reload_conf()")
+            c.execute("DELETE FROM idempotency.audit")
+
+
 def test_counters_since_server_start(preloaded):
     with connect(preloaded) as a:
         before = a.execute("SELECT claims_new, claims_replay, claims_in_progress, claims_mismatch, completions, releases FROM idempotency.stats").fetchone()
