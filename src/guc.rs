@@ -16,6 +16,8 @@ pub static SWEEP_BATCH_SIZE: GucSetting<i32> = GucSetting::<i32>::new(10_000);
 /// Milliseconds the sweeper pauses after each full batch.
 pub static SWEEP_DELAY: GucSetting<i32> = GucSetting::<i32>::new(50);
 
+/// OS scheduling niceness of the per-database sweepers.
+pub static SWEEP_NICE: GucSetting<i32> = GucSetting::<i32>::new(10);
 /// Scopes this session may use must start with this (superuser-set, e.g. per role).
 pub static SCOPE_PREFIX: GucSetting<Option<CString>> = GucSetting::<Option<CString>>::new(None);
 /// Whether `complete` appends a row to `idempotency.audit`.
@@ -94,6 +96,17 @@ pub fn init() {
         10_000,
         GucContext::Sighup,
         GucFlags::UNIT_MS,
+    );
+    GucRegistry::define_int_guc(
+        c"idempotency.sweep_nice",
+        c"Scheduling niceness (0-19) of the background sweeper processes.",
+        c"Above 0 the sweeper yields the CPU to the application's backends when the CPU is busy \
+          and sweeps at full speed when it is not; 0 competes on equal terms.",
+        &SWEEP_NICE,
+        0,
+        19,
+        GucContext::Sighup,
+        GucFlags::default(),
     );
     GucRegistry::define_string_guc(
         c"idempotency.scope_prefix",

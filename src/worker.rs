@@ -245,6 +245,7 @@ pub extern "C-unwind" fn idempotency_sweeper_main(arg: pg_sys::Datum) {
             pg_sys::GucSource::PGC_S_SESSION,
         )
     };
+    lower_priority(guc::SWEEP_NICE.get());
     let mut total = 0i64;
     loop {
         if shutdown_requested() || database_wanted_exclusively() {
@@ -265,6 +266,23 @@ pub extern "C-unwind" fn idempotency_sweeper_main(arg: pg_sys::Datum) {
     }
     stats::sweep_finished(total);
     sweep_audit();
+}
+
+unsafe extern "C" {
+    fn setpriority(which: i32, who: u32, prio: i32) -> i32;
+}
+
+/// Makes this sweeper process nicer (`idempotency.sweep_nice`): when the CPU is saturated the
+/// application's backends get it first; when it is idle the sweeper still runs at full speed.
+/// Each round runs in a new process, so a reloaded value applies from the next round on.
+fn lower_priority(nice: i32) {
+    const PRIO_PROCESS: i32 = 0;
+    if nice > 0 && unsafe { setpriority(PRIO_PROCESS, 0, nice) } != 0 {
+        pgrx::log!(
+            "idempotency sweeper: could not set niceness {nice}: {}",
+            std::io::Error::last_os_error()
+        );
+    }
 }
 
 /// Deletes audit rows past `idempotency.audit_retention` (kept forever when it is 0), in
