@@ -452,6 +452,7 @@ pub extern "C-unwind" fn idempotency_sweep(fcinfo: pg_sys::FunctionCallInfo) -> 
                 None,
             );
         }
+        store::refuse_read_only("sweep");
         let mut total = 0i64;
         loop {
             let n = store::sweep_batch(batch as i64);
@@ -698,6 +699,7 @@ pub extern "C-unwind" fn idempotency_sweep_audit(
                 None,
             );
         }
+        store::refuse_read_only("sweep_audit");
         let retention = guc::AUDIT_RETENTION.get();
         let mut total = 0i64;
         if retention <= 0 {

@@ -378,11 +378,20 @@ fn keys_hashed() -> bool {
         pg_sys::get_relname_relid(c"config".as_ptr(), nsp) != pg_sys::InvalidOid
     } && {
         let _path = PinnedSearchPath::pin();
-        Spi::get_one::<bool>(
-            "SELECT COALESCE((SELECT c.key_storage OPERATOR(pg_catalog.=) 'sha256' \
-             FROM idempotency.config AS c), false)",
-        )
-        .unwrap_or_else(|e| {
+        // A read-only SPI query (select, not update): it must work on a hot standby, where
+        // assigning a transaction id is an error.
+        Spi::connect(|client| {
+            client
+                .select(
+                    "SELECT COALESCE((SELECT c.key_storage OPERATOR(pg_catalog.=) 'sha256' \
+                     FROM idempotency.config AS c), false)",
+                    None,
+                    &[],
+                )?
+                .first()
+                .get_one::<bool>()
+        })
+        .unwrap_or_else(|e: pgrx::spi::Error| {
             raise(
                 PgSqlErrorCode::ERRCODE_INTERNAL_ERROR,
                 format!("idempotency: reading idempotency.config: {e}"),
@@ -417,7 +426,7 @@ pub fn key_label(stored: &str) -> String {
     }
 }
 
-/// Claims and completions write: refuse them at once, clearly, on a standby or in a
+/// Claims, completions and sweeps write: refuse them at once, clearly, on a standby or in a
 /// read-only transaction (a replay could otherwise be answered from the index alone).
 pub fn refuse_read_only(function: &str) {
     if unsafe { pg_sys::XactReadOnly } {
@@ -432,7 +441,7 @@ pub fn refuse_read_only(function: &str) {
                     ""
                 }
             ),
-            Some("claim and complete on the primary; idempotency.lookup works on a standby"),
+            Some("claim, complete and sweep on the primary; idempotency.lookup works on a standby"),
         );
     }
 }
