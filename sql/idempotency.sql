@@ -284,7 +284,8 @@ BEGIN
         RAISE EXCEPTION USING ERRCODE = '22004', MESSAGE = 'mode must not be NULL';
     ELSIF mode OPERATOR(pg_catalog.<>) ALL (ARRAY['plain', 'sha256']::text[]) THEN
         RAISE EXCEPTION USING ERRCODE = '22023',
-            MESSAGE = pg_catalog.format('mode must be ''plain'' or ''sha256'' (got %L)', mode);
+            MESSAGE = pg_catalog.format('mode must be ''plain'' or ''sha256'' (got %L)',
+                                        pg_catalog.left(mode, 40));
     END IF;
     -- Waits for running claims; claims that come later wait here and then see the new mode.
     LOCK TABLE idempotency.idempotency_keys, idempotency.audit IN ACCESS EXCLUSIVE MODE;

@@ -321,7 +321,10 @@ pub extern "C-unwind" fn idempotency_canonical_json(
             Some(m) => NumberMode::parse(m).unwrap_or_else(|| {
                 raise(
                     PgSqlErrorCode::ERRCODE_INVALID_PARAMETER_VALUE,
-                    format!("numbers must be 'exact' or 'rfc8785' (got {m:?})"),
+                    format!(
+                        "numbers must be 'exact' or 'rfc8785' (got {})",
+                        keys::abbreviate(m)
+                    ),
                     None,
                 )
             }),
@@ -478,7 +481,10 @@ pub extern "C-unwind" fn idempotency_count(fcinfo: pg_sys::FunctionCallInfo) -> 
             Some("release") => stats::count(Event::Release, 1),
             other => raise(
                 PgSqlErrorCode::ERRCODE_INVALID_PARAMETER_VALUE,
-                format!("event must be 'release' (got {other:?})"),
+                format!(
+                    "event must be 'release' (got {})",
+                    keys::abbreviate(other.unwrap_or("NULL"))
+                ),
                 None,
             ),
         }

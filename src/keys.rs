@@ -64,6 +64,16 @@ pub fn check_key<'a>(
     Ok(v)
 }
 
+/// A bad value as error messages quote it: at most 40 characters, then "…" (a 10 MB argument
+/// must not become a 10 MB message in the client and the server log).
+pub fn abbreviate(value: &str) -> String {
+    const MAX: usize = 40;
+    match value.char_indices().nth(MAX) {
+        Some((end, _)) => format!("{:?}…", &value[..end]),
+        None => format!("{value:?}"),
+    }
+}
+
 /// Checks `scope` against the role's `idempotency.scope_prefix` (empty: every scope allowed).
 pub fn check_scope_allowed(scope: &str, prefix: &str) -> Result<(), ArgError> {
     if scope.starts_with(prefix) {
@@ -313,6 +323,14 @@ pub fn fingerprint_document(
 mod tests {
     use super::*;
     use crate::canonical::parse_json;
+
+    #[test]
+    fn bad_values_are_abbreviated_in_messages() {
+        assert_eq!(abbreviate("exact"), "\"exact\"");
+        let long = "é".repeat(1_000_000);
+        let short = abbreviate(&long);
+        assert_eq!(short, format!("{:?}…", "é".repeat(40)));
+    }
 
     #[test]
     fn scope_prefix_rule() {
