@@ -51,13 +51,16 @@ BEGIN
             'title', 'Idempotency-Key is missing or not 1 to 255 characters'));
     END IF;
     -- Validate before claiming: a malformed request is not a payment attempt and stores nothing.
-    IF jsonb_typeof(request -> 'amount') IS DISTINCT FROM 'number' OR (request ->> 'amount')::numeric <= 0
+    IF jsonb_typeof(request -> 'amount') IS DISTINCT FROM 'number'
        OR jsonb_typeof(request -> 'account') IS DISTINCT FROM 'string'
        OR jsonb_typeof(request -> 'currency') IS DISTINCT FROM 'string' THEN
         RETURN jsonb_build_object('status', 400, 'body', jsonb_build_object(
             'title', 'account (string), amount (positive number) and currency (string) are required'));
     END IF;
     v_amount := (request ->> 'amount')::numeric;
+    IF v_amount <= 0 THEN
+        RETURN jsonb_build_object('status', 400, 'body', jsonb_build_object('title', 'amount must be positive'));
+    END IF;
 
     c := idempotency.claim(idempotency_key, request, scope => v_scope, ttl => '24 hours');
     CASE c.outcome

@@ -73,7 +73,7 @@ AS $$
 $$;
 
 -- Handles one delivery; returns what it did: 'processed', 'acked_duplicate', 'requeued' or
--- 'dead_lettered'. Run it in its own transaction (the consumer loop below commits after it).
+-- 'dead_lettered' (NULL for the empty row queue.receive returns when nothing is visible). Run it in its own transaction (the consumer loop below commits after it).
 CREATE OR REPLACE FUNCTION queue.handle(m queue.messages, consumer text DEFAULT NULL,
                                         visibility interval DEFAULT '30 seconds',
                                         max_deliveries int DEFAULT 5)
@@ -85,6 +85,9 @@ DECLARE
     c       idempotency.claim_result;
     v_scope text := 'queue:' || m.topic;
 BEGIN
+    IF m.id IS NULL THEN
+        RETURN NULL;                                                      -- nothing was received
+    END IF;
     IF m.deliveries > max_deliveries THEN
         INSERT INTO queue.dead_letters (id, message_id, topic, body, deliveries, reason)
         VALUES (m.id, m.message_id, m.topic, m.body, m.deliveries, 'too many deliveries');

@@ -124,7 +124,9 @@ def test_payment_retry_replays_and_debits_once(app, db):
     assert pay(a, "client-1", None, req)["status"] == 400
     assert pay(a, "client-1", "x" * 256, req)["status"] == 400
     # A malformed request is refused before anything is claimed.
-    assert pay(a, "client-1", "k-bad", {"account": "acc-1", "amount": "25"})["status"] == 400
+    for bad in ({"account": "acc-1", "amount": "25", "currency": "EUR"}, {"account": "acc-1", "amount": -5, "currency": "EUR"},
+                {"amount": 25, "currency": "EUR"}, None):
+        assert pay(a, "client-1", "k-bad", bad)["status"] == 400
     assert lookup(db, "k-bad", "POST /payments client-1") == (None,) * 5
     assert one(db, "SELECT balance FROM payments.accounts") == 75
     assert one(db, "SELECT count(*) FROM payments.payments") == 1
@@ -302,6 +304,7 @@ def test_queue_reused_id_and_poison_message_are_dead_lettered(app, db):
     assert db.execute("SELECT message_id, reason FROM queue.dead_letters ORDER BY id").fetchall() == [
         ("msg-7", "message id reused for another body"), ("msg-8", "too many deliveries")]
     assert db.execute("SELECT count(*), sum(points) FROM queue.points_ledger").fetchone() == (1, 1)
+    assert one(a, HANDLE, ("c1",)) is None                          # an empty queue: nothing to do
 
 
 # ---------------------------------------------------------------------------------------------
