@@ -13,9 +13,9 @@
 //   replay       already sent: print the stored response, send nothing
 //   in_progress  another process is sending: wait retry_after, claim again
 //   mismatch     the key was used for another receipt: exit 3, never retry
-//   40001        claim again (a concurrent claim changed the row)
-//   connection   reconnect, claim again (a claim that committed is found in_progress, then
-//                taken over when its lease runs out)
+//   40001        repeat the claim (a concurrent claim changed the row)
+//   connection   reconnect and repeat the statement: after the send, the checkpoint and
+//                complete still carry our token, so the send is not repeated
 //   send fails   release the key (the next run is new) and exit 1
 //   IK003/IK002  on checkpoint/complete: another process took over after our lease ran out;
 //                claim again to learn the final answer (replay) instead of completing twice
@@ -33,18 +33,65 @@ const sleep = (s) => new Promise((resolve) => setTimeout(resolve, s * 1000));
 
 class Fenced extends Error {}
 
-// Errors after which claiming again is the right thing: 40001 and a lost connection.
-function retryable(err) {
-  return err.code === '40001' || err.code === '57P01' || err.code === 'ECONNRESET' ||
-    err.code === 'ECONNREFUSED' || err.code === 'ENOENT' || /Connection terminated/.test(err.message);
+// A lost connection (the server restarted, the backend was terminated, the network dropped).
+function connectionLost(err) {
+  return ['57P01', '57P02', '57P03', 'ECONNRESET', 'ECONNREFUSED', 'ENOENT', 'EPIPE'].includes(err.code) ||
+    /Connection terminated|not queryable|Client was closed/.test(err.message);
 }
 
-async function fencedCall(client, sql, params) {
-  try {
-    await client.query(sql, params);
-  } catch (err) {
-    if (err.code === 'IK002' || err.code === 'IK003') throw new Fenced(err.message);
-    throw err;
+// One connection, re-opened when lost. Each statement is repeated after a lost connection or
+// a 40001: all of them are safe to repeat. A repeated claim finds our own claim (in_progress,
+// then taken over after the lease); a repeated checkpoint with our token changes nothing; a
+// repeated complete that had committed raises IK002 (handled as Fenced: claim again, replay).
+class Session {
+  constructor(conninfo, patience = 60) {
+    this.conninfo = conninfo;
+    this.patience = patience;
+    this.client = null;
+  }
+
+  async query(sql, params) {
+    const deadline = Date.now() + this.patience * 1000;
+    for (;;) {
+      try {
+        if (this.client === null) {
+          const client = new Client({
+            ...(this.conninfo ? { connectionString: this.conninfo } : {}),
+            application_name: 'send_receipt',
+          });
+          client.on('error', () => {}); // a dropped connection surfaces on the next query
+          this.client = client;
+          await client.connect();
+        }
+        return (await this.client.query(sql, params)).rows[0];
+      } catch (err) {
+        if (err.code === '40001') {
+          await sleep(0.05); // a concurrent claim changed the row: repeat
+        } else if (connectionLost(err) && Date.now() < deadline) {
+          console.error(`connection lost (${err.message}); reconnecting`);
+          const old = this.client;
+          this.client = null;
+          if (old !== null) await old.end().catch(() => {});
+          await sleep(0.5);
+        } else {
+          throw err;
+        }
+      }
+    }
+  }
+
+  // checkpoint/complete with our token; IK002/IK003: another process owns the key now.
+  async fenced(sql, params) {
+    try {
+      return await this.query(sql, params);
+    } catch (err) {
+      if (err.code === 'IK002' || err.code === 'IK003') throw new Fenced(err.message);
+      throw err;
+    }
+  }
+
+  async end() {
+    if (this.client !== null) await this.client.end().catch(() => {});
   }
 }
 
@@ -54,27 +101,11 @@ async function sendEmail(outbox, messageId, request, seconds, fail) {
   fs.appendFileSync(outbox, JSON.stringify({ message_id: messageId, ...request }) + '\n');
 }
 
-async function sendReceipt(args) {
-  const state = { client: null };
-  try {
-    return await attempts(args, state);
-  } finally {
-    if (state.client !== null) await state.client.end().catch(() => {});
-  }
-}
-
-async function attempts(args, state) {
+async function sendReceipt(db, args) {
   const request = { to: args.to, order: args.key };
-  let client = null;
   for (;;) {
     try {
-      if (client === null) {
-        client = new Client(args.conninfo ? { connectionString: args.conninfo } : {});
-        client.on('error', () => {}); // a dropped connection surfaces on the next query
-        state.client = client;
-        await client.connect();
-      }
-      const { rows: [c] } = await client.query(
+      const c = await db.query(
         `SELECT outcome::text, token::text, response, extract(epoch FROM retry_after)::float8 AS retry_after,
                 recovery_point
            FROM idempotency.claim($1, $2::jsonb, scope => $3, lease => make_interval(secs => $4))`,
@@ -91,38 +122,26 @@ async function attempts(args, state) {
       // new: a first attempt, or a takeover of a dead process' claim (recovery_point set).
       // The token is a bigint: passed back as text, never through a JavaScript number.
       const token = c.token;
-      const { rows: [d] } = await client.query("SELECT idempotency.derive_key($1, 'email') AS id", [args.key]);
+      const { id: messageId } = await db.query("SELECT idempotency.derive_key($1, 'email') AS id", [args.key]);
       if (c.recovery_point !== 'sent') {
         try {
-          await sendEmail(args.outbox, d.id, request, args.effectSeconds, args.failSend);
+          await sendEmail(args.outbox, messageId, request, args.effectSeconds, args.failSend);
         } catch (err) {
-          await client.query('SELECT idempotency.release($1, $2, $3::bigint)', [args.key, SCOPE, token]);
+          await db.query('SELECT idempotency.release($1, $2, $3::bigint)', [args.key, SCOPE, token]);
           console.error(`send failed, key released: ${err.message}`);
           process.exit(1);
         }
         if (args.crashAfter === 'send') process.exit(70);
-        await fencedCall(client, "SELECT idempotency.checkpoint($1, 'sent', $2, $3::bigint)", [args.key, SCOPE, token]);
+        await db.fenced("SELECT idempotency.checkpoint($1, 'sent', $2, $3::bigint)", [args.key, SCOPE, token]);
         if (args.crashAfter === 'checkpoint') process.exit(70);
       }
-      const response = { message_id: d.id, sent_to: args.to };
-      await fencedCall(client, 'SELECT idempotency.complete($1, $2::jsonb, 200, $3, $4::bigint)',
+      const response = { message_id: messageId, sent_to: args.to };
+      await db.fenced('SELECT idempotency.complete($1, $2::jsonb, 200, $3, $4::bigint)',
         [args.key, JSON.stringify(response), SCOPE, token]);
       return { outcome: c.outcome, response };
     } catch (err) {
-      if (err instanceof Fenced) {
-        console.error(`fenced off (${err.message}); claiming again for the final answer`);
-      } else if (retryable(err)) {
-        console.error(`${err.message}; claiming again`);
-        if (err.code !== '40001') {
-          await client.end().catch(() => {});
-          client = state.client = null;
-          await sleep(0.5);
-        } else {
-          await sleep(0.05);
-        }
-      } else {
-        throw err;
-      }
+      if (!(err instanceof Fenced)) throw err;
+      console.error(`fenced off (${err.message}); claiming again for the final answer`);
     }
   }
 }
@@ -146,11 +165,13 @@ async function main() {
   if (values['crash-after'] && !['send', 'checkpoint'].includes(values['crash-after'])) {
     throw new Error('--crash-after must be send or checkpoint');
   }
-  const result = await sendReceipt({
-    key: values.key, to: values.to, outbox: values.outbox, conninfo: values.conninfo,
+  const db = new Session(values.conninfo);
+  const result = await sendReceipt(db, {
+    key: values.key, to: values.to, outbox: values.outbox,
     lease: Number(values.lease), effectSeconds: Number(values['effect-seconds']),
     failSend: values['fail-send'], crashAfter: values['crash-after'],
   });
+  await db.end();
   console.log(JSON.stringify(result));
 }
 

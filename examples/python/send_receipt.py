@@ -12,9 +12,9 @@ does not roll back with any transaction). Every outcome of claim is handled:
   replay       already sent: print the stored response, send nothing
   in_progress  another process is sending: wait retry_after, claim again
   mismatch     the key was used for another receipt: exit 3, never retry
-  40001        claim again (a concurrent claim changed the row)
-  connection   reconnect, claim again (a claim that committed is found in_progress, then
-               taken over when its lease runs out)
+  40001        repeat the claim (a concurrent claim changed the row)
+  connection   reconnect and repeat the statement: after the send, the checkpoint and
+               complete still carry our token, so the send is not repeated
   send fails   release the key (the next run is new) and exit 1
   IK003/IK002  on checkpoint/complete: another process took over after our lease ran out;
                claim again to learn the final answer (replay) instead of completing twice
@@ -41,21 +41,39 @@ class Fenced(Exception):
     pass
 
 
-def claim(conn, key, request, lease):
-    return conn.execute(
-        "SELECT outcome::text, token, response, extract(epoch FROM retry_after)::float8, recovery_point"
-        "  FROM idempotency.claim(%s, %s, scope => %s, lease => make_interval(secs => %s))",
-        (key, Jsonb(request), SCOPE, lease)).fetchone()
+class Session:
+    """One connection, re-opened when lost. Each statement is repeated after a lost connection:
+    all of them are safe to repeat. A repeated claim finds our own claim (in_progress, then
+    taken over after the lease); a repeated checkpoint with our token changes nothing; a
+    repeated complete that had committed raises IK002 (handled as Fenced: claim again, replay)."""
 
+    def __init__(self, conninfo, patience=60):
+        self.conninfo, self.patience, self.conn = conninfo, patience, None
 
-def fenced_call(conn, sql, params):
-    """checkpoint/complete with our token; IK002/IK003 mean another process owns the key now."""
-    try:
-        conn.execute(sql, params)
-    except psycopg.Error as e:
-        if e.sqlstate in ("IK002", "IK003"):
-            raise Fenced(e.diag.message_primary) from e
-        raise
+    def execute(self, sql, params):
+        deadline = time.monotonic() + self.patience
+        while True:
+            try:
+                if self.conn is None or self.conn.closed:
+                    self.conn = psycopg.connect(self.conninfo, autocommit=True, application_name="send_receipt")
+                return self.conn.execute(sql, params).fetchone()
+            except psycopg.errors.SerializationFailure:
+                time.sleep(0.05)             # 40001: a concurrent claim changed the row; repeat
+            except psycopg.OperationalError as e:
+                if time.monotonic() > deadline:
+                    raise
+                print(f"connection lost ({str(e).strip()}); reconnecting", file=sys.stderr)
+                self.conn = None
+                time.sleep(0.5)
+
+    def fenced(self, sql, params):
+        """checkpoint/complete with our token; IK002/IK003: another process owns the key now."""
+        try:
+            return self.execute(sql, params)
+        except psycopg.Error as e:
+            if e.sqlstate in ("IK002", "IK003"):
+                raise Fenced(e.diag.message_primary) from e
+            raise
 
 
 def send_email(outbox, message_id, request, seconds, fail):
@@ -66,14 +84,14 @@ def send_email(outbox, message_id, request, seconds, fail):
         f.write(json.dumps({"message_id": message_id, **request}) + "\n")
 
 
-def send_receipt(conninfo, args):
+def send_receipt(db, args):
     request = {"to": args.to, "order": args.key}
-    conn = None
     while True:
         try:
-            if conn is None or conn.closed:
-                conn = psycopg.connect(conninfo, autocommit=True)
-            outcome, token, response, retry_after, recovery_point = claim(conn, args.key, request, args.lease)
+            outcome, token, response, retry_after, recovery_point = db.execute(
+                "SELECT outcome::text, token, response, extract(epoch FROM retry_after)::float8, recovery_point"
+                "  FROM idempotency.claim(%s, %s, scope => %s, lease => make_interval(secs => %s))",
+                (args.key, Jsonb(request), SCOPE, args.lease))
             if outcome == "replay":
                 return outcome, response
             if outcome == "mismatch":
@@ -83,31 +101,24 @@ def send_receipt(conninfo, args):
                 time.sleep(retry_after)
                 continue
             # new: a first attempt, or a takeover of a dead process' claim (recovery_point set)
-            message_id = conn.execute("SELECT idempotency.derive_key(%s, 'email')", (args.key,)).fetchone()[0]
+            (message_id,) = db.execute("SELECT idempotency.derive_key(%s, 'email')", (args.key,))
             if recovery_point != "sent":
                 try:
                     send_email(args.outbox, message_id, request, args.effect_seconds, args.fail_send)
                 except Exception as e:
-                    conn.execute("SELECT idempotency.release(%s, %s, %s)", (args.key, SCOPE, token))
+                    db.execute("SELECT idempotency.release(%s, %s, %s)", (args.key, SCOPE, token))
                     print(f"send failed, key released: {e}", file=sys.stderr)
                     sys.exit(1)
                 if args.crash_after == "send":
                     os._exit(70)
-                fenced_call(conn, "SELECT idempotency.checkpoint(%s, 'sent', %s, %s)", (args.key, SCOPE, token))
+                db.fenced("SELECT idempotency.checkpoint(%s, 'sent', %s, %s)", (args.key, SCOPE, token))
                 if args.crash_after == "checkpoint":
                     os._exit(70)
             response = {"message_id": message_id, "sent_to": args.to}
-            fenced_call(conn, "SELECT idempotency.complete(%s, %s, 200, %s, %s)",
-                        (args.key, Jsonb(response), SCOPE, token))
+            db.fenced("SELECT idempotency.complete(%s, %s, 200, %s, %s)", (args.key, Jsonb(response), SCOPE, token))
             return outcome, response
         except Fenced as e:
             print(f"fenced off ({e}); claiming again for the final answer", file=sys.stderr)
-        except psycopg.errors.SerializationFailure:
-            time.sleep(0.05)
-        except psycopg.OperationalError as e:
-            print(f"connection lost ({e}); reconnecting", file=sys.stderr)
-            conn = None
-            time.sleep(0.5)
 
 
 def main():
@@ -121,7 +132,7 @@ def main():
     p.add_argument("--fail-send", action="store_true", help="simulate a failed send")
     p.add_argument("--crash-after", choices=["send", "checkpoint"], help="simulate a crash")
     args = p.parse_args()
-    outcome, response = send_receipt(args.conninfo, args)
+    outcome, response = send_receipt(Session(args.conninfo), args)
     print(json.dumps({"outcome": outcome, "response": response}))
 
 

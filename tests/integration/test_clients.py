@@ -6,6 +6,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -81,3 +82,19 @@ def test_two_runs_at_once_send_once(client, db):
     assert sorted(r["outcome"] for _, r, _ in results) == ["new", "replay"]
     assert results[0][1]["response"] == results[1][1]["response"]
     assert len(client.sent()) == 1
+
+
+def test_lost_connection_after_the_claim_finishes_with_its_own_token(client, db):
+    proc = client("order-4", "--effect-seconds", "2", "--lease", "30", wait=False)
+    deadline = time.time() + 20
+    while state(db, "order-4")[0] != "in_progress":       # claimed and committed: now sending
+        assert time.time() < deadline and proc.poll() is None
+        time.sleep(0.05)
+    killed = db.execute("SELECT count(pg_terminate_backend(pid)) FROM pg_stat_activity "
+                        "WHERE application_name = 'send_receipt'").fetchone()[0]
+    assert killed == 1
+    rc, result, err = finish(proc)
+    # It reconnected and checkpointed and completed with its token: no second send, and no
+    # wait for its own 30-second lease.
+    assert rc == 0 and result["outcome"] == "new" and "reconnecting" in err, err
+    assert len(client.sent()) == 1 and state(db, "order-4") == ("completed", "sent")
