@@ -85,7 +85,7 @@ def test_two_runs_at_once_send_once(client, db):
 
 
 def test_lost_connection_after_the_claim_finishes_with_its_own_token(client, db):
-    proc = client("order-4", "--effect-seconds", "2", "--lease", "30", wait=False)
+    proc = client("order-4", "--effect-seconds", "3", "--lease", "30", wait=False)
     deadline = time.time() + 20
     while state(db, "order-4")[0] != "in_progress":       # claimed and committed: now sending
         assert time.time() < deadline and proc.poll() is None
