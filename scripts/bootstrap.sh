@@ -1,13 +1,17 @@
 #!/usr/bin/env bash
 # Installs everything building and testing the extension needs on a fresh Debian 12 machine
 # (run as root): PostgreSQL 15 and its server headers, clang for bindgen, sudo (cargo pgrx test
-# --runas uses it), cargo-pgrx 0.18.1, `cargo pgrx init` against the system PostgreSQL, and the
-# Python packages of the integration tests. Safe to run again: it skips what is there.
+# --runas uses it), cargo-pgrx 0.18.1, `cargo pgrx init` against the system PostgreSQL, the
+# Python packages of the integration tests, pg_cron (the sweep recipe's test), and Node.js with
+# the Node client example's packages (npm ci). Safe to run again: it skips what is there.
 set -euo pipefail
 
 PG_CONFIG=/usr/lib/postgresql/15/bin/pg_config
-APT_PACKAGES=(postgresql-15 postgresql-server-dev-15 libclang-dev clang sudo)
+APT_PACKAGES=(postgresql-15 postgresql-server-dev-15 libclang-dev clang sudo postgresql-15-cron)
 PIP_PACKAGES=("psycopg[binary]>=3.1,<3.3" "pytest>=8,<9" "rfc8785==0.1.4")
+
+# Node.js: any node on PATH will do (v18.3 or later); otherwise Debian's.
+command -v node >/dev/null && command -v npm >/dev/null || APT_PACKAGES+=(nodejs npm)
 
 missing=()
 for p in "${APT_PACKAGES[@]}"; do
@@ -32,4 +36,10 @@ fi
 if ! python3 -c "import psycopg, pytest, rfc8785" 2>/dev/null; then
     echo "bootstrap: pip install ${PIP_PACKAGES[*]}"
     python3 -m pip install -q --root-user-action=ignore "${PIP_PACKAGES[@]}"
+fi
+
+NODE_EXAMPLE="$(dirname "$0")/../examples/node"
+if [ ! -d "$NODE_EXAMPLE/node_modules/pg" ]; then
+    echo "bootstrap: npm ci in examples/node"
+    (cd "$NODE_EXAMPLE" && npm ci --no-audit --no-fund --loglevel=error)
 fi
