@@ -31,7 +31,7 @@ class Load:
     until stop() or until their server goes away (a worker ends at its first lost connection and
     never reconnects, so nothing it does reaches a later server)."""
 
-    def __init__(self, conninfo, prefix, tx_sessions=4, lease_sessions=4, lease="6 seconds", seed=0):
+    def __init__(self, conninfo, prefix, tx_sessions=4, lease_sessions=4, lease="10 seconds", seed=0):
         self.conninfo, self.prefix, self.lease = conninfo, prefix, lease
         self.records = []
         self.unexpected = []  # (worker, exception or wrong answer) while the server was up
@@ -132,8 +132,10 @@ def verify(conninfo, load, takeover=True):
     counts = {"acked": 0, "uncommitted_gone": 0, "unanswered_commit_kept": 0, "unanswered_commit_gone": 0,
               "leased_in_progress": 0, "in_progress_while_leased": 0, "taken_over": 0}
     held = []  # (record, token, recovery point) of leased claims to take over
+    # Leased claims not known to be completed first, while their leases still run.
+    records = sorted(load.records, key=lambda r: (r.style != "lease" or r.state == "acked"))
     with psycopg.connect(conninfo, autocommit=True) as conn:
-        for rec in load.records:
+        for rec in records:
             row = _lookup(conn, rec.key)
             where = f"{rec.key} ({rec.style}, {rec.state}): {row}"
             if rec.state == "acked":

@@ -48,6 +48,7 @@ def test_crash_under_load_keeps_every_acknowledged_answer(mode):
                 totals[k] = totals.get(k, 0) + v
             totals["ledger"] = totals.get("ledger", 0) + len(load.records)
         assert totals["leased_in_progress"] > 0 and totals["taken_over"] == totals["leased_in_progress"], totals
+        assert totals["in_progress_while_leased"] > totals["leased_in_progress"] // 2, totals
         print(f"\ncrash[{mode}]: {ROUNDS} crashes survived; {totals}"
               + (f"; orphans at kill / SIGKILLed after 5 s per round: {orphans}" if orphans else ""))
     finally:
