@@ -5,6 +5,7 @@ into the system PostgreSQL (`cargo pgrx install`)."""
 
 import os
 import shutil
+import signal
 import socket
 import subprocess
 import tempfile
@@ -66,6 +67,11 @@ class Cluster:
             self.stop("immediate")
         except subprocess.CalledProcessError:
             pass
+        for p in self.processes():  # after a killed postmaster, nothing of it may stay
+            try:
+                os.kill(p, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
         shutil.rmtree(self.dir, ignore_errors=True)
 
     def conninfo(self):
@@ -87,3 +93,85 @@ class Cluster:
     def server_log(self):
         with open(self.log, encoding="utf-8", errors="replace") as f:
             return f.read()
+
+    def restart(self):
+        """Starts the server again after a stop or a crash (crash recovery runs first)."""
+        self.pg_ctl("start", "-w", "-t", "120", "-l", self.log)
+
+    def postmaster_pid(self):
+        with open(os.path.join(self.data, "postmaster.pid")) as f:
+            return int(f.readline())
+
+    def processes(self):
+        """Pids of every process of this cluster: PostgreSQL processes chdir to their data
+        directory, so /proc/<pid>/cwd names the cluster even for orphaned backends."""
+        data = os.path.realpath(self.data)
+        pids = []
+        for entry in os.listdir("/proc"):
+            if not entry.isdigit():
+                continue
+            try:
+                if os.readlink(f"/proc/{entry}/cwd") == data:
+                    pids.append(int(entry))
+            except OSError:
+                pass  # gone, or not ours to look at
+        return pids
+
+    def kill_postmaster(self, grace=5.0):
+        """SIGKILL of the postmaster, as the OOM killer does it. Its orphaned children notice
+        the postmaster's death and exit on their own (a backend in the middle of a statement
+        may still commit it); the ones left after `grace` seconds are SIGKILLed, since a new
+        postmaster refuses to start while the old shared memory is attached. postmaster.pid
+        stays behind, stale. Returns (orphans at the kill, orphans that had to be killed)."""
+        pid = self.postmaster_pid()
+        os.kill(pid, signal.SIGKILL)
+        orphans = [p for p in self.processes() if p != pid]
+        deadline = time.monotonic() + grace
+        while self.processes() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        left = self.processes()
+        for p in left:
+            try:
+                os.kill(p, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        deadline = time.monotonic() + 10
+        while self.processes() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not self.processes(), f"processes of the killed cluster survive: {self.processes()}"
+        # A new postmaster refuses to start while the pid in the stale postmaster.pid answers
+        # kill(pid, 0), which a zombie does: wait until init has reaped the old postmaster.
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            try:
+                os.kill(pid, 0)
+            except ProcessLookupError:
+                break
+            time.sleep(0.05)
+        return len(orphans), len(left)
+
+    def promote(self):
+        self.pg_ctl("promote", "-w", "-t", "60")
+
+    @classmethod
+    def standby_of(cls, primary, application_name="standby1", slot=None, settings=None):
+        """A streaming standby of `primary`, made with `pg_basebackup -R` into its own data
+        directory, with its own port and socket directory. Not started: call start_standby()."""
+        s = cls(settings=settings, dbname=primary.dbname)
+        _as_postgres(f"{PG_BIN}/pg_basebackup", "-h", primary.dir, "-p", str(primary.port), "-U", "postgres",
+                     "-D", s.data, "-R", "-X", "stream", "-c", "fast", "--no-sync",
+                     *(["-S", slot] if slot else []), stdout=subprocess.DEVNULL)
+        # The copy carries the primary's settings (port, socket directory); later lines win.
+        conninfo = (f"host={primary.dir} port={primary.port} user=postgres "
+                    f"application_name={application_name}")
+        s.settings["primary_conninfo"] = f"'{conninfo}'"
+        if slot:
+            s.settings["primary_slot_name"] = f"'{slot}'"
+        with open(os.path.join(s.data, "postgresql.auto.conf"), "a") as f:
+            for k, v in s.settings.items():
+                f.write(f"{k} = {v}\n")
+        return s
+
+    def start_standby(self):
+        self.pg_ctl("start", "-w", "-t", "120", "-l", self.log)
+        return self
