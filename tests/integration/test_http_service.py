@@ -456,3 +456,27 @@ def test_service_connects_as_the_application_role(service, sql):
     users = sql("SELECT DISTINCT usename FROM pg_stat_activity WHERE datname = %s "
                 "AND usename <> 'postgres'", DB)
     assert users == [("http_example_app",)]
+
+
+def test_stale_refund_worker_is_fenced_off(service, provider, sql):
+    """A worker that stalls past its lease (test hook: it sleeps before calling the provider) is
+    overtaken by a retry; when it wakes up the provider deduplicates its call and the store
+    refuses its completion, so it answers with the stored result: one refund."""
+    order_id = new_order(service, "liam")
+    refund = {"order_id": order_id, "amount": 5}
+    before = provider.charges()["executions"]
+    stale = {}
+    t = threading.Thread(target=lambda: stale.update(r=service.post(
+        "/refunds", refund, key="refund-4", client="liam",
+        headers={"X-Test-Delay-Ms": str(REFUND_LEASE * 1000 + 1500)})))
+    t.start()
+    time.sleep(0.3)
+    status, h, b, seen = retry_until_done(service, "/refunds", refund, "refund-4", "liam", sql)
+    assert status == 201 and seen[0] == 409, seen
+    t.join()
+    s2, h2, b2 = stale["r"]
+    assert (s2, b2, h2.get("idempotent-replayed")) == (201, b, "true")
+    ch = provider.charges()
+    assert ch["executions"] == before + 1
+    assert [c["calls"] for c in ch["charges"] if c["id"] == json.loads(b)["provider_refund_id"]] == [2]
+    assert count(sql, "refunds", "liam") == 1

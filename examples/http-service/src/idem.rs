@@ -146,6 +146,14 @@ async fn lookup_expires<C: GenericClient + Sync>(
     Ok(row.get(0))
 }
 
+/// A database error for the log: SQLSTATE and message.
+pub fn describe(e: &tokio_postgres::Error) -> String {
+    match e.as_db_error() {
+        Some(d) => format!("{} {}", d.code().code(), d.message()),
+        None => e.to_string(),
+    }
+}
+
 /// SQLSTATE of a database error, if it is one.
 pub fn sqlstate(e: &tokio_postgres::Error) -> Option<&str> {
     e.code().map(|c| c.code())
@@ -177,7 +185,7 @@ pub fn db_error(e: &tokio_postgres::Error, echo: &Echo) -> Response {
             r
         }
         _ => {
-            eprintln!("database error: {e}");
+            eprintln!("database error: {}", describe(e));
             problem(
                 StatusCode::SERVICE_UNAVAILABLE,
                 "database",

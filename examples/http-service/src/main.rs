@@ -127,6 +127,32 @@ pub fn pool_error(e: &deadpool_postgres::PoolError, echo: &http::Echo) -> Respon
     http::finish(r, echo)
 }
 
+/// Runs a handler's work in a task of its own, so that it is not cancelled when the client
+/// disconnects.
+pub async fn detached<F, Fut>(ctx: http::Ctx, work: F) -> Response
+where
+    F: FnOnce(http::Ctx) -> Fut,
+    Fut: std::future::Future<Output = Response> + Send + 'static,
+{
+    let echo = http::Echo {
+        key: ctx.echo.key.clone(),
+        ..http::Echo::default()
+    };
+    match tokio::spawn(work(ctx)).await {
+        Ok(r) => r,
+        Err(e) => {
+            eprintln!("handler task failed: {e}");
+            let r = http::problem(
+                StatusCode::INTERNAL_SERVER_ERROR,
+                "internal",
+                "Internal error",
+                "retry with the same Idempotency-Key",
+            );
+            http::finish(r, &echo)
+        }
+    }
+}
+
 /// Ready when the database answers.
 async fn health(State(app): State<Arc<App>>) -> Response {
     match app.pool.get().await {

@@ -50,16 +50,21 @@ pub async fn create(
         );
         return finish(r, &ctx.echo);
     }
-    // A serialization failure (40001) under a storm of claims is retried here, with the same key.
-    let mut attempt = 0;
-    loop {
-        attempt += 1;
-        match run(&app, &ctx).await {
-            Err(e) if idem::sqlstate(&e) == Some("40001") && attempt < 5 => continue,
-            Err(e) => return idem::db_error(&e, &ctx.echo),
-            Ok(r) => return r,
+    // The work runs in its own task, to the end, even if the client hangs up: its retry then
+    // finds the answer stored instead of a transaction cancelled half-way.
+    crate::detached(ctx, move |ctx| async move {
+        // A serialization failure (40001) under a storm of claims is retried, with the same key.
+        let mut attempt = 0;
+        loop {
+            attempt += 1;
+            match run(&app, &ctx).await {
+                Err(e) if idem::sqlstate(&e) == Some("40001") && attempt < 5 => continue,
+                Err(e) => return idem::db_error(&e, &ctx.echo),
+                Ok(r) => return r,
+            }
         }
-    }
+    })
+    .await
 }
 
 async fn run(app: &App, ctx: &Ctx) -> Result<Response, tokio_postgres::Error> {

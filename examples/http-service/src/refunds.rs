@@ -88,10 +88,15 @@ pub async fn create(
         );
         return finish(r, &ctx.echo);
     }
-    match run(&app, &ctx).await {
-        Ok(r) => r,
-        Err(e) => idem::db_error(&e, &ctx.echo),
-    }
+    // Runs to the end even if the client hangs up (a cancelled worker would leave the claim to
+    // wait for its lease).
+    crate::detached(ctx, move |ctx| async move {
+        match run(&app, &ctx).await {
+            Ok(r) => r,
+            Err(e) => idem::db_error(&e, &ctx.echo),
+        }
+    })
+    .await
 }
 
 async fn run(app: &App, ctx: &Ctx) -> Result<Response, tokio_postgres::Error> {
