@@ -331,8 +331,10 @@ async fn fenced_off(
         return Err(e);
     }
     eprintln!(
-        "{} {:?}: fenced off ({e}), answering from the store",
-        ctx.scope, ctx.key
+        "{} {:?}: fenced off ({}), answering from the store",
+        ctx.scope,
+        ctx.key,
+        idem::describe(&e)
     );
     let c = idem::claim(client, ctx, app.cfg.ttl_secs, app.cfg.refund_lease_secs).await?;
     if c.outcome == Outcome::New {
