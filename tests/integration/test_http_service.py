@@ -49,6 +49,8 @@ def app_db(cluster):
     subprocess.run([f"{PG_BIN}/psql", "-X", "-q", "-v", "ON_ERROR_STOP=1", "-d", su,
                     "-f", os.path.join(EXAMPLE, "setup.sql")], check=True, capture_output=True)
     yield su, f"host={cluster.dir} port={cluster.port} user=http_example_app dbname={DB}"
+    with psycopg.connect(cluster.conninfo(), autocommit=True) as c:
+        c.execute(f"DROP DATABASE IF EXISTS {DB} WITH (FORCE)")
 
 
 @pytest.fixture
@@ -192,6 +194,20 @@ def assert_problem(status, headers, body, want_status, title=None):
     return doc
 
 
+def wait_for(cond, what, timeout=15):
+    deadline = time.time() + timeout
+    while not cond():
+        assert time.time() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.05)
+
+
+def wait_open_transaction(sql):
+    """Until a session of the service sits in an open transaction (a handler sleeping after its
+    one-transaction claim)."""
+    wait_for(lambda: sql("SELECT count(*) FROM pg_stat_activity WHERE usename = 'http_example_app' "
+                         "AND state = 'idle in transaction'")[0][0] > 0, "the claim")
+
+
 def count(sql, table, client):
     return sql(f"SELECT count(*) FROM http_example.{table} WHERE client_id = %s", client)[0][0]
 
@@ -298,7 +314,7 @@ def test_in_progress_is_409_with_retry_after(service, sql):
     t = threading.Thread(target=lambda: first.update(r=service.post(
         "/orders", ORDER, key="slow", client="fred", headers={"X-Test-Delay-Ms": "5000"})))
     t.start()
-    time.sleep(0.5)
+    wait_open_transaction(sql)
     started = time.time()
     status, h, b = service.post("/orders", ORDER, key="slow", client="fred")
     waited = time.time() - started
@@ -327,7 +343,7 @@ def test_order_retry_after_service_killed_mid_request(service, sql):
 
     t = threading.Thread(target=doomed)
     t.start()
-    time.sleep(0.7)
+    wait_open_transaction(sql)
     service.restart()
     t.join()
     assert errors, "the request should have died with the service"
@@ -375,10 +391,8 @@ def test_refund_survives_service_crash_while_provider_hangs(service, provider, s
 
     t = threading.Thread(target=doomed)
     t.start()
-    deadline = time.time() + 10
-    while provider.charges()["executions"] == before:  # the provider performed it, and hangs
-        assert time.time() < deadline
-        time.sleep(0.05)
+    # the provider performed it, and hangs
+    wait_for(lambda: provider.charges()["executions"] > before, "the provider")
     service.restart()  # kill -9 mid-request
     t.join()
     assert errors, "the request should have died with the service"
@@ -471,7 +485,7 @@ def test_stale_refund_worker_is_fenced_off(service, provider, sql):
         "/refunds", refund, key="refund-4", client="liam",
         headers={"X-Test-Delay-Ms": str(REFUND_LEASE * 1000 + 1500)})))
     t.start()
-    time.sleep(0.3)
+    wait_for(lambda: stored_row(sql, "liam:POST /refunds", "refund-4"), "the claim")
     status, h, b, seen = retry_until_done(service, "/refunds", refund, "refund-4", "liam", sql)
     assert status == 201 and seen[0] == 409, seen
     t.join()
