@@ -168,9 +168,9 @@ ORDER = {"items": [{"sku": "A1", "qty": 2}], "amount": 59.90, "currency": "EUR"}
 
 
 def stored_row(sql, scope, key):
-    rows = sql("SELECT status::text, response_status, expires_at FROM idempotency.idempotency_keys "
-               "WHERE scope = %s AND key = %s", scope, key)
-    return rows[0] if rows else None
+    row = sql("SELECT status::text, response_status, expires_at "
+              "FROM idempotency.lookup(key => %s, scope => %s)", key, scope)[0]
+    return row if row[0] is not None else None
 
 
 def assert_expires(headers, sql, scope, key):
