@@ -160,8 +160,20 @@ def service(binary, app_db, provider, workdir):
     s.start(s.ready)
     yield s
     s.stop()
-    with open(s.log) as f:
-        print("service log:\n" + f.read()[-20000:])  # shown by pytest when a test failed
+
+
+@pytest.fixture(autouse=True)
+def service_log(workdir):
+    """Prints what the service and the provider logged during the test: pytest shows it when
+    the test failed."""
+    logs = [os.path.join(workdir, n) for n in ("service.log", "provider.log")]
+    sizes = [os.path.getsize(f) if os.path.exists(f) else 0 for f in logs]
+    yield
+    for f, n in zip(logs, sizes):
+        if os.path.exists(f):
+            with open(f, errors="replace") as fh:
+                fh.seek(n)
+                print(f"--- {os.path.basename(f)}:\n{fh.read()[-20000:]}")
 
 
 ORDER = {"items": [{"sku": "A1", "qty": 2}], "amount": 59.90, "currency": "EUR"}
