@@ -12,6 +12,11 @@ echo "== cargo fmt --check, cargo clippy"
 cargo fmt --all -- --check
 cargo clippy --all-targets -- -D warnings
 
+echo "== examples/http-service: fmt, clippy, unit tests (its end-to-end tests run with pytest)"
+cargo fmt --manifest-path examples/http-service/Cargo.toml -- --check
+cargo clippy --manifest-path examples/http-service/Cargo.toml --locked --all-targets -- -D warnings
+cargo test --manifest-path examples/http-service/Cargo.toml --locked -q
+
 echo "== unit and #[pg_test] tests (cargo pgrx test)"
 # initdb refuses root: the test cluster runs as postgres, in a fresh directory it creates itself.
 pgdata=$(mktemp -u /tmp/idempotency-pgrx-XXXXXX)
