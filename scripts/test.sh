@@ -11,6 +11,8 @@ scripts/bootstrap.sh
 echo "== cargo fmt --check, cargo clippy"
 cargo fmt --all -- --check
 cargo clippy --all-targets -- -D warnings
+# The canonicalizer fuzz harness is a crate of its own (run by tests/integration/test_fuzz.py).
+(cd fuzz && cargo fmt -- --check && cargo clippy --release -- -D warnings)
 
 echo "== unit and #[pg_test] tests (cargo pgrx test)"
 # initdb refuses root: the test cluster runs as postgres, in a fresh directory it creates itself.
