@@ -5,6 +5,12 @@
 -- complete, checkpoint, release, forget and lookup are PL/pgSQL so that they can raise the
 -- extension's own SQLSTATEs (IK001..IK003), which pgrx cannot raise from Rust.
 -- Every function pins search_path and every reference is schema-qualified.
+--
+-- Privileges: the functions that read or write the store run as the extension's owner
+-- (SECURITY DEFINER), so an application role needs only USAGE on the schema and can change
+-- rows only through the functions; it gets no privilege on any table. The administrative
+-- functions (set_key_storage, rotate_signing_secret, retire_signing_secret) are for
+-- superusers only. idempotency.scope_prefix (set per role by a superuser) keeps tenants apart.
 
 CREATE TYPE idempotency.key_status AS ENUM ('in_progress', 'completed');
 CREATE TYPE idempotency.outcome AS ENUM ('new', 'replay', 'in_progress', 'mismatch');
@@ -65,7 +71,7 @@ CREATE FUNCTION idempotency.claim(
     ttl   interval DEFAULT NULL,
     lease interval DEFAULT NULL
 ) RETURNS idempotency.claim_result
-LANGUAGE c VOLATILE PARALLEL UNSAFE
+LANGUAGE c VOLATILE PARALLEL UNSAFE SECURITY DEFINER
 AS 'MODULE_PATHNAME', 'idempotency_claim';
 -- claim, complete and sweep, the calls on every request's path, pin their search path inside
 -- the C code (to pg_catalog alone, for every statement they run) instead of with a SET clause,
@@ -73,10 +79,12 @@ AS 'MODULE_PATHNAME', 'idempotency_claim';
 -- inlined. Their statements also name every table, type, function and operator with its
 -- schema. The other functions pin search_path = pg_catalog, pg_temp with SET.
 
-CREATE FUNCTION idempotency._check_args(key text, scope text, ttl interval DEFAULT NULL)
-RETURNS void
-LANGUAGE c IMMUTABLE PARALLEL SAFE
-AS 'MODULE_PATHNAME', 'idempotency_check_args';
+-- Checks key and scope (the shared argument rules and the session's scope_prefix) and returns
+-- the key in the form the store keeps it: itself, or its SHA-256 in hex (set_key_storage).
+CREATE FUNCTION idempotency._key(key text, scope text)
+RETURNS text
+LANGUAGE c VOLATILE PARALLEL UNSAFE
+AS 'MODULE_PATHNAME', 'idempotency_key';
 
 -- Counts releases in shared memory (a no-op unless preloaded); the C functions count the rest.
 CREATE FUNCTION idempotency._count(event text)
@@ -87,31 +95,35 @@ AS 'MODULE_PATHNAME', 'idempotency_count';
 -- Raises the error that explains why complete/checkpoint found no row it may change.
 CREATE FUNCTION idempotency._raise_not_claimed(p_key text, p_scope text, p_token bigint, p_action text)
 RETURNS timestamptz
-LANGUAGE plpgsql VOLATILE
+LANGUAGE plpgsql VOLATILE SECURITY DEFINER
 SET search_path = pg_catalog, pg_temp
 AS $fn$
 DECLARE
     r record;
+    v_key text := idempotency._key(p_key, p_scope);
+    -- Messages show a hashed key only as a prefix of its hash.
+    v_label text := CASE WHEN v_key OPERATOR(pg_catalog.=) p_key THEN pg_catalog.quote_literal(p_key)
+                         ELSE 'sha256:' OPERATOR(pg_catalog.||) pg_catalog.left(v_key, 12) OPERATOR(pg_catalog.||) '…' END;
 BEGIN
     SELECT k.status, k.token, k.expires_at OPERATOR(pg_catalog.>) pg_catalog.now() AS live
       INTO r
       FROM idempotency.idempotency_keys AS k
-     WHERE k.scope OPERATOR(pg_catalog.=) p_scope AND k.key OPERATOR(pg_catalog.=) p_key;
+     WHERE k.scope OPERATOR(pg_catalog.=) p_scope AND k.key OPERATOR(pg_catalog.=) v_key;
     IF NOT FOUND OR NOT r.live THEN
         RAISE EXCEPTION USING
             ERRCODE = 'IK001',
-            MESSAGE = pg_catalog.format('cannot %s key %L in scope %L: no live claim', p_action, p_key, p_scope),
+            MESSAGE = pg_catalog.format('cannot %s key %s in scope %L: no live claim', p_action, v_label, p_scope),
             HINT = 'claim the key first; a claim that expired, was released or rolled back is gone';
     ELSIF r.status OPERATOR(pg_catalog.=) 'completed'::idempotency.key_status THEN
         RAISE EXCEPTION USING
             ERRCODE = 'IK002',
-            MESSAGE = pg_catalog.format('cannot %s key %L in scope %L: it is already completed', p_action, p_key, p_scope),
+            MESSAGE = pg_catalog.format('cannot %s key %s in scope %L: it is already completed', p_action, v_label, p_scope),
             HINT = 'a completed key replays its stored response; claim it to read that response';
     ELSE
         RAISE EXCEPTION USING
             ERRCODE = 'IK003',
-            MESSAGE = pg_catalog.format('cannot %s key %L in scope %L: token %s is stale, the current token is %s',
-                                        p_action, p_key, p_scope, p_token, r.token),
+            MESSAGE = pg_catalog.format('cannot %s key %s in scope %L: token %s is stale, the current token is %s',
+                                        p_action, v_label, p_scope, p_token, r.token),
             HINT = 'another worker took the key over after this lease ran out; abandon this attempt';
     END IF;
     RETURN NULL;  -- not reached
@@ -121,7 +133,7 @@ $fn$;
 CREATE FUNCTION idempotency._complete(
     key text, response jsonb, response_status integer, scope text, token bigint, ttl interval)
 RETURNS timestamptz
-LANGUAGE c VOLATILE PARALLEL UNSAFE
+LANGUAGE c VOLATILE PARALLEL UNSAFE SECURITY DEFINER
 AS 'MODULE_PATHNAME', 'idempotency_complete';
 
 -- A single-expression SQL function, so the planner inlines it into the caller's statement:
@@ -147,16 +159,18 @@ CREATE FUNCTION idempotency.checkpoint(
     scope          text DEFAULT '',
     token          bigint DEFAULT NULL
 ) RETURNS void
-LANGUAGE plpgsql VOLATILE
+LANGUAGE plpgsql VOLATILE SECURITY DEFINER
 SET search_path = pg_catalog, pg_temp
 AS $fn$
 #variable_conflict use_column
+DECLARE
+    v_key text;
 BEGIN
-    PERFORM idempotency._check_args(checkpoint.key, checkpoint.scope);
+    v_key := idempotency._key(checkpoint.key, checkpoint.scope);
     UPDATE idempotency.idempotency_keys AS k
        SET recovery_point = checkpoint.recovery_point
      WHERE k.scope OPERATOR(pg_catalog.=) checkpoint.scope
-       AND k.key OPERATOR(pg_catalog.=) checkpoint.key
+       AND k.key OPERATOR(pg_catalog.=) v_key
        AND k.status OPERATOR(pg_catalog.=) 'in_progress'::idempotency.key_status
        AND k.expires_at OPERATOR(pg_catalog.>) pg_catalog.now()
        AND (checkpoint.token IS NULL OR k.token OPERATOR(pg_catalog.=) checkpoint.token);
@@ -168,15 +182,17 @@ $fn$;
 
 CREATE FUNCTION idempotency.release(key text, scope text DEFAULT '', token bigint DEFAULT NULL)
 RETURNS boolean
-LANGUAGE plpgsql VOLATILE
+LANGUAGE plpgsql VOLATILE SECURITY DEFINER
 SET search_path = pg_catalog, pg_temp
 AS $fn$
 #variable_conflict use_column
+DECLARE
+    v_key text;
 BEGIN
-    PERFORM idempotency._check_args(release.key, release.scope);
+    v_key := idempotency._key(release.key, release.scope);
     DELETE FROM idempotency.idempotency_keys AS k
      WHERE k.scope OPERATOR(pg_catalog.=) release.scope
-       AND k.key OPERATOR(pg_catalog.=) release.key
+       AND k.key OPERATOR(pg_catalog.=) v_key
        AND k.status OPERATOR(pg_catalog.=) 'in_progress'::idempotency.key_status
        AND k.expires_at OPERATOR(pg_catalog.>) pg_catalog.now()
        AND (release.token IS NULL OR k.token OPERATOR(pg_catalog.=) release.token);
@@ -190,17 +206,18 @@ $fn$;
 
 CREATE FUNCTION idempotency.forget(key text, scope text DEFAULT '')
 RETURNS boolean
-LANGUAGE plpgsql VOLATILE
+LANGUAGE plpgsql VOLATILE SECURITY DEFINER
 SET search_path = pg_catalog, pg_temp
 AS $fn$
 #variable_conflict use_column
 DECLARE
+    v_key text;
     v_live boolean;
 BEGIN
-    PERFORM idempotency._check_args(forget.key, forget.scope);
+    v_key := idempotency._key(forget.key, forget.scope);
     DELETE FROM idempotency.idempotency_keys AS k
      WHERE k.scope OPERATOR(pg_catalog.=) forget.scope
-       AND k.key OPERATOR(pg_catalog.=) forget.key
+       AND k.key OPERATOR(pg_catalog.=) v_key
     RETURNING k.expires_at OPERATOR(pg_catalog.>) pg_catalog.now() INTO v_live;
     RETURN COALESCE(v_live, false);
 END
@@ -208,18 +225,19 @@ $fn$;
 
 CREATE FUNCTION idempotency.lookup(key text, scope text DEFAULT '')
 RETURNS idempotency.idempotency_keys
-LANGUAGE plpgsql STABLE
+LANGUAGE plpgsql STABLE SECURITY DEFINER
 SET search_path = pg_catalog, pg_temp
 AS $fn$
 #variable_conflict use_column
 DECLARE
+    v_key text;
     r idempotency.idempotency_keys;
 BEGIN
-    PERFORM idempotency._check_args(lookup.key, lookup.scope);
+    v_key := idempotency._key(lookup.key, lookup.scope);
     SELECT k.* INTO r
       FROM idempotency.idempotency_keys AS k
      WHERE k.scope OPERATOR(pg_catalog.=) lookup.scope
-       AND k.key OPERATOR(pg_catalog.=) lookup.key
+       AND k.key OPERATOR(pg_catalog.=) v_key
        AND k.expires_at OPERATOR(pg_catalog.>) pg_catalog.now();
     IF NOT FOUND THEN
         RETURN NULL;
@@ -230,8 +248,235 @@ $fn$;
 
 CREATE FUNCTION idempotency.sweep(batch_size integer DEFAULT NULL)
 RETURNS bigint
-LANGUAGE c VOLATILE PARALLEL UNSAFE
+LANGUAGE c VOLATILE PARALLEL UNSAFE SECURITY DEFINER
 AS 'MODULE_PATHNAME', 'idempotency_sweep';
+
+-- Keys stored hashed ------------------------------------------------------------------------
+
+-- How the store keeps keys: no row (or 'plain') keeps them as given, 'sha256' keeps the hex
+-- SHA-256 of each key. Changed only by set_key_storage; dumped by pg_dump with the keys.
+CREATE TABLE idempotency.config (
+    singleton   boolean PRIMARY KEY DEFAULT true CHECK (singleton),
+    key_storage text NOT NULL
+        CHECK (key_storage OPERATOR(pg_catalog.=) ANY (ARRAY['plain', 'sha256']::text[]))
+);
+SELECT pg_catalog.pg_extension_config_dump('idempotency.config', '');
+
+CREATE FUNCTION idempotency._store_changed()
+RETURNS void
+LANGUAGE c VOLATILE PARALLEL UNSAFE
+AS 'MODULE_PATHNAME', 'idempotency_store_changed';
+
+-- Switches how the store keeps keys. To 'sha256': every stored key (and every audit row) is
+-- replaced by its hash in this transaction; callers change nothing. To 'plain': refused while
+-- any live key is stored hashed (a hash cannot be turned back into its key). Returns the
+-- number of keys rewritten.
+CREATE FUNCTION idempotency.set_key_storage(mode text)
+RETURNS bigint
+LANGUAGE plpgsql VOLATILE
+SET search_path = pg_catalog, pg_temp
+AS $fn$
+DECLARE
+    v_current text;
+    v_rows bigint := 0;
+BEGIN
+    IF mode IS NULL THEN
+        RAISE EXCEPTION USING ERRCODE = '22004', MESSAGE = 'mode must not be NULL';
+    ELSIF mode OPERATOR(pg_catalog.<>) ALL (ARRAY['plain', 'sha256']::text[]) THEN
+        RAISE EXCEPTION USING ERRCODE = '22023',
+            MESSAGE = pg_catalog.format('mode must be ''plain'' or ''sha256'' (got %L)',
+                                        pg_catalog.left(mode, 40));
+    END IF;
+    -- Waits for running claims; claims that come later wait here and then see the new mode.
+    LOCK TABLE idempotency.idempotency_keys, idempotency.audit IN ACCESS EXCLUSIVE MODE;
+    SELECT c.key_storage INTO v_current FROM idempotency.config AS c;
+    IF COALESCE(v_current, 'plain') OPERATOR(pg_catalog.=) mode THEN
+        RETURN 0;
+    END IF;
+    IF mode OPERATOR(pg_catalog.=) 'sha256' THEN
+        UPDATE idempotency.idempotency_keys AS k
+           SET key = pg_catalog.encode(pg_catalog.sha256(pg_catalog.convert_to(k.key, 'UTF8')), 'hex');
+        GET DIAGNOSTICS v_rows = ROW_COUNT;
+        UPDATE idempotency.audit AS a
+           SET key = pg_catalog.encode(pg_catalog.sha256(pg_catalog.convert_to(a.key, 'UTF8')), 'hex'),
+               key_is_hash = true
+         WHERE NOT a.key_is_hash;
+    ELSE
+        DELETE FROM idempotency.idempotency_keys AS k
+         WHERE k.expires_at OPERATOR(pg_catalog.<=) pg_catalog.now();
+        SELECT pg_catalog.count(*) INTO v_rows FROM idempotency.idempotency_keys;
+        IF v_rows OPERATOR(pg_catalog.>) 0 THEN
+            RAISE EXCEPTION USING
+                ERRCODE = '55000',
+                MESSAGE = pg_catalog.format('cannot set mode to ''plain'': %s live keys are stored hashed and cannot be turned back into keys', v_rows),
+                HINT = 'switch when they have expired (or after forgetting them); until then the store stays sha256';
+        END IF;
+    END IF;
+    INSERT INTO idempotency.config AS c (singleton, key_storage) VALUES (true, mode)
+        ON CONFLICT (singleton) DO UPDATE SET key_storage = excluded.key_storage;
+    PERFORM idempotency._store_changed();
+    RETURN v_rows;
+END
+$fn$;
+
+-- Audit trail ---------------------------------------------------------------------------------
+
+CREATE SEQUENCE idempotency.audit_id_seq AS bigint;
+
+-- Append-only: one row per completion while idempotency.audit is on, written by complete in
+-- the completing transaction. The key sweeper never touches it; the background worker deletes
+-- rows older than idempotency.audit_retention (0, the default: kept).
+CREATE TABLE idempotency.audit (
+    id              bigint NOT NULL DEFAULT pg_catalog.nextval('idempotency.audit_id_seq') PRIMARY KEY,
+    scope           text COLLATE "C" NOT NULL,
+    key             text COLLATE "C" NOT NULL,
+    -- key holds the hex SHA-256 of the key (the store kept keys hashed)
+    key_is_hash     boolean NOT NULL,
+    request_hash    bytea,
+    token           bigint NOT NULL,
+    response_status integer NOT NULL,
+    completed_at    timestamptz NOT NULL,
+    -- the role that completed: the session's current role, not the functions' owner
+    completed_by    name NOT NULL
+);
+ALTER SEQUENCE idempotency.audit_id_seq OWNED BY idempotency.audit.id;
+CREATE INDEX audit_completed_at_idx ON idempotency.audit (completed_at);
+CREATE INDEX audit_scope_key_idx ON idempotency.audit (scope, key);
+COMMENT ON TABLE idempotency.audit IS
+    'One row per completion while idempotency.audit is on; append-only, kept after the key expires.';
+SELECT pg_catalog.pg_extension_config_dump('idempotency.audit', '');
+SELECT pg_catalog.pg_extension_config_dump('idempotency.audit_id_seq', '');
+
+CREATE FUNCTION idempotency.sweep_audit(batch_size integer DEFAULT NULL)
+RETURNS bigint
+LANGUAGE c VOLATILE PARALLEL UNSAFE SECURITY DEFINER
+AS 'MODULE_PATHNAME', 'idempotency_sweep_audit';
+
+-- Signed keys ---------------------------------------------------------------------------------
+
+-- Server secrets for sign_key/verify_key. Readable by no role but superusers (the functions
+-- read it as its owner), made inside the server (never in SQL text or logs), and deliberately
+-- not dumped by pg_dump: a restored database needs new secrets (rotate_signing_secret).
+CREATE TABLE idempotency.signing_secrets (
+    id         integer GENERATED ALWAYS AS IDENTITY PRIMARY KEY,
+    secret     bytea NOT NULL CHECK (pg_catalog.length(secret) OPERATOR(pg_catalog.>=) 16),
+    created_at timestamptz NOT NULL DEFAULT pg_catalog.now()
+);
+COMMENT ON TABLE idempotency.signing_secrets IS
+    'Secrets of sign_key/verify_key: the newest signs, all verify. Not dumped by pg_dump.';
+
+CREATE FUNCTION idempotency._sign(key text, kid integer, secret bytea)
+RETURNS text
+LANGUAGE c IMMUTABLE PARALLEL SAFE
+AS 'MODULE_PATHNAME', 'idempotency_sign';
+
+CREATE FUNCTION idempotency._signed_kid(signed text)
+RETURNS integer
+LANGUAGE c IMMUTABLE PARALLEL SAFE
+AS 'MODULE_PATHNAME', 'idempotency_signed_kid';
+
+CREATE FUNCTION idempotency._verify(signed text, secret bytea)
+RETURNS text
+LANGUAGE c IMMUTABLE PARALLEL SAFE
+AS 'MODULE_PATHNAME', 'idempotency_verify';
+
+CREATE FUNCTION idempotency._random_secret()
+RETURNS bytea
+LANGUAGE c VOLATILE PARALLEL SAFE
+AS 'MODULE_PATHNAME', 'idempotency_random_secret';
+
+-- key + '.' + secret id + '.' + HMAC-SHA256 signature (base64url) with the newest secret.
+CREATE FUNCTION idempotency.sign_key(key text)
+RETURNS text
+LANGUAGE plpgsql STABLE SECURITY DEFINER
+SET search_path = pg_catalog, pg_temp
+AS $fn$
+#variable_conflict use_column
+DECLARE
+    s record;
+BEGIN
+    IF sign_key.key IS NULL THEN
+        RAISE EXCEPTION USING ERRCODE = '22004', MESSAGE = 'key must not be NULL';
+    END IF;
+    SELECT x.id, x.secret INTO s FROM idempotency.signing_secrets AS x ORDER BY x.id DESC LIMIT 1;
+    IF NOT FOUND THEN
+        RAISE EXCEPTION USING
+            ERRCODE = '55000',
+            MESSAGE = 'cannot sign key: no signing secret exists',
+            HINT = 'a superuser creates one with SELECT idempotency.rotate_signing_secret();';
+    END IF;
+    RETURN idempotency._sign(sign_key.key, s.id, s.secret);
+END
+$fn$;
+
+-- The bare key of a signed key, or IK004 for a malformed, forged, altered or retired one.
+CREATE FUNCTION idempotency.verify_key(signed text)
+RETURNS text
+LANGUAGE plpgsql STABLE SECURITY DEFINER
+SET search_path = pg_catalog, pg_temp
+AS $fn$
+DECLARE
+    v_kid integer;
+    v_secret bytea;
+    v_key text;
+BEGIN
+    IF signed IS NULL THEN
+        RAISE EXCEPTION USING ERRCODE = '22004', MESSAGE = 'signed must not be NULL';
+    END IF;
+    v_kid := idempotency._signed_kid(signed);
+    IF v_kid IS NULL THEN
+        RAISE EXCEPTION USING
+            ERRCODE = 'IK004',
+            MESSAGE = 'signed is not a signed key: expected <key>.<secret id>.<signature>';
+    END IF;
+    SELECT x.secret INTO v_secret FROM idempotency.signing_secrets AS x
+     WHERE x.id OPERATOR(pg_catalog.=) v_kid;
+    IF NOT FOUND THEN
+        RAISE EXCEPTION USING
+            ERRCODE = 'IK004',
+            MESSAGE = pg_catalog.format('signed names signing secret %s, which does not exist (retired, or never made here)', v_kid);
+    END IF;
+    v_key := idempotency._verify(signed, v_secret);
+    IF v_key IS NULL THEN
+        RAISE EXCEPTION USING
+            ERRCODE = 'IK004',
+            MESSAGE = 'signed has a wrong signature: the key was forged or altered';
+    END IF;
+    RETURN v_key;
+END
+$fn$;
+
+-- Makes a new secret (32 random bytes), which signs from now on; older ones still verify.
+CREATE FUNCTION idempotency.rotate_signing_secret()
+RETURNS integer
+LANGUAGE plpgsql VOLATILE
+SET search_path = pg_catalog, pg_temp
+AS $fn$
+DECLARE
+    v_id integer;
+BEGIN
+    INSERT INTO idempotency.signing_secrets (secret) VALUES (idempotency._random_secret())
+    RETURNING id INTO v_id;
+    RETURN v_id;
+END
+$fn$;
+
+-- Deletes a secret: keys it signed no longer verify.
+CREATE FUNCTION idempotency.retire_signing_secret(id integer)
+RETURNS boolean
+LANGUAGE plpgsql VOLATILE
+SET search_path = pg_catalog, pg_temp
+AS $fn$
+#variable_conflict use_column
+BEGIN
+    IF retire_signing_secret.id IS NULL THEN
+        RAISE EXCEPTION USING ERRCODE = '22004', MESSAGE = 'id must not be NULL';
+    END IF;
+    DELETE FROM idempotency.signing_secrets AS x WHERE x.id OPERATOR(pg_catalog.=) retire_signing_secret.id;
+    RETURN FOUND;
+END
+$fn$;
+
 
 CREATE FUNCTION idempotency.canonical_json(doc jsonb, numbers text DEFAULT 'exact')
 RETURNS text
@@ -333,3 +578,9 @@ BEGIN
     END IF;
 END
 $notice$;
+
+-- Superusers only; the internal helpers are not for applications either.
+REVOKE EXECUTE ON FUNCTION idempotency.set_key_storage(text), idempotency.rotate_signing_secret(),
+    idempotency.retire_signing_secret(integer), idempotency._store_changed(),
+    idempotency._random_secret(), idempotency._count(text), idempotency._announce()
+    FROM PUBLIC;

@@ -93,16 +93,30 @@ fn bytea_datum(b: &[u8]) -> pg_sys::Datum {
     })
 }
 
-/// The `key` and `scope` arguments at positions `k` and `s`, checked by the shared rules.
-unsafe fn key_and_scope(fcinfo: pg_sys::FunctionCallInfo, k: usize, s: usize) -> (String, String) {
+/// The `key` and `scope` arguments at positions `k` and `s`, checked by the shared rules and
+/// against the session's `idempotency.scope_prefix`.
+unsafe fn checked_key_and_scope(
+    fcinfo: pg_sys::FunctionCallInfo,
+    k: usize,
+    s: usize,
+) -> (String, String) {
     unsafe {
         let key: Option<String> = pg_getarg(fcinfo, k);
         let scope: Option<String> = pg_getarg(fcinfo, s);
         check(keys::check_key("key", key.as_deref(), false));
         check(keys::check_key("scope", scope.as_deref(), true));
         // Both were checked to be non-NULL above.
-        (key.unwrap_or_default(), scope.unwrap_or_default())
+        let (key, scope) = (key.unwrap_or_default(), scope.unwrap_or_default());
+        check(keys::check_scope_allowed(&scope, &guc::scope_prefix()));
+        (key, scope)
     }
+}
+
+/// Like `checked_key_and_scope`, with the key in the form the store keeps it (hashed when the
+/// store keeps keys hashed).
+unsafe fn key_and_scope(fcinfo: pg_sys::FunctionCallInfo, k: usize, s: usize) -> (String, String) {
+    let (key, scope) = unsafe { checked_key_and_scope(fcinfo, k, s) };
+    (store::stored_key(&key), scope)
 }
 
 /// An optional `ttl` argument (NULL: the caller's default applies), checked when given.
@@ -127,6 +141,7 @@ pub extern "C-unwind" fn idempotency_claim(fcinfo: pg_sys::FunctionCallInfo) -> 
             duration_arg("lease", pg_getarg(fcinfo, 4), guc::DEFAULT_LEASE.get());
         check(keys::check_lease_within_ttl(lease_us, ttl_us));
         let hash = jsonb_arg(fcinfo, 1).map(|d| hash_arg(d, "request"));
+        store::refuse_read_only("claim");
         let result = store::claim(&ClaimRequest {
             scope: &scope,
             key: &key,
@@ -280,12 +295,13 @@ unsafe fn tuple_datum(
 
 v1!(pg_finfo_idempotency_check_args);
 /// `idempotency._check_args(key, scope, ttl)`: the argument rules the SQL-language functions
-/// share with `claim`, kept in one place (`keys.rs`).
+/// of release 0.1.0 share with `claim` (0.2.0 uses `_key`); kept so a 0.1.0 schema keeps
+/// working with this library until `ALTER EXTENSION idempotency UPDATE`.
 #[pg_guard]
 #[unsafe(no_mangle)]
 pub extern "C-unwind" fn idempotency_check_args(fcinfo: pg_sys::FunctionCallInfo) -> pg_sys::Datum {
     unsafe {
-        key_and_scope(fcinfo, 0, 1);
+        checked_key_and_scope(fcinfo, 0, 1);
         optional_ttl(fcinfo, 2);
         pgrx::fcinfo::pg_return_void()
     }
@@ -305,7 +321,10 @@ pub extern "C-unwind" fn idempotency_canonical_json(
             Some(m) => NumberMode::parse(m).unwrap_or_else(|| {
                 raise(
                     PgSqlErrorCode::ERRCODE_INVALID_PARAMETER_VALUE,
-                    format!("numbers must be 'exact' or 'rfc8785' (got {m:?})"),
+                    format!(
+                        "numbers must be 'exact' or 'rfc8785' (got {})",
+                        keys::abbreviate(m)
+                    ),
                     None,
                 )
             }),
@@ -436,6 +455,7 @@ pub extern "C-unwind" fn idempotency_sweep(fcinfo: pg_sys::FunctionCallInfo) -> 
                 None,
             );
         }
+        store::refuse_read_only("sweep");
         let mut total = 0i64;
         loop {
             let n = store::sweep_batch(batch as i64);
@@ -461,7 +481,10 @@ pub extern "C-unwind" fn idempotency_count(fcinfo: pg_sys::FunctionCallInfo) -> 
             Some("release") => stats::count(Event::Release, 1),
             other => raise(
                 PgSqlErrorCode::ERRCODE_INVALID_PARAMETER_VALUE,
-                format!("event must be 'release' (got {other:?})"),
+                format!(
+                    "event must be 'release' (got {})",
+                    keys::abbreviate(other.unwrap_or("NULL"))
+                ),
                 None,
             ),
         }
@@ -527,6 +550,7 @@ pub extern "C-unwind" fn idempotency_complete(fcinfo: pg_sys::FunctionCallInfo) 
         let (key, scope) = key_and_scope(fcinfo, 0, 3);
         let response_status = check(keys::check_status(pg_getarg::<i32>(fcinfo, 2)));
         let ttl = optional_ttl(fcinfo, 5);
+        store::refuse_read_only("complete");
         let request = store::CompleteRequest {
             scope: &scope,
             key: &key,
@@ -550,4 +574,151 @@ v1!(pg_finfo_idempotency_announce);
 pub extern "C-unwind" fn idempotency_announce(_fcinfo: pg_sys::FunctionCallInfo) -> pg_sys::Datum {
     stats::announce();
     pgrx::fcinfo::pg_return_void()
+}
+
+v1!(pg_finfo_idempotency_key);
+/// `idempotency._key(key, scope) RETURNS text`: checks key and scope like every function does
+/// and returns the key in the form the store keeps it; used by the PL/pgSQL functions.
+#[pg_guard]
+#[unsafe(no_mangle)]
+pub extern "C-unwind" fn idempotency_key(fcinfo: pg_sys::FunctionCallInfo) -> pg_sys::Datum {
+    unsafe {
+        let (key, _scope) = key_and_scope(fcinfo, 0, 1);
+        text_datum(&key)
+    }
+}
+
+v1!(pg_finfo_idempotency_store_changed);
+/// `idempotency._store_changed()`: makes every backend re-read how the store keeps keys once
+/// this transaction commits (run by `set_key_storage`).
+#[pg_guard]
+#[unsafe(no_mangle)]
+pub extern "C-unwind" fn idempotency_store_changed(
+    _fcinfo: pg_sys::FunctionCallInfo,
+) -> pg_sys::Datum {
+    unsafe {
+        let nsp = pg_sys::get_namespace_oid(c"idempotency".as_ptr(), false);
+        let relid = pg_sys::get_relname_relid(c"idempotency_keys".as_ptr(), nsp);
+        if relid != pg_sys::InvalidOid {
+            pg_sys::CacheInvalidateRelcacheByRelid(relid);
+        }
+        pgrx::fcinfo::pg_return_void()
+    }
+}
+
+/// A secret argument: 16 bytes at least.
+unsafe fn secret_arg(fcinfo: pg_sys::FunctionCallInfo, n: usize) -> Vec<u8> {
+    let secret: Option<Vec<u8>> = unsafe { pg_getarg(fcinfo, n) };
+    match secret {
+        Some(s) if s.len() >= 16 => s,
+        Some(_) => raise(
+            PgSqlErrorCode::ERRCODE_INVALID_PARAMETER_VALUE,
+            "secret must be at least 16 bytes".into(),
+            None,
+        ),
+        None => arg_error(ArgError::null("secret")),
+    }
+}
+
+v1!(pg_finfo_idempotency_sign);
+/// `idempotency._sign(key text, kid int, secret bytea) RETURNS text`: the work of `sign_key`.
+#[pg_guard]
+#[unsafe(no_mangle)]
+pub extern "C-unwind" fn idempotency_sign(fcinfo: pg_sys::FunctionCallInfo) -> pg_sys::Datum {
+    unsafe {
+        let key: Option<String> = pg_getarg(fcinfo, 0);
+        let key = check(keys::check_key("key", key.as_deref(), false)).to_string();
+        let Some(kid) = pg_getarg::<i32>(fcinfo, 1).filter(|k| *k > 0) else {
+            arg_error(ArgError::invalid("kid must be a positive integer".into()));
+        };
+        let secret = secret_arg(fcinfo, 2);
+        text_datum(&crate::signing::sign(&key, kid, &secret))
+    }
+}
+
+v1!(pg_finfo_idempotency_signed_kid);
+/// `idempotency._signed_kid(signed text) RETURNS int`: the secret id a signed key names, NULL
+/// when the text is not shaped like a signed key.
+#[pg_guard]
+#[unsafe(no_mangle)]
+pub extern "C-unwind" fn idempotency_signed_kid(fcinfo: pg_sys::FunctionCallInfo) -> pg_sys::Datum {
+    unsafe {
+        let signed: Option<&str> = pg_getarg(fcinfo, 0);
+        match signed.and_then(crate::signing::parse) {
+            Some((_, kid, _)) => pg_sys::Datum::from(kid),
+            None => pg_return_null(fcinfo),
+        }
+    }
+}
+
+v1!(pg_finfo_idempotency_verify);
+/// `idempotency._verify(signed text, secret bytea) RETURNS text`: the bare key when the
+/// signature is right, NULL otherwise.
+#[pg_guard]
+#[unsafe(no_mangle)]
+pub extern "C-unwind" fn idempotency_verify(fcinfo: pg_sys::FunctionCallInfo) -> pg_sys::Datum {
+    unsafe {
+        let signed: Option<String> = pg_getarg(fcinfo, 0);
+        let secret = secret_arg(fcinfo, 1);
+        match signed.as_deref().and_then(crate::signing::parse) {
+            Some((key, kid, sig)) if crate::signing::verify(key, kid, &sig, &secret) => {
+                text_datum(key)
+            }
+            _ => pg_return_null(fcinfo),
+        }
+    }
+}
+
+v1!(pg_finfo_idempotency_random_secret);
+/// `idempotency._random_secret() RETURNS bytea`: 32 bytes from the server's strong random
+/// source, so a new signing secret never appears in any SQL text or log.
+#[pg_guard]
+#[unsafe(no_mangle)]
+pub extern "C-unwind" fn idempotency_random_secret(
+    _fcinfo: pg_sys::FunctionCallInfo,
+) -> pg_sys::Datum {
+    let mut buf = [0u8; 32];
+    if !unsafe { pg_sys::pg_strong_random(buf.as_mut_ptr().cast(), buf.len()) } {
+        raise(
+            PgSqlErrorCode::ERRCODE_INTERNAL_ERROR,
+            "could not generate a random secret".into(),
+            None,
+        );
+    }
+    bytea_datum(&buf)
+}
+
+v1!(pg_finfo_idempotency_sweep_audit);
+/// `idempotency.sweep_audit(batch_size int DEFAULT NULL) RETURNS bigint`: deletes audit rows
+/// older than `idempotency.audit_retention` (none when it is 0) in batches.
+#[pg_guard]
+#[unsafe(no_mangle)]
+pub extern "C-unwind" fn idempotency_sweep_audit(
+    fcinfo: pg_sys::FunctionCallInfo,
+) -> pg_sys::Datum {
+    unsafe {
+        let batch = pg_getarg::<i32>(fcinfo, 0).unwrap_or_else(|| guc::SWEEP_BATCH_SIZE.get());
+        if batch < 1 {
+            raise(
+                PgSqlErrorCode::ERRCODE_INVALID_PARAMETER_VALUE,
+                format!("batch_size must be positive (got {batch})"),
+                None,
+            );
+        }
+        store::refuse_read_only("sweep_audit");
+        let retention = guc::AUDIT_RETENTION.get();
+        let mut total = 0i64;
+        if retention <= 0 {
+            return pg_sys::Datum::from(total);
+        }
+        loop {
+            let n = store::sweep_audit_batch(retention as f64, batch as i64);
+            total += n;
+            if n < batch as i64 {
+                break;
+            }
+            pgrx::check_for_interrupts!();
+        }
+        pg_sys::Datum::from(total)
+    }
 }

@@ -506,6 +506,10 @@ impl Parser<'_> {
             .s
             .get(self.i..self.i + 4)
             .ok_or_else(|| self.err("short \\u escape"))?;
+        // from_str_radix alone would also take a sign ("+12f"): only four hex digits are JSON.
+        if !h.iter().all(u8::is_ascii_hexdigit) {
+            return Err(self.err("bad \\u escape"));
+        }
         let h = std::str::from_utf8(h).map_err(|_| self.err("bad \\u escape"))?;
         let v = u32::from_str_radix(h, 16).map_err(|_| self.err("bad \\u escape"))?;
         self.i += 4;
@@ -785,6 +789,10 @@ mod tests {
             "nul",
             "[1] x",
             "\"\u{1}\"",
+            // a sign inside a \u escape (found by the fuzzer: from_str_radix accepts it)
+            "\"\\u+041\"",
+            "\"\\u-041\"",
+            "\"\\u 041\"",
         ] {
             assert!(parse_json(bad).is_err(), "{bad:?}");
         }

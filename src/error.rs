@@ -22,6 +22,7 @@ pub fn arg_error(e: ArgError) -> ! {
     let code = match e.kind {
         ArgErrorKind::Null => PgSqlErrorCode::ERRCODE_NULL_VALUE_NOT_ALLOWED,
         ArgErrorKind::Invalid => PgSqlErrorCode::ERRCODE_INVALID_PARAMETER_VALUE,
+        ArgErrorKind::Forbidden => PgSqlErrorCode::ERRCODE_INSUFFICIENT_PRIVILEGE,
     };
     raise(code, e.message, None)
 }

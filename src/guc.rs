@@ -1,6 +1,7 @@
 //! The extension's settings (`idempotency.*`).
 
 use pgrx::{GucContext, GucFlags, GucRegistry, GucSetting};
+use std::ffi::CString;
 
 /// TTL in seconds when a call passes NULL.
 pub static DEFAULT_TTL: GucSetting<i32> = GucSetting::<i32>::new(24 * 3600);
@@ -14,6 +15,23 @@ pub static SWEEP_INTERVAL: GucSetting<i32> = GucSetting::<i32>::new(60);
 pub static SWEEP_BATCH_SIZE: GucSetting<i32> = GucSetting::<i32>::new(10_000);
 /// Milliseconds the sweeper pauses after each full batch.
 pub static SWEEP_DELAY: GucSetting<i32> = GucSetting::<i32>::new(50);
+
+/// OS scheduling niceness of the per-database sweepers.
+pub static SWEEP_NICE: GucSetting<i32> = GucSetting::<i32>::new(10);
+/// Scopes this session may use must start with this (superuser-set, e.g. per role).
+pub static SCOPE_PREFIX: GucSetting<Option<CString>> = GucSetting::<Option<CString>>::new(None);
+/// Whether `complete` appends a row to `idempotency.audit`.
+pub static AUDIT: GucSetting<bool> = GucSetting::<bool>::new(false);
+/// Seconds audit rows are kept (0: kept until deleted by hand).
+pub static AUDIT_RETENTION: GucSetting<i32> = GucSetting::<i32>::new(0);
+
+/// The session's scope prefix ("" when unset).
+pub fn scope_prefix() -> String {
+    SCOPE_PREFIX
+        .get()
+        .map(|c| c.to_string_lossy().into_owned())
+        .unwrap_or_default()
+}
 
 /// Longest TTL or lease a setting accepts: ten years in seconds.
 const MAX_SECONDS: i32 = 10 * 366 * 86_400;
@@ -78,6 +96,44 @@ pub fn init() {
         10_000,
         GucContext::Sighup,
         GucFlags::UNIT_MS,
+    );
+    GucRegistry::define_int_guc(
+        c"idempotency.sweep_nice",
+        c"Scheduling niceness (0-19) of the background sweeper processes.",
+        c"Above 0 the sweeper yields the CPU to the application's backends when the CPU is busy \
+          and sweeps at full speed when it is not; 0 competes on equal terms.",
+        &SWEEP_NICE,
+        0,
+        19,
+        GucContext::Sighup,
+        GucFlags::default(),
+    );
+    GucRegistry::define_string_guc(
+        c"idempotency.scope_prefix",
+        c"Every scope this session passes to the extension must start with this prefix.",
+        c"Set per application role by a superuser (ALTER ROLE app SET idempotency.scope_prefix = 'tenant_a:') \
+          to keep tenants apart; the role itself cannot change it. Empty: every scope.",
+        &SCOPE_PREFIX,
+        GucContext::Suset,
+        GucFlags::default(),
+    );
+    GucRegistry::define_bool_guc(
+        c"idempotency.audit",
+        c"Whether complete also appends a row to idempotency.audit, in the same transaction.",
+        c"Turn it on where an audit trail is needed, e.g. SET LOCAL in a payment procedure.",
+        &AUDIT,
+        GucContext::Userset,
+        GucFlags::default(),
+    );
+    GucRegistry::define_int_guc(
+        c"idempotency.audit_retention",
+        c"How long the background sweeper keeps audit rows; 0 keeps them.",
+        c"",
+        &AUDIT_RETENTION,
+        0,
+        i32::MAX,
+        GucContext::Sighup,
+        GucFlags::UNIT_S,
     );
     unsafe { pgrx::pg_sys::MarkGUCPrefixReserved(c"idempotency".as_ptr()) };
 }

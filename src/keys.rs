@@ -20,6 +20,8 @@ pub enum ArgErrorKind {
     Null,
     /// 22023 invalid_parameter_value
     Invalid,
+    /// 42501 insufficient_privilege
+    Forbidden,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -60,6 +62,29 @@ pub fn check_key<'a>(
         )));
     }
     Ok(v)
+}
+
+/// A bad value as error messages quote it: at most 40 characters, then "…" (a 10 MB argument
+/// must not become a 10 MB message in the client and the server log).
+pub fn abbreviate(value: &str) -> String {
+    const MAX: usize = 40;
+    match value.char_indices().nth(MAX) {
+        Some((end, _)) => format!("{:?}…", &value[..end]),
+        None => format!("{value:?}"),
+    }
+}
+
+/// Checks `scope` against the role's `idempotency.scope_prefix` (empty: every scope allowed).
+pub fn check_scope_allowed(scope: &str, prefix: &str) -> Result<(), ArgError> {
+    if scope.starts_with(prefix) {
+        return Ok(());
+    }
+    Err(ArgError {
+        kind: ArgErrorKind::Forbidden,
+        message: format!(
+            "scope {scope:?} is outside this role's scopes: idempotency.scope_prefix is {prefix:?}"
+        ),
+    })
 }
 
 /// An interval as PostgreSQL orders it: a month is 30 days, a day 24 hours.
@@ -298,6 +323,30 @@ pub fn fingerprint_document(
 mod tests {
     use super::*;
     use crate::canonical::parse_json;
+
+    #[test]
+    fn bad_values_are_abbreviated_in_messages() {
+        assert_eq!(abbreviate("exact"), "\"exact\"");
+        let long = "é".repeat(1_000_000);
+        let short = abbreviate(&long);
+        assert_eq!(short, format!("{:?}…", "é".repeat(40)));
+    }
+
+    #[test]
+    fn scope_prefix_rule() {
+        assert!(check_scope_allowed("anything", "").is_ok());
+        assert!(check_scope_allowed("shop_a:42", "shop_a:").is_ok());
+        assert!(check_scope_allowed("shop_a:", "shop_a:").is_ok());
+        let e = check_scope_allowed("shop_b:42", "shop_a:").unwrap_err();
+        assert_eq!(e.kind, ArgErrorKind::Forbidden);
+        assert!(
+            e.message.starts_with("scope \"shop_b:42\""),
+            "{}",
+            e.message
+        );
+        assert!(check_scope_allowed("shop_a", "shop_a:").is_err());
+        assert!(check_scope_allowed("", "shop_a:").is_err());
+    }
 
     #[test]
     fn key_rules() {

@@ -1,8 +1,8 @@
 //! `idempotency`: retry-safe state-changing operations inside PostgreSQL.
 //!
 //! Module map:
-//! - `canonical`, `keys`, `state`: pure logic (RFC 8785, argument rules, key derivation, the
-//!   claim state machine), tested with plain `cargo test`;
+//! - `canonical`, `keys`, `state`, `signing`: pure logic (RFC 8785, argument rules, key
+//!   derivation, the claim state machine, signed and hashed keys), tested with plain `cargo test`;
 //! - `jsonb`: reads a jsonb datum into the canonical tree;
 //! - `store`: the SQL the extension runs against its table (claim, sweep);
 //! - `api`: the SQL-callable functions, declared in `sql/idempotency.sql`;
@@ -16,6 +16,7 @@ pub mod error;
 pub mod guc;
 pub mod jsonb;
 pub mod keys;
+pub mod signing;
 pub mod state;
 pub mod stats;
 pub mod store;

@@ -352,8 +352,98 @@ unsafe extern "C-unwind" fn forget_layout(_arg: pg_sys::Datum, relid: pg_sys::Oi
             .is_some_and(|l| relid == pg_sys::InvalidOid || l.relid == relid || l.idxid == relid)
         {
             c.set(None);
+            HASHED.with(|h| h.set(None));
         }
     });
+}
+
+thread_local! {
+    /// Whether the store keeps keys hashed (`idempotency.config`), read once per layout.
+    static HASHED: Cell<Option<bool>> = const { Cell::new(None) };
+}
+
+/// Locks the store against a concurrent switch of the key storage (which takes an ACCESS
+/// EXCLUSIVE lock and invalidates the layout when it commits), then tells whether keys are
+/// stored hashed. Taking the lock first processes any pending invalidation, so the answer
+/// holds until the end of the transaction.
+fn keys_hashed() -> bool {
+    let l = layout();
+    unsafe { pg_sys::LockRelationOid(l.relid, pg_sys::AccessShareLock as pg_sys::LOCKMODE) };
+    let l = layout();
+    if let Some(h) = HASHED.with(Cell::get) {
+        return h;
+    }
+    let hashed = unsafe {
+        let nsp = pg_sys::get_namespace_oid(c"idempotency".as_ptr(), false);
+        pg_sys::get_relname_relid(c"config".as_ptr(), nsp) != pg_sys::InvalidOid
+    } && {
+        let _path = PinnedSearchPath::pin();
+        // A read-only SPI query (select, not update): it must work on a hot standby, where
+        // assigning a transaction id is an error.
+        Spi::connect(|client| {
+            client
+                .select(
+                    "SELECT COALESCE((SELECT c.key_storage OPERATOR(pg_catalog.=) 'sha256' \
+                     FROM idempotency.config AS c), false)",
+                    None,
+                    &[],
+                )?
+                .first()
+                .get_one::<bool>()
+        })
+        .unwrap_or_else(|e: pgrx::spi::Error| {
+            raise(
+                PgSqlErrorCode::ERRCODE_INTERNAL_ERROR,
+                format!("idempotency: reading idempotency.config: {e}"),
+                None,
+            )
+        })
+        .unwrap_or(false)
+    };
+    // Only cache what belongs to the current layout (an invalidation may have come in).
+    if LAYOUT.with(Cell::get).is_some_and(|c| c.relid == l.relid) {
+        HASHED.with(|h| h.set(Some(hashed)));
+    }
+    hashed
+}
+
+/// The form in which `key` is stored: itself, or its SHA-256 in hex when the store keeps
+/// keys hashed (`idempotency.set_key_storage`).
+pub fn stored_key(key: &str) -> String {
+    if keys_hashed() {
+        crate::signing::hashed_key(key)
+    } else {
+        key.to_string()
+    }
+}
+
+/// How messages name a stored key: quoted, or only a prefix of its hash.
+pub fn key_label(stored: &str) -> String {
+    if HASHED.with(Cell::get).unwrap_or(false) {
+        crate::signing::hash_label(stored)
+    } else {
+        format!("{stored:?}")
+    }
+}
+
+/// Claims, completions and sweeps write: refuse them at once, clearly, on a standby or in a
+/// read-only transaction (a replay could otherwise be answered from the index alone).
+pub fn refuse_read_only(function: &str) {
+    if unsafe { pg_sys::XactReadOnly } {
+        let standby = unsafe { pg_sys::RecoveryInProgress() };
+        raise(
+            PgSqlErrorCode::ERRCODE_READ_ONLY_SQL_TRANSACTION,
+            format!(
+                "idempotency.{function} cannot run in a read-only transaction{}",
+                if standby {
+                    " (this server is a standby)"
+                } else {
+                    ""
+                }
+            ),
+            Some("claim, complete and sweep on the primary; idempotency.lookup works on a standby"),
+        );
+    }
 }
 
 thread_local! {
@@ -589,9 +679,9 @@ fn log_mismatch(req: &ClaimRequest<'_>, stored: Option<&[u8]>) {
             .unwrap_or_default()
     };
     pgrx::warning!(
-        "idempotency: key reused with a different request: scope={:?} key={:?} stored_hash={} request_hash={}",
+        "idempotency: key reused with a different request: scope={:?} key={} stored_hash={} request_hash={}",
         req.scope,
-        req.key,
+        key_label(req.key),
         prefix(stored),
         prefix(req.hash.as_ref().map(|h| &h[..]))
     );
@@ -664,8 +754,8 @@ pub fn claim(req: &ClaimRequest<'_>) -> ClaimResult {
     raise(
         PgSqlErrorCode::ERRCODE_T_R_SERIALIZATION_FAILURE,
         format!(
-            "idempotency.claim: key {:?} kept changing under concurrent claims",
-            req.key
+            "idempotency.claim: key {} kept changing under concurrent claims",
+            key_label(req.key)
         ),
         Some("retry the transaction"),
     )
@@ -781,7 +871,84 @@ const COMPLETE_SQL: &str = "UPDATE idempotency.idempotency_keys AS k SET \
        AND k.status OPERATOR(pg_catalog.=) 'in_progress'::idempotency.key_status \
        AND k.expires_at OPERATOR(pg_catalog.>) pg_catalog.now() \
        AND ($5 IS NULL OR k.token OPERATOR(pg_catalog.=) $5) \
-     RETURNING k.expires_at";
+     RETURNING k.expires_at, k.request_hash, k.token";
+
+/// One audit row per completion (`idempotency.audit = on`), in the completing transaction.
+const AUDIT_SQL: &str = "INSERT INTO idempotency.audit \
+       (scope, key, key_is_hash, request_hash, token, response_status, completed_at, completed_by) \
+     VALUES ($1, $2, $3, $4, $5, $6, pg_catalog.now(), $7)";
+
+/// Deletes up to $2 audit rows older than $1 seconds, skipping rows other transactions hold.
+const AUDIT_SWEEP_SQL: &str = "DELETE FROM idempotency.audit AS a \
+     WHERE a.ctid OPERATOR(pg_catalog.=) ANY (ARRAY( \
+       SELECT s.ctid FROM idempotency.audit AS s \
+        WHERE s.completed_at OPERATOR(pg_catalog.<) (pg_catalog.now() \
+              OPERATOR(pg_catalog.-) pg_catalog.make_interval(secs => $1)) \
+        LIMIT $2 FOR UPDATE SKIP LOCKED))";
+
+/// The audit statements, prepared on first use (a store created by release 0.1.0 and not yet
+/// updated has no audit table).
+struct AuditPlans {
+    insert: OwnedPreparedStatement,
+    sweep: OwnedPreparedStatement,
+}
+
+thread_local! {
+    static AUDIT_PLANS: Cell<Option<&'static AuditPlans>> = const { Cell::new(None) };
+}
+
+fn audit_plans(client: &SpiClient<'_>) -> Result<&'static AuditPlans, pgrx::spi::Error> {
+    if let Some(p) = AUDIT_PLANS.with(Cell::get) {
+        return Ok(p);
+    }
+    let exists = unsafe {
+        let nsp = pg_sys::get_namespace_oid(c"idempotency".as_ptr(), false);
+        pg_sys::get_relname_relid(c"audit".as_ptr(), nsp) != pg_sys::InvalidOid
+    };
+    if !exists {
+        raise(
+            PgSqlErrorCode::ERRCODE_UNDEFINED_TABLE,
+            "idempotency.audit does not exist".into(),
+            Some("update the extension: ALTER EXTENSION idempotency UPDATE"),
+        );
+    }
+    let oid = |o| PgOid::from(o);
+    let p: &'static AuditPlans = Box::leak(Box::new(AuditPlans {
+        insert: client
+            .prepare_mut(
+                AUDIT_SQL,
+                &[
+                    oid(pg_sys::TEXTOID),
+                    oid(pg_sys::TEXTOID),
+                    oid(pg_sys::BOOLOID),
+                    oid(pg_sys::BYTEAOID),
+                    oid(pg_sys::INT8OID),
+                    oid(pg_sys::INT4OID),
+                    oid(pg_sys::TEXTOID),
+                ],
+            )?
+            .keep(),
+        sweep: client
+            .prepare_mut(
+                AUDIT_SWEEP_SQL,
+                &[oid(pg_sys::FLOAT8OID), oid(pg_sys::INT8OID)],
+            )?
+            .keep(),
+    }));
+    AUDIT_PLANS.with(|c| c.set(Some(p)));
+    Ok(p)
+}
+
+/// The role that completes: the session's current role (SET ROLE), not the owner of the
+/// SECURITY DEFINER function that runs the statement.
+fn completing_role() -> String {
+    unsafe {
+        let name = pg_sys::GetUserNameFromId(pg_sys::GetOuterUserId(), false);
+        std::ffi::CStr::from_ptr(name)
+            .to_string_lossy()
+            .into_owned()
+    }
+}
 
 pub struct CompleteRequest<'a> {
     pub scope: &'a str,
@@ -792,7 +959,7 @@ pub struct CompleteRequest<'a> {
     pub ttl: Option<Interval>,
 }
 
-/// Completes a claim; None when there is no live in-progress claim with that token (the SQL
+/// Completes a claim (`req.key` in its stored form); None when there is no live in-progress claim with that token (the SQL
 /// wrapper then explains why, with its own SQLSTATE).
 pub fn complete(req: &CompleteRequest<'_>) -> Option<TimestampWithTimeZone> {
     let _path = PinnedSearchPath::pin();
@@ -820,7 +987,27 @@ pub fn complete(req: &CompleteRequest<'_>) -> Option<TimestampWithTimeZone> {
         if table.is_empty() {
             return Ok(None);
         }
-        table.first().get::<TimestampWithTimeZone>(1)
+        let row = table.first();
+        let expires_at = row.get::<TimestampWithTimeZone>(1)?;
+        if guc::AUDIT.get() {
+            let request_hash = row.get::<Vec<u8>>(2)?;
+            let token = row.get::<i64>(3)?;
+            let audit = audit_plans(client)?;
+            client.update(
+                &audit.insert,
+                None,
+                &[
+                    req.scope.into(),
+                    req.key.into(),
+                    HASHED.with(Cell::get).unwrap_or(false).into(),
+                    request_hash.into(),
+                    token.into(),
+                    req.response_status.into(),
+                    completing_role().into(),
+                ],
+            )?;
+        }
+        Ok(expires_at)
     })
     .unwrap_or_else(|e: pgrx::spi::Error| {
         raise(
@@ -858,4 +1045,22 @@ pub fn sweep_batch(batch: i64) -> i64 {
     });
     stats::count(stats::Event::Swept, deleted as u64);
     deleted
+}
+
+/// Deletes up to `batch` audit rows older than `retention_secs`; returns how many.
+pub fn sweep_audit_batch(retention_secs: f64, batch: i64) -> i64 {
+    let _path = PinnedSearchPath::pin();
+    Spi::connect_mut(|client| {
+        let p = audit_plans(client)?;
+        client
+            .update(&p.sweep, None, &[retention_secs.into(), batch.into()])
+            .map(|t| t.len() as i64)
+    })
+    .unwrap_or_else(|e| {
+        raise(
+            PgSqlErrorCode::ERRCODE_INTERNAL_ERROR,
+            format!("idempotency.sweep_audit: {e}"),
+            None,
+        )
+    })
 }

@@ -245,6 +245,7 @@ pub extern "C-unwind" fn idempotency_sweeper_main(arg: pg_sys::Datum) {
             pg_sys::GucSource::PGC_S_SESSION,
         )
     };
+    lower_priority(guc::SWEEP_NICE.get());
     let mut total = 0i64;
     loop {
         if shutdown_requested() || database_wanted_exclusively() {
@@ -264,4 +265,51 @@ pub extern "C-unwind" fn idempotency_sweeper_main(arg: pg_sys::Datum) {
         reload_if_asked();
     }
     stats::sweep_finished(total);
+    sweep_audit();
+}
+
+unsafe extern "C" {
+    fn setpriority(which: i32, who: u32, prio: i32) -> i32;
+}
+
+/// Makes this sweeper process nicer (`idempotency.sweep_nice`): when the CPU is saturated the
+/// application's backends get it first; when it is idle the sweeper still runs at full speed.
+/// Each round runs in a new process, so a reloaded value applies from the next round on.
+fn lower_priority(nice: i32) {
+    const PRIO_PROCESS: i32 = 0;
+    if nice > 0 && unsafe { setpriority(PRIO_PROCESS, 0, nice) } != 0 {
+        pgrx::log!(
+            "idempotency sweeper: could not set niceness {nice}: {}",
+            std::io::Error::last_os_error()
+        );
+    }
+}
+
+/// Deletes audit rows past `idempotency.audit_retention` (kept forever when it is 0), in
+/// batches like the keys; skipped in a database whose extension predates the audit table.
+fn sweep_audit() {
+    let has_audit = BackgroundWorker::transaction(|| {
+        Spi::get_one::<bool>("SELECT pg_catalog.to_regclass('idempotency.audit') IS NOT NULL")
+    });
+    if !matches!(has_audit, Ok(Some(true))) {
+        return;
+    }
+    loop {
+        let retention = guc::AUDIT_RETENTION.get();
+        if retention <= 0 || shutdown_requested() || database_wanted_exclusively() {
+            break;
+        }
+        let batch = guc::SWEEP_BATCH_SIZE.get().max(1) as i64;
+        let deleted = BackgroundWorker::transaction(move || {
+            store::sweep_audit_batch(retention as f64, batch)
+        });
+        if deleted < batch {
+            break;
+        }
+        let delay = guc::SWEEP_DELAY.get().max(0) as u64;
+        if delay > 0 && !nap(Duration::from_millis(delay)) {
+            break;
+        }
+        reload_if_asked();
+    }
 }

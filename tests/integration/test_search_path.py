@@ -2,6 +2,8 @@
 pg_catalog) change nothing: every function runs with a pinned search path and schema-qualified
 statements."""
 
+import hashlib
+
 import psycopg
 import pytest
 
@@ -63,3 +65,57 @@ def test_every_function_ignores_planted_objects(attacked):
     except psycopg.Error as e:
         assert e.sqlstate == "IK001" and "pwned" not in str(e)
     assert c.execute("SELECT count(*) FROM idempotency.idempotency_keys").fetchone()[0] == 0
+
+
+MORE_ATTACK = """
+CREATE FUNCTION evil.encode(bytea, text) RETURNS text LANGUAGE sql AS $$ SELECT 'pwned'::pg_catalog.text $$;
+CREATE FUNCTION evil.convert_to(text, name) RETURNS bytea LANGUAGE sql AS $$ SELECT '\\x00'::pg_catalog.bytea $$;
+CREATE FUNCTION evil.quote_literal(text) RETURNS text LANGUAGE sql AS $$ SELECT 'pwned'::pg_catalog.text $$;
+CREATE FUNCTION evil.left(text, int) RETURNS text LANGUAGE sql AS $$ SELECT 'pwned'::pg_catalog.text $$;
+CREATE FUNCTION evil.make_interval(years int DEFAULT 0, months int DEFAULT 0, weeks int DEFAULT 0, days int DEFAULT 0,
+    hours int DEFAULT 0, mins int DEFAULT 0, secs double precision DEFAULT 0) RETURNS interval
+    LANGUAGE sql AS $$ SELECT '-100 years'::pg_catalog.interval $$;
+"""
+
+
+def test_install_script_and_newer_functions_ignore_planted_objects(cluster, db):
+    """CREATE EXTENSION itself runs with the attacker's objects first in search_path, then the
+    signed-key, hashed-key and audit functions run under it too."""
+    db.execute("DROP DATABASE IF EXISTS attacked2")
+    db.execute("CREATE DATABASE attacked2")
+    try:
+        with psycopg.connect(cluster.conninfo().replace("dbname=idem", "dbname=attacked2"), autocommit=True) as c:
+            c.execute(ATTACK)
+            c.execute(MORE_ATTACK)
+            c.execute("SET search_path = evil, public, pg_catalog")
+            c.execute("CREATE EXTENSION idempotency")
+            defaults = c.execute(
+                "SELECT pg_catalog.string_agg(pg_catalog.pg_get_expr(d.adbin, d.adrelid), ' ') FROM pg_catalog.pg_attrdef d "
+                "JOIN pg_catalog.pg_class r ON r.oid = d.adrelid WHERE r.relnamespace = 'idempotency'::pg_catalog.regnamespace"
+            ).fetchone()[0]
+            assert "evil" not in defaults and "pg_catalog.now()" in defaults
+            c.execute("SELECT idempotency.rotate_signing_secret()")
+            signed = c.execute("SELECT idempotency.sign_key('k')").fetchone()[0]
+            assert c.execute("SELECT idempotency.verify_key(%s)", (signed,)).fetchone()[0] == "k"
+            try:
+                c.execute("SELECT idempotency.verify_key(%s)", ("k.1." + "A" * 43,))
+                raise AssertionError("a forged key verified")
+            except psycopg.Error as e:
+                assert e.sqlstate == "IK004"
+            c.execute("SET idempotency.audit = on")
+            first = claim(c, "plain-key", {"a": 1})
+            c.execute("SELECT idempotency.complete('plain-key', '{}', token => %s)", (first[1],))
+            assert c.execute("SELECT idempotency.set_key_storage('sha256')").fetchone()[0] == 1
+            key = c.execute("SELECT key FROM idempotency.idempotency_keys").fetchone()[0]
+            assert key == hashlib.sha256(b"plain-key").hexdigest()
+            assert claim(c, "plain-key", {"a": 1})[0] == "replay"
+            try:
+                c.execute("SELECT idempotency.complete('plain-key', '{}')")
+                raise AssertionError("expected IK002")
+            except psycopg.Error as e:
+                assert e.sqlstate == "IK002" and "pwned" not in str(e) and key[:12] in str(e)
+            audit = c.execute("SELECT key, key_is_hash FROM idempotency.audit").fetchall()
+            assert audit == [(key, True)]
+            assert c.execute("SELECT idempotency.sweep_audit()").fetchone()[0] == 0  # retention 0: kept
+    finally:
+        db.execute("DROP DATABASE attacked2 WITH (FORCE)")

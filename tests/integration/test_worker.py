@@ -193,6 +193,62 @@ def test_sweep_delay_paces_a_backlog(preloaded):
             a.execute("SELECT pg_reload_conf()")
 
 
+def test_sweepers_run_at_the_configured_niceness(preloaded):
+    def newest_sweeper_nice(setting):
+        with connect(preloaded) as a:
+            a.execute(f"ALTER SYSTEM SET idempotency.sweep_nice = {setting}")
+            a.execute("ALTER SYSTEM SET idempotency.sweep_batch_size = 100")
+            a.execute("ALTER SYSTEM SET idempotency.sweep_delay = '200ms'")
+            a.execute("SELECT pg_reload_conf()")
+            time.sleep(1.5)
+            seed(a, f"nice-{setting}", expired=1000, live=0)  # ten batches: about two seconds
+            seen = {}  # pid -> (backend_start, nice)
+            deadline = time.monotonic() + 20
+            while time.monotonic() < deadline and count(a, f"nice-{setting}-old-%") > 0:
+                for pid, started in a.execute(
+                        "SELECT pid, backend_start FROM pg_stat_activity WHERE backend_type = 'idempotency sweeper'"):
+                    try:
+                        with open(f"/proc/{pid}/stat") as f:
+                            seen[pid] = (started, int(f.read().rsplit(")", 1)[1].split()[16]))
+                    except (FileNotFoundError, ProcessLookupError):
+                        pass
+                time.sleep(0.05)
+            assert seen, "no sweeper seen while it swept the backlog"
+            return max(seen.values())[1]  # a sweeper started before the reload may still run
+
+    try:
+        assert newest_sweeper_nice(10) == 10
+        assert newest_sweeper_nice(0) == 0
+        assert newest_sweeper_nice(19) == 19
+    finally:
+        with connect(preloaded) as a:
+            for g in ("sweep_nice", "sweep_batch_size", "sweep_delay"):
+                a.execute(f"ALTER SYSTEM RESET idempotency.{g}")
+            a.execute("SELECT pg_reload_conf()")
+
+
+def test_audit_rows_are_swept_past_their_retention_only(preloaded):
+    with connect(preloaded) as c:
+        c.execute("DELETE FROM idempotency.audit")
+        c.execute("SET idempotency.audit = on")
+        for i in range(6):
+            t = claim(c, f"audited-{i}")[1]
+            c.execute("SELECT idempotency.complete(%s, '{}', token => %s)", (f"audited-{i}", t))
+        c.execute("UPDATE idempotency.audit SET completed_at = now() - interval '2 hours' WHERE key IN ('audited-0', 'audited-1')")
+        time.sleep(2.5)  # retention 0 (default): the sweeper keeps every audit row
+        assert c.execute("SELECT count(*) FROM idempotency.audit").fetchone()[0] == 6
+        c.execute("ALTER SYSTEM SET idempotency.audit_retention = '1h'")
+        c.execute("SELECT pg_reload_conf()")
+        try:
+            assert wait_for(lambda: c.execute("SELECT count(*) FROM idempotency.audit").fetchone()[0] == 4)
+            assert sorted(k for (k,) in c.execute("SELECT key FROM idempotency.audit").fetchall()) == [
+                f"audited-{i}" for i in range(2, 6)]
+        finally:
+            c.execute("ALTER SYSTEM RESET idempotency.audit_retention")
+            c.execute("SELECT pg_reload_conf()")
+            c.execute("DELETE FROM idempotency.audit")
+
+
 def test_counters_since_server_start(preloaded):
     with connect(preloaded) as a:
         before = a.execute("SELECT claims_new, claims_replay, claims_in_progress, claims_mismatch, completions, releases FROM idempotency.stats").fetchone()

@@ -1,0 +1,228 @@
+//! Signed keys and hashed keys: pure Rust, no pgrx.
+//!
+//! A signed key is `<key>.<secret id>.<signature>`, the signature being the unpadded base64url
+//! HMAC-SHA256 (RFC 2104) of `<secret id>.<key>` under the server secret with that id. The key
+//! itself may contain dots: the last two dot-separated fields are the id and the signature.
+
+use sha2::{Digest, Sha256};
+
+const BLOCK: usize = 64;
+/// Length of an encoded signature: 32 bytes in unpadded base64url.
+pub const SIGNATURE_CHARS: usize = 43;
+
+/// HMAC-SHA256 of `message` under `secret`.
+pub fn hmac_sha256(secret: &[u8], message: &[u8]) -> [u8; 32] {
+    let mut block = [0u8; BLOCK];
+    if secret.len() > BLOCK {
+        block[..32].copy_from_slice(&Sha256::digest(secret));
+    } else {
+        block[..secret.len()].copy_from_slice(secret);
+    }
+    let mut inner = Sha256::new();
+    inner.update(block.map(|b| b ^ 0x36));
+    inner.update(message);
+    let mut outer = Sha256::new();
+    outer.update(block.map(|b| b ^ 0x5c));
+    outer.update(inner.finalize());
+    outer.finalize().into()
+}
+
+const B64: &[u8; 64] = b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789-_";
+
+/// Unpadded base64url (RFC 4648 section 5).
+pub fn b64url(bytes: &[u8]) -> String {
+    let mut out = String::with_capacity(bytes.len().div_ceil(3) * 4);
+    for chunk in bytes.chunks(3) {
+        let n = chunk
+            .iter()
+            .enumerate()
+            .fold(0u32, |n, (i, &b)| n | (b as u32) << (16 - 8 * i));
+        for i in 0..=chunk.len() {
+            out.push(B64[(n >> (18 - 6 * i) & 63) as usize] as char);
+        }
+    }
+    out
+}
+
+/// Decodes unpadded base64url; None for any other character, padding or a dangling length.
+/// Non-canonical encodings (stray low bits in the last character) are refused too, so each
+/// signature has exactly one spelling.
+pub fn b64url_decode(s: &str) -> Option<Vec<u8>> {
+    let value = |c: u8| B64.iter().position(|&b| b == c).map(|p| p as u32);
+    let bytes = s.as_bytes();
+    if bytes.len() % 4 == 1 {
+        return None;
+    }
+    let mut out = Vec::with_capacity(bytes.len() * 3 / 4);
+    for chunk in bytes.chunks(4) {
+        let mut n = 0u32;
+        for (i, &c) in chunk.iter().enumerate() {
+            n |= value(c)? << (18 - 6 * i);
+        }
+        let len = chunk.len() - 1;
+        for i in 0..len {
+            out.push((n >> (16 - 8 * i)) as u8);
+        }
+        if len < 3 && n & ((1 << (24 - 8 * len)) - 1) != 0 {
+            return None;
+        }
+    }
+    Some(out)
+}
+
+fn signed_message(kid: i32, key: &str) -> Vec<u8> {
+    format!("{kid}.{key}").into_bytes()
+}
+
+/// Signs `key` with the secret `kid`.
+pub fn sign(key: &str, kid: i32, secret: &[u8]) -> String {
+    let mac = hmac_sha256(secret, &signed_message(kid, key));
+    format!("{key}.{kid}.{}", b64url(&mac))
+}
+
+/// The parts of a signed key: the key, the secret id and the signature bytes; None when the
+/// text does not have the shape of a signed key.
+pub fn parse(signed: &str) -> Option<(&str, i32, Vec<u8>)> {
+    let (rest, sig) = signed.rsplit_once('.')?;
+    let (key, kid) = rest.rsplit_once('.')?;
+    if key.is_empty() || sig.len() != SIGNATURE_CHARS {
+        return None;
+    }
+    // Only the canonical decimal spelling of a positive id: "07" or "+7" would sign alike.
+    if kid.is_empty() || kid.starts_with('0') || !kid.bytes().all(|b| b.is_ascii_digit()) {
+        return None;
+    }
+    let kid: i32 = kid.parse().ok()?;
+    Some((key, kid, b64url_decode(sig)?))
+}
+
+/// Whether `signature` is the signature of `key` under secret `kid`, compared in constant time.
+pub fn verify(key: &str, kid: i32, signature: &[u8], secret: &[u8]) -> bool {
+    let expected = hmac_sha256(secret, &signed_message(kid, key));
+    signature.len() == expected.len()
+        && signature
+            .iter()
+            .zip(expected.iter())
+            .fold(0u8, |acc, (a, b)| acc | (a ^ b))
+            == 0
+}
+
+/// The stored form of a key when the store keeps keys hashed: lowercase hex SHA-256.
+pub fn hashed_key(key: &str) -> String {
+    crate::keys::hex(&Sha256::digest(key.as_bytes()))
+}
+
+/// What messages show of a stored hashed key: a prefix, never the whole digest.
+pub fn hash_label(stored: &str) -> String {
+    format!("sha256:{}…", &stored[..stored.len().min(12)])
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    fn unhex(s: &str) -> Vec<u8> {
+        (0..s.len())
+            .step_by(2)
+            .map(|i| u8::from_str_radix(&s[i..i + 2], 16).unwrap())
+            .collect()
+    }
+
+    #[test]
+    fn hmac_matches_rfc4231() {
+        // Test cases 1, 2 and 6 (a key longer than the block) of RFC 4231.
+        let cases: [(&[u8], &[u8], &str); 3] = [
+            (
+                &[0x0b; 20],
+                b"Hi There",
+                "b0344c61d8db38535ca8afceaf0bf12b881dc200c9833da726e9376c2e32cff7",
+            ),
+            (
+                b"Jefe",
+                b"what do ya want for nothing?",
+                "5bdcc146bf60754e6a042426089575c75a003f089d2739839dec58b964ec3843",
+            ),
+            (
+                &[0xaa; 131],
+                b"Test Using Larger Than Block-Size Key - Hash Key First",
+                "60e431591ee0b67f0d8a26aacbf5b77f8e0bc6213728c5140546040f0ee37f54",
+            ),
+        ];
+        for (key, msg, mac) in cases {
+            assert_eq!(hmac_sha256(key, msg).to_vec(), unhex(mac));
+        }
+    }
+
+    #[test]
+    fn base64url_matches_rfc4648_vectors() {
+        for (plain, enc) in [
+            ("", ""),
+            ("f", "Zg"),
+            ("fo", "Zm8"),
+            ("foo", "Zm9v"),
+            ("foob", "Zm9vYg"),
+            ("fooba", "Zm9vYmE"),
+            ("foobar", "Zm9vYmFy"),
+        ] {
+            assert_eq!(b64url(plain.as_bytes()), enc);
+            assert_eq!(b64url_decode(enc).unwrap(), plain.as_bytes());
+        }
+        assert_eq!(b64url(&[0xfb, 0xff]), "-_8");
+        for bad in ["Z", "Zg=", "Zh", "Zm9=", "Zm+v", "Zm/v"] {
+            assert_eq!(b64url_decode(bad), None, "{bad}");
+        }
+    }
+
+    #[test]
+    fn sign_then_verify() {
+        let s = sign("order.42", 3, b"secret");
+        let (key, kid, sig) = parse(&s).unwrap();
+        assert_eq!((key, kid), ("order.42", 3));
+        assert!(verify(key, kid, &sig, b"secret"));
+        assert!(!verify(key, kid, &sig, b"other secret"));
+        assert!(!verify("order.43", kid, &sig, b"secret"));
+        assert!(!verify(key, 4, &sig, b"secret"));
+    }
+
+    #[test]
+    fn malformed_signed_keys_do_not_parse() {
+        let s = sign("k", 1, b"x");
+        let sig = s.rsplit_once('.').unwrap().1;
+        for bad in [
+            "k".to_string(),
+            "k.1".to_string(),
+            format!(".1.{sig}"),
+            format!("k..{sig}"),
+            format!("k.01.{sig}"),
+            format!("k.+1.{sig}"),
+            format!("k.-1.{sig}"),
+            format!("k.99999999999.{sig}"),
+            format!("k.1.{}", &sig[..42]),
+            format!("k.1.{sig}A"),
+        ] {
+            assert!(parse(&bad).is_none(), "{bad}");
+        }
+    }
+
+    proptest! {
+        #[test]
+        fn any_single_bit_flip_is_refused(key in "[a-z0-9:.-]{1,40}", kid in 1i32..1000, bit in 0usize..10_000) {
+            let secret = b"a server secret";
+            let signed = sign(&key, kid, secret);
+            let mut bytes = signed.clone().into_bytes();
+            let i = bit % (bytes.len() * 8);
+            bytes[i / 8] ^= 1 << (i % 8);
+            if let Ok(tampered) = String::from_utf8(bytes) {
+                let accepted = parse(&tampered)
+                    .is_some_and(|(k, id, sig)| verify(k, id, &sig, secret));
+                prop_assert!(!accepted, "{tampered} accepted");
+            }
+        }
+
+        #[test]
+        fn base64url_round_trips(bytes in proptest::collection::vec(any::<u8>(), 0..100)) {
+            prop_assert_eq!(b64url_decode(&b64url(&bytes)).unwrap(), bytes);
+        }
+    }
+}

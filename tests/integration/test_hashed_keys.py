@@ -1,0 +1,140 @@
+"""Keys stored hashed (idempotency.set_key_storage('sha256')): callers change nothing, the store,
+its indexes and the server log never hold a plain key, and switching is tested both ways."""
+
+import hashlib
+import os
+import threading
+import time
+import uuid
+
+import psycopg
+import pytest
+
+from cluster import Cluster
+from test_concurrency import claim
+
+
+@pytest.fixture
+def hashed_cluster():
+    c = Cluster(settings={"log_min_messages": "warning"}, dbname="hashed").start()
+    with psycopg.connect(c.conninfo(), autocommit=True) as conn:
+        conn.execute("CREATE EXTENSION idempotency")
+        conn.execute("CREATE EXTENSION pageinspect")
+    yield c
+    c.destroy()
+
+
+def sha(key):
+    return hashlib.sha256(key.encode()).hexdigest()
+
+
+def relation_bytes(conn, cluster):
+    """The bytes on disk of the store, its indexes and the audit table (after a checkpoint)."""
+    conn.execute("CHECKPOINT")
+    paths = conn.execute(
+        "SELECT pg_relation_filepath(c.oid) FROM pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace "
+        "WHERE n.nspname = 'idempotency' AND c.relkind IN ('r', 'i') AND pg_relation_filepath(c.oid) IS NOT NULL"
+    ).fetchall()
+    data = b""
+    for (p,) in paths:
+        full = os.path.join(cluster.data, p)
+        if os.path.exists(full):
+            with open(full, "rb") as f:
+                data += f.read()
+    return data
+
+
+def test_hashed_end_to_end(hashed_cluster):
+    c = hashed_cluster
+    key = f"jane.doe@example.com:{uuid.uuid4()}"
+    with psycopg.connect(c.conninfo(), autocommit=True) as db:
+        assert db.execute("SELECT idempotency.set_key_storage('sha256')").fetchone()[0] == 0
+        first = claim(db, key, {"amount": 100}, scope="shop")
+        assert first[0] == "new"
+        db.execute("SELECT idempotency.checkpoint(%s, 'charged', 'shop', %s)", (key, first[1]))
+        db.execute("SET idempotency.audit = on")
+        db.execute("SELECT idempotency.complete(%s, '{\"ok\": true}', 201, 'shop', %s)", (key, first[1]))
+        replay = claim(db, key, {"amount": 100}, scope="shop")
+        assert replay[:4] == ("replay", first[1], {"ok": True}, 201)
+        assert claim(db, key, {"amount": 999}, scope="shop")[0] == "mismatch"  # logs a WARNING
+        with pytest.raises(psycopg.Error) as e:  # IK002 names the key by hash prefix only
+            db.execute("SELECT idempotency.complete(%s, '{}', scope => 'shop')", (key,))
+        assert e.value.sqlstate == "IK002"
+        assert key not in str(e.value) and sha(key)[:12] in str(e.value)
+        row = db.execute("SELECT * FROM idempotency.lookup(%s, 'shop')", (key,)).fetchone()
+        assert row[1] == sha(key)
+        stored = db.execute("SELECT scope, key FROM idempotency.idempotency_keys").fetchall()
+        assert stored == [("shop", sha(key))]
+        assert db.execute("SELECT key, key_is_hash FROM idempotency.audit").fetchall() == [(sha(key), True)]
+        # The index entries (as pageinspect shows them) and the files on disk hold no plain key.
+        items = db.execute(
+            "SELECT string_agg(data, ' ') FROM bt_page_items('idempotency.idempotency_keys_pkey', 1)"
+        ).fetchone()[0]
+        assert key.encode().hex() not in items.replace(" ", "")
+        assert sha(key).encode().hex() in items.replace(" ", "")
+        disk = relation_bytes(db, c)
+        assert key.encode() not in disk and sha(key).encode() in disk
+        # Derived keys of a hashed key are hashed in turn.
+        child = db.execute("SELECT idempotency.derive_key(%s, 'charge')", (key,)).fetchone()[0]
+        assert claim(db, child, scope="shop")[0] == "new"
+        assert db.execute("SELECT count(*) FROM idempotency.idempotency_keys WHERE key = %s",
+                          (sha(child),)).fetchone()[0] == 1
+        assert db.execute("SELECT idempotency.forget(%s, 'shop')", (key,)).fetchone()[0] is True
+        assert claim(db, key, {"amount": 100}, scope="shop")[0] == "new"
+    log = c.server_log()
+    assert "key reused with a different request" in log
+    assert f"key=sha256:{sha(key)[:12]}" in log
+    assert key not in log and "jane.doe" not in log
+
+
+def test_switch_migrates_plain_keys_and_refuses_to_go_back(hashed_cluster):
+    c = hashed_cluster
+    with psycopg.connect(c.conninfo(), autocommit=True) as db:
+        db.execute("SET idempotency.audit = on")
+        for i in range(50):
+            claim(db, f"k{i}", {"i": i}, scope="s")
+            if i % 2 == 0:
+                db.execute("SELECT idempotency.complete(%s, %s, scope => 's')", (f"k{i}", f'{{"i": {i}}}'))
+        assert db.execute("SELECT idempotency.set_key_storage('sha256')").fetchone()[0] == 50
+        assert db.execute("SELECT idempotency.set_key_storage('sha256')").fetchone()[0] == 0  # no-op
+        keys = {k for (k,) in db.execute("SELECT key FROM idempotency.idempotency_keys").fetchall()}
+        assert keys == {sha(f"k{i}") for i in range(50)}
+        assert db.execute("SELECT bool_and(key_is_hash), count(*) FROM idempotency.audit").fetchone() == (True, 25)
+        # Callers change nothing: the same plain keys find their rows.
+        for i in range(50):
+            outcome = claim(db, f"k{i}", {"i": i}, scope="s")
+            assert outcome[0] == ("replay" if i % 2 == 0 else "in_progress"), (i, outcome)
+        with pytest.raises(psycopg.errors.ObjectNotInPrerequisiteState, match="50 live keys"):
+            db.execute("SELECT idempotency.set_key_storage('plain')")
+        assert db.execute("SELECT count(*) FROM idempotency.idempotency_keys").fetchone()[0] == 50
+        with pytest.raises(psycopg.errors.InvalidParameterValue, match="mode must be"):
+            db.execute("SELECT idempotency.set_key_storage('md5')")
+        with pytest.raises(psycopg.errors.NullValueNotAllowed, match="mode must not be NULL"):
+            db.execute("SELECT idempotency.set_key_storage(NULL)")
+        for i in range(50):
+            db.execute("SELECT idempotency.forget(%s, 's')", (f"k{i}",))
+        assert db.execute("SELECT idempotency.set_key_storage('plain')").fetchone()[0] == 0
+        claim(db, "plain-again", scope="s")
+        assert db.execute("SELECT key FROM idempotency.idempotency_keys").fetchall() == [("plain-again",)]
+
+
+def test_switch_waits_for_open_claims_and_other_sessions_follow(hashed_cluster):
+    c = hashed_cluster
+    with psycopg.connect(c.conninfo()) as a, psycopg.connect(c.conninfo(), autocommit=True) as b, \
+            psycopg.connect(c.conninfo(), autocommit=True) as other:
+        assert claim(other, "warm-up")[0] == "new"  # this session has cached the plain mode
+        assert claim(a, "open")[0] == "new"  # uncommitted
+        done = []
+        t = threading.Thread(target=lambda: done.append(
+            b.execute("SELECT idempotency.set_key_storage('sha256')").fetchone()[0]))
+        t.start()
+        time.sleep(0.5)
+        assert not done  # waits for the open claim's transaction
+        a.commit()
+        t.join(10)
+        assert done == [2]
+        # The session that had cached "plain" now claims with hashed keys.
+        assert claim(other, "open")[0] == "in_progress"
+        assert claim(other, "fresh")[0] == "new"
+        keys = {k for (k,) in other.execute("SELECT key FROM idempotency.idempotency_keys").fetchall()}
+        assert keys == {sha("warm-up"), sha("open"), sha("fresh")}

@@ -1,0 +1,172 @@
+"""Upgrades: install the previous release (0.1.0, its install script frozen in sql/releases/),
+write keys of every kind, ALTER EXTENSION idempotency UPDATE, and check that every key still
+behaves and that the upgraded schema is exactly what a fresh install of the new release creates."""
+
+import os
+import shutil
+import subprocess
+
+import psycopg
+import pytest
+
+from test_concurrency import claim
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+PG_CONFIG = "/usr/lib/postgresql/15/bin/pg_config"
+PREVIOUS = ["0.1.0"]
+
+
+def current_version():
+    with open(os.path.join(ROOT, "Cargo.toml")) as f:
+        for line in f:
+            if line.startswith("version"):
+                return line.split('"')[1]
+    raise AssertionError("no version in Cargo.toml")
+
+
+@pytest.fixture(scope="module", autouse=True)
+def previous_releases_installed():
+    """Puts the frozen install scripts of earlier releases next to the installed extension
+    (cargo pgrx install copies only the current one and the upgrade scripts)."""
+    sharedir = subprocess.run([PG_CONFIG, "--sharedir"], check=True, capture_output=True, text=True).stdout.strip()
+    for v in PREVIOUS:
+        src = os.path.join(ROOT, "sql", "releases", f"idempotency--{v}.sql")
+        dst = os.path.join(sharedir, "extension", f"idempotency--{v}.sql")
+        if not os.path.exists(dst) or open(src).read() != open(dst).read():
+            shutil.copyfile(src, dst)
+        up = os.path.join(sharedir, "extension", f"idempotency--{v}--{current_version()}.sql")
+        assert os.path.exists(up), f"{up} missing: run cargo pgrx install"
+
+
+@pytest.fixture
+def fresh_db(cluster, db):
+    made = []
+
+    def make(name):
+        db.execute(f"DROP DATABASE IF EXISTS {name}")
+        db.execute(f"CREATE DATABASE {name}")
+        made.append(name)
+        conn = psycopg.connect(cluster.conninfo().replace("dbname=idem", f"dbname={name}"), autocommit=True)
+        return conn
+
+    yield make
+    for name in made:
+        db.execute(f"DROP DATABASE IF EXISTS {name} WITH (FORCE)")
+
+
+CATALOG = """
+SELECT 'function ' || p.oid::regprocedure::text,
+       concat_ws(' | ', pg_get_function_result(p.oid), p.prokind, p.provolatile, p.proparallel,
+                 p.prosecdef, p.proconfig::text, p.prosrc, p.probin, l.lanname,
+                 pg_get_function_arguments(p.oid), p.proacl::text)
+  FROM pg_proc p JOIN pg_language l ON l.oid = p.prolang
+ WHERE p.pronamespace = 'idempotency'::regnamespace
+UNION ALL
+SELECT 'relation ' || c.relname,
+       concat_ws(' | ', c.relkind, c.relacl::text, c.reloptions::text,
+                 CASE WHEN c.relkind = 'v' THEN pg_get_viewdef(c.oid) END,
+                 CASE WHEN c.relkind = 'i' THEN pg_get_indexdef(c.oid) END,
+                 obj_description(c.oid, 'pg_class'))
+  FROM pg_class c WHERE c.relnamespace = 'idempotency'::regnamespace
+UNION ALL
+SELECT 'column ' || c.relname || '.' || a.attname,
+       concat_ws(' | ', format_type(a.atttypid, a.atttypmod), a.attnotnull, a.attidentity,
+                 pg_get_expr(d.adbin, d.adrelid), a.attnum, co.collname)
+  FROM pg_attribute a JOIN pg_class c ON c.oid = a.attrelid
+  LEFT JOIN pg_attrdef d ON d.adrelid = a.attrelid AND d.adnum = a.attnum
+  LEFT JOIN pg_collation co ON co.oid = a.attcollation AND a.attcollation <> 100
+ WHERE c.relnamespace = 'idempotency'::regnamespace AND a.attnum > 0 AND NOT a.attisdropped
+   AND c.relkind IN ('r', 'v')
+UNION ALL
+SELECT 'constraint ' || conrelid::regclass::text || '.' || conname, pg_get_constraintdef(oid)
+  FROM pg_constraint WHERE connamespace = 'idempotency'::regnamespace
+UNION ALL
+SELECT 'type ' || t.typname, concat_ws(' | ', t.typtype,
+       (SELECT string_agg(enumlabel, ',' ORDER BY enumsortorder) FROM pg_enum WHERE enumtypid = t.oid))
+  FROM pg_type t WHERE t.typnamespace = 'idempotency'::regnamespace AND t.typtype IN ('e', 'c')
+   AND NOT EXISTS (SELECT FROM pg_class c WHERE c.reltype = t.oid AND c.relkind <> 'c')
+UNION ALL
+SELECT 'sequence ' || s.seqrelid::regclass::text,
+       concat_ws(' | ', format_type(s.seqtypid, NULL), s.seqincrement, s.seqmin, s.seqmax, s.seqcache)
+  FROM pg_sequence s JOIN pg_class c ON c.oid = s.seqrelid
+ WHERE c.relnamespace = 'idempotency'::regnamespace
+UNION ALL
+SELECT 'config dump', string_agg(x::regclass::text, ', ' ORDER BY x::regclass::text)
+  FROM pg_extension e, unnest(e.extconfig) AS x WHERE e.extname = 'idempotency'
+UNION ALL
+SELECT 'members', count(*)::text FROM pg_depend
+ WHERE refobjid = (SELECT oid FROM pg_extension WHERE extname = 'idempotency') AND deptype = 'e'
+UNION ALL
+SELECT 'schema acl', coalesce(nspacl::text, '') FROM pg_namespace WHERE nspname = 'idempotency'
+ORDER BY 1
+"""
+
+
+def catalog(conn):
+    return dict(conn.execute(CATALOG).fetchall())
+
+
+def test_upgraded_schema_equals_a_fresh_install(fresh_db):
+    old = fresh_db("upgrade_old")
+    new = fresh_db("upgrade_new")
+    for v in PREVIOUS:
+        old.execute(f"DROP EXTENSION IF EXISTS idempotency")
+        old.execute(f"CREATE EXTENSION idempotency VERSION '{v}'")
+        old.execute("ALTER EXTENSION idempotency UPDATE")
+        assert old.execute("SELECT extversion FROM pg_extension WHERE extname = 'idempotency'").fetchone()[0] == current_version()
+        new.execute("DROP EXTENSION IF EXISTS idempotency")
+        new.execute("CREATE EXTENSION idempotency")
+        upgraded, fresh = catalog(old), catalog(new)
+        differ = {k: (upgraded.get(k), fresh.get(k)) for k in upgraded.keys() | fresh.keys()
+                  if upgraded.get(k) != fresh.get(k)}
+        assert not differ, f"from {v}: " + "\n".join(f"{k}:\n  upgraded: {a}\n  fresh:    {b}" for k, a, b in
+                                                  ((k, *differ[k]) for k in sorted(differ)))
+        assert len(fresh) > 80
+
+
+def test_keys_survive_the_upgrade(cluster, fresh_db):
+    db = fresh_db("upgrade_keys")
+    db.execute(f"CREATE EXTENSION idempotency VERSION '{PREVIOUS[-1]}'")
+    done = claim(db, "done", {"a": 1}, scope="s")
+    db.execute("SELECT idempotency.complete('done', '{\"order\": 7}', 201, 's', %s)", (done[1],))
+    leased = claim(db, "leased", {"b": 2}, scope="s", lease="1 hour")
+    db.execute("SELECT idempotency.checkpoint('leased', 'charged', 's', %s)", (leased[1],))
+    short = claim(db, "short-lease", scope="s", ttl="1 hour", lease="1 second")
+    claim(db, "expired", scope="s", ttl="1 second", lease="1 second")
+    plain = claim(db, "no-request")
+    # 0.1.0's privilege model: table grants to an application role.
+    db.execute("DROP ROLE IF EXISTS legacy_app")
+    db.execute("CREATE ROLE legacy_app LOGIN")
+    db.execute("GRANT USAGE ON SCHEMA idempotency TO legacy_app; "
+               "GRANT SELECT, INSERT, UPDATE, DELETE ON idempotency.idempotency_keys TO legacy_app; "
+               "GRANT USAGE ON SEQUENCE idempotency.token_seq TO legacy_app")
+    db.execute("SELECT pg_sleep(1.1)")
+
+    db.execute("ALTER EXTENSION idempotency UPDATE")
+    assert db.execute("SELECT extversion FROM pg_extension WHERE extname = 'idempotency'").fetchone()[0] == current_version()
+
+    # A session opened before the update and one opened after behave alike.
+    with psycopg.connect(cluster.conninfo().replace("dbname=idem", "dbname=upgrade_keys"), autocommit=True) as new, \
+            psycopg.connect(cluster.conninfo().replace("dbname=idem", "dbname=upgrade_keys").replace(
+                "user=postgres", "user=legacy_app"), autocommit=True) as app:
+        for c in (db, new, app):
+            assert claim(c, "done", {"a": 1}, scope="s")[:4] == ("replay", done[1], {"order": 7}, 201)
+            assert claim(c, "done", {"a": 9}, scope="s")[0] == "mismatch"
+            r = claim(c, "leased", {"b": 2}, scope="s")
+            assert r[0] == "in_progress" and r[5] == "charged"
+        taken = claim(new, "short-lease", scope="s")
+        assert taken[0] == "new" and taken[1] > short[1]  # taken over, token larger
+        again = claim(app, "expired", scope="s")
+        assert again[0] == "new" and again[1] > taken[1]  # the sequence carried on
+        new.execute("SELECT idempotency.complete('leased', '{\"ok\": 1}', scope => 's', token => %s)", (leased[1],))
+        assert claim(app, "leased", {"b": 2}, scope="s")[2] == {"ok": 1}
+        assert app.execute("SELECT idempotency.release('no-request', token => %s)", (plain[1],)).fetchone()[0] is True
+        # The new features work on the upgraded store.
+        new.execute("SET idempotency.audit = on")
+        t = claim(new, "audited")[1]
+        new.execute("SELECT idempotency.complete('audited', '{}', token => %s)", (t,))
+        assert new.execute("SELECT count(*) FROM idempotency.audit").fetchone()[0] == 1
+        assert new.execute("SELECT idempotency.set_key_storage('sha256')").fetchone()[0] == 5
+        assert claim(app, "done", {"a": 1}, scope="s")[0] == "replay"
+    db.execute("DROP OWNED BY legacy_app")
+    db.execute("DROP ROLE legacy_app")
