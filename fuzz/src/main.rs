@@ -1166,7 +1166,29 @@ struct Slot {
     started_ms: AtomicU64, // 0: idle
     exec: AtomicU64,
     budget: AtomicU64,
+    tid: AtomicU64, // Linux thread id, 0 if unknown
 }
+
+/// The calling thread's Linux thread id, from /proc (no libc needed).
+fn current_tid() -> u64 {
+    std::fs::read_link("/proc/thread-self")
+        .ok()
+        .and_then(|p| p.file_name()?.to_str()?.parse().ok())
+        .unwrap_or(0)
+}
+
+/// CPU time (user + system) a thread of this process has used, in ms (clock ticks of 10 ms).
+fn thread_cpu_ms(tid: u64) -> Option<u64> {
+    let stat = std::fs::read_to_string(format!("/proc/self/task/{tid}/stat")).ok()?;
+    let after = &stat[stat.rfind(')')? + 1..];
+    let mut fields = after.split_whitespace().skip(11);
+    let utime: u64 = fields.next()?.parse().ok()?;
+    let stime: u64 = fields.next()?.parse().ok()?;
+    Some((utime + stime) * 10)
+}
+
+/// Wall time after which an execution counts as hung even without using CPU (blocked).
+const HARD_LIMIT_MS: u64 = 600_000;
 
 fn now_ms(origin: Instant) -> u64 {
     origin.elapsed().as_millis() as u64 + 1
@@ -1201,6 +1223,7 @@ fn run_invariant(seed: u64, execs: u64, threads: u64, origin: Instant) -> Stats 
                 started_ms: AtomicU64::new(0),
                 exec: AtomicU64::new(0),
                 budget: AtomicU64::new(0),
+                tid: AtomicU64::new(0),
             })
             .collect(),
     );
@@ -1208,17 +1231,36 @@ fn run_invariant(seed: u64, execs: u64, threads: u64, origin: Instant) -> Stats 
     let watchdog = {
         let (slots, done) = (slots.clone(), done.clone());
         std::thread::spawn(move || {
+            // Per slot: (start of the execution being timed, its thread's CPU ms at that point).
+            // The budget is first measured in wall time; once it has passed, the execution
+            // must use another budget's worth of CPU time before it counts as a hang, so a
+            // starved process on a busy machine is not taken for a hung one.
+            let mut base: Vec<(u64, Option<u64>)> = vec![(0, None); slots.len()];
             while !done.load(AtOrd::Relaxed) {
                 std::thread::sleep(Duration::from_millis(100));
-                for s in slots.iter() {
+                for (i, s) in slots.iter().enumerate() {
                     let started = s.started_ms.load(AtOrd::Relaxed);
-                    if started != 0 && now_ms(origin) - started > s.budget.load(AtOrd::Relaxed) {
+                    let budget = s.budget.load(AtOrd::Relaxed);
+                    if started == 0 || now_ms(origin).saturating_sub(started) <= budget {
+                        continue;
+                    }
+                    let cpu = thread_cpu_ms(s.tid.load(AtOrd::Relaxed));
+                    if base[i].0 != started {
+                        base[i] = (started, cpu);
+                        continue;
+                    }
+                    let elapsed = now_ms(origin).saturating_sub(started);
+                    let hung = match (base[i].1, cpu) {
+                        (Some(b), Some(c)) => c.saturating_sub(b) > budget,
+                        _ => elapsed > 10 * budget,
+                    } || elapsed > HARD_LIMIT_MS;
+                    if hung {
                         let exec = s.exec.load(AtOrd::Relaxed);
                         let input = generate(seed, exec, false);
                         let path = save_artifact(&format!("hang-{seed}-{exec}.json"), &input);
                         eprintln!(
-                            "HANG: seed {seed}, exec {exec} ran over {} ms ({} bytes, saved to {path}): {}",
-                            s.budget.load(AtOrd::Relaxed),
+                            "HANG: seed {seed}, exec {exec} ran {elapsed} ms, over twice its budget \
+                             of {budget} ms in CPU time ({} bytes, saved to {path}): {}",
                             input.len(),
                             preview(&input)
                         );
@@ -1245,6 +1287,7 @@ fn run_invariant(seed: u64, execs: u64, threads: u64, origin: Instant) -> Stats 
             .spawn(move || {
                 let mut stats = Stats::default();
                 let slot = &slots[t as usize];
+                slot.tid.store(current_tid(), AtOrd::Relaxed);
                 let mut exec = t;
                 while exec < execs {
                     let input = generate(seed, exec, false);
@@ -1252,6 +1295,16 @@ fn run_invariant(seed: u64, execs: u64, threads: u64, origin: Instant) -> Stats 
                     slot.budget.store(budget_ms(input.len()), AtOrd::Relaxed);
                     slot.started_ms.store(now_ms(origin), AtOrd::Relaxed);
                     let result = catch_unwind(AssertUnwindSafe(|| {
+                        if exec == 0 && std::env::var_os("FUZZ_SELFTEST_HANG").is_some() {
+                            // Self-test of the watchdog: spin as a hung canonicalizer would.
+                            let mut x = 0u64;
+                            loop {
+                                x = std::hint::black_box(x.wrapping_add(1));
+                            }
+                        }
+                        if exec == 0 && std::env::var_os("FUZZ_SELFTEST_PANIC").is_some() {
+                            panic!("self-test of the panic catcher");
+                        }
                         let mut s = Stats::default();
                         check(&input, &mut s).map(|_| s)
                     }));

@@ -92,3 +92,11 @@ def test_parse_json_refuses_a_sign_in_a_unicode_escape(harness, tmp_path):
     for text in ('"\\u+041"', '"\\u-041"', '"\\u 041"', '["\\u+04A"]'):
         r = check_input(harness, tmp_path, text, strict=True)
         assert r.returncode == 0 and "invariants hold" in r.stdout, text + r.stdout + r.stderr
+
+
+def test_harness_catches_a_panic_and_a_hang(harness):
+    # Self-tests: execution 0 panics, or spins forever, instead of running the checks.
+    r = run(harness, 120, FUZZ_MODE="invariant", FUZZ_EXECS=50, FUZZ_SELFTEST_PANIC=1)
+    assert r.returncode == 1 and "FAILURE panic: 1 inputs" in r.stdout, r.stdout + r.stderr
+    r = run(harness, 300, FUZZ_MODE="invariant", FUZZ_EXECS=50, FUZZ_SELFTEST_HANG=1)
+    assert r.returncode == 3 and "HANG: seed 1, exec 0" in r.stderr, r.stdout + r.stderr
