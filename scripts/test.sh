@@ -11,6 +11,8 @@ scripts/bootstrap.sh
 echo "== cargo fmt --check, cargo clippy"
 cargo fmt --all -- --check
 cargo clippy --all-targets -- -D warnings
+# The canonicalizer fuzz harness is a crate of its own (run by tests/integration/test_fuzz.py).
+(cd fuzz && cargo fmt -- --check && cargo clippy --release -- -D warnings)
 
 echo "== examples/http-service: fmt, clippy, unit tests (its end-to-end tests run with pytest)"
 cargo fmt --manifest-path examples/http-service/Cargo.toml -- --check

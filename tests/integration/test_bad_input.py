@@ -1,0 +1,432 @@
+"""Bad input against every function of schema idempotency.
+
+The functions are read from pg_catalog.pg_proc, so functions added later are swept too. Each
+argument of each function (internal `_` ones included) is given, one at a time and with the
+others at sane values, every value of a list for its type: NULL, empty, huge (1 MB and 10 MB),
+quotes, backslashes, control characters, non-ASCII and emoji, JSON with escapes, surrogates,
+deep nesting and huge numbers, extreme intervals, timestamps and integers, and text of the
+wrong shape cast to the argument's type. Every call runs in its own transaction and must either
+succeed with a sane result or fail with a documented SQLSTATE (class 22, 54001, IK00x;
+22004/22023 messages name the argument), never crash the backend (the connection answers after
+every call, the server log has no "terminated by signal"), and a failed call must leave the
+table and the shared-memory counters exactly as they were.
+
+BAD_INPUT_HUGE=1 adds 100 MB values (a few calls, a few GB of memory in the server).
+"""
+
+import json
+import os
+import re
+from collections import Counter, defaultdict
+
+import psycopg
+import pytest
+
+from cluster import Cluster
+
+HUGE = os.environ.get("BAD_INPUT_HUGE") == "1"
+README = os.path.join(os.path.dirname(__file__), "..", "..", "README.md")
+
+
+def documented_sqlstates():
+    """The SQLSTATEs of README's table, plus class 22 (data exceptions) and 54001."""
+    codes = {"54001"}
+    with open(README, encoding="utf-8") as f:
+        for line in f:
+            m = re.match(r"^\| `([0-9A-Z]{5})` \|", line)
+            if m:
+                codes.add(m.group(1))
+    return codes
+
+
+DOCUMENTED = documented_sqlstates()
+
+
+def allowed(state):
+    return state.startswith("22") or state in DOCUMENTED or re.fullmatch(r"IK00[0-9]", state)
+COUNTERS = ("claims_new", "claims_replay", "claims_in_progress", "claims_mismatch",
+            "completions", "releases", "rows_swept")
+
+# Baseline (valid) values by argument name, then by type.
+BASE_BY_NAME = {
+    "key": "'bk'", "p_key": "'bk'", "scope": "'bs'", "p_scope": "'bs'",
+    "method": "'POST'", "path": "'/orders'", "numbers": "'exact'", "job": "'nightly'",
+    "parent": "'order-1'", "step": "'charge'", "recovery_point": "'rp'", "event": "'release'",
+    "p_action": "'complete'", "slot": "'1 day'", "lease": "'1 minute'", "ttl": "'1 hour'",
+    "response_status": "201", "batch_size": "10", "token": "NULL", "p_token": "NULL",
+    "mode": "'plain'", "kid": "1",
+    "signed": "idempotency.sign_key('bk')",
+    "secret": "(SELECT secret FROM idempotency.signing_secrets ORDER BY id DESC LIMIT 1)",
+}
+BASE_BY_TYPE = {
+    "text": "'x'", "jsonb": "'{\"a\": 1}'", "interval": "'1 hour'", "integer": "1",
+    "bigint": "NULL", "timestamp with time zone": "'2026-11-30 12:34:56+00'",
+    "text[]": "'{}'", "boolean": "true", "bytea": "'\\x0102'",
+}
+
+MB = 1 << 20
+WRONG_SHAPE = [  # text that does not fit the type: PostgreSQL's input function refuses it
+    ("wrong shape 'abc'", "'abc'"), ("wrong shape '1.5.2'", "'1.5.2'"), ("wrong shape '{'", "'{'"),
+]
+TEXT = [
+    ("NULL", "NULL"), ("empty", "''"), ("space", "' '"), ("255 chars", "repeat('k', 255)"),
+    ("256 chars", "repeat('k', 256)"), ("1 MB", f"repeat('x', {MB})"), ("10 MB", f"repeat('x', {10 * MB})"),
+    ("quotes", "$q$it's \"dq\" ''$q$"), ("backslashes", "E'back\\\\slash \\\\u0000 \\\\x00'"),
+    ("control chars", "E'a\\x01b\\x1fc\\td\\ne\\rf\\x7f'"), ("non-ASCII", "'ünïcødé € ß'"),
+    ("emoji", "'😀🏳️‍🌈👍🏽'"), ("colon", "'a:b'"), ("slash", "'/'"), ("tilde pointer", "'~'"),
+    ("JSON text", "'{\"a\": [1, 2]}'"), ("lone surrogate escape", "'\\ud800'"),
+    ("percent format", "'%s %L %I'"), ("SQL injection", "$q$'; DROP TABLE idempotency.idempotency_keys; --$q$"),
+    ("method lower", "'get'"), ("method with space", "'P OST'"), ("mode upper", "'EXACT'"),
+    ("mode rfc8785", "'rfc8785'"), ("chr(0)", "chr(0)"), ("E'\\\\x00' escape", "E'\\x00'"),
+    ("invalid UTF-8 bytes", "convert_from('\\xc3'::bytea, 'UTF8')"),
+]
+JSONB = [
+    ("NULL", "NULL"), ("empty object", "'{}'"), ("empty array", "'[]'"), ("null", "'null'"),
+    ("string", "'\"s\"'"), ("number", "'1'"), ("negative zero", "'-0'"),
+    ("escapes", "$j${\"q\": \"it's \\\"dq\\\" \\\\ \\/ \\b\\f\\n\\r\\t \\u0001\\u001f\"}$j$"),
+    ("non-ASCII and emoji", "'{\"ü€\": \"😀\", \"\\ud83d\\ude00\": \"\\ufb33\"}'"),
+    ("escaped NUL", "'\"\\u0000\"'"), ("lone high surrogate", "'\"\\ud800\"'"),
+    ("lone low surrogate", "'\"\\udc00\"'"),
+    ("huge numbers", "'[1e400, -1e-400, 123456789012345678901234567890.123456789, 1e131071]'"),
+    ("double edges", "'[5e-324, 1.7976931348623157e308, 1.7976931348623159e308, 9007199254740993]'"),
+    ("1000 levels", "(repeat('[', 1000) || '1' || repeat(']', 1000))"),
+    ("1001 levels", "(repeat('[', 1001) || '1' || repeat(']', 1001))"),
+    ("5000 levels", "(repeat('{\"a\":', 5000) || '1' || repeat('}', 5000))"),
+    ("100000 levels", "(repeat('[', 100000) || repeat(']', 100000))"),
+    ("1 MB string", f"jsonb_build_object('s', repeat('x', {MB}))"),
+    ("10 MB string", f"jsonb_build_object('s', repeat('é', {5 * MB}))"),
+    ("100k members", "(SELECT jsonb_object_agg('k' || i, i) FROM generate_series(1, 100000) i)"),
+    ("100k elements", "(SELECT jsonb_agg(i * 1.5) FROM generate_series(1, 100000) i)"),
+    ("duplicate names", "'{\"a\": 1, \"a\": 2}'"), ("array query", "'[1]'"),
+    ("invalid JSON", "'{\"a\":'"), ("trailing garbage", "'{} x'"),
+]
+INTERVAL = [
+    ("NULL", "NULL"), ("zero", "'0'"), ("negative", "'-1 second'"), ("1 microsecond", "'1 microsecond'"),
+    ("1 second", "'1 second'"), ("1 month", "'1 month'"), ("3 months", "'3 months'"),
+    ("month and day", "'1 month 1 day'"), ("1 mon -30 days", "'1 mon -30 days'"),
+    ("1 day -86400 s", "'1 day -86400 seconds'"), ("10 years", "'10 years'"),
+    ("10 years 1 second", "'10 years 1 second'"), ("178000000 years", "'178000000 years'"),
+    ("-178000000 years", "'-178000000 years'"), ("max days", "'2147483647 days'"),
+    ("min months", "'-2147483648 months'"), ("max microseconds", "'2562047788:00:54.775807'"),
+    ("'infinity'", "'infinity'"),
+]
+TIMESTAMPTZ = [
+    ("NULL", "NULL"), ("now", "now()"), ("infinity", "'infinity'"), ("-infinity", "'-infinity'"),
+    ("294276-12-31", "'294276-12-31 23:59:59.999999+00'"), ("294277", "'294277-01-01 00:00:00+00'"),
+    ("4713 BC", "'4713-01-01 00:00:00+00 BC'"), ("epoch", "'epoch'"),
+    ("+14:00 zone", "'2000-02-29 12:00:00+14'"), ("leap second", "'2016-12-31 23:59:60+00'"),
+]
+INTEGER = [("NULL", "NULL")] + [(str(v), str(v)) for v in
+                                (0, -1, 1, 99, 100, 599, 600, 2147483647, -2147483648)] + [
+    ("2^31", "2147483648")]
+BIGINT = [("NULL", "NULL")] + [(str(v), str(v)) for v in
+                               (0, -1, 1, 9223372036854775807, -9223372036854775808)] + [
+    ("2^63", "9223372036854775808")]
+TEXT_ARRAY = [
+    ("NULL", "NULL"), ("empty", "'{}'"), ("NULL element", "'{NULL}'"), ("empty element", "'{\"\"}'"),
+    ("root pointer", "'{/}'"), ("name", "'{a}'"), ("bad tilde", "'{/a~2}'"), ("trailing tilde", "'{/a~}'"),
+    ("escaped pointer", "'{/a~1b/0,/a~0b}'"), ("array index 01", "'{/01}'"),
+    ("10000 entries", "(SELECT array_agg('/k' || i) FROM generate_series(1, 10000) i)"),
+    ("1 MB entry", f"ARRAY[repeat('x', {MB})]"), ("2-D array", "'{{a},{b}}'"),
+    ("non-ASCII", "'{/ü€/😀}'"),
+]
+BOOLEAN = [("NULL", "NULL"), ("true", "true"), ("false", "false")]
+BYTEA = [
+    ("NULL", "NULL"), ("empty", "'\\x'"), ("one zero byte", "'\\x00'"), ("32 bytes", "decode(repeat('ab', 32), 'hex')"),
+    ("1 MB", f"decode(repeat('00', {MB}), 'hex')"), ("10 MB", f"decode(repeat('ff', {10 * MB}), 'hex')"),
+    ("invalid UTF-8", "'\\xc328'"),
+]
+VALUES = {
+    "text": TEXT, "jsonb": JSONB, "interval": INTERVAL, "timestamp with time zone": TIMESTAMPTZ,
+    "integer": INTEGER, "bigint": BIGINT, "text[]": TEXT_ARRAY, "boolean": BOOLEAN, "bytea": BYTEA,
+}
+if HUGE:
+    TEXT.append(("100 MB", f"repeat('x', {100 * MB})"))
+    JSONB.append(("100 MB string", f"jsonb_build_object('s', repeat('x', {100 * MB}))"))
+
+# Functions whose arguments are checked by other functions that name them differently.
+INTERNAL_PREFIX = "_"
+
+
+@pytest.fixture(scope="module")
+def swept_cluster():
+    c = Cluster(settings={
+        "shared_preload_libraries": "'idempotency'",
+        "idempotency.sweep_interval": "'1h'",  # the sweeper must not delete rows mid-check
+        "log_min_messages": "warning",
+    }).start()
+    with psycopg.connect(c.conninfo(), autocommit=True) as conn:
+        conn.execute("CREATE EXTENSION idempotency")
+    yield c
+    c.destroy()
+
+
+def functions(conn):
+    rows = conn.execute(
+        """SELECT p.proname, p.oid::regprocedure::text,
+                  coalesce(p.proargnames, '{}'), coalesce(p.proargmodes::text[], '{}'),
+                  ARRAY(SELECT format_type(t, NULL) FROM unnest(p.proargtypes) AS t),
+                  p.proretset
+             FROM pg_proc p JOIN pg_namespace n ON n.oid = p.pronamespace
+            WHERE n.nspname = 'idempotency' AND p.prokind = 'f'
+            ORDER BY p.proname, p.oid"""
+    ).fetchall()
+    out = []
+    for name, signature, argnames, argmodes, types, retset in rows:
+        if argmodes:
+            in_names = [n for n, m in zip(argnames, argmodes) if m in ("i", "b", "v")]
+        else:
+            in_names = list(argnames[:len(types)])
+        in_names += [f"${i + 1}" for i in range(len(in_names), len(types))]
+        out.append((name, signature, in_names, types, retset))
+    return out
+
+
+def snapshot(conn):
+    """The table's rows and the counters, to compare around a failed call."""
+    rows = conn.execute(
+        "SELECT count(*), md5(coalesce(string_agg(k::text, E'\\n' ORDER BY scope, key), ''))"
+        " FROM idempotency.idempotency_keys k").fetchone()
+    counters = conn.execute(f"SELECT {', '.join(COUNTERS)} FROM idempotency.stats").fetchone()
+    return rows, counters
+
+
+def reset(conn):
+    conn.execute("DELETE FROM idempotency.idempotency_keys")
+    conn.execute("SELECT idempotency.claim('bk', scope => 'bs', ttl => '1 hour', lease => '1 hour')")
+
+
+def sane(name, result, args):
+    """A plausibility check of a successful call's result (text form). Returns a complaint or None."""
+    if name == "canonical_json" and result is not None:
+        try:
+            json.loads(result)
+        except RecursionError:
+            pass  # deeper than Python's json module goes (the 1000-level document)
+        except ValueError as exc:
+            return f"canonical_json returned invalid JSON: {exc}"
+    if name in ("canonical_hash", "request_fingerprint") and result is not None:
+        if not re.fullmatch(r"\\x[0-9a-f]{64}", result):
+            return f"{name} returned {result[:80]!r}, not a SHA-256"
+    if name in ("derive_key", "cron_key") and result is not None and len(result) > 255:
+        return f"{name} returned {len(result)} characters"
+    if name == "claim" and result is not None:
+        if not re.match(r"^\((new|replay|in_progress|mismatch),", result):
+            return f"claim returned {result[:120]!r}"
+    return None
+
+
+def call_sql(name, types, exprs):
+    args = ", ".join(f"({e})::{t}" for e, t in zip(exprs, types))
+    return f"SELECT (idempotency.{name}({args}))::text"
+
+
+class Sweep:
+    def __init__(self, cluster):
+        self.cluster = cluster
+        self.conn = None
+        self.outcomes = Counter()
+        self.by_function = defaultdict(Counter)
+        self.problems = []
+        self.calls = 0
+        self.input_errors = {}
+        self.long_messages = []
+        self.connect()
+
+    def connect(self):
+        self.conn = psycopg.connect(self.cluster.conninfo(), autocommit=True)
+        self.conn.execute("SET statement_timeout = '120s'")
+        self.conn.execute("SET client_min_messages = error")
+
+    def alive(self):
+        try:
+            return self.conn.execute("SELECT 1").fetchone() == (1,)
+        except psycopg.Error:
+            return False
+
+    def input_error(self, expr, type_):
+        """The SQLSTATE with which PostgreSQL refuses the value itself (before any call), or None."""
+        key = (expr, type_)
+        if key not in self.input_errors:
+            try:
+                self.conn.execute(f"SELECT (({expr})::{type_}) IS NULL")
+                self.input_errors[key] = None
+            except psycopg.Error as exc:
+                self.input_errors[key] = exc.sqlstate or "?"
+        return self.input_errors[key]
+
+    def call(self, fn, label, exprs, checked_arg):
+        name, signature, argnames, types, _ = fn
+        what = f"{signature} with {argnames[checked_arg] if checked_arg is not None else 'no argument'} = {label}"
+        if checked_arg is not None:
+            refused = self.input_error(exprs[checked_arg], types[checked_arg])
+            if refused:
+                self.outcomes[f"value refused by PostgreSQL ({refused})"] += 1
+                self.by_function[name]["value refused by PostgreSQL"] += 1
+                return
+        reset(self.conn)
+        before = snapshot(self.conn)
+        self.calls += 1
+        try:
+            with self.conn.transaction():
+                result = self.conn.execute(call_sql(name, types, exprs)).fetchone()[0]
+        except psycopg.Error as exc:
+            state = exc.sqlstate or "?"
+            message = exc.diag.message_primary or str(exc)
+            self.outcomes[f"error {state}"] += 1
+            self.by_function[name][f"error {state}"] += 1
+            if len(message) > 4096:
+                self.long_messages.append(f"{what}: {state}, {len(message)} characters")
+                if not name.startswith(INTERNAL_PREFIX):
+                    self.problems.append(f"message of {len(message)} characters from {what}")
+            if exc.sqlstate is None or not self.alive():
+                self.outcomes["connection lost"] += 1
+                self.problems.append(f"CRASH: connection dead after {what}: {state} {message[:200]}")
+                self.cluster.wait_ready(60)
+                self.connect()
+                return
+            if state == "57014":
+                self.problems.append(f"HANG: {what} ran over the statement timeout")
+            elif not allowed(state):
+                self.problems.append(f"undocumented SQLSTATE {state} from {what}: {message[:300]}")
+            elif (state in ("22004", "22023") and checked_arg is not None
+                  and not name.startswith(INTERNAL_PREFIX)):
+                arg = argnames[checked_arg]
+                if not re.search(rf"\b{re.escape(arg)}\b", message):
+                    self.problems.append(f"message does not name {arg!r}: {what}: {state} {message[:300]}")
+            after = snapshot(self.conn)
+            if after != before:
+                self.problems.append(f"WRITE ON FAILURE: {what}: {state}; before {before}, after {after}")
+            return
+        if not self.alive():
+            self.problems.append(f"CRASH: connection dead after successful {what}")
+            self.cluster.wait_ready(60)
+            self.connect()
+            return
+        self.outcomes["success"] += 1
+        self.by_function[name]["success"] += 1
+        complaint = sane(name, result, exprs)
+        if complaint:
+            self.problems.append(f"insane result of {what}: {complaint}")
+
+
+def test_every_function_every_argument(swept_cluster):
+    sweep = Sweep(swept_cluster)
+    fns = functions(sweep.conn)
+    names = {f[0] for f in fns}
+    # The sweep must see the public API (a broken catalog query would sweep nothing).
+    assert {"claim", "complete", "checkpoint", "release", "forget", "lookup", "sweep",
+            "canonical_json", "canonical_hash", "derive_key", "cron_key",
+            "request_fingerprint"} <= names, names
+    if "rotate_signing_secret" in names:
+        sweep.conn.execute("SELECT idempotency.rotate_signing_secret()")  # sign_key needs one
+    uncovered = []
+    for fn in fns:
+        name, signature, argnames, types, _ = fn
+        base = [BASE_BY_NAME.get(a, BASE_BY_TYPE.get(t, "NULL")) for a, t in zip(argnames, types)]
+        sweep.call(fn, "baseline", base, None)
+        for i, t in enumerate(types):
+            values = VALUES.get(t)
+            if values is None:
+                uncovered.append(f"{signature}: {argnames[i]} {t}")
+                values = [("NULL", "NULL")]
+            values = values + ([] if t == "text" else WRONG_SHAPE)
+            for label, expr in values:
+                exprs = list(base)
+                exprs[i] = expr
+                sweep.call(fn, label, exprs, i)
+    log = swept_cluster.server_log()
+    for marker in ("terminated by signal", "was terminated by", "PANIC:"):
+        if marker in log:
+            sweep.problems.append(f"server log has {marker!r}")
+    print(f"\nbad-input sweep: {len(fns)} functions, {sweep.calls} calls made")
+    for outcome, n in sorted(sweep.outcomes.items()):
+        print(f"  {outcome}: {n}")
+    for name in sorted(sweep.by_function):
+        print(f"  {name}: {dict(sorted(sweep.by_function[name].items()))}")
+    if uncovered:
+        print("  argument types without a value list (called with NULL only):", uncovered)
+    if sweep.long_messages:
+        print(f"  error messages over 4 kB ({len(sweep.long_messages)}):")
+        for m in sweep.long_messages:
+            print(f"    {m}")
+    assert sweep.alive()
+    assert not sweep.problems, f"{len(sweep.problems)} problems:\n" + "\n".join(sweep.problems[:60])
+
+
+ROUND_TRIP = [
+    "it's", 'dq"x"', "back\\slash", "\\\\", "\\x00", "\\u0000", "tab\tnl\ncr\r", "\x01\x1f\x7f",
+    "ünïcødé", "€", "😀", "🏳️‍🌈", "👍🏽", "\u200b", "\ufeff", "\u2028", "\ufb33", "A\u030a", "Å",
+    " lead", "trail ", "%s %L", "'; DROP TABLE idempotency.idempotency_keys; --", "k" * 255,
+    "é" * 255, "😀" * 255, "a:b:c", "{\"json\": 1}",
+]
+
+
+def test_keys_and_scopes_round_trip_byte_exact(connect):
+    db = connect()
+    for i, text in enumerate(ROUND_TRIP):
+        for key, scope in ((text, f"s{i}"), (f"k{i}", text), (text, text)):
+            with db.transaction():
+                outcome, token = db.execute(
+                    "SELECT outcome::text, token FROM idempotency.claim(%s, '{\"v\": 1}', scope => %s)",
+                    (key, scope)).fetchone()
+                assert outcome == "new", (key, scope)
+                db.execute("SELECT idempotency.complete(%s, %s::jsonb, 201, scope => %s, token => %s)",
+                           (key, json.dumps({"echo": text}), scope, token))
+            row = db.execute(
+                "SELECT key, scope, convert_to(key, 'UTF8'), convert_to(scope, 'UTF8'), response"
+                "  FROM idempotency.lookup(%s, %s)", (key, scope)).fetchone()
+            assert row is not None, (key, scope)
+            assert row[0] == key and row[1] == scope
+            assert bytes(row[2]) == key.encode() and bytes(row[3]) == scope.encode()
+            assert row[4] == {"echo": text}
+            replay = db.execute(
+                "SELECT outcome::text, response FROM idempotency.claim(%s, '{\"v\": 1}', scope => %s)",
+                (key, scope)).fetchone()
+            assert replay == ("replay", {"echo": text})
+            # A near miss is a different key: no normalization, no case folding, no trimming.
+            near = key + " " if len(key) < 255 else key[:-1]
+            other = db.execute("SELECT idempotency.lookup(%s, %s) IS NULL", (near, scope)).fetchone()
+            assert other == (True,)
+    n = db.execute("SELECT count(*) FROM idempotency.idempotency_keys").fetchone()[0]
+    assert n == 3 * len(ROUND_TRIP)
+
+
+def test_nul_in_keys_is_refused_without_a_trace(connect):
+    db = connect()
+    for sql, params in (
+        ("SELECT idempotency.claim(chr(0))", None),
+        ("SELECT idempotency.claim('a' || chr(0) || 'b', scope => 's')", None),
+        ("SELECT idempotency.claim(E'\\x00')", None),
+        ("SELECT idempotency.claim('k', scope => chr(0))", None),
+        ("SELECT idempotency.claim('k', '\"\\u0000\"'::jsonb)", None),
+    ):
+        with pytest.raises(psycopg.Error) as exc:
+            db.execute(sql, params)
+        # 54000 (chr: null character not permitted), 22021 (invalid byte sequence), 22P05
+        # (unsupported Unicode escape \u0000 in jsonb): PostgreSQL refuses the value itself.
+        assert exc.value.sqlstate in ("54000", "22021", "22P05", "22P02"), (sql, exc.value.sqlstate)
+        assert db.execute("SELECT 1").fetchone() == (1,)
+    # psycopg refuses NUL in a text parameter before sending it.
+    with pytest.raises(psycopg.DataError):
+        db.execute("SELECT idempotency.claim(%s)", ("a\x00b",))
+    assert db.execute("SELECT count(*) FROM idempotency.idempotency_keys").fetchone() == (0,)
+
+
+@pytest.mark.parametrize("call", [
+    "idempotency.canonical_json('{}', repeat('x', 1048576))",
+    "idempotency.set_key_storage(repeat('x', 1048576))",
+    "idempotency._count(repeat('x', 1048576))",
+])
+def test_error_messages_quote_bad_values_abbreviated(connect, call):
+    # Found by the sweep: these quoted a bad value whole (10 MB in, a 10 MB message and log line).
+    db = connect()
+    exists = db.execute("SELECT to_regproc(%s) IS NOT NULL",
+                        (call.split("(")[0],)).fetchone()[0]
+    if not exists:
+        pytest.skip(f"{call.split('(')[0]} does not exist in this build")
+    with pytest.raises(psycopg.Error) as exc:
+        db.execute(f"SELECT {call}")
+    assert exc.value.sqlstate == "22023"
+    message = exc.value.diag.message_primary or ""
+    assert len(message) < 4096, f"{len(message)} characters"
