@@ -66,12 +66,13 @@ def hashes_match(stored, given):
     return stored is None or given is None or stored == given
 
 
-def run_schedule(cluster, seed):
+def run_schedule(cluster, seed, n_keys=KEYS, steps=STEPS, hot=None):
+    """`hot`: how many keys take 80% of the steps (None: every key alike)."""
     rng = random.Random(seed)
     model = Model()
     conns = [psycopg.connect(cluster.conninfo(), autocommit=True) for _ in range(SESSIONS)]
     checker = psycopg.connect(cluster.conninfo(), autocommit=True)
-    keys = [f"m{seed}-{i}" for i in range(KEYS)]
+    keys = [f"m{seed}-{i}" for i in range(n_keys)]
     requests = [None, {"a": 1}, {"a": 2}]
     log = []
 
@@ -79,10 +80,10 @@ def run_schedule(cluster, seed):
         raise AssertionError(f"seed {seed}, step {len(log)}: {msg}\nlast steps: {log[-8:]}")
 
     try:
-        for step in range(STEPS):
+        for step in range(steps):
             s = rng.randrange(SESSIONS)
             c = conns[s]
-            key = rng.choice(keys)
+            key = rng.choice(keys[:hot] if hot and rng.random() < 0.8 else keys)
             in_tx = s in model.overlay
             op = rng.choices(
                 ["claim", "complete", "release", "checkpoint", "forget", "lookup", "begin", "end",
@@ -246,3 +247,11 @@ def run_schedule(cluster, seed):
 def test_random_schedules_match_the_model(cluster):
     checked = run_schedule(cluster, SEED)
     assert checked == STEPS
+
+
+def test_a_few_hundred_keys_with_hot_ones_match_the_model(cluster):
+    """300 keys, 20 of them taking 80% of the steps: contention on the hot ones, long-lived
+    rows (expiring, taken over, forgotten) on the rest."""
+    keys = int(os.environ.get("MODEL_MANY_KEYS", "300"))
+    checked = run_schedule(cluster, SEED + 1, n_keys=keys, steps=STEPS * 2, hot=20)
+    assert checked == STEPS * 2
