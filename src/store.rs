@@ -114,6 +114,16 @@ const INSERT_SQL: &str = "INSERT INTO idempotency.idempotency_keys AS k \
      ON CONFLICT (scope, key) DO NOTHING \
      RETURNING k.token, k.expires_at";
 
+/// The insert of a key that the probe, under the key's insert lock, found absent: no other
+/// claimer can insert it meanwhile, so no ON CONFLICT arbiter (its extra index check and
+/// speculative-insertion record) is needed. Under REPEATABLE READ the ON CONFLICT form is kept:
+/// it turns a row committed after the snapshot into the serialization error it must be.
+const INSERT_FRESH_SQL: &str = "INSERT INTO idempotency.idempotency_keys AS k \
+       (scope, key, request_hash, status, token, created_at, locked_until, expires_at, ttl) \
+     VALUES ($1, $2, $3, 'in_progress', pg_catalog.nextval('idempotency.token_seq'), pg_catalog.now(), \
+       pg_catalog.now() OPERATOR(pg_catalog.+) $4, pg_catalog.now() OPERATOR(pg_catalog.+) $5, $5) \
+     RETURNING k.token, k.expires_at";
+
 /// Rewrites an expired row as a fresh claim (it counted as absent).
 const RESTART_SQL: &str = "UPDATE idempotency.idempotency_keys AS k SET \
        request_hash = $3, status = 'in_progress', token = pg_catalog.nextval('idempotency.token_seq'), \
@@ -148,6 +158,7 @@ struct Plans {
     select: OwnedPreparedStatement,
     select_locked: OwnedPreparedStatement,
     insert: OwnedPreparedStatement,
+    insert_fresh: OwnedPreparedStatement,
     restart: OwnedPreparedStatement,
     takeover: OwnedPreparedStatement,
     complete: OwnedPreparedStatement,
@@ -179,6 +190,7 @@ fn plans(client: &SpiClient<'_>) -> Result<&'static Plans, pgrx::spi::Error> {
             .prepare_mut(select_sql(true).as_str(), &key_args)?
             .keep(),
         insert: client.prepare_mut(INSERT_SQL, &claim_args)?.keep(),
+        insert_fresh: client.prepare_mut(INSERT_FRESH_SQL, &claim_args)?.keep(),
         restart: client.prepare_mut(RESTART_SQL, &claim_args)?.keep(),
         takeover: client.prepare_mut(TAKEOVER_SQL, &claim_args)?.keep(),
         complete: client
@@ -250,6 +262,7 @@ fn read_row(
 #[derive(Clone, Copy)]
 enum Write {
     Insert,
+    InsertFresh,
     Restart,
     TakeOver,
 }
@@ -263,6 +276,7 @@ fn write_claim(
     let p = plans(client)?;
     let stmt = match write {
         Write::Insert => &p.insert,
+        Write::InsertFresh => &p.insert_fresh,
         Write::Restart => &p.restart,
         Write::TakeOver => &p.takeover,
     };
@@ -718,7 +732,19 @@ pub fn claim(req: &ClaimRequest<'_>) -> ClaimResult {
                 },
             })
         } else {
-            match probe_or_insert(req, || Spi::connect_mut(|client| insert(client, req))) {
+            // First a look without the insert lock: a key that exists (the replay, mismatch and
+            // in-progress answers) needs no lock at all. Only an absent key is looked at again
+            // under the lock and inserted.
+            let found = match probe(req.scope, req.key) {
+                Probe::Absent => probe_or_insert(req, || {
+                    Spi::connect_mut(|client| {
+                        Ok(write_claim(client, Write::InsertFresh, req)?
+                            .map_or(Step::Again, Step::Done))
+                    })
+                }),
+                found => Looked::Found(found),
+            };
+            match found {
                 Looked::Inserted(step) => step,
                 Looked::Found(Probe::Busy { locked_until }) => Ok(Step::Busy(locked_until)),
                 Looked::Found(Probe::Committed(row)) => {
@@ -769,9 +795,8 @@ enum Looked {
 /// One look at the key under its insert lock: an absent key is inserted at once (by `insert`);
 /// anything else is returned after the lock is released. The lock serializes probe+insert of
 /// a key across backends for a moment, so an insert never meets another claimer's
-/// half-finished insert of the same key (ON CONFLICT would then wait for that transaction to
-/// end). (Taking the lock before the look costs a replay less than a second look at the index
-/// would cost every new key.)
+/// half-finished insert of the same key (which would wait for that transaction to end). Under
+/// READ COMMITTED a key that exists was already answered by a look without the lock.
 fn probe_or_insert(
     req: &ClaimRequest<'_>,
     insert: impl FnOnce() -> Result<Step, pgrx::spi::Error>,
