@@ -73,4 +73,18 @@ SELECT idempotency.derive_key('pay-123', 'charge', '{"amount": 1000}') AS derive
        idempotency.canonical_json('{"b": [1.50, 1e400], "a": "x"}') AS canonical;
 
 \echo
+\echo '8. Keys a client cannot forge: sign them when you hand them out, verify when they come back.'
+SELECT idempotency.rotate_signing_secret() AS secret_id \gset
+SELECT idempotency.sign_key('checkout:42') AS signed \gset
+SELECT :'signed' AS signed_key, idempotency.verify_key(:'signed') AS verified;
+SELECT set_config('demo.forged', regexp_replace(:'signed', '^checkout:42', 'checkout:43'), false) AS forged;
+DO $$
+BEGIN
+    PERFORM idempotency.verify_key(current_setting('demo.forged'));
+EXCEPTION WHEN SQLSTATE 'IK004' THEN
+    RAISE NOTICE 'forged key refused: %', SQLERRM;
+END $$;
+
+\echo
+\echo
 SELECT scope, key, status, token, response_status, recovery_point FROM idempotency.idempotency_keys ORDER BY key;

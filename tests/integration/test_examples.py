@@ -64,6 +64,7 @@ def test_demo_script_runs(cluster, db):
         capture_output=True, text=True,
     )
     assert out.returncode == 0, out.stderr
-    for expected in ("replay", "mismatch", "in_progress", "image-resized", "stale worker refused"):
+    for expected in ("replay", "mismatch", "in_progress", "image-resized", "stale worker refused",
+                     "forged key refused"):
         assert expected in out.stdout + out.stderr, expected
     db.execute("DROP DATABASE demo")
