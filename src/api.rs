@@ -446,27 +446,37 @@ v1!(pg_finfo_idempotency_sweep);
 #[pg_guard]
 #[unsafe(no_mangle)]
 pub extern "C-unwind" fn idempotency_sweep(fcinfo: pg_sys::FunctionCallInfo) -> pg_sys::Datum {
-    unsafe {
-        let batch = pg_getarg::<i32>(fcinfo, 0).unwrap_or_else(|| guc::SWEEP_BATCH_SIZE.get());
-        if batch < 1 {
-            raise(
-                PgSqlErrorCode::ERRCODE_INVALID_PARAMETER_VALUE,
-                format!("batch_size must be positive (got {batch})"),
-                None,
-            );
+    let batch = unsafe { batch_size_arg(fcinfo) };
+    store::refuse_read_only("sweep");
+    let total = in_batches(batch, store::sweep_batch);
+    stats::sweep_finished(total);
+    pg_sys::Datum::from(total)
+}
+
+/// The `batch_size` argument of the sweep functions (NULL: `idempotency.sweep_batch_size`).
+unsafe fn batch_size_arg(fcinfo: pg_sys::FunctionCallInfo) -> i64 {
+    let batch =
+        unsafe { pg_getarg::<i32>(fcinfo, 0) }.unwrap_or_else(|| guc::SWEEP_BATCH_SIZE.get());
+    if batch < 1 {
+        raise(
+            PgSqlErrorCode::ERRCODE_INVALID_PARAMETER_VALUE,
+            format!("batch_size must be positive (got {batch})"),
+            None,
+        );
+    }
+    batch as i64
+}
+
+/// Runs `delete_batch` until a batch comes back short; returns the rows deleted in all.
+fn in_batches(batch: i64, mut delete_batch: impl FnMut(i64) -> i64) -> i64 {
+    let mut total = 0;
+    loop {
+        let n = delete_batch(batch);
+        total += n;
+        if n < batch {
+            return total;
         }
-        store::refuse_read_only("sweep");
-        let mut total = 0i64;
-        loop {
-            let n = store::sweep_batch(batch as i64);
-            total += n;
-            if n < batch as i64 {
-                break;
-            }
-            pgrx::check_for_interrupts!();
-        }
-        stats::sweep_finished(total);
-        pg_sys::Datum::from(total)
+        pgrx::check_for_interrupts!();
     }
 }
 
@@ -696,29 +706,13 @@ v1!(pg_finfo_idempotency_sweep_audit);
 pub extern "C-unwind" fn idempotency_sweep_audit(
     fcinfo: pg_sys::FunctionCallInfo,
 ) -> pg_sys::Datum {
-    unsafe {
-        let batch = pg_getarg::<i32>(fcinfo, 0).unwrap_or_else(|| guc::SWEEP_BATCH_SIZE.get());
-        if batch < 1 {
-            raise(
-                PgSqlErrorCode::ERRCODE_INVALID_PARAMETER_VALUE,
-                format!("batch_size must be positive (got {batch})"),
-                None,
-            );
-        }
-        store::refuse_read_only("sweep_audit");
-        let retention = guc::AUDIT_RETENTION.get();
-        let mut total = 0i64;
-        if retention <= 0 {
-            return pg_sys::Datum::from(total);
-        }
-        loop {
-            let n = store::sweep_audit_batch(retention as f64, batch as i64);
-            total += n;
-            if n < batch as i64 {
-                break;
-            }
-            pgrx::check_for_interrupts!();
-        }
-        pg_sys::Datum::from(total)
+    let batch = unsafe { batch_size_arg(fcinfo) };
+    store::refuse_read_only("sweep_audit");
+    let retention = guc::AUDIT_RETENTION.get();
+    if retention <= 0 {
+        return pg_sys::Datum::from(0i64);
     }
+    pg_sys::Datum::from(in_batches(batch, |b| {
+        store::sweep_audit_batch(retention as f64, b)
+    }))
 }
