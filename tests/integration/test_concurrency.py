@@ -13,6 +13,16 @@ SESSIONS = 24
 def race(cluster, worker, n=SESSIONS):
     """Runs worker(conn, i) in n threads, each with its own session, released together."""
     conns = [psycopg.connect(cluster.conninfo(), autocommit=True) for _ in range(n)]
+    try:
+        return race_sessions(conns, worker)
+    finally:
+        for c in conns:
+            c.close()
+
+
+def race_sessions(conns, worker):
+    """Runs worker(conns[i], i) in one thread per session, released together by a barrier."""
+    n = len(conns)
     barrier = threading.Barrier(n)
     results = [None] * n
     errors = []
@@ -28,9 +38,7 @@ def race(cluster, worker, n=SESSIONS):
     for t in threads:
         t.start()
     for t in threads:
-        t.join(60)
-    for c in conns:
-        c.close()
+        t.join(120)
     assert not errors, errors
     return results
 

@@ -12,6 +12,7 @@ import pytest
 from psycopg.types.json import Jsonb
 
 from cluster import Cluster
+from test_concurrency import race_sessions
 
 PATTERNS_DIR = os.path.join(os.path.dirname(__file__), "..", "..", "examples", "patterns")
 PATTERNS = ["payment", "webhook", "queue", "workflow", "cron"]
@@ -70,25 +71,8 @@ def app(cluster):
 
 
 def sessions(app, n, worker):
-    """Runs worker(conn, i) in n threads, each with its own session, released together."""
-    conns = [app() for _ in range(n)]
-    barrier = threading.Barrier(n)
-    results, errors = [None] * n, []
-
-    def run(i):
-        try:
-            barrier.wait()
-            results[i] = worker(conns[i], i)
-        except Exception as e:  # surfaced below
-            errors.append(e)
-
-    threads = [threading.Thread(target=run, args=(i,)) for i in range(n)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(120)
-    assert not errors, errors
-    return results
+    """Runs worker(conn, i) in n threads, each with its own application session, released together."""
+    return race_sessions([app() for _ in range(n)], worker)
 
 
 def one(conn, sql, params=None):
