@@ -246,26 +246,36 @@ pub extern "C-unwind" fn idempotency_sweeper_main(arg: pg_sys::Datum) {
         )
     };
     lower_priority(guc::SWEEP_NICE.get());
+    let total = sweep_in_batches(|batch| Some(store::sweep_batch(batch)));
+    stats::sweep_finished(total);
+    sweep_audit();
+}
+
+/// Runs `delete_batch` (each call in its own transaction) until a batch comes back short, the
+/// worker is asked to stop or `delete_batch` returns None; pauses `idempotency.sweep_delay`
+/// after every full batch, a breather for the application while a backlog is swept. Returns
+/// the rows deleted.
+fn sweep_in_batches(delete_batch: fn(i64) -> Option<i64>) -> i64 {
     let mut total = 0i64;
     loop {
         if shutdown_requested() || database_wanted_exclusively() {
             break;
         }
         let batch = guc::SWEEP_BATCH_SIZE.get().max(1) as i64;
-        let deleted = BackgroundWorker::transaction(move || store::sweep_batch(batch));
+        let Some(deleted) = BackgroundWorker::transaction(move || delete_batch(batch)) else {
+            break;
+        };
         total += deleted;
         if deleted < batch {
             break;
         }
-        // A backlog: go on at once, after a short breather for the application.
         let delay = guc::SWEEP_DELAY.get().max(0) as u64;
         if delay > 0 && !nap(Duration::from_millis(delay)) {
             break;
         }
         reload_if_asked();
     }
-    stats::sweep_finished(total);
-    sweep_audit();
+    total
 }
 
 unsafe extern "C" {
@@ -294,22 +304,9 @@ fn sweep_audit() {
     if !matches!(has_audit, Ok(Some(true))) {
         return;
     }
-    loop {
+    // The retention is read before every batch: a reload may turn it off (0) in between.
+    sweep_in_batches(|batch| {
         let retention = guc::AUDIT_RETENTION.get();
-        if retention <= 0 || shutdown_requested() || database_wanted_exclusively() {
-            break;
-        }
-        let batch = guc::SWEEP_BATCH_SIZE.get().max(1) as i64;
-        let deleted = BackgroundWorker::transaction(move || {
-            store::sweep_audit_batch(retention as f64, batch)
-        });
-        if deleted < batch {
-            break;
-        }
-        let delay = guc::SWEEP_DELAY.get().max(0) as u64;
-        if delay > 0 && !nap(Duration::from_millis(delay)) {
-            break;
-        }
-        reload_if_asked();
-    }
+        (retention > 0).then(|| store::sweep_audit_batch(retention as f64, batch))
+    });
 }
