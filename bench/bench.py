@@ -181,25 +181,35 @@ def hashing(cluster, seconds):
         sql(cluster, "INSERT INTO bench.docs SELECT %s, (%s::jsonb || jsonb_build_object('copy', i)) FROM generate_series(1, %s) i",
             (label, doc, copies))
         nbytes = sql(cluster, "SELECT sum(length(doc::text)) FROM bench.docs")[0][0]
-        row = {}
-        for name, expr in [("canonical_hash", "idempotency.canonical_hash(doc)"),
-                           ("sha256(doc::text)", "sha256(convert_to(doc::text, 'UTF8'))"),
-                           ("PL/pgSQL canonicalizer", "sha256(convert_to(bench.plpgsql_canonical(doc), 'UTF8'))")]:
-            rates = []
-            deadline = time.monotonic() + seconds
-            while True:
+        # Alternating runs (the order reversed every other round), best run of each: a burst of
+        # noise on this shared machine then hurts one run, not one side of the comparison.
+        exprs = [("canonical_hash", "idempotency.canonical_hash(doc)"),
+                 ("sha256(doc::text)", "sha256(convert_to(doc::text, 'UTF8'))"),
+                 ("PL/pgSQL canonicalizer", "sha256(convert_to(bench.plpgsql_canonical(doc), 'UTF8'))")]
+        rates = {name: [] for name, _ in exprs}
+        spent = {name: 0.0 for name, _ in exprs}
+        for i in range(5):
+            for name, expr in (exprs if i % 2 == 0 else list(reversed(exprs))):
+                if rates[name] and spent[name] > seconds:
+                    continue  # the PL/pgSQL canonicalizer is 20x slower: a run or two is plenty
                 started = time.monotonic()
                 sql(cluster, f"SELECT count({expr}) FROM bench.docs")
-                rates.append(nbytes / (time.monotonic() - started) / 1e6)
-                if time.monotonic() > deadline or len(rates) >= 5:
-                    break
-            row[name] = max(rates)
+                took = time.monotonic() - started
+                spent[name] += took
+                rates[name].append(nbytes / took / 1e6)
+        row = {name: max(r) for name, r in rates.items()}
         results[label] = row
     return results
 
 
-EXPIRED_ROWS = """INSERT INTO idempotency.idempotency_keys (key, status, token, expires_at, ttl, locked_until)
-                  SELECT %s || i, 'in_progress', -i, now() - interval '1 minute', interval '1 hour', now()
+# Expired rows as the sweeper meets them: random keys and request hashes, a response of a
+# hundred bytes or so (repetitive rows would make their full-page images compress unrealistically).
+EXPIRED_ROWS = """INSERT INTO idempotency.idempotency_keys
+                    (key, request_hash, status, token, response, response_status, expires_at, ttl, completed_at)
+                  SELECT %s || i || ':' || md5(random()::text), sha256(random()::text::bytea), 'completed', -i,
+                         jsonb_build_object('id', 'ch_' || md5(random()::text), 'amount', (random() * 10000)::int,
+                                            'currency', 'EUR', 'status', 'succeeded'),
+                         200, now() - interval '1 minute', interval '1 hour', now() - interval '1 hour'
                     FROM generate_series(1, 1000000) i"""
 
 
@@ -222,35 +232,48 @@ def wait_swept(cluster, start, target, timeout=300):
     return first, None
 
 
-def sweep_bench(cluster, seconds, logdir):
-    """The background sweeper's deletion rate on 1M expired rows (nothing else running), then the
-    p99 of 8 claiming sessions while it sweeps another million against without a sweep."""
+def set_sweep_interval(cluster, value):
+    sql(cluster, f"ALTER SYSTEM SET idempotency.sweep_interval = '{value}'")
+    sql(cluster, "SELECT pg_reload_conf()")
+
+
+def sweep_bench(cluster, seconds, rounds, logdir):
+    """The background sweeper's deletion rate on 1M expired rows (nothing else running), then, in
+    each round, the p99 of 8 claiming sessions while it sweeps another million against without
+    a sweep.
+
+    Both p99 runs of a round see the same table (the million expired rows are in it, vacuumed
+    and analyzed, after a checkpoint): for the run without, the sweeper is held off by a one-hour
+    sweep_interval; a reload back to one second starts it as the run with it starts."""
     sql(cluster, "VACUUM idempotency.idempotency_keys")
     swept0 = swept_so_far(cluster)
     sql(cluster, EXPIRED_ROWS, ("x",))
     first, last = wait_swept(cluster, swept0, 1_000_000)
     rate = (last[1] - first[1]) / (last[0] - first[0]) if first and last and last[0] > first[0] else float("nan")
-    sql(cluster, "VACUUM idempotency.idempotency_keys")
 
-    base_tps, base_p99 = pgbench(cluster, "ext_one_tx.sql", 8, max(seconds, 10), "sweep-base", logdir)
-    swept1 = swept_so_far(cluster)
-    sql(cluster, EXPIRED_ROWS, ("y",))
-    import threading
-    box = {}
-    started = threading.Event()
-
-    def load():
-        started.set()
-        box["during"] = pgbench(cluster, "ext_one_tx.sql", 8, max(seconds, 10), "sweep-during", logdir)
-
-    t = threading.Thread(target=load)
-    t.start()
-    started.wait()
-    t.join()
-    during_swept = swept_so_far(cluster) - swept1
-    wait_swept(cluster, swept1, 1_000_000)  # let it finish before the next measurement
-    return {"rows_per_second": rate, "p99_without": base_p99, "p99_during": box["during"][1],
-            "tps_without": base_tps, "tps_during": box["during"][0], "swept_during_load": during_swept}
+    runs = []
+    for r in range(rounds):
+        set_sweep_interval(cluster, "1h")
+        time.sleep(2)  # the round the reload started has nothing left to do
+        sql(cluster, EXPIRED_ROWS, (f"y{r}-",))
+        sql(cluster, "VACUUM ANALYZE idempotency.idempotency_keys")
+        sql(cluster, "CHECKPOINT")
+        swept1 = swept_so_far(cluster)
+        without = pgbench(cluster, "ext_one_tx.sql", 8, max(seconds, 10), "sweep-base", logdir)
+        assert swept_so_far(cluster) == swept1, "the sweeper ran during the run without it"
+        sql(cluster, "CHECKPOINT")
+        set_sweep_interval(cluster, "1s")
+        during = pgbench(cluster, "ext_one_tx.sql", 8, max(seconds, 10), "sweep-during", logdir)
+        during_swept = swept_so_far(cluster) - swept1
+        wait_swept(cluster, swept1, 1_000_000)  # let it finish before the next measurement
+        runs.append((without, during, during_swept))
+        print(f"   sweep round {r + 1}: p99 {without[1]:.2f} ms without, {during[1]:.2f} ms during "
+              f"({during_swept:,} rows swept during the run)", flush=True)
+    return {"rows_per_second": rate,
+            "p99_without": median([w[1] for w, _, _ in runs]), "p99_during": median([d[1] for _, d, _ in runs]),
+            "tps_without": median([w[0] for w, _, _ in runs]), "tps_during": median([d[0] for _, d, _ in runs]),
+            "swept_during_load": int(median([n for _, _, n in runs])), "rounds": len(runs),
+            "ratios": [d[1] / w[1] for w, d, _ in runs]}
 
 
 def main():
@@ -285,6 +308,11 @@ def main():
             "extension: replay": "ext_replay.sql",
             "extension: mismatch": "ext_mismatch.sql",
         }
+        # WAL first, while both tables hold the same 10,000 rows: later they differ in size, and
+        # new keys spread over a bigger index pay more full-page images after a checkpoint.
+        report["wal"] = {v: wal_bytes_per_tx(cluster, s, logdir) for v, s in [
+            ("floor: INSERT ON CONFLICT + UPDATE", "floor_write.sql"),
+            ("extension: claim + complete, one transaction", "ext_one_tx.sql")]}
         pg = {}
         for clients in CLIENTS:
             print(f"== PostgreSQL, {clients} clients", flush=True)
@@ -294,9 +322,6 @@ def main():
                 pg[(v, clients)] = r
         pg[("extension: in_progress, 16 sessions on 100 hot keys", 16)] = pgbench(
             cluster, "ext_contention.sql", 16, args.seconds, "contention", logdir)
-        report["wal"] = {v: wal_bytes_per_tx(cluster, s, logdir) for v, s in [
-            ("floor: INSERT ON CONFLICT + UPDATE", "floor_write.sql"),
-            ("extension: claim + complete, one transaction", "ext_one_tx.sql")]}
 
         print("== Redis", flush=True)
         redis = {}
@@ -331,7 +356,7 @@ def main():
         sql(cluster, "VACUUM idempotency.idempotency_keys")
 
         print("== sweep", flush=True)
-        sweep = sweep_bench(cluster, args.seconds, logdir)
+        sweep = sweep_bench(cluster, args.seconds, args.rounds, logdir)
 
         print("== hashing", flush=True)
         hashes = hashing(cluster, args.seconds)
@@ -385,7 +410,7 @@ def write_results(args, report, pg, redis, scale, sweep, hashes):
     target("sweep ≥ 100,000 rows/s (1M expired rows, background sweeper)", fmt(sweep["rows_per_second"]),
            sweep["rows_per_second"] >= 100_000)
     r = sweep["p99_during"] / sweep["p99_without"]
-    target("claim p99 during the sweep ≤ 1.25 × without (8 sessions)",
+    target(f"claim p99 during the sweep ≤ 1.25 × without (8 sessions, median of {sweep['rounds']} rounds)",
            f"{r:.2f} ({sweep['p99_during']:.2f} ms vs {sweep['p99_without']:.2f} ms)", r <= 1.25)
     for label in ("10 KB", "1 MB"):
         r = hashes[label]["canonical_hash"] / hashes[label]["sha256(doc::text)"]
@@ -397,12 +422,16 @@ def write_results(args, report, pg, redis, scale, sweep, hashes):
                      f"{row['PL/pgSQL canonicalizer']:.1f} |")
     lines += ["", "## Scale, sweep and WAL", "",
               f"- claim+complete, 4 clients: {t_small:,.0f} tps at {n_small:,} rows, {t_big:,.0f} tps at {n_big:,} rows.",
-              f"- background sweeper (default settings, `idempotency.sweep_nice = 10`): "
-              f"{sweep['rows_per_second']:,.0f} rows/s on 1,000,000 expired rows with nothing else running; "
-              f"8 claiming sessions: {sweep['tps_without']:,.0f} tps / p99 {sweep['p99_without']:.2f} ms without, "
-              f"{sweep['tps_during']:,.0f} tps / p99 {sweep['p99_during']:.2f} ms while it swept another million "
-              f"({sweep['swept_during_load']:,} rows deleted during that load; the rest right after).",
-              ] + [f"- WAL per transaction, {k}: {v:,.0f} bytes." for k, v in report["wal"].items()]
+              f"- background sweeper (default settings): {sweep['rows_per_second']:,.0f} rows/s on 1,000,000 "
+              f"expired rows with nothing else running. 8 claiming sessions, {sweep['rounds']} rounds (medians), "
+              f"each on a table holding a million expired rows: {sweep['tps_without']:,.0f} tps / p99 "
+              f"{sweep['p99_without']:.2f} ms with the sweeper held off, {sweep['tps_during']:,.0f} tps / p99 "
+              f"{sweep['p99_during']:.2f} ms while it swept them ({sweep['swept_during_load']:,} rows deleted during "
+              f"the {max(args.seconds, 10)} s run: under load it yields, deleting a tenth of a batch per "
+              f"pause; the rest right after). p99 ratio per round: "
+              + ", ".join(f"{x:.2f}" for x in sweep["ratios"]) + ".",
+              ] + [f"- WAL per transaction (2,000 transactions after a checkpoint, both tables at 10,000 rows), {k}: "
+                   f"{v:,.0f} bytes." for k, v in report["wal"].items()]
     lines += ["", "![throughput and p99 by client count](throughput_p99.png)", ""]
     with open(os.path.join(HERE, "RESULTS.md"), "w") as f:
         f.write("\n".join(lines))

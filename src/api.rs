@@ -67,10 +67,34 @@ fn duration_arg(arg: &str, given: Option<Interval>, default_seconds: i32) -> (In
 
 /// SHA-256 of the exact canonical form of a jsonb argument, written straight from the jsonb.
 unsafe fn hash_arg(datum: pg_sys::Datum, arg: &str) -> [u8; 32] {
-    let mut text = String::new();
-    unsafe { jsonb::write_canonical(datum, NumberMode::Exact, &mut text) }
-        .unwrap_or_else(|e| canon_error(arg, e));
-    Sha256::digest(text.as_bytes()).into()
+    with_scratch(|text| {
+        unsafe { jsonb::write_canonical(datum, NumberMode::Exact, text) }
+            .unwrap_or_else(|e| canon_error(arg, e));
+        Sha256::digest(text.as_bytes()).into()
+    })
+}
+
+thread_local! {
+    /// The buffer canonical forms are written into before they are hashed, kept between calls
+    /// so hashing a document does not grow a fresh string (copies, new pages) every time.
+    static SCRATCH: std::cell::RefCell<String> = const { std::cell::RefCell::new(String::new()) };
+}
+
+/// Runs `f` on the emptied scratch buffer; a buffer grown past 1 MB is given back afterwards.
+fn with_scratch<R>(f: impl FnOnce(&mut String) -> R) -> R {
+    SCRATCH.with(|cell| {
+        // An ERROR raised inside `f` unwinds and releases the borrow; a nested call (none
+        // today) gets a buffer of its own instead of a panic.
+        let Ok(mut text) = cell.try_borrow_mut() else {
+            return f(&mut String::new());
+        };
+        text.clear();
+        let result = f(&mut text);
+        if text.capacity() > 1 << 20 {
+            *text = String::new();
+        }
+        result
+    })
 }
 
 fn text_datum(s: &str) -> pg_sys::Datum {

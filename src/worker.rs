@@ -245,37 +245,110 @@ pub extern "C-unwind" fn idempotency_sweeper_main(arg: pg_sys::Datum) {
             pg_sys::GucSource::PGC_S_SESSION,
         )
     };
+    compress_full_page_images();
     lower_priority(guc::SWEEP_NICE.get());
     let total = sweep_in_batches(|batch| Some(store::sweep_batch(batch)));
     stats::sweep_finished(total);
     sweep_audit();
 }
 
+/// Compresses the full-page images this sweeper writes with lz4, when the server leaves
+/// `wal_compression` off and was built with lz4. Expired rows lie scattered over the table
+/// (new rows fill the space earlier sweeps freed), so a sweep touches many pages for the first
+/// time since the last checkpoint, and their images were nearly all of its WAL: several KB per
+/// deleted row, flushed by the application's next commits. Only this session changes.
+fn compress_full_page_images() {
+    let wanted = BackgroundWorker::transaction(|| {
+        Spi::get_one::<bool>(
+            "SELECT s.setting OPERATOR(pg_catalog.=) 'off' \
+                    AND 'lz4' OPERATOR(pg_catalog.=) ANY (s.enumvals) \
+               FROM pg_catalog.pg_settings AS s WHERE s.name OPERATOR(pg_catalog.=) 'wal_compression'",
+        )
+    });
+    if matches!(wanted, Ok(Some(true))) {
+        unsafe {
+            pg_sys::SetConfigOption(
+                c"wal_compression".as_ptr(),
+                c"lz4".as_ptr(),
+                pg_sys::GucContext::PGC_SUSET,
+                pg_sys::GucSource::PGC_S_SESSION,
+            )
+        };
+    }
+}
+
 /// Runs `delete_batch` (each call in its own transaction) until a batch comes back short, the
 /// worker is asked to stop or `delete_batch` returns None; pauses `idempotency.sweep_delay`
 /// after every full batch, a breather for the application while a backlog is swept. Returns
 /// the rows deleted.
+///
+/// The sweeper yields to the application: when other sessions wrote WAL during its last pause,
+/// it deletes a tenth of a batch at a time (never fewer than 100 rows) and pauses longer (see
+/// [`pause`]). Its WAL (with the full page images of every page it touches
+/// first after a checkpoint) is flushed by the next commits of the application, and its CPU
+/// time is theirs to lose, so under load it sweeps gently; on an idle server it sweeps in full
+/// batches (after a first small one) with `sweep_delay` pauses.
 fn sweep_in_batches(delete_batch: fn(i64) -> Option<i64>) -> i64 {
     let mut total = 0i64;
+    // Until the first pause has shown whether others write, assume they do: a full first batch
+    // into a busy server is the one the application would notice.
+    let mut busy = true;
     loop {
         if shutdown_requested() || database_wanted_exclusively() {
             break;
         }
-        let batch = guc::SWEEP_BATCH_SIZE.get().max(1) as i64;
+        let full = guc::SWEEP_BATCH_SIZE.get().max(1) as i64;
+        let batch = if busy { yielding_batch(full) } else { full };
+        let started = Instant::now();
         let Some(deleted) = BackgroundWorker::transaction(move || delete_batch(batch)) else {
             break;
         };
+        let took = started.elapsed();
         total += deleted;
         if deleted < batch {
             break;
         }
-        let delay = guc::SWEEP_DELAY.get().max(0) as u64;
-        if delay > 0 && !nap(Duration::from_millis(delay)) {
-            break;
+        let delay = Duration::from_millis(guc::SWEEP_DELAY.get().max(0) as u64);
+        if !delay.is_zero() {
+            let before = wal_insert_position();
+            if !nap(pause(delay, took, busy)) {
+                break;
+            }
+            busy = others_wrote(before, wal_insert_position());
         }
         reload_if_asked();
     }
     total
+}
+
+/// The batch the sweeper deletes while the application is writing: a tenth of a full one.
+fn yielding_batch(full: i64) -> i64 {
+    (full / 10).max(100).min(full)
+}
+
+/// The pause after a full batch that took `took`: `idempotency.sweep_delay`; while the
+/// application writes, twice that and at least nineteen times the batch's own time, so the
+/// sweeper works at most a twentieth of the time. With the defaults that is at most 10,000 rows
+/// a second under load (a tenth of a batch per 100 ms), more than the keys this kind of
+/// machine can create meanwhile; `idempotency.stats` shows a backlog that grows instead.
+fn pause(delay: Duration, took: Duration, busy: bool) -> Duration {
+    if busy {
+        (delay * 2).max(took * 19)
+    } else {
+        delay
+    }
+}
+
+/// WAL the rest of the server must write during the sweeper's pause before it counts as busy:
+/// a page, more than the odd checkpoint or running-transactions record of an idle server.
+const BUSY_WAL_BYTES: u64 = 8192;
+
+fn others_wrote(before: u64, after: u64) -> bool {
+    after.saturating_sub(before) >= BUSY_WAL_BYTES
+}
+
+fn wal_insert_position() -> u64 {
+    unsafe { pg_sys::GetXLogInsertRecPtr() }
 }
 
 unsafe extern "C" {

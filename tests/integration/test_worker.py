@@ -193,6 +193,54 @@ def test_sweep_delay_paces_a_backlog(preloaded):
             a.execute("SELECT pg_reload_conf()")
 
 
+def test_sweeper_yields_to_sessions_that_write(preloaded):
+    """While other sessions write WAL the sweeper deletes a tenth of a batch at a time; on an
+    idle server it deletes full batches."""
+    def seeded(a, prefix):
+        a.execute("SELECT pg_reload_conf()")
+        time.sleep(1.5)
+        seed(a, prefix, expired=20000, live=0)
+        return time.monotonic()
+
+    with connect(preloaded) as a:
+        a.execute("CREATE TABLE IF NOT EXISTS filler (n int, pad text)")
+        a.execute("ALTER SYSTEM SET idempotency.sweep_batch_size = 2000")
+        a.execute("ALTER SYSTEM SET idempotency.sweep_delay = '500ms'")
+        try:
+            # Idle: ten full batches and nine pauses.
+            started = seeded(a, "idle")
+            assert wait_for(lambda: count(a, "idle-old-%") == 0, timeout=20)
+            idle_seconds = time.monotonic() - started
+
+            stop = threading.Event()
+
+            def write():
+                with connect(preloaded) as w:
+                    while not stop.is_set():
+                        w.execute("INSERT INTO filler SELECT g, repeat('x', 200) FROM generate_series(1, 50) g")
+                        time.sleep(0.005)
+
+            writer = threading.Thread(target=write)
+            writer.start()
+            try:
+                started = seeded(a, "busy")
+                time.sleep(max(idle_seconds, 4.0))
+                left = count(a, "busy-old-%")
+            finally:
+                stop.set()
+                writer.join()
+            # Idle, it had swept them all by now; yielding, one full batch at most before it
+            # noticed the writer, then batches of 200 (about 4,000 rows in this time).
+            assert left > 10000, (left, idle_seconds)
+            # Once the writer is gone it is back to full batches.
+            assert wait_for(lambda: count(a, "busy-old-%") == 0, timeout=idle_seconds + 10)
+        finally:
+            a.execute("DROP TABLE IF EXISTS filler")
+            a.execute("ALTER SYSTEM RESET idempotency.sweep_batch_size")
+            a.execute("ALTER SYSTEM RESET idempotency.sweep_delay")
+            a.execute("SELECT pg_reload_conf()")
+
+
 def test_sweepers_run_at_the_configured_niceness(preloaded):
     def newest_sweeper_nice(setting):
         with connect(preloaded) as a:
