@@ -367,6 +367,7 @@ unsafe extern "C-unwind" fn forget_layout(_arg: pg_sys::Datum, relid: pg_sys::Oi
         {
             c.set(None);
             HASHED.with(|h| h.set(None));
+            DIRECT.with(|d| d.set(None));
         }
     });
 }
@@ -623,6 +624,238 @@ fn probe(scope: &str, key: &str) -> Probe {
     }
 }
 
+/// What direct writes (a fresh claim's insert, a completion's update) need: the table's column
+/// positions (0-based), the token sequence and the values of the status labels. Cached with
+/// the layout.
+#[derive(Clone, Copy)]
+struct DirectInsert {
+    relid: pg_sys::Oid,
+    idxid: pg_sys::Oid,
+    natts: usize,
+    response: usize,
+    response_status: usize,
+    completed_at: usize,
+    completed: pg_sys::Datum,
+    scope: usize,
+    key: usize,
+    request_hash: usize,
+    status: usize,
+    token: usize,
+    created_at: usize,
+    locked_until: usize,
+    expires_at: usize,
+    ttl: usize,
+    token_seq: pg_sys::Oid,
+    in_progress: pg_sys::Datum,
+}
+
+thread_local! {
+    /// Some(None): the table is not as the extension made it; claims insert through SQL.
+    static DIRECT: Cell<Option<Option<DirectInsert>>> = const { Cell::new(None) };
+}
+
+/// The columns a fresh claim sets; every other column of the table starts NULL.
+const DIRECT_COLUMNS: [&std::ffi::CStr; 9] = [
+    c"scope",
+    c"key",
+    c"request_hash",
+    c"status",
+    c"token",
+    c"created_at",
+    c"locked_until",
+    c"expires_at",
+    c"ttl",
+];
+
+/// The nullable columns a fresh claim leaves NULL.
+const NULL_COLUMNS: [&str; 4] = [
+    "response",
+    "response_status",
+    "recovery_point",
+    "completed_at",
+];
+
+/// The table's CHECK constraints as the extension creates them.
+const OWN_CHECKS: u16 = 3;
+
+/// The direct-insert layout, or None when the table differs from the extension's own (a column,
+/// CHECK constraint or trigger added by hand, a partitioned table): then the INSERT statement
+/// runs, with everything PostgreSQL would do for it.
+fn direct_insert_layout() -> Option<DirectInsert> {
+    let l = layout();
+    if let Some(d) = DIRECT.with(Cell::get) {
+        if d.is_none_or(|d| d.relid == l.relid) {
+            return d;
+        }
+    }
+    let d = unsafe { build_direct_insert(l.relid, l.idxid) };
+    if LAYOUT.with(Cell::get).is_some_and(|c| c.relid == l.relid) {
+        DIRECT.with(|c| c.set(Some(d)));
+    }
+    d
+}
+
+unsafe fn build_direct_insert(relid: pg_sys::Oid, idxid: pg_sys::Oid) -> Option<DirectInsert> {
+    unsafe {
+        let rel = pg_sys::table_open(relid, pg_sys::AccessShareLock as pg_sys::LOCKMODE);
+        let desc = (*rel).rd_att;
+        let natts = (*desc).natts as usize;
+        let constr = (*desc).constr;
+        let plain = (*(*rel).rd_rel).relkind == pg_sys::RELKIND_RELATION as std::ffi::c_char
+            && (*rel).trigdesc.is_null()
+            && (constr.is_null() || (*constr).num_check == OWN_CHECKS);
+        let mut known = plain;
+        let attrs = (*desc).attrs.as_slice(natts);
+        for a in attrs.iter().filter(|a| !a.attisdropped) {
+            let name = std::ffi::CStr::from_ptr(a.attname.data.as_ptr());
+            let ours = DIRECT_COLUMNS.contains(&name)
+                || (NULL_COLUMNS.iter().any(|n| name.to_bytes() == n.as_bytes()) && !a.attnotnull);
+            known &= ours;
+        }
+        pg_sys::table_close(rel, pg_sys::AccessShareLock as pg_sys::LOCKMODE);
+        if !known {
+            return None;
+        }
+        let position = |name: &std::ffi::CStr| {
+            let n = pg_sys::get_attnum(relid, name.as_ptr());
+            (n > 0).then(|| n as usize - 1)
+        };
+        let nsp = pg_sys::get_namespace_oid(c"idempotency".as_ptr(), false);
+        let token_seq = pg_sys::get_relname_relid(c"token_seq".as_ptr(), nsp);
+        let label = |name: &str| {
+            Spi::get_one_with_args::<pg_sys::Oid>(
+                "SELECT e.oid FROM pg_catalog.pg_enum AS e \
+                  WHERE e.enumtypid OPERATOR(pg_catalog.=) 'idempotency.key_status'::pg_catalog.regtype \
+                    AND e.enumlabel OPERATOR(pg_catalog.=) $1",
+                &[name.into()],
+            )
+            .ok()
+            .flatten()
+        };
+        let in_progress = label("in_progress")?;
+        let completed = label("completed")?;
+        if token_seq == pg_sys::InvalidOid {
+            return None;
+        }
+        Some(DirectInsert {
+            relid,
+            idxid,
+            natts,
+            response: position(c"response")?,
+            response_status: position(c"response_status")?,
+            completed_at: position(c"completed_at")?,
+            completed: pg_sys::Datum::from(completed),
+            scope: position(c"scope")?,
+            key: position(c"key")?,
+            request_hash: position(c"request_hash")?,
+            status: position(c"status")?,
+            token: position(c"token")?,
+            created_at: position(c"created_at")?,
+            locked_until: position(c"locked_until")?,
+            expires_at: position(c"expires_at")?,
+            ttl: position(c"ttl")?,
+            token_seq,
+            in_progress: pg_sys::Datum::from(in_progress),
+        })
+    }
+}
+
+/// Inserts a fresh claim (absent key, under its insert lock, READ COMMITTED) straight into the
+/// heap and its indexes, as `INSERT_FRESH_SQL` would, without planning or executing a
+/// statement: the row is built here, so the table's CHECK constraints hold by construction,
+/// and [`direct_insert_layout`] sends anything else (triggers, extra columns or constraints)
+/// through SQL. The primary key is still checked by the index (a row inserted some other way
+/// meanwhile is a unique violation, as with the INSERT).
+fn insert_direct(d: &DirectInsert, req: &ClaimRequest<'_>) -> ClaimResult {
+    use pgrx::IntoDatum;
+    unsafe {
+        let rel = pg_sys::table_open(d.relid, pg_sys::RowExclusiveLock as pg_sys::LOCKMODE);
+        let desc = (*rel).rd_att;
+        if (*desc).natts as usize != d.natts {
+            // Changed since the layout was read (its invalidation comes with the lock).
+            pg_sys::table_close(rel, pg_sys::NoLock as pg_sys::LOCKMODE);
+            internal("the table changed during a claim");
+        }
+        let mut values = vec![pg_sys::Datum::from(0usize); d.natts];
+        let mut nulls = vec![true; d.natts];
+        let mut set = |i: usize, v: pg_sys::Datum| {
+            values[i] = v;
+            nulls[i] = false;
+        };
+        let now = pg_sys::Datum::from(pg_sys::GetCurrentTransactionStartTimestamp());
+        let plus = |interval: pg_sys::Datum| {
+            pg_sys::DirectFunctionCall2Coll(
+                Some(timestamptz_pl_interval),
+                pg_sys::InvalidOid,
+                now,
+                interval,
+            )
+        };
+        let (Some(lease), Some(ttl), Some(scope), Some(key)) = (
+            req.lease.into_datum(),
+            req.ttl.into_datum(),
+            req.scope.into_datum(),
+            req.key.into_datum(),
+        ) else {
+            pg_sys::table_close(rel, pg_sys::NoLock as pg_sys::LOCKMODE);
+            internal("a claim argument could not be converted");
+        };
+        let token = pg_sys::DirectFunctionCall1Coll(
+            Some(nextval_oid),
+            pg_sys::InvalidOid,
+            pg_sys::Datum::from(d.token_seq),
+        );
+        let expires_at = plus(ttl);
+        set(d.scope, scope);
+        set(d.key, key);
+        if let Some(hash) = req.hash.and_then(|h| h.to_vec().into_datum()) {
+            set(d.request_hash, hash);
+        }
+        set(d.status, d.in_progress);
+        set(d.token, token);
+        set(d.created_at, now);
+        set(d.locked_until, plus(lease));
+        set(d.expires_at, expires_at);
+        set(d.ttl, ttl);
+        let tuple = pg_sys::heap_form_tuple(desc, values.as_mut_ptr(), nulls.as_mut_ptr());
+
+        let slot = pg_sys::MakeSingleTupleTableSlot(desc, &pg_sys::TTSOpsHeapTuple);
+        pg_sys::ExecStoreHeapTuple(tuple, slot, false);
+        pg_sys::table_tuple_insert(
+            rel,
+            slot,
+            pg_sys::GetCurrentCommandId(true),
+            0,
+            std::ptr::null_mut(),
+        );
+        insert_index_entries(rel, slot);
+        pg_sys::ExecDropSingleTupleTableSlot(slot);
+        pg_sys::table_close(rel, pg_sys::NoLock as pg_sys::LOCKMODE);
+        // What later statements of this transaction (complete, a second claim) must see.
+        pg_sys::CommandCounterIncrement();
+
+        let mut result = ClaimResult::new(Outcome::New);
+        result.token = Some(token.value() as i64);
+        result.expires_at = TimestampWithTimeZone::from_datum(expires_at, false);
+        result
+    }
+}
+
+// The V1 functions themselves, for DirectFunctionCall (which calls them from C): pgrx's
+// `pg_sys` wrappers are Rust functions.
+unsafe extern "C-unwind" {
+    fn timestamptz_pl_interval(fcinfo: pg_sys::FunctionCallInfo) -> pg_sys::Datum;
+    fn nextval_oid(fcinfo: pg_sys::FunctionCallInfo) -> pg_sys::Datum;
+}
+
+fn internal(what: &str) -> ! {
+    raise(
+        PgSqlErrorCode::ERRCODE_INTERNAL_ERROR,
+        format!("idempotency.claim: {what}"),
+        Some("retry the transaction"),
+    )
+}
+
 /// `locktag_field4` of the extension's advisory locks; the SQL advisory lock functions use 1
 /// and 2, so these never collide with an application's own advisory locks.
 const LOCK_CLASS: u16 = 0x1de7;
@@ -736,11 +969,12 @@ pub fn claim(req: &ClaimRequest<'_>) -> ClaimResult {
             // in-progress answers) needs no lock at all. Only an absent key is looked at again
             // under the lock and inserted.
             let found = match probe(req.scope, req.key) {
-                Probe::Absent => probe_or_insert(req, || {
-                    Spi::connect_mut(|client| {
+                Probe::Absent => probe_or_insert(req, || match direct_insert_layout() {
+                    Some(d) => Ok(Step::Done(insert_direct(&d, req))),
+                    None => Spi::connect_mut(|client| {
                         Ok(write_claim(client, Write::InsertFresh, req)?
                             .map_or(Step::Again, Step::Done))
-                    })
+                    }),
                 }),
                 found => Looked::Found(found),
             };
@@ -984,14 +1218,56 @@ pub struct CompleteRequest<'a> {
     pub ttl: Option<Interval>,
 }
 
-/// Completes a claim (`req.key` in its stored form); None when there is no live in-progress claim with that token (the SQL
-/// wrapper then explains why, with its own SQLSTATE).
+/// What a completion changed: the new expiry, and the claim's request hash and token (for the
+/// audit row).
+struct Completed {
+    expires_at: Option<TimestampWithTimeZone>,
+    request_hash: Option<Vec<u8>>,
+    token: Option<i64>,
+}
+
+/// Completes a claim (`req.key` in its stored form); None when there is no live in-progress
+/// claim with that token (the SQL wrapper then explains why, with its own SQLSTATE).
+///
+/// Under READ COMMITTED the row is updated directly ([`complete_direct`]); under REPEATABLE
+/// READ and SERIALIZABLE (whose snapshot and predicate-lock rules the executor applies) and on
+/// a table changed by hand, through the UPDATE statement.
 pub fn complete(req: &CompleteRequest<'_>) -> Option<TimestampWithTimeZone> {
     let _path = PinnedSearchPath::pin();
+    let read_committed = unsafe { pg_sys::XactIsoLevel } < pg_sys::XACT_REPEATABLE_READ as i32;
+    let direct = if read_committed {
+        direct_insert_layout()
+    } else {
+        None
+    };
+    let done = match direct {
+        Some(d) => {
+            check_access();
+            complete_direct(&d, req)
+        }
+        None => complete_sql(req),
+    };
+    let done = done?;
+    if guc::AUDIT.get() {
+        audit(req, &done);
+    }
+    stats::count(stats::Event::Completion, 1);
+    done.expires_at
+}
+
+fn spi_failed(e: pgrx::spi::Error) -> ! {
+    raise(
+        PgSqlErrorCode::ERRCODE_INTERNAL_ERROR,
+        format!("idempotency.complete: {e}"),
+        None,
+    )
+}
+
+fn complete_sql(req: &CompleteRequest<'_>) -> Option<Completed> {
     let response = req
         .response
         .map(|d| unsafe { pgrx::datum::DatumWithOid::new(d, pg_sys::JSONBOID) });
-    let result = Spi::connect_mut(|client| {
+    Spi::connect_mut(|client| {
         let p = plans(client)?;
         let response = match response {
             Some(d) => d,
@@ -1013,38 +1289,254 @@ pub fn complete(req: &CompleteRequest<'_>) -> Option<TimestampWithTimeZone> {
             return Ok(None);
         }
         let row = table.first();
-        let expires_at = row.get::<TimestampWithTimeZone>(1)?;
-        if guc::AUDIT.get() {
-            let request_hash = row.get::<Vec<u8>>(2)?;
-            let token = row.get::<i64>(3)?;
-            let audit = audit_plans(client)?;
-            client.update(
-                &audit.insert,
-                None,
-                &[
-                    req.scope.into(),
-                    req.key.into(),
-                    HASHED.with(Cell::get).unwrap_or(false).into(),
-                    request_hash.into(),
-                    token.into(),
-                    req.response_status.into(),
-                    completing_role().into(),
-                ],
-            )?;
-        }
-        Ok(expires_at)
+        Ok(Some(Completed {
+            expires_at: row.get::<TimestampWithTimeZone>(1)?,
+            request_hash: row.get::<Vec<u8>>(2)?,
+            token: row.get::<i64>(3)?,
+        }))
     })
-    .unwrap_or_else(|e: pgrx::spi::Error| {
-        raise(
-            PgSqlErrorCode::ERRCODE_INTERNAL_ERROR,
-            format!("idempotency.complete: {e}"),
+    .unwrap_or_else(|e| spi_failed(e))
+}
+
+/// Appends the audit row of a completion, in the completing transaction.
+fn audit(req: &CompleteRequest<'_>, done: &Completed) {
+    Spi::connect_mut(|client| {
+        let audit = audit_plans(client)?;
+        client.update(
+            &audit.insert,
             None,
-        )
-    });
-    if result.is_some() {
-        stats::count(stats::Event::Completion, 1);
+            &[
+                req.scope.into(),
+                req.key.into(),
+                HASHED.with(Cell::get).unwrap_or(false).into(),
+                done.request_hash.clone().into(),
+                done.token.into(),
+                req.response_status.into(),
+                completing_role().into(),
+            ],
+        )?;
+        Ok(())
+    })
+    .unwrap_or_else(|e| spi_failed(e))
+}
+
+/// The newest version of a key's row, as a completion must see it.
+enum Newest {
+    /// No row, or only one that another open transaction is inserting (an UPDATE statement
+    /// would not see it either).
+    Absent,
+    /// Another open transaction is changing, deleting or locking the row: wait for it.
+    Wait(pg_sys::TransactionId),
+    /// The newest committed version (or this transaction's own), copied.
+    Row(pg_sys::HeapTuple),
+}
+
+unsafe fn newest_version(
+    rel: pg_sys::Relation,
+    index: pg_sys::Relation,
+    scope: &str,
+    key: &str,
+) -> Newest {
+    unsafe {
+        let mut snapshot: pg_sys::SnapshotData = std::mem::zeroed();
+        snapshot.snapshot_type = pg_sys::SnapshotType::SNAPSHOT_DIRTY;
+        let mut keys: [pg_sys::ScanKeyData; 2] = std::mem::zeroed();
+        let scope_text =
+            pg_sys::cstring_to_text_with_len(scope.as_ptr().cast(), scope.len() as i32);
+        let key_text = pg_sys::cstring_to_text_with_len(key.as_ptr().cast(), key.len() as i32);
+        for (i, d) in [scope_text, key_text].into_iter().enumerate() {
+            pg_sys::ScanKeyInit(
+                &mut keys[i],
+                (i + 1) as pg_sys::AttrNumber,
+                pg_sys::BTEqualStrategyNumber as u16,
+                pg_sys::Oid::from(pg_sys::F_TEXTEQ),
+                pg_sys::Datum::from(d),
+            );
+        }
+        let scan = pg_sys::index_beginscan(rel, index, &mut snapshot, 2, 0);
+        pg_sys::index_rescan(scan, keys.as_mut_ptr(), 2, std::ptr::null_mut(), 0);
+        let slot = pg_sys::table_slot_create(rel, std::ptr::null_mut());
+        let mut found = Newest::Absent;
+        while pg_sys::index_getnext_slot(scan, pg_sys::ScanDirection::ForwardScanDirection, slot) {
+            if snapshot.xmax != pg_sys::InvalidTransactionId {
+                found = Newest::Wait(snapshot.xmax);
+                break;
+            }
+            if snapshot.xmin != pg_sys::InvalidTransactionId {
+                continue; // another transaction's uncommitted insert (or new version)
+            }
+            found = Newest::Row(pg_sys::ExecCopySlotHeapTuple(slot));
+            break;
+        }
+        pg_sys::ExecDropSingleTupleTableSlot(slot);
+        pg_sys::index_endscan(scan);
+        found
     }
-    result
+}
+
+/// [`complete_sql`]'s UPDATE, done directly on the row (READ COMMITTED, table as the extension
+/// made it): finds the newest version through the primary key, waits for a transaction that
+/// is changing it and looks again (as the UPDATE re-checks a concurrently updated row), checks
+/// that it is a live in-progress claim with the given token, and updates it in place
+/// (heap_update, HOT when no indexed column changes), adding index entries only when it was
+/// not HOT.
+fn complete_direct(d: &DirectInsert, req: &CompleteRequest<'_>) -> Option<Completed> {
+    use pgrx::IntoDatum;
+    unsafe {
+        // What this transaction's earlier statements (the claim) wrote must be visible.
+        pg_sys::CommandCounterIncrement();
+        let lock = pg_sys::RowExclusiveLock as pg_sys::LOCKMODE;
+        let rel = pg_sys::table_open(d.relid, lock);
+        let index = pg_sys::index_open(d.idxid, lock);
+        let desc = (*rel).rd_att;
+        let close = || {
+            pg_sys::index_close(index, pg_sys::NoLock as pg_sys::LOCKMODE);
+            pg_sys::table_close(rel, pg_sys::NoLock as pg_sys::LOCKMODE);
+        };
+        if (*desc).natts as usize != d.natts {
+            close();
+            internal("the table changed during a completion");
+        }
+        let now = pg_sys::GetCurrentTransactionStartTimestamp();
+        for _ in 0..MAX_ROUNDS {
+            let old = match newest_version(rel, index, req.scope, req.key) {
+                Newest::Absent => {
+                    close();
+                    return None;
+                }
+                Newest::Wait(xid) => {
+                    pg_sys::XactLockTableWait(
+                        xid,
+                        rel,
+                        std::ptr::null_mut(),
+                        pg_sys::XLTW_Oper::XLTW_None,
+                    );
+                    continue;
+                }
+                Newest::Row(tuple) => tuple,
+            };
+            let mut values = vec![pg_sys::Datum::from(0usize); d.natts];
+            let mut nulls = vec![true; d.natts];
+            pg_sys::heap_deform_tuple(old, desc, values.as_mut_ptr(), nulls.as_mut_ptr());
+            let live_claim = !nulls[d.status]
+                && values[d.status] == d.in_progress
+                && !nulls[d.expires_at]
+                && (values[d.expires_at].value() as i64) > now
+                && req
+                    .token
+                    .is_none_or(|t| !nulls[d.token] && values[d.token].value() as i64 == t);
+            if !live_claim {
+                close();
+                return None;
+            }
+            let request_hash = Vec::<u8>::from_datum(values[d.request_hash], nulls[d.request_hash]);
+            let token = values[d.token].value() as i64;
+            let ttl = match req.ttl.and_then(|t| t.into_datum()) {
+                Some(t) => t,
+                None => values[d.ttl],
+            };
+            let expires_at = pg_sys::DirectFunctionCall2Coll(
+                Some(timestamptz_pl_interval),
+                pg_sys::InvalidOid,
+                pg_sys::Datum::from(now),
+                ttl,
+            );
+            let mut set = |i: usize, v: Option<pg_sys::Datum>| {
+                nulls[i] = v.is_none();
+                values[i] = v.unwrap_or(pg_sys::Datum::from(0usize));
+            };
+            set(d.status, Some(d.completed));
+            set(d.response, req.response);
+            set(
+                d.response_status,
+                Some(pg_sys::Datum::from(req.response_status)),
+            );
+            set(d.completed_at, Some(pg_sys::Datum::from(now)));
+            set(d.locked_until, None);
+            set(d.expires_at, Some(expires_at));
+            set(d.ttl, Some(ttl));
+            let new = pg_sys::heap_form_tuple(desc, values.as_mut_ptr(), nulls.as_mut_ptr());
+            let slot = pg_sys::MakeSingleTupleTableSlot(desc, &pg_sys::TTSOpsHeapTuple);
+            pg_sys::ExecStoreHeapTuple(new, slot, false);
+            let mut tid = (*old).t_self;
+            let mut tmfd: pg_sys::TM_FailureData = std::mem::zeroed();
+            let mut lockmode: pg_sys::LockTupleMode::Type = 0;
+            let mut update_indexes = false;
+            let result = pg_sys::table_tuple_update(
+                rel,
+                &mut tid,
+                slot,
+                pg_sys::GetCurrentCommandId(true),
+                std::ptr::null_mut(),
+                std::ptr::null_mut(),
+                true,
+                &mut tmfd,
+                &mut lockmode,
+                &mut update_indexes,
+            );
+            match result {
+                pg_sys::TM_Result::TM_Ok => {
+                    if update_indexes {
+                        insert_index_entries(rel, slot);
+                    }
+                    pg_sys::ExecDropSingleTupleTableSlot(slot);
+                    close();
+                    return Some(Completed {
+                        expires_at: TimestampWithTimeZone::from_datum(expires_at, false),
+                        request_hash,
+                        token: Some(token),
+                    });
+                }
+                // Changed or deleted since we read it (its transaction committed while we
+                // waited in heap_update): read the newest version again.
+                pg_sys::TM_Result::TM_Updated | pg_sys::TM_Result::TM_Deleted => {
+                    pg_sys::ExecDropSingleTupleTableSlot(slot);
+                }
+                other => {
+                    pg_sys::ExecDropSingleTupleTableSlot(slot);
+                    close();
+                    internal(&format!("unexpected result {other} updating the row"));
+                }
+            }
+        }
+        close();
+        raise(
+            PgSqlErrorCode::ERRCODE_T_R_SERIALIZATION_FAILURE,
+            format!(
+                "idempotency.complete: key {} kept changing under concurrent completions",
+                key_label(req.key)
+            ),
+            Some("retry the transaction"),
+        )
+    }
+}
+
+/// Adds the index entries of a row just written to the heap (in `slot`, with its TID): what
+/// the executor does after an insert or a non-HOT update.
+unsafe fn insert_index_entries(rel: pg_sys::Relation, slot: *mut pg_sys::TupleTableSlot) {
+    unsafe {
+        let estate = pg_sys::CreateExecutorState();
+        let rri = pg_sys::palloc0(std::mem::size_of::<pg_sys::ResultRelInfo>())
+            as *mut pg_sys::ResultRelInfo;
+        (*rri).type_ = pg_sys::NodeTag::T_ResultRelInfo;
+        // No range table entry: this is not a planned statement.
+        pg_sys::InitResultRelInfo(rri, rel, 0, std::ptr::null_mut(), 0);
+        pg_sys::ExecOpenIndices(rri, false);
+        // update = false: in PostgreSQL 15 it only feeds a hint to btree's bottom-up deletion,
+        // which would look the changed columns up in a range table this write does not have.
+        let recheck = pg_sys::ExecInsertIndexTuples(
+            rri,
+            slot,
+            estate,
+            false,
+            false,
+            std::ptr::null_mut(),
+            std::ptr::null_mut(),
+        );
+        pg_sys::list_free(recheck);
+        pg_sys::ExecCloseIndices(rri);
+        pg_sys::FreeExecutorState(estate);
+    }
 }
 
 const SWEEP_SQL: &str = "DELETE FROM idempotency.idempotency_keys AS k \
@@ -1052,6 +1544,25 @@ const SWEEP_SQL: &str = "DELETE FROM idempotency.idempotency_keys AS k \
        SELECT s.ctid FROM idempotency.idempotency_keys AS s \
         WHERE s.expires_at OPERATOR(pg_catalog.<=) pg_catalog.now() \
         LIMIT $1 FOR UPDATE SKIP LOCKED))";
+
+/// How many rows still in the table expired after `since` (and by now()): the inflow the
+/// sweeper must keep up with while it yields to the application. An index range scan over the
+/// newest expiries only.
+pub fn expired_since(since: pg_sys::TimestampTz) -> i64 {
+    let _path = PinnedSearchPath::pin();
+    let since = unsafe {
+        pgrx::datum::DatumWithOid::new(pg_sys::Datum::from(since), pg_sys::TIMESTAMPTZOID)
+    };
+    Spi::get_one_with_args::<i64>(
+        "SELECT pg_catalog.count(*) FROM idempotency.idempotency_keys AS k \
+          WHERE k.expires_at OPERATOR(pg_catalog.>) $1 \
+            AND k.expires_at OPERATOR(pg_catalog.<=) pg_catalog.now()",
+        &[since],
+    )
+    .ok()
+    .flatten()
+    .unwrap_or(0)
+}
 
 /// Deletes up to `batch` expired rows, skipping rows other transactions hold; returns how many.
 pub fn sweep_batch(batch: i64) -> i64 {

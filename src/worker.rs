@@ -247,7 +247,10 @@ pub extern "C-unwind" fn idempotency_sweeper_main(arg: pg_sys::Datum) {
     };
     compress_full_page_images();
     lower_priority(guc::SWEEP_NICE.get());
-    let total = sweep_in_batches(|batch| Some(store::sweep_batch(batch)));
+    let total = sweep_in_batches(
+        |batch| Some(store::sweep_batch(batch)),
+        Some(store::expired_since),
+    );
     stats::sweep_finished(total);
     sweep_audit();
 }
@@ -283,27 +286,45 @@ fn compress_full_page_images() {
 /// the rows deleted.
 ///
 /// The sweeper yields to the application: when other sessions wrote WAL during its last pause,
-/// it deletes a tenth of a batch at a time (never fewer than 100 rows) and pauses longer (see
-/// [`pause`]). Its WAL (with the full page images of every page it touches
+/// it deletes a tenth of a batch (never fewer than 100 rows) plus the rows that expired since
+/// its last look (`inflow`, so it keeps up with the keys the application creates) at a time,
+/// and pauses longer (see [`pause`]). Its WAL (with the full page images of every page it touches
 /// first after a checkpoint) is flushed by the next commits of the application, and its CPU
 /// time is theirs to lose, so under load it sweeps gently; on an idle server it sweeps in full
 /// batches (after a first small one) with `sweep_delay` pauses.
-fn sweep_in_batches(delete_batch: fn(i64) -> Option<i64>) -> i64 {
+fn sweep_in_batches(
+    delete_batch: fn(i64) -> Option<i64>,
+    inflow: Option<fn(pg_sys::TimestampTz) -> i64>,
+) -> i64 {
     let mut total = 0i64;
     // Until the first pause has shown whether others write, assume they do: a full first batch
     // into a busy server is the one the application would notice.
     let mut busy = true;
+    let mut since = unsafe { pg_sys::GetCurrentTimestamp() };
     loop {
         if shutdown_requested() || database_wanted_exclusively() {
             break;
         }
         let full = guc::SWEEP_BATCH_SIZE.get().max(1) as i64;
-        let batch = if busy { yielding_batch(full) } else { full };
-        let started = Instant::now();
+        let batch = if busy {
+            // Keep up with what expired since the last look, and take a slice of the backlog.
+            let expired = match inflow {
+                Some(count) => {
+                    let now = unsafe { pg_sys::GetCurrentTimestamp() };
+                    let n = BackgroundWorker::transaction(move || count(since));
+                    since = now;
+                    n
+                }
+                None => 0,
+            };
+            (yielding_batch(full) + expired).min(full)
+        } else {
+            since = unsafe { pg_sys::GetCurrentTimestamp() };
+            full
+        };
         let Some(deleted) = BackgroundWorker::transaction(move || delete_batch(batch)) else {
             break;
         };
-        let took = started.elapsed();
         total += deleted;
         if deleted < batch {
             break;
@@ -311,7 +332,7 @@ fn sweep_in_batches(delete_batch: fn(i64) -> Option<i64>) -> i64 {
         let delay = Duration::from_millis(guc::SWEEP_DELAY.get().max(0) as u64);
         if !delay.is_zero() {
             let before = wal_insert_position();
-            if !nap(pause(delay, took, busy)) {
+            if !nap(pause(delay, busy)) {
                 break;
             }
             busy = others_wrote(before, wal_insert_position());
@@ -326,14 +347,12 @@ fn yielding_batch(full: i64) -> i64 {
     (full / 10).max(100).min(full)
 }
 
-/// The pause after a full batch that took `took`: `idempotency.sweep_delay`; while the
-/// application writes, twice that and at least nineteen times the batch's own time, so the
-/// sweeper works at most a twentieth of the time. With the defaults that is at most 10,000 rows
-/// a second under load (a tenth of a batch per 100 ms), more than the keys this kind of
-/// machine can create meanwhile; `idempotency.stats` shows a backlog that grows instead.
-fn pause(delay: Duration, took: Duration, busy: bool) -> Duration {
+/// The pause after a full batch: `idempotency.sweep_delay`, twice that while the application
+/// writes. With the defaults a backlog then goes at about 10,000 rows a second under load (a
+/// tenth of a batch per 100 ms) on top of the keys that keep expiring meanwhile.
+fn pause(delay: Duration, busy: bool) -> Duration {
     if busy {
-        (delay * 2).max(took * 19)
+        delay * 2
     } else {
         delay
     }
@@ -378,8 +397,11 @@ fn sweep_audit() {
         return;
     }
     // The retention is read before every batch: a reload may turn it off (0) in between.
-    sweep_in_batches(|batch| {
-        let retention = guc::AUDIT_RETENTION.get();
-        (retention > 0).then(|| store::sweep_audit_batch(retention as f64, batch))
-    });
+    sweep_in_batches(
+        |batch| {
+            let retention = guc::AUDIT_RETENTION.get();
+            (retention > 0).then(|| store::sweep_audit_batch(retention as f64, batch))
+        },
+        None,
+    );
 }

@@ -1,0 +1,155 @@
+"""Under READ COMMITTED, claim inserts a fresh key and complete updates its row directly (heap and
+indexes, no statement). These tests hold those writes to what the SQL statements they replace
+would do: concurrent completions wait and re-check like UPDATE, an uncommitted claim is not
+completed by someone else, index entries are complete (amcheck), and a table changed by hand
+(a trigger) goes back to the statements, so the trigger fires."""
+
+import threading
+import time
+
+import psycopg
+import pytest
+from psycopg.types.json import Jsonb
+
+from test_concurrency import claim
+
+
+def complete(conn, key, response, **kw):
+    args = "".join(f", {k} => %({k})s" for k in kw)
+    return conn.execute(f"SELECT idempotency.complete(%(key)s, %(response)s{args})",
+                        {"key": key, "response": Jsonb(response), **kw}).fetchone()[0]
+
+
+def sqlstate_of(fn):
+    try:
+        fn()
+    except psycopg.Error as e:
+        return e.sqlstate
+    return None
+
+
+def test_a_completion_waits_for_a_concurrent_one_and_then_sees_it(connect):
+    a, b = connect(), connect()
+    assert claim(a, "cc-1", {"x": 1})[0] == "new"
+    box = {}
+    with a.transaction():
+        complete(a, "cc-1", {"by": "a"})
+
+        def other():
+            started = time.monotonic()
+            box["state"] = sqlstate_of(lambda: complete(b, "cc-1", {"by": "b"}))
+            box["waited"] = time.monotonic() - started
+
+        t = threading.Thread(target=other)
+        t.start()
+        time.sleep(0.5)
+        assert t.is_alive(), "the second completion did not wait for the first"
+    t.join(10)
+    assert box["state"] == "IK002", box  # already completed, as UPDATE would re-check it
+    assert box["waited"] >= 0.4
+    assert claim(a, "cc-1", {"x": 1})[2] == {"by": "a"}
+
+
+def test_a_completion_that_waited_completes_after_the_other_rolls_back(connect):
+    a, b = connect(), connect()
+    assert claim(a, "cc-2", {"x": 1})[0] == "new"
+    box = {}
+    a.execute("BEGIN")
+    complete(a, "cc-2", {"by": "a"})
+
+    def other():
+        box["expires"] = complete(b, "cc-2", {"by": "b"})
+
+    t = threading.Thread(target=other)
+    t.start()
+    time.sleep(0.5)
+    assert t.is_alive()
+    a.execute("ROLLBACK")
+    t.join(10)
+    assert box["expires"] is not None
+    assert claim(a, "cc-2", {"x": 1})[2] == {"by": "b"}
+
+
+def test_an_uncommitted_claim_is_not_completed_by_another_session(connect):
+    a, b = connect(), connect()
+    b.execute("SET statement_timeout = '5s'")
+    with a.transaction():
+        assert claim(a, "cc-3", {"x": 1})[0] == "new"
+        started = time.monotonic()
+        assert sqlstate_of(lambda: complete(b, "cc-3", {"by": "b"})) == "IK001"
+        assert time.monotonic() - started < 1.0, "complete waited on an uncommitted claim"
+    assert claim(b, "cc-3", {"x": 1})[0] == "in_progress"
+
+
+def test_stale_token_and_expired_claim_are_refused_and_change_nothing(connect):
+    a = connect()
+    first = claim(a, "cc-4", None, lease="1 second")
+    time.sleep(1.1)
+    second = claim(a, "cc-4", None)
+    assert second[0] == "new" and second[1] > first[1]
+    assert sqlstate_of(lambda: complete(a, "cc-4", {"v": 1}, token=first[1])) == "IK003"
+    assert claim(a, "cc-4", None)[0] == "in_progress"
+    assert claim(a, "cc-5", None, ttl="1 second", lease="1 second")[0] == "new"
+    time.sleep(1.1)
+    assert sqlstate_of(lambda: complete(a, "cc-5", {"v": 1})) == "IK001"
+    assert a.execute("SELECT status::text FROM idempotency.idempotency_keys WHERE key = 'cc-5'").fetchone()[0] \
+        == "in_progress"
+
+
+def test_one_transaction_claim_and_complete_write_a_consistent_row_and_indexes(connect):
+    a = connect()
+    a.execute("CREATE EXTENSION IF NOT EXISTS amcheck")
+    for i in range(300):
+        with a.transaction():
+            assert claim(a, f"ix-{i}", {"i": i})[0] == "new"
+            # A different TTL moves expires_at (a non-HOT update with new index entries).
+            complete(a, f"ix-{i}", {"i": i}, ttl="3 days" if i % 2 else None)
+    row = a.execute("""SELECT status::text, response, response_status, locked_until, completed_at = created_at,
+                              expires_at - completed_at, ttl, length(request_hash)
+                         FROM idempotency.idempotency_keys WHERE key = 'ix-1'""").fetchone()
+    assert row[0] == "completed" and row[1] == {"i": 1} and row[2] == 200 and row[3] is None and row[4]
+    assert row[5] == row[6] and row[6].days == 3 and row[7] == 32
+    a.execute("SET enable_seqscan = off")
+    assert a.execute("SELECT count(*) FROM idempotency.idempotency_keys "
+                     "WHERE expires_at > now() + interval '2 days'").fetchone()[0] == 150
+    for index in ("idempotency_keys_pkey", "idempotency_keys_expires_at_idx"):
+        a.execute("SELECT bt_index_check(%s::regclass, heapallindexed => true)", (f"idempotency.{index}",))
+    # The claims replay from the index probe.
+    assert all(claim(a, f"ix-{i}", {"i": i})[0] == "replay" for i in range(0, 300, 37))
+
+
+@pytest.mark.parametrize("isolation", ["REPEATABLE READ", "SERIALIZABLE"])
+def test_snapshot_isolation_uses_the_statements(connect, isolation):
+    """Under REPEATABLE READ a row completed by a transaction that committed after the snapshot
+    is a serialization failure, as the UPDATE statement makes it."""
+    a, b = connect(), connect()
+    assert claim(a, "rr-1", None)[0] == "new"
+    b.execute(f"BEGIN ISOLATION LEVEL {isolation}")
+    b.execute("SELECT 1 FROM idempotency.lookup('rr-1')").fetchall()  # takes the snapshot
+    complete(a, "rr-1", {"by": "a"})
+    assert sqlstate_of(lambda: complete(b, "rr-1", {"by": "b"})) == "40001"
+    b.execute("ROLLBACK")
+
+
+def test_a_trigger_added_by_hand_sends_writes_through_sql(connect):
+    a = connect()
+    a.execute("CREATE TABLE IF NOT EXISTS public.seen (key text, op text)")
+    a.execute("""CREATE OR REPLACE FUNCTION public.note() RETURNS trigger LANGUAGE plpgsql AS
+                 $$ BEGIN INSERT INTO public.seen VALUES (NEW.key, TG_OP); RETURN NEW; END $$""")
+    a.execute("CREATE TRIGGER note AFTER INSERT OR UPDATE ON idempotency.idempotency_keys "
+              "FOR EACH ROW EXECUTE FUNCTION public.note()")
+    try:
+        with a.transaction():
+            assert claim(a, "trig-1", None)[0] == "new"
+            complete(a, "trig-1", {"ok": True})
+        assert a.execute("SELECT op FROM public.seen WHERE key = 'trig-1' ORDER BY op").fetchall() \
+            == [("INSERT",), ("UPDATE",)]
+    finally:
+        a.execute("DROP TRIGGER note ON idempotency.idempotency_keys")
+    with a.transaction():
+        assert claim(a, "trig-2", None)[0] == "new"
+        complete(a, "trig-2", {"ok": True})
+    assert a.execute("SELECT count(*) FROM public.seen WHERE key = 'trig-2'").fetchone()[0] == 0
+    assert claim(a, "trig-2", None)[0] == "replay"
+    a.execute("DROP TABLE public.seen")
+    a.execute("DROP FUNCTION public.note()")
