@@ -427,7 +427,7 @@ def write_results(args, report, pg, redis, scale, sweep, hashes):
               f"each on a table holding a million expired rows: {sweep['tps_without']:,.0f} tps / p99 "
               f"{sweep['p99_without']:.2f} ms with the sweeper held off, {sweep['tps_during']:,.0f} tps / p99 "
               f"{sweep['p99_during']:.2f} ms while it swept them ({sweep['swept_during_load']:,} rows deleted during "
-              f"the {max(args.seconds, 10)} s run: under load it yields, deleting a tenth of a batch per "
+              f"the {max(args.seconds, 10)} s run: under load it yields, deleting a twentieth of a batch per "
               f"pause; the rest right after). p99 ratio per round: "
               + ", ".join(f"{x:.2f}" for x in sweep["ratios"]) + ".",
               ] + [f"- WAL per transaction (2,000 transactions after a checkpoint, both tables at 10,000 rows), {k}: "

@@ -135,8 +135,30 @@ unsafe fn text<'a>(v: &pg_sys::JsonbValue) -> &'a str {
     unsafe {
         let s = v.val.string;
         let bytes = std::slice::from_raw_parts(s.val as *const u8, s.len as usize);
-        std::str::from_utf8(bytes).unwrap_or("\u{fffd}")
+        if utf8_database() {
+            // PostgreSQL verifies every text it takes in against a UTF-8 database's encoding
+            // (jsonb's parser included), as pgrx relies on for its own &str conversions.
+            std::str::from_utf8_unchecked(bytes)
+        } else {
+            std::str::from_utf8(bytes).unwrap_or("\u{fffd}")
+        }
     }
+}
+
+thread_local! {
+    static UTF8_DATABASE: std::cell::Cell<Option<bool>> = const { std::cell::Cell::new(None) };
+}
+
+/// Whether the database's encoding is UTF-8 (a backend stays in one database).
+fn utf8_database() -> bool {
+    UTF8_DATABASE.with(|c| {
+        if let Some(known) = c.get() {
+            return known;
+        }
+        let utf8 = unsafe { pg_sys::GetDatabaseEncoding() } == pg_sys::pg_enc::PG_UTF8 as i32;
+        c.set(Some(utf8));
+        utf8
+    })
 }
 
 unsafe fn write_value(
@@ -152,10 +174,16 @@ unsafe fn write_value(
             pg_sys::jbvType::jbvBool => out.push_str(if v.val.boolean { "true" } else { "false" }),
             pg_sys::jbvType::jbvString => write_string(text(v), out),
             pg_sys::jbvType::jbvNumeric => {
-                let t = pg_sys::numeric_normalize(v.val.numeric);
-                let r = write_number(&CStr::from_ptr(t).to_string_lossy(), mode, out);
-                pg_sys::pfree(t.cast());
-                r?;
+                let mut text = [0u8; 64];
+                match numeric_text(v.val.numeric, &mut text) {
+                    Some(t) => write_number(t, mode, out)?,
+                    None => {
+                        let t = pg_sys::numeric_normalize(v.val.numeric);
+                        let r = write_number(&CStr::from_ptr(t).to_string_lossy(), mode, out);
+                        pg_sys::pfree(t.cast());
+                        r?;
+                    }
+                }
             }
             pg_sys::jbvType::jbvBinary => write_container(v.val.binary.data, mode, out, depth)?,
             other => panic!("unexpected jsonb value type {other}"),
@@ -225,4 +253,81 @@ unsafe fn write_container(
         }
     }
     Ok(())
+}
+
+/// The exact value of a `numeric` as `[-]<digits>e<exponent>` text in `buf`, read from its
+/// stored form (a varlena of base-10000 digits with a weight: PostgreSQL's on-disk format,
+/// fixed since 9.1), without a call into the server per number. None for what this does not
+/// read (a special value, which jsonb never holds, or more digits than `buf` has room for):
+/// the caller then asks `numeric_normalize`.
+///
+/// # Safety
+/// `num` must point to a valid, detoasted `numeric`.
+pub(crate) unsafe fn numeric_text(num: pg_sys::Numeric, buf: &mut [u8; 64]) -> Option<&str> {
+    unsafe {
+        let ptr = num as *const pg_sys::varlena;
+        let len = pgrx::varlena::varsize_any_exhdr(ptr);
+        let data = pgrx::varlena::vardata_any(ptr) as *const u8;
+        if len < 2 {
+            return None;
+        }
+        let word = |at: usize| u16::from_ne_bytes([*data.add(at), *data.add(at + 1)]);
+        let header = word(0);
+        let (negative, weight, start) = if header & 0x8000 != 0 {
+            if header & 0xC000 == 0xC000 {
+                return None; // NaN or an infinity
+            }
+            // Short form: sign, display scale and a 7-bit weight in the header word.
+            let magnitude = (header & 0x003F) as i64;
+            let weight = if header & 0x0040 != 0 {
+                magnitude - 64
+            } else {
+                magnitude
+            };
+            (header & 0x2000 != 0, weight, 2usize)
+        } else {
+            if len < 4 {
+                return None;
+            }
+            // Long form: sign and display scale, then a 16-bit weight.
+            (header & 0xC000 == 0x4000, word(2) as i16 as i64, 4usize)
+        };
+        let ndigits = (len - start) / 2;
+        if ndigits == 0 {
+            buf[0] = b'0';
+            return std::str::from_utf8(&buf[..1]).ok();
+        }
+        // Sign, 4 decimal digits per base-10000 digit, 'e', sign and up to 6 exponent digits.
+        if 1 + 4 * ndigits + 8 > buf.len() {
+            return None;
+        }
+        let mut n = 0;
+        if negative {
+            buf[n] = b'-';
+            n += 1;
+        }
+        for i in 0..ndigits {
+            let d = word(start + 2 * i);
+            if d > 9999 {
+                return None;
+            }
+            for (j, div) in [1000u16, 100, 10, 1].into_iter().enumerate() {
+                let digit = (d / div) % 10;
+                // The first base-10000 digit without its leading zeros (all but the last).
+                if i == 0 && n == usize::from(negative) && digit == 0 && j < 3 {
+                    continue;
+                }
+                buf[n] = b'0' + digit as u8;
+                n += 1;
+            }
+        }
+        // value = digits * 10^(4 * (weight - (ndigits - 1)))
+        let exponent = 4 * (weight - (ndigits as i64 - 1));
+        buf[n] = b'e';
+        n += 1;
+        let e = exponent.to_string();
+        buf[n..n + e.len()].copy_from_slice(e.as_bytes());
+        n += e.len();
+        std::str::from_utf8(&buf[..n]).ok()
+    }
 }

@@ -286,7 +286,7 @@ fn compress_full_page_images() {
 /// the rows deleted.
 ///
 /// The sweeper yields to the application: when other sessions wrote WAL during its last pause,
-/// it deletes a tenth of a batch (never fewer than 100 rows) plus the rows that expired since
+/// it deletes a twentieth of a batch (never fewer than 100 rows) plus the rows that expired since
 /// its last look (`inflow`, so it keeps up with the keys the application creates) at a time,
 /// and pauses longer (see [`pause`]). Its WAL (with the full page images of every page it touches
 /// first after a checkpoint) is flushed by the next commits of the application, and its CPU
@@ -342,14 +342,15 @@ fn sweep_in_batches(
     total
 }
 
-/// The batch the sweeper deletes while the application is writing: a tenth of a full one.
+/// The slice of a backlog the sweeper deletes per batch while the application is writing: a
+/// twentieth of a full batch.
 fn yielding_batch(full: i64) -> i64 {
-    (full / 10).max(100).min(full)
+    (full / 20).max(100).min(full)
 }
 
 /// The pause after a full batch: `idempotency.sweep_delay`, twice that while the application
-/// writes. With the defaults a backlog then goes at about 10,000 rows a second under load (a
-/// tenth of a batch per 100 ms) on top of the keys that keep expiring meanwhile.
+/// writes. With the defaults a backlog then goes at about 5,000 rows a second under load (a
+/// twentieth of a batch per 100 ms) on top of the keys that keep expiring meanwhile.
 fn pause(delay: Duration, busy: bool) -> Duration {
     if busy {
         delay * 2

@@ -643,4 +643,41 @@ mod tests {
             "idempotency.audit idempotency.audit_id_seq idempotency.config idempotency.idempotency_keys idempotency.token_seq"
         );
     }
+
+    #[pg_test]
+    fn numbers_read_from_the_stored_numeric_match_numeric_out() {
+        // canonical_json reads each number from jsonb's stored numeric (base-10000 digits); the
+        // expected text is PostgreSQL's own numeric output laid out by es_layout. Random values
+        // over 80 orders of magnitude and both signs, and the edges of the digit grouping.
+        Spi::run("CREATE TEMP TABLE nums (i serial, n numeric)").unwrap();
+        Spi::run(
+            "INSERT INTO nums (n) SELECT round(((random() - 0.5) * 10 ^ (random() * 80 - 40))::numeric, (random() * 60)::int)
+               FROM generate_series(1, 4000)",
+        )
+        .unwrap();
+        Spi::run(
+            "INSERT INTO nums (n) VALUES (0), (0.000), (-0.0), (1), (-1), (9999), (10000), (10001), (99990000),
+               (100000000), (0.0001), (0.00010), (0.001), (1e-20), (-1e20), (1e100), (1.5e-100),
+               (123456789012345678901234567890.123456789), (0.1), (1.10), (12345.6789), (-0.00001234),
+               (1e1000), (1e-1000), (99999999999999999999999999999999999999999999999999999999999)",
+        )
+        .unwrap();
+        let got = text("SELECT idempotency.canonical_json(jsonb_agg(n ORDER BY i)) FROM nums");
+        let got: Vec<&str> = got
+            .trim_start_matches('[')
+            .trim_end_matches(']')
+            .split(',')
+            .collect();
+        let want: Vec<String> = Spi::connect(|c| {
+            c.select("SELECT n::text FROM nums ORDER BY i", None, &[])
+                .unwrap()
+                .map(|r| crate::canonical::es_layout(&r.get::<String>(1).unwrap().unwrap()))
+                .collect()
+        });
+        assert_eq!(got.len(), want.len());
+        for (g, w) in got.iter().zip(&want) {
+            assert_eq!(g, w);
+        }
+        assert!(want.iter().any(|w| w.contains("e-")) && want.iter().any(|w| w.contains("e+")));
+    }
 }

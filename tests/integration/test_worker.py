@@ -194,7 +194,7 @@ def test_sweep_delay_paces_a_backlog(preloaded):
 
 
 def test_sweeper_yields_to_sessions_that_write(preloaded):
-    """While other sessions write WAL the sweeper deletes a tenth of a batch at a time; on an
+    """While other sessions write WAL the sweeper deletes a twentieth of a batch at a time; on an
     idle server it deletes full batches."""
     def seeded(a, prefix):
         a.execute("SELECT pg_reload_conf()")
@@ -230,7 +230,7 @@ def test_sweeper_yields_to_sessions_that_write(preloaded):
                 stop.set()
                 writer.join()
             # Idle, it had swept them all by now; yielding, one full batch at most before it
-            # noticed the writer, then batches of 200 (about 4,000 rows in this time).
+            # noticed the writer, then batches of 100 a second (about 500 rows in this time).
             assert left > 10000, (left, idle_seconds)
             # Once the writer is gone it is back to full batches.
             assert wait_for(lambda: count(a, "busy-old-%") == 0, timeout=idle_seconds + 10)
