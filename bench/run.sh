@@ -2,7 +2,7 @@
 # One command for the benchmarks: installs the prerequisites (the test ones plus redis-server and
 # matplotlib), builds and installs a release build of the extension, and runs bench/bench.py,
 # which starts its own cluster and Redis servers and writes bench/RESULTS.md and the chart.
-# Takes about 15 minutes with the defaults; pass --quick for a smoke run of the harness.
+# Takes about 20 minutes with the defaults; pass --quick for a smoke run of the harness.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 scripts/bootstrap.sh
