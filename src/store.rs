@@ -771,10 +771,11 @@ fn insert_direct(d: &DirectInsert, req: &ClaimRequest<'_>) -> ClaimResult {
     unsafe {
         let rel = pg_sys::table_open(d.relid, pg_sys::RowExclusiveLock as pg_sys::LOCKMODE);
         let desc = (*rel).rd_att;
-        if (*desc).natts as usize != d.natts {
-            // Changed since the layout was read (its invalidation comes with the lock).
+        if (*desc).natts as usize != d.natts || !(*rel).trigdesc.is_null() {
+            // Changed since the layout was read (its invalidation comes with the lock): this
+            // transaction retries and the next claim reads the table afresh.
             pg_sys::table_close(rel, pg_sys::NoLock as pg_sys::LOCKMODE);
-            internal("the table changed during a claim");
+            table_changed("claim");
         }
         let mut values = vec![pg_sys::Datum::from(0usize); d.natts];
         let mut nulls = vec![true; d.natts];
@@ -851,7 +852,16 @@ unsafe extern "C-unwind" {
 fn internal(what: &str) -> ! {
     raise(
         PgSqlErrorCode::ERRCODE_INTERNAL_ERROR,
-        format!("idempotency.claim: {what}"),
+        format!("idempotency: {what}"),
+        None,
+    )
+}
+
+/// The table was altered while a claim or completion had already chosen how to write to it.
+fn table_changed(what: &str) -> ! {
+    raise(
+        PgSqlErrorCode::ERRCODE_T_R_SERIALIZATION_FAILURE,
+        format!("idempotency: the table changed during a {what}"),
         Some("retry the transaction"),
     )
 }
@@ -1393,9 +1403,9 @@ fn complete_direct(d: &DirectInsert, req: &CompleteRequest<'_>) -> Option<Comple
             pg_sys::index_close(index, pg_sys::NoLock as pg_sys::LOCKMODE);
             pg_sys::table_close(rel, pg_sys::NoLock as pg_sys::LOCKMODE);
         };
-        if (*desc).natts as usize != d.natts {
+        if (*desc).natts as usize != d.natts || !(*rel).trigdesc.is_null() {
             close();
-            internal("the table changed during a completion");
+            table_changed("completion");
         }
         let now = pg_sys::GetCurrentTransactionStartTimestamp();
         for _ in 0..MAX_ROUNDS {
