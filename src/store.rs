@@ -584,6 +584,40 @@ fn probe(scope: &str, key: &str) -> Probe {
         let lock = pg_sys::AccessShareLock as pg_sys::LOCKMODE;
         let heap = pg_sys::table_open(l.relid, lock);
         let index = pg_sys::index_open(l.idxid, lock);
+        let mut found = Probe::Absent;
+        scan_key_dirty(heap, index, scope, key, |slot, xmin, xmax| {
+            if xmin != pg_sys::InvalidTransactionId || xmax != pg_sys::InvalidTransactionId {
+                let mut isnull = false;
+                let d = pg_sys::slot_getattr(slot, l.att[6], &mut isnull);
+                let locked_until = if isnull { None } else { Some(d.value() as i64) };
+                found = Probe::Busy { locked_until };
+                return true;
+            }
+            found = Probe::Committed(row_from_slot(slot, &l.att));
+            false
+        });
+        pg_sys::index_close(index, pg_sys::NoLock as pg_sys::LOCKMODE);
+        pg_sys::table_close(heap, pg_sys::NoLock as pg_sys::LOCKMODE);
+        found
+    }
+}
+
+/// Walks the versions of (scope, key) that a dirty snapshot sees through the primary key, as
+/// PostgreSQL's own unique checks do, until `visit` returns true. `visit` gets each version's
+/// slot and the dirty snapshot's verdict on it: the open transaction that inserted it (xmin) or
+/// is changing, deleting or locking it for an update (xmax), each invalid when there is none.
+unsafe fn scan_key_dirty(
+    heap: pg_sys::Relation,
+    index: pg_sys::Relation,
+    scope: &str,
+    key: &str,
+    mut visit: impl FnMut(
+        *mut pg_sys::TupleTableSlot,
+        pg_sys::TransactionId,
+        pg_sys::TransactionId,
+    ) -> bool,
+) {
+    unsafe {
         let mut snapshot: pg_sys::SnapshotData = std::mem::zeroed();
         snapshot.snapshot_type = pg_sys::SnapshotType::SNAPSHOT_DIRTY;
         let mut keys: [pg_sys::ScanKeyData; 2] = std::mem::zeroed();
@@ -603,24 +637,13 @@ fn probe(scope: &str, key: &str) -> Probe {
         let scan = pg_sys::index_beginscan(heap, index, &mut snapshot, 2, 0);
         pg_sys::index_rescan(scan, keys.as_mut_ptr(), 2, std::ptr::null_mut(), 0);
         let slot = pg_sys::table_slot_create(heap, std::ptr::null_mut());
-        let mut found = Probe::Absent;
         while pg_sys::index_getnext_slot(scan, pg_sys::ScanDirection::ForwardScanDirection, slot) {
-            let other_xact = snapshot.xmin != pg_sys::InvalidTransactionId
-                || snapshot.xmax != pg_sys::InvalidTransactionId;
-            if other_xact {
-                let mut isnull = false;
-                let d = pg_sys::slot_getattr(slot, l.att[6], &mut isnull);
-                let locked_until = if isnull { None } else { Some(d.value() as i64) };
-                found = Probe::Busy { locked_until };
+            if visit(slot, snapshot.xmin, snapshot.xmax) {
                 break;
             }
-            found = Probe::Committed(row_from_slot(slot, &l.att));
         }
         pg_sys::ExecDropSingleTupleTableSlot(slot);
         pg_sys::index_endscan(scan);
-        pg_sys::index_close(index, pg_sys::NoLock as pg_sys::LOCKMODE);
-        pg_sys::table_close(heap, pg_sys::NoLock as pg_sys::LOCKMODE);
-        found
     }
 }
 
@@ -1347,41 +1370,21 @@ unsafe fn newest_version(
     scope: &str,
     key: &str,
 ) -> Newest {
+    let mut found = Newest::Absent;
     unsafe {
-        let mut snapshot: pg_sys::SnapshotData = std::mem::zeroed();
-        snapshot.snapshot_type = pg_sys::SnapshotType::SNAPSHOT_DIRTY;
-        let mut keys: [pg_sys::ScanKeyData; 2] = std::mem::zeroed();
-        let scope_text =
-            pg_sys::cstring_to_text_with_len(scope.as_ptr().cast(), scope.len() as i32);
-        let key_text = pg_sys::cstring_to_text_with_len(key.as_ptr().cast(), key.len() as i32);
-        for (i, d) in [scope_text, key_text].into_iter().enumerate() {
-            pg_sys::ScanKeyInit(
-                &mut keys[i],
-                (i + 1) as pg_sys::AttrNumber,
-                pg_sys::BTEqualStrategyNumber as u16,
-                pg_sys::Oid::from(pg_sys::F_TEXTEQ),
-                pg_sys::Datum::from(d),
-            );
-        }
-        let scan = pg_sys::index_beginscan(rel, index, &mut snapshot, 2, 0);
-        pg_sys::index_rescan(scan, keys.as_mut_ptr(), 2, std::ptr::null_mut(), 0);
-        let slot = pg_sys::table_slot_create(rel, std::ptr::null_mut());
-        let mut found = Newest::Absent;
-        while pg_sys::index_getnext_slot(scan, pg_sys::ScanDirection::ForwardScanDirection, slot) {
-            if snapshot.xmax != pg_sys::InvalidTransactionId {
-                found = Newest::Wait(snapshot.xmax);
-                break;
+        scan_key_dirty(rel, index, scope, key, |slot, xmin, xmax| {
+            if xmax != pg_sys::InvalidTransactionId {
+                found = Newest::Wait(xmax);
+                return true;
             }
-            if snapshot.xmin != pg_sys::InvalidTransactionId {
-                continue; // another transaction's uncommitted insert (or new version)
+            if xmin != pg_sys::InvalidTransactionId {
+                return false; // another transaction's uncommitted insert (or new version)
             }
             found = Newest::Row(pg_sys::ExecCopySlotHeapTuple(slot));
-            break;
-        }
-        pg_sys::ExecDropSingleTupleTableSlot(slot);
-        pg_sys::index_endscan(scan);
-        found
+            true
+        });
     }
+    found
 }
 
 /// [`complete_sql`]'s UPDATE, done directly on the row (READ COMMITTED, table as the extension
