@@ -651,7 +651,7 @@ unsafe fn scan_key_dirty(
 /// positions (0-based), the token sequence and the values of the status labels. Cached with
 /// the layout.
 #[derive(Clone, Copy)]
-struct DirectInsert {
+struct DirectLayout {
     relid: pg_sys::Oid,
     idxid: pg_sys::Oid,
     natts: usize,
@@ -674,7 +674,7 @@ struct DirectInsert {
 
 thread_local! {
     /// Some(None): the table is not as the extension made it; claims insert through SQL.
-    static DIRECT: Cell<Option<Option<DirectInsert>>> = const { Cell::new(None) };
+    static DIRECT: Cell<Option<Option<DirectLayout>>> = const { Cell::new(None) };
 }
 
 /// The columns a fresh claim sets; every other column of the table starts NULL.
@@ -701,24 +701,24 @@ const NULL_COLUMNS: [&str; 4] = [
 /// The table's CHECK constraints as the extension creates them.
 const OWN_CHECKS: u16 = 3;
 
-/// The direct-insert layout, or None when the table differs from the extension's own (a column,
+/// The direct-write layout, or None when the table differs from the extension's own (a column,
 /// CHECK constraint or trigger added by hand, a partitioned table): then the INSERT statement
 /// runs, with everything PostgreSQL would do for it.
-fn direct_insert_layout() -> Option<DirectInsert> {
+fn direct_layout() -> Option<DirectLayout> {
     let l = layout();
     if let Some(d) = DIRECT.with(Cell::get) {
         if d.is_none_or(|d| d.relid == l.relid) {
             return d;
         }
     }
-    let d = unsafe { build_direct_insert(l.relid, l.idxid) };
+    let d = unsafe { build_direct_layout(l.relid, l.idxid) };
     if LAYOUT.with(Cell::get).is_some_and(|c| c.relid == l.relid) {
         DIRECT.with(|c| c.set(Some(d)));
     }
     d
 }
 
-unsafe fn build_direct_insert(relid: pg_sys::Oid, idxid: pg_sys::Oid) -> Option<DirectInsert> {
+unsafe fn build_direct_layout(relid: pg_sys::Oid, idxid: pg_sys::Oid) -> Option<DirectLayout> {
     unsafe {
         let rel = pg_sys::table_open(relid, pg_sys::AccessShareLock as pg_sys::LOCKMODE);
         let desc = (*rel).rd_att;
@@ -760,7 +760,7 @@ unsafe fn build_direct_insert(relid: pg_sys::Oid, idxid: pg_sys::Oid) -> Option<
         if token_seq == pg_sys::InvalidOid {
             return None;
         }
-        Some(DirectInsert {
+        Some(DirectLayout {
             relid,
             idxid,
             natts,
@@ -786,10 +786,10 @@ unsafe fn build_direct_insert(relid: pg_sys::Oid, idxid: pg_sys::Oid) -> Option<
 /// Inserts a fresh claim (absent key, under its insert lock, READ COMMITTED) straight into the
 /// heap and its indexes, as `INSERT_FRESH_SQL` would, without planning or executing a
 /// statement: the row is built here, so the table's CHECK constraints hold by construction,
-/// and [`direct_insert_layout`] sends anything else (triggers, extra columns or constraints)
+/// and [`direct_layout`] sends anything else (triggers, extra columns or constraints)
 /// through SQL. The primary key is still checked by the index (a row inserted some other way
 /// meanwhile is a unique violation, as with the INSERT).
-fn insert_direct(d: &DirectInsert, req: &ClaimRequest<'_>) -> ClaimResult {
+fn insert_direct(d: &DirectLayout, req: &ClaimRequest<'_>) -> ClaimResult {
     use pgrx::IntoDatum;
     unsafe {
         let rel = pg_sys::table_open(d.relid, pg_sys::RowExclusiveLock as pg_sys::LOCKMODE);
@@ -1002,7 +1002,7 @@ pub fn claim(req: &ClaimRequest<'_>) -> ClaimResult {
             // in-progress answers) needs no lock at all. Only an absent key is looked at again
             // under the lock and inserted.
             let found = match probe(req.scope, req.key) {
-                Probe::Absent => probe_or_insert(req, || match direct_insert_layout() {
+                Probe::Absent => probe_or_insert(req, || match direct_layout() {
                     Some(d) => Ok(Step::Done(insert_direct(&d, req))),
                     None => Spi::connect_mut(|client| {
                         Ok(write_claim(client, Write::InsertFresh, req)?
@@ -1269,7 +1269,7 @@ pub fn complete(req: &CompleteRequest<'_>) -> Option<TimestampWithTimeZone> {
     let _path = PinnedSearchPath::pin();
     let read_committed = unsafe { pg_sys::XactIsoLevel } < pg_sys::XACT_REPEATABLE_READ as i32;
     let direct = if read_committed {
-        direct_insert_layout()
+        direct_layout()
     } else {
         None
     };
@@ -1393,7 +1393,7 @@ unsafe fn newest_version(
 /// that it is a live in-progress claim with the given token, and updates it in place
 /// (heap_update, HOT when no indexed column changes), adding index entries only when it was
 /// not HOT.
-fn complete_direct(d: &DirectInsert, req: &CompleteRequest<'_>) -> Option<Completed> {
+fn complete_direct(d: &DirectLayout, req: &CompleteRequest<'_>) -> Option<Completed> {
     use pgrx::IntoDatum;
     unsafe {
         // What this transaction's earlier statements (the claim) wrote must be visible.
