@@ -237,14 +237,7 @@ pub extern "C-unwind" fn idempotency_sweeper_main(arg: pg_sys::Datum) {
     // Deleting expired rows needs no durable commit: after a crash the rows come back still
     // expired (claims treat them as absent) and the next sweep deletes them again. Not waiting
     // for WAL flushes keeps the sweeper's commits off the application's commit path.
-    unsafe {
-        pg_sys::SetConfigOption(
-            c"synchronous_commit".as_ptr(),
-            c"off".as_ptr(),
-            pg_sys::GucContext::PGC_USERSET,
-            pg_sys::GucSource::PGC_S_SESSION,
-        )
-    };
+    set_for_session(c"synchronous_commit", c"off");
     compress_full_page_images();
     lower_priority(guc::SWEEP_NICE.get());
     let total = sweep_in_batches(
@@ -269,15 +262,21 @@ fn compress_full_page_images() {
         )
     });
     if matches!(wanted, Ok(Some(true))) {
-        unsafe {
-            pg_sys::SetConfigOption(
-                c"wal_compression".as_ptr(),
-                c"lz4".as_ptr(),
-                pg_sys::GucContext::PGC_SUSET,
-                pg_sys::GucSource::PGC_S_SESSION,
-            )
-        };
+        set_for_session(c"wal_compression", c"lz4");
     }
+}
+
+/// Sets a server setting for this sweeper's session only (it runs as the bootstrap superuser,
+/// so superuser-only settings are allowed).
+fn set_for_session(name: &std::ffi::CStr, value: &std::ffi::CStr) {
+    unsafe {
+        pg_sys::SetConfigOption(
+            name.as_ptr(),
+            value.as_ptr(),
+            pg_sys::GucContext::PGC_SUSET,
+            pg_sys::GucSource::PGC_S_SESSION,
+        )
+    };
 }
 
 /// Runs `delete_batch` (each call in its own transaction) until a batch comes back short, the

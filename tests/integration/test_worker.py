@@ -241,6 +241,46 @@ def test_sweeper_yields_to_sessions_that_write(preloaded):
             a.execute("SELECT pg_reload_conf()")
 
 
+def test_sweeper_compresses_its_full_page_images(preloaded):
+    """With wal_compression off for the server, the sweeper's full-page images are lz4; a
+    session's own sweep() writes them uncompressed."""
+    def images_of_a_sweep(a, prefix, background):
+        a.execute("ALTER SYSTEM SET idempotency.sweep_interval = '1h'")
+        a.execute("SELECT pg_reload_conf()")
+        time.sleep(2)  # the round the reload started has nothing left to do
+        a.execute("""INSERT INTO idempotency.idempotency_keys
+                       (key, request_hash, status, token, response, response_status, expires_at, ttl, completed_at)
+                     SELECT %s || i || md5(random()::text), sha256(random()::text::bytea), 'completed', -i,
+                            jsonb_build_object('id', md5(random()::text)), 200, now() - interval '1 minute',
+                            interval '1 hour', now()
+                       FROM generate_series(1, 5000) i""", (prefix,))
+        a.execute("CHECKPOINT")
+        start = a.execute("SELECT pg_current_wal_lsn()").fetchone()[0]
+        if background:
+            a.execute("ALTER SYSTEM SET idempotency.sweep_interval = '1s'")
+            a.execute("SELECT pg_reload_conf()")
+            assert wait_for(lambda: count(a, prefix + "%") == 0, timeout=20)
+        else:
+            a.execute("SELECT idempotency.sweep()")
+        node = a.execute("SELECT pg_relation_filenode('idempotency.idempotency_keys')").fetchone()[0]
+        return [r[0] for r in a.execute(
+            "SELECT block_ref FROM pg_get_wal_records_info(%s, pg_current_wal_lsn()) "
+            "WHERE fpi_length > 0 AND block_ref LIKE %s", (start, f"%/{node} fork main %"))]
+
+    with connect(preloaded) as a:
+        a.execute("CREATE EXTENSION IF NOT EXISTS pg_walinspect")
+        try:
+            assert a.execute("SHOW wal_compression").fetchone()[0] == "off"
+            swept = images_of_a_sweep(a, "fpi-bg-", background=True)
+            assert swept and all("method: lz4" in r for r in swept), swept[:3]
+            by_hand = images_of_a_sweep(a, "fpi-fn-", background=False)
+            assert by_hand and not any("method:" in r for r in by_hand), by_hand[:3]
+        finally:
+            a.execute("ALTER SYSTEM SET idempotency.sweep_interval = '1s'")  # the fixture's
+            a.execute("SELECT pg_reload_conf()")
+            a.execute("DROP EXTENSION IF EXISTS pg_walinspect")
+
+
 def test_sweepers_run_at_the_configured_niceness(preloaded):
     def newest_sweeper_nice(setting):
         with connect(preloaded) as a:
