@@ -53,6 +53,8 @@ pub enum CanonError {
     InvalidPointer(String),
     /// Text that is not JSON (only from [`parse_json`]).
     Parse(String),
+    /// A jsonb value whose binary form does not hold together (only from reading jsonb).
+    Damaged,
 }
 
 impl fmt::Display for CanonError {
@@ -72,6 +74,7 @@ impl fmt::Display for CanonError {
                 abbreviate(p, 80)
             ),
             CanonError::Parse(m) => write!(f, "invalid JSON: {m}"),
+            CanonError::Damaged => write!(f, "the jsonb value's binary form is damaged"),
         }
     }
 }

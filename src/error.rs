@@ -40,6 +40,7 @@ pub fn canon_error(arg: &str, e: CanonError) -> ! {
         CanonError::InvalidPointer(_) | CanonError::Parse(_) => {
             PgSqlErrorCode::ERRCODE_INVALID_TEXT_REPRESENTATION
         }
+        CanonError::Damaged => PgSqlErrorCode::ERRCODE_DATA_CORRUPTED,
     };
     let hint = match e {
         CanonError::NumberOutOfRange(_) => {

@@ -112,10 +112,10 @@ pub unsafe fn to_value(datum: pg_sys::Datum) -> Result<Value, CanonError> {
 }
 
 /// Writes the canonical form of a (possibly toasted) jsonb datum straight from its binary form,
-/// without building a tree or copying output: each object's members are read (nested
-/// containers unopened), put into RFC 8785 order, and written one by one, descending into
-/// nested containers as they come. Same output as `canonical::write_canonical` on
-/// [`to_value`]'s tree (a test compares the two).
+/// without building a tree, copying output or calling into the server per value: each
+/// object's members are read (nested containers unopened), put into RFC 8785 order, and
+/// written one by one, descending into nested containers as they come. Same output as
+/// `canonical::write_canonical` on [`to_value`]'s tree (tests compare the two).
 ///
 /// # Safety
 /// `datum` must be a non-NULL jsonb datum.
@@ -125,23 +125,18 @@ pub unsafe fn write_canonical(
     out: &mut String,
 ) -> Result<(), CanonError> {
     unsafe {
-        let jb = pg_sys::pg_detoast_datum(datum.cast_mut_ptr()) as *mut pg_sys::Jsonb;
-        write_container(&mut (*jb).root, mode, out, 0)
-    }
-}
-
-/// A string of the jsonb (valid as long as the jsonb is).
-unsafe fn text<'a>(v: &pg_sys::JsonbValue) -> &'a str {
-    unsafe {
-        let s = v.val.string;
-        let bytes = std::slice::from_raw_parts(s.val as *const u8, s.len as usize);
-        if utf8_database() {
-            // PostgreSQL verifies every text it takes in against a UTF-8 database's encoding
-            // (jsonb's parser included), as pgrx relies on for its own &str conversions.
-            std::str::from_utf8_unchecked(bytes)
-        } else {
-            std::str::from_utf8(bytes).unwrap_or("\u{fffd}")
+        let mut ptr = datum.cast_mut_ptr::<pg_sys::varlena>();
+        // Read in place unless compressed or stored out of line.
+        let in_place = pgrx::varlena::varatt_is_4b_u(ptr)
+            || (pgrx::varlena::varatt_is_1b(ptr) && !pgrx::varlena::varatt_is_1b_e(ptr));
+        if !in_place {
+            ptr = pg_sys::pg_detoast_datum(ptr);
         }
+        let bytes = std::slice::from_raw_parts(
+            pgrx::varlena::vardata_any(ptr).cast::<u8>(),
+            pgrx::varlena::varsize_any_exhdr(ptr),
+        );
+        write_container(Container(bytes), mode, out, 0, utf8_database())
     }
 }
 
@@ -161,96 +156,218 @@ fn utf8_database() -> bool {
     })
 }
 
-unsafe fn write_value(
-    v: &pg_sys::JsonbValue,
+// jsonb's binary layout (src/include/utils/jsonb.h, unchanged since 9.4): a container is a
+// 32-bit header (count and kind), one 32-bit JEntry per child (an object's keys first, then its
+// values), then the children's data. A JEntry holds the child's type and either its length or,
+// every 32nd child, its end offset. Numbers and nested containers start int-aligned.
+const JB_CMASK: u32 = 0x0FFF_FFFF;
+const JB_FSCALAR: u32 = 0x1000_0000;
+const JB_FOBJECT: u32 = 0x2000_0000;
+const JB_FARRAY: u32 = 0x4000_0000;
+const JENTRY_OFFLENMASK: u32 = 0x0FFF_FFFF;
+const JENTRY_TYPEMASK: u32 = 0x7000_0000;
+const JENTRY_HAS_OFF: u32 = 0x8000_0000;
+const JENTRY_ISSTRING: u32 = 0x0000_0000;
+const JENTRY_ISNUMERIC: u32 = 0x1000_0000;
+const JENTRY_ISBOOL_FALSE: u32 = 0x2000_0000;
+const JENTRY_ISBOOL_TRUE: u32 = 0x3000_0000;
+const JENTRY_ISNULL: u32 = 0x4000_0000;
+const JENTRY_ISCONTAINER: u32 = 0x5000_0000;
+
+/// One jsonb container's bytes (slices keep every read in bounds: a damaged value gives an
+/// error, not a wild read).
+#[derive(Clone, Copy)]
+struct Container<'a>(&'a [u8]);
+
+/// One child of a container.
+#[derive(Clone, Copy)]
+enum Child<'a> {
+    Null,
+    Bool(bool),
+    String(&'a [u8]),
+    /// A `numeric` varlena, possibly unaligned.
+    Number(&'a [u8]),
+    Container(Container<'a>),
+}
+
+fn damaged() -> CanonError {
+    CanonError::Damaged
+}
+
+impl<'a> Container<'a> {
+    fn word(&self, at: usize) -> Result<u32, CanonError> {
+        let b = self.0.get(at..at + 4).ok_or_else(damaged)?;
+        Ok(u32::from_ne_bytes([b[0], b[1], b[2], b[3]]))
+    }
+
+    fn header(&self) -> Result<u32, CanonError> {
+        self.word(0)
+    }
+
+    fn count(&self) -> Result<usize, CanonError> {
+        Ok((self.header()? & JB_CMASK) as usize)
+    }
+
+    fn entry(&self, i: usize) -> Result<u32, CanonError> {
+        self.word(4 + 4 * i)
+    }
+
+    /// Where child `i`'s data starts, relative to the data area.
+    fn offset(&self, i: usize) -> Result<usize, CanonError> {
+        let mut offset = 0usize;
+        for j in (0..i).rev() {
+            let e = self.entry(j)?;
+            offset += (e & JENTRY_OFFLENMASK) as usize;
+            if e & JENTRY_HAS_OFF != 0 {
+                break;
+            }
+        }
+        Ok(offset)
+    }
+
+    /// Child `i` of a container with `entries` JEntries.
+    fn child(&self, i: usize, entries: usize) -> Result<Child<'a>, CanonError> {
+        let e = self.entry(i)?;
+        let start = self.offset(i)?;
+        let end = if e & JENTRY_HAS_OFF != 0 {
+            (e & JENTRY_OFFLENMASK) as usize
+        } else {
+            start + (e & JENTRY_OFFLENMASK) as usize
+        };
+        let base = 4 + 4 * entries;
+        let data = |from: usize| {
+            (from <= end)
+                .then(|| self.0.get(base + from..base + end))
+                .flatten()
+                .ok_or_else(damaged)
+        };
+        let aligned = (start + 3) & !3;
+        Ok(match e & JENTRY_TYPEMASK {
+            JENTRY_ISSTRING => Child::String(data(start)?),
+            JENTRY_ISNUMERIC => Child::Number(data(aligned)?),
+            JENTRY_ISBOOL_FALSE => Child::Bool(false),
+            JENTRY_ISBOOL_TRUE => Child::Bool(true),
+            JENTRY_ISNULL => Child::Null,
+            JENTRY_ISCONTAINER => Child::Container(Container(data(aligned)?)),
+            _ => return Err(damaged()),
+        })
+    }
+}
+
+/// A jsonb string as text: valid UTF-8 in a UTF-8 database (PostgreSQL verifies every text it
+/// takes in against the database encoding, jsonb's parser included, as pgrx relies on for its
+/// own &str conversions); checked in any other.
+fn string_of(bytes: &[u8], utf8: bool) -> &str {
+    if utf8 {
+        // SAFETY: see above.
+        unsafe { std::str::from_utf8_unchecked(bytes) }
+    } else {
+        std::str::from_utf8(bytes).unwrap_or("\u{fffd}")
+    }
+}
+
+fn write_child(
+    child: Child<'_>,
     mode: crate::canonical::NumberMode,
     out: &mut String,
     depth: usize,
+    utf8: bool,
 ) -> Result<(), CanonError> {
     use crate::canonical::{write_number, write_string};
-    unsafe {
-        match v.type_ {
-            pg_sys::jbvType::jbvNull => out.push_str("null"),
-            pg_sys::jbvType::jbvBool => out.push_str(if v.val.boolean { "true" } else { "false" }),
-            pg_sys::jbvType::jbvString => write_string(text(v), out),
-            pg_sys::jbvType::jbvNumeric => {
-                let mut text = [0u8; 64];
-                match numeric_text(v.val.numeric, &mut text) {
-                    Some(t) => write_number(t, mode, out)?,
-                    None => {
-                        let t = pg_sys::numeric_normalize(v.val.numeric);
-                        let r = write_number(&CStr::from_ptr(t).to_string_lossy(), mode, out);
-                        pg_sys::pfree(t.cast());
-                        r?;
-                    }
+    match child {
+        Child::Null => out.push_str("null"),
+        Child::Bool(b) => out.push_str(if b { "true" } else { "false" }),
+        Child::String(s) => write_string(string_of(s, utf8), out),
+        Child::Number(n) => unsafe {
+            // Read from an aligned copy: a jsonb read in place (a short varlena header) puts
+            // its numbers at odd addresses.
+            let mut small = [0u64; 16];
+            let copy = if n.len() <= std::mem::size_of_val(&small) {
+                let p = small.as_mut_ptr().cast::<u8>();
+                std::ptr::copy_nonoverlapping(n.as_ptr(), p, n.len());
+                p
+            } else {
+                let p = pg_sys::palloc(n.len()).cast::<u8>();
+                std::ptr::copy_nonoverlapping(n.as_ptr(), p, n.len());
+                p
+            };
+            // The numeric's own varlena header tells its length; it must lie within `n`.
+            if n.is_empty() || pgrx::varlena::varsize_any(copy.cast()) > n.len() {
+                return Err(damaged());
+            }
+            let num = copy as pg_sys::Numeric;
+            let mut text = [0u8; 64];
+            match numeric_text(num, &mut text) {
+                Some(t) => write_number(t, mode, out)?,
+                None => {
+                    // Rare (more than 60 digits): the server lays it out.
+                    let t = pg_sys::numeric_normalize(num);
+                    let r = write_number(&CStr::from_ptr(t).to_string_lossy(), mode, out);
+                    pg_sys::pfree(t.cast());
+                    r?;
                 }
             }
-            pg_sys::jbvType::jbvBinary => write_container(v.val.binary.data, mode, out, depth)?,
-            other => panic!("unexpected jsonb value type {other}"),
-        }
+        },
+        Child::Container(c) => write_container(c, mode, out, depth, utf8)?,
     }
     Ok(())
 }
 
 /// Writes one container (object, array, or the raw-scalar wrapper of a top-level scalar).
-unsafe fn write_container(
-    container: *mut pg_sys::JsonbContainer,
+fn write_container(
+    c: Container<'_>,
     mode: crate::canonical::NumberMode,
     out: &mut String,
     depth: usize,
+    utf8: bool,
 ) -> Result<(), CanonError> {
     use crate::canonical::{utf16_cmp, write_string};
-    unsafe {
-        let mut it = pg_sys::JsonbIteratorInit(container);
-        let mut v: pg_sys::JsonbValue = std::mem::zeroed();
-        match pg_sys::JsonbIteratorNext(&mut it, &mut v, true) {
-            Tok::WJB_BEGIN_ARRAY if v.val.array.rawScalar => {
-                pg_sys::JsonbIteratorNext(&mut it, &mut v, true);
-                write_value(&v, mode, out, depth)?;
+    let header = c.header()?;
+    let count = c.count()?;
+    if header & JB_FARRAY != 0 {
+        if header & JB_FSCALAR != 0 {
+            if count != 1 {
+                return Err(damaged());
             }
-            Tok::WJB_BEGIN_ARRAY => {
-                if depth + 1 > MAX_DEPTH {
-                    return Err(CanonError::TooDeep);
-                }
-                out.push('[');
-                let mut first = true;
-                while pg_sys::JsonbIteratorNext(&mut it, &mut v, true) == Tok::WJB_ELEM {
-                    if !first {
-                        out.push(',');
-                    }
-                    first = false;
-                    write_value(&v, mode, out, depth + 1)?;
-                }
-                out.push(']');
-            }
-            Tok::WJB_BEGIN_OBJECT => {
-                if depth + 1 > MAX_DEPTH {
-                    return Err(CanonError::TooDeep);
-                }
-                let mut members: Vec<(&str, pg_sys::JsonbValue)> =
-                    Vec::with_capacity(v.val.object.nPairs.max(0) as usize);
-                let mut key = "";
-                loop {
-                    match pg_sys::JsonbIteratorNext(&mut it, &mut v, true) {
-                        Tok::WJB_KEY => key = text(&v),
-                        Tok::WJB_VALUE => members.push((key, v)),
-                        _ => break,
-                    }
-                }
-                members.sort_by(|a, b| utf16_cmp(a.0, b.0));
-                out.push('{');
-                for (i, (k, value)) in members.iter().enumerate() {
-                    if i > 0 {
-                        out.push(',');
-                    }
-                    write_string(k, out);
-                    out.push(':');
-                    write_value(value, mode, out, depth + 1)?;
-                }
-                out.push('}');
-            }
-            other => panic!("unexpected jsonb iterator token {other}"),
+            return write_child(c.child(0, 1)?, mode, out, depth, utf8);
         }
+        if depth + 1 > MAX_DEPTH {
+            return Err(CanonError::TooDeep);
+        }
+        out.push('[');
+        for i in 0..count {
+            if i > 0 {
+                out.push(',');
+            }
+            write_child(c.child(i, count)?, mode, out, depth + 1, utf8)?;
+        }
+        out.push(']');
+    } else if header & JB_FOBJECT != 0 {
+        if depth + 1 > MAX_DEPTH {
+            return Err(CanonError::TooDeep);
+        }
+        let entries = 2 * count;
+        let mut members: Vec<(&str, usize)> = Vec::with_capacity(count);
+        for i in 0..count {
+            let Child::String(name) = c.child(i, entries)? else {
+                return Err(damaged());
+            };
+            members.push((string_of(name, utf8), count + i));
+        }
+        // jsonb keeps keys ordered by length, then bytes; RFC 8785 wants UTF-16 order.
+        members.sort_by(|a, b| utf16_cmp(a.0, b.0));
+        out.push('{');
+        for (i, (name, value)) in members.iter().enumerate() {
+            if i > 0 {
+                out.push(',');
+            }
+            write_string(name, out);
+            out.push(':');
+            write_child(c.child(*value, entries)?, mode, out, depth + 1, utf8)?;
+        }
+        out.push('}');
+    } else {
+        return Err(damaged());
     }
     Ok(())
 }
