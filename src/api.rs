@@ -125,14 +125,16 @@ unsafe fn checked_key_and_scope(
     s: usize,
 ) -> (String, String) {
     unsafe {
-        let key: Option<String> = pg_getarg(fcinfo, k);
-        let scope: Option<String> = pg_getarg(fcinfo, s);
-        check(keys::check_key("key", key.as_deref(), false));
-        check(keys::check_key("scope", scope.as_deref(), true));
+        let key: Option<&str> = pg_getarg(fcinfo, k);
+        let scope: Option<&str> = pg_getarg(fcinfo, s);
+        check(keys::check_key("key", key, false));
+        check(keys::check_key("scope", scope, true));
         // Both were checked to be non-NULL above.
         let (key, scope) = (key.unwrap_or_default(), scope.unwrap_or_default());
-        check(keys::check_scope_allowed(&scope, &guc::scope_prefix()));
-        (key, scope)
+        check(guc::with_scope_prefix(|prefix| {
+            keys::check_scope_allowed(scope, prefix)
+        }));
+        (key.to_owned(), scope.to_owned())
     }
 }
 
@@ -140,7 +142,7 @@ unsafe fn checked_key_and_scope(
 /// store keeps keys hashed).
 unsafe fn key_and_scope(fcinfo: pg_sys::FunctionCallInfo, k: usize, s: usize) -> (String, String) {
     let (key, scope) = unsafe { checked_key_and_scope(fcinfo, k, s) };
-    (store::stored_key(&key), scope)
+    (store::stored_key(key), scope)
 }
 
 /// An optional `ttl` argument (NULL: the caller's default applies), checked when given.
@@ -302,10 +304,20 @@ unsafe fn tuple_datum(
     tupdesc: pg_sys::TupleDesc,
     fields: &[Option<pg_sys::Datum>],
 ) -> pg_sys::Datum {
+    // The result types have a handful of columns: on the stack, unless one was widened a lot.
+    const ON_STACK: usize = 16;
     unsafe {
         let natts = (*tupdesc).natts as usize;
-        let mut values = vec![pg_sys::Datum::from(0usize); natts];
-        let mut nulls = vec![true; natts];
+        let (mut stack_values, mut stack_nulls) =
+            ([pg_sys::Datum::from(0usize); ON_STACK], [true; ON_STACK]);
+        let (mut heap_values, mut heap_nulls) = (Vec::new(), Vec::new());
+        let (values, nulls): (&mut [pg_sys::Datum], &mut [bool]) = if natts <= ON_STACK {
+            (&mut stack_values[..natts], &mut stack_nulls[..natts])
+        } else {
+            heap_values.resize(natts, pg_sys::Datum::from(0usize));
+            heap_nulls.resize(natts, true);
+            (&mut heap_values, &mut heap_nulls)
+        };
         for (i, f) in fields.iter().enumerate().take(natts) {
             if let Some(d) = f {
                 values[i] = *d;

@@ -25,12 +25,15 @@ pub static AUDIT: GucSetting<bool> = GucSetting::<bool>::new(false);
 /// Seconds audit rows are kept (0: kept until deleted by hand).
 pub static AUDIT_RETENTION: GucSetting<i32> = GucSetting::<i32>::new(0);
 
-/// The session's scope prefix ("" when unset).
-pub fn scope_prefix() -> String {
-    SCOPE_PREFIX
-        .get()
-        .map(|c| c.to_string_lossy().into_owned())
-        .unwrap_or_default()
+/// Calls `f` with the session's scope prefix ("" when unset), read in place: the setting's
+/// memory stays valid until it is changed, which cannot happen during `f`.
+pub fn with_scope_prefix<R>(f: impl FnOnce(&str) -> R) -> R {
+    // SAFETY: the GUC machinery keeps a valid C string (or NULL) in the setting's variable.
+    let raw = unsafe { *SCOPE_PREFIX.as_ptr() };
+    if raw.is_null() {
+        return f("");
+    }
+    f(&unsafe { std::ffi::CStr::from_ptr(raw) }.to_string_lossy())
 }
 
 /// Longest TTL or lease a setting accepts: ten years in seconds.

@@ -5,6 +5,7 @@
 //!   derivation, the claim state machine, signed and hashed keys), tested with plain `cargo test`;
 //! - `jsonb`: reads a jsonb datum into the canonical tree;
 //! - `store`: the SQL the extension runs against its table (claim, sweep);
+//! - `ffi`: the replay path's primary-key look-up as one call into PostgreSQL;
 //! - `api`: the SQL-callable functions, declared in `sql/idempotency.sql`;
 //! - `worker`: the background sweeper (launcher and per-database sweepers);
 //! - `stats`: counters in shared memory;
@@ -13,6 +14,7 @@
 pub mod api;
 pub mod canonical;
 pub mod error;
+pub mod ffi;
 pub mod guc;
 pub mod jsonb;
 pub mod keys;

@@ -3,7 +3,7 @@
 
 use crate::error::raise;
 use crate::state::{self, Decision, Stored};
-use crate::{guc, stats};
+use crate::{ffi, guc, stats};
 use pgrx::datum::{Interval, TimestampWithTimeZone};
 use pgrx::pg_sys;
 use pgrx::prelude::*;
@@ -424,11 +424,11 @@ fn keys_hashed() -> bool {
 
 /// The form in which `key` is stored: itself, or its SHA-256 in hex when the store keeps
 /// keys hashed (`idempotency.set_key_storage`).
-pub fn stored_key(key: &str) -> String {
+pub fn stored_key(key: String) -> String {
     if keys_hashed() {
-        crate::signing::hashed_key(key)
+        crate::signing::hashed_key(&key)
     } else {
-        key.to_string()
+        key
     }
 }
 
@@ -542,32 +542,32 @@ fn check_access() {
 }
 
 /// Reads the row in `slot` (copied out of the buffer) and judges it at `now()`.
-unsafe fn row_from_slot(slot: *mut pg_sys::TupleTableSlot, att: &[i32; 7]) -> Row {
+/// The row as [`ffi::look_up`] read it: the columns of `Layout::att`, variable-length ones
+/// already copied out of the table.
+fn row_from_version(v: &ffi::Version) -> Row {
+    let value = |i: usize| (!v.nulls[i]).then_some(v.values[i]);
+    let [hash, token, response, status, recovery, expires, locked] = std::array::from_fn(value);
+    let now = unsafe { pg_sys::GetCurrentTransactionStartTimestamp() };
+    let expires_at = expires.map_or(0, |d| d.value() as i64);
+    let locked_until = locked.map(|d| d.value() as i64);
     unsafe {
-        let get = |n: i32| {
-            let mut isnull = false;
-            let d = pg_sys::slot_getattr(slot, n, &mut isnull);
-            (d, isnull)
-        };
-        let (hash, hash_null) = get(att[0]);
-        let (token, _) = get(att[1]);
-        let (response, response_null) = get(att[2]);
-        let (status, status_null) = get(att[3]);
-        let (recovery, recovery_null) = get(att[4]);
-        let (expires, _) = get(att[5]);
-        let (locked, locked_null) = get(att[6]);
-        let now = pg_sys::GetCurrentTransactionStartTimestamp();
-        let expires_at = expires.value() as i64;
-        let locked_until = (!locked_null).then_some(locked.value() as i64);
         Row {
             // The table's CHECK constraint ties "completed" to locked_until IS NULL.
-            completed: locked_null,
-            request_hash: Vec::<u8>::from_datum(hash, hash_null),
-            token: Some(token.value() as i64),
-            response: OwnedJsonb::from_datum(response, response_null),
-            response_status: (!status_null).then_some(status.value() as i32),
-            recovery_point: String::from_datum(recovery, recovery_null),
-            expires_at: TimestampWithTimeZone::from_datum(expires, false),
+            completed: locked_until.is_none(),
+            request_hash: hash.map(|d| {
+                let p = d.cast_mut_ptr::<pg_sys::varlena>();
+                std::slice::from_raw_parts(
+                    pgrx::varlena::vardata_any(p).cast::<u8>(),
+                    pgrx::varlena::varsize_any_exhdr(p),
+                )
+                .to_vec()
+            }),
+            token: token.map(|d| d.value() as i64),
+            // Copies in the function's memory context already: no second copy.
+            response: response.map(OwnedJsonb),
+            response_status: status.map(|d| d.value() as i32),
+            recovery_point: recovery.and_then(|d| String::from_datum(d, false)),
+            expires_at: expires.and_then(|d| TimestampWithTimeZone::from_datum(d, false)),
             expired: expires_at <= now,
             lease_over: locked_until.is_some_and(|l| l <= now),
             retry_after: Some(seconds_left(locked_until)),
@@ -580,25 +580,15 @@ unsafe fn row_from_slot(slot: *mut pg_sys::TupleTableSlot, att: &[i32; 7]) -> Ro
 /// transaction is inserting, changing or deleting the key.
 fn probe(scope: &str, key: &str) -> Probe {
     let l = layout();
-    unsafe {
-        let lock = pg_sys::AccessShareLock as pg_sys::LOCKMODE;
-        let heap = pg_sys::table_open(l.relid, lock);
-        let index = pg_sys::index_open(l.idxid, lock);
-        let mut found = Probe::Absent;
-        scan_key_dirty(heap, index, scope, key, |slot, xmin, xmax| {
-            if xmin != pg_sys::InvalidTransactionId || xmax != pg_sys::InvalidTransactionId {
-                let mut isnull = false;
-                let d = pg_sys::slot_getattr(slot, l.att[6], &mut isnull);
-                let locked_until = if isnull { None } else { Some(d.value() as i64) };
-                found = Probe::Busy { locked_until };
-                return true;
-            }
-            found = Probe::Committed(row_from_slot(slot, &l.att));
-            false
-        });
-        pg_sys::index_close(index, pg_sys::NoLock as pg_sys::LOCKMODE);
-        pg_sys::table_close(heap, pg_sys::NoLock as pg_sys::LOCKMODE);
-        found
+    let v = unsafe { ffi::look_up(l.relid, l.idxid, scope, key, &l.att) };
+    if !v.exists {
+        Probe::Absent
+    } else if v.xmin != pg_sys::InvalidTransactionId || v.xmax != pg_sys::InvalidTransactionId {
+        Probe::Busy {
+            locked_until: (!v.nulls[6]).then(|| v.values[6].value() as i64),
+        }
+    } else {
+        Probe::Committed(row_from_version(&v))
     }
 }
 
@@ -719,6 +709,7 @@ fn direct_layout() -> Option<DirectLayout> {
 }
 
 unsafe fn build_direct_layout(relid: pg_sys::Oid, idxid: pg_sys::Oid) -> Option<DirectLayout> {
+    let _path = PinnedSearchPath::pin();
     unsafe {
         let rel = pg_sys::table_open(relid, pg_sys::AccessShareLock as pg_sys::LOCKMODE);
         let desc = (*rel).rd_att;
@@ -978,15 +969,15 @@ const MAX_ROUNDS: usize = 50;
 /// probe's row is the answer: replays, mismatches and in-progress answers touch no SQL at all.
 /// Under REPEATABLE READ and SERIALIZABLE the row is read through the transaction's snapshot.
 pub fn claim(req: &ClaimRequest<'_>) -> ClaimResult {
-    let _path = PinnedSearchPath::pin();
     check_access();
     let wait = Duration::from_millis(guc::CLAIM_WAIT.get().max(0) as u64);
-    let started = Instant::now();
+    // Only a wait for a busy key needs the clock.
+    let mut started = None;
     let snapshot_reads = unsafe { pg_sys::XactIsoLevel } >= pg_sys::XACT_REPEATABLE_READ as i32;
     let mut rounds = 0;
     while rounds < MAX_ROUNDS {
         let step = if snapshot_reads {
-            Spi::connect_mut(|client| match read_row(client, false, req)? {
+            with_spi(|client| match read_row(client, false, req)? {
                 Some(row) => decide(client, req, row),
                 None => match probe_or_insert(req, || insert(client, req)) {
                     Looked::Inserted(step) => step,
@@ -1004,7 +995,7 @@ pub fn claim(req: &ClaimRequest<'_>) -> ClaimResult {
             let found = match probe(req.scope, req.key) {
                 Probe::Absent => probe_or_insert(req, || match direct_layout() {
                     Some(d) => Ok(Step::Done(insert_direct(&d, req))),
-                    None => Spi::connect_mut(|client| {
+                    None => with_spi(|client| {
                         Ok(write_claim(client, Write::InsertFresh, req)?
                             .map_or(Step::Again, Step::Done))
                     }),
@@ -1020,7 +1011,7 @@ pub fn claim(req: &ClaimRequest<'_>) -> ClaimResult {
                             Ok(Step::Done(answer(req, d, row)))
                         }
                         Decision::Restart | Decision::TakeOver => {
-                            Spi::connect_mut(|client| decide(client, req, row))
+                            with_spi(|client| decide(client, req, row))
                         }
                     }
                 }
@@ -1030,7 +1021,7 @@ pub fn claim(req: &ClaimRequest<'_>) -> ClaimResult {
         match step {
             Ok(Step::Done(result)) => return result,
             Ok(Step::Busy(locked_until)) => {
-                if started.elapsed() >= wait {
+                if started.get_or_insert_with(Instant::now).elapsed() >= wait {
                     return busy_result(locked_until);
                 }
                 sleep_a_little();
@@ -1052,6 +1043,13 @@ pub fn claim(req: &ClaimRequest<'_>) -> ClaimResult {
         ),
         Some("retry the transaction"),
     )
+}
+
+/// Runs statements through SPI with the search path pinned (see [`PinnedSearchPath`]). Only
+/// the paths that run SQL pin it: the look-up and the direct writes resolve no names.
+fn with_spi<R>(f: impl FnOnce(&mut SpiClient<'_>) -> R) -> R {
+    let _path = PinnedSearchPath::pin();
+    Spi::connect_mut(f)
 }
 
 enum Looked {

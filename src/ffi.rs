@@ -1,0 +1,171 @@
+//! The replay path's look at the primary key, as one call into PostgreSQL.
+//!
+//! pgrx wraps every `pg_sys` function in its own error boundary (a `sigsetjmp` and a thread
+//! check per call). A claim that replays makes some twenty such calls to open the table, scan
+//! the index and read the row, and on a 2-core machine the boundaries alone were a visible part
+//! of its cost. Here the same calls are declared directly and made inside a single
+//! [`pg_sys::ffi::pg_guard_ffi_boundary`]: an ERROR raised by any of them (an I/O error, a
+//! cancel, out of memory) still becomes a Rust panic at that boundary and an ERROR of the
+//! calling function, as with the wrapped calls.
+//!
+//! What makes that sound: everything between the boundary and the C functions is a plain old
+//! frame. [`look_up`] and its callees hold raw pointers and `Copy` values only, nothing with a
+//! destructor, and never panic, so a `longjmp` out of a C call skips nothing that had to run.
+
+use pgrx::pg_sys;
+use std::ffi::{c_char, c_int};
+
+unsafe extern "C-unwind" {
+    fn table_open(relation_id: pg_sys::Oid, lockmode: pg_sys::LOCKMODE) -> pg_sys::Relation;
+    fn index_open(relation_id: pg_sys::Oid, lockmode: pg_sys::LOCKMODE) -> pg_sys::Relation;
+    fn table_close(relation: pg_sys::Relation, lockmode: pg_sys::LOCKMODE);
+    fn index_close(relation: pg_sys::Relation, lockmode: pg_sys::LOCKMODE);
+    fn cstring_to_text_with_len(s: *const c_char, len: c_int) -> *mut pg_sys::text;
+    fn ScanKeyInit(
+        entry: pg_sys::ScanKey,
+        attribute_number: pg_sys::AttrNumber,
+        strategy: pg_sys::StrategyNumber,
+        procedure: pg_sys::RegProcedure,
+        argument: pg_sys::Datum,
+    );
+    fn index_beginscan(
+        heap: pg_sys::Relation,
+        index: pg_sys::Relation,
+        snapshot: pg_sys::Snapshot,
+        nkeys: c_int,
+        norderbys: c_int,
+    ) -> pg_sys::IndexScanDesc;
+    fn index_rescan(
+        scan: pg_sys::IndexScanDesc,
+        keys: pg_sys::ScanKey,
+        nkeys: c_int,
+        orderbys: pg_sys::ScanKey,
+        norderbys: c_int,
+    );
+    fn table_slot_create(
+        rel: pg_sys::Relation,
+        reglist: *mut *mut pg_sys::List,
+    ) -> *mut pg_sys::TupleTableSlot;
+    fn index_getnext_slot(
+        scan: pg_sys::IndexScanDesc,
+        direction: pg_sys::ScanDirection::Type,
+        slot: *mut pg_sys::TupleTableSlot,
+    ) -> bool;
+    fn slot_getsomeattrs_int(slot: *mut pg_sys::TupleTableSlot, attnum: c_int);
+    fn pg_detoast_datum_copy(datum: *mut pg_sys::varlena) -> *mut pg_sys::varlena;
+    fn datumCopy(value: pg_sys::Datum, typbyval: bool, typlen: c_int) -> pg_sys::Datum;
+    fn ExecDropSingleTupleTableSlot(slot: *mut pg_sys::TupleTableSlot);
+    fn index_endscan(scan: pg_sys::IndexScanDesc);
+}
+
+/// Columns read from the row, in the order of `store::Layout::att`.
+pub const COLUMNS: usize = 7;
+
+/// What the dirty-snapshot look found: the first version of the key it sees.
+#[derive(Clone, Copy)]
+pub struct Version {
+    /// False: no version of the key exists, committed or not.
+    pub exists: bool,
+    /// The open transaction that inserted the version, or is changing, deleting or locking it
+    /// for an update (invalid when none).
+    pub xmin: pg_sys::TransactionId,
+    pub xmax: pg_sys::TransactionId,
+    /// The columns of `att` (1-based attribute numbers, all positive), by value; variable-length
+    /// ones are detoasted copies in the caller's memory context, as they must outlive the scan.
+    pub values: [pg_sys::Datum; COLUMNS],
+    pub nulls: [bool; COLUMNS],
+}
+
+/// Looks (scope, key) up through the primary key `index` of `heap` with a dirty snapshot, as
+/// PostgreSQL's own unique checks do, and reads the columns `att` of the first version seen.
+///
+/// A dirty snapshot sees at most one version of a key that no open transaction is changing:
+/// the unique index admits no second live one. So the first version answers: either it is
+/// committed and untouched, or an open transaction is on it.
+///
+/// # Safety
+/// Call from the backend's main thread with valid OIDs of a table and its (scope, key) btree
+/// index whose key columns are `text COLLATE "C"`, and `att` positive attribute numbers of
+/// that table.
+pub unsafe fn look_up(
+    heap: pg_sys::Oid,
+    index: pg_sys::Oid,
+    scope: &str,
+    key: &str,
+    att: &[i32; COLUMNS],
+) -> Version {
+    // SAFETY: `scan` has only plain old frames (see the module comment).
+    unsafe { pg_sys::ffi::pg_guard_ffi_boundary(|| scan(heap, index, scope, key, att)) }
+}
+
+unsafe fn scan(
+    heap_oid: pg_sys::Oid,
+    index_oid: pg_sys::Oid,
+    scope: &str,
+    key: &str,
+    att: &[i32; COLUMNS],
+) -> Version {
+    unsafe {
+        let lock = pg_sys::AccessShareLock as pg_sys::LOCKMODE;
+        let heap = table_open(heap_oid, lock);
+        let index = index_open(index_oid, lock);
+        let mut snapshot: pg_sys::SnapshotData = std::mem::zeroed();
+        snapshot.snapshot_type = pg_sys::SnapshotType::SNAPSHOT_DIRTY;
+        let mut keys: [pg_sys::ScanKeyData; 2] = std::mem::zeroed();
+        // The key columns are COLLATE "C", which is what ScanKeyInit assumes.
+        for (i, part) in [scope, key].iter().enumerate() {
+            ScanKeyInit(
+                &mut keys[i],
+                (i + 1) as pg_sys::AttrNumber,
+                pg_sys::BTEqualStrategyNumber as pg_sys::StrategyNumber,
+                pg_sys::Oid::from(pg_sys::F_TEXTEQ),
+                pg_sys::Datum::from(cstring_to_text_with_len(
+                    part.as_ptr().cast(),
+                    part.len() as c_int,
+                )),
+            );
+        }
+        let scan = index_beginscan(heap, index, &mut snapshot, 2, 0);
+        index_rescan(scan, keys.as_mut_ptr(), 2, std::ptr::null_mut(), 0);
+        let slot = table_slot_create(heap, std::ptr::null_mut());
+        let mut found = Version {
+            exists: false,
+            xmin: pg_sys::InvalidTransactionId,
+            xmax: pg_sys::InvalidTransactionId,
+            values: [pg_sys::Datum::from(0usize); COLUMNS],
+            nulls: [true; COLUMNS],
+        };
+        if index_getnext_slot(scan, pg_sys::ScanDirection::ForwardScanDirection, slot) {
+            found.exists = true;
+            found.xmin = snapshot.xmin;
+            found.xmax = snapshot.xmax;
+            let last = att.iter().copied().max().unwrap_or(0);
+            if ((*slot).tts_nvalid as i32) < last {
+                slot_getsomeattrs_int(slot, last);
+            }
+            let desc = (*slot).tts_tupleDescriptor;
+            let attrs = (*desc).attrs.as_slice((*desc).natts as usize);
+            for (i, &n) in att.iter().enumerate() {
+                let at = (n - 1) as usize;
+                let Some(column) = attrs.get(at) else {
+                    continue;
+                };
+                let null = *(*slot).tts_isnull.add(at);
+                let value = *(*slot).tts_values.add(at);
+                found.nulls[i] = null;
+                found.values[i] = if null || column.attbyval {
+                    value
+                } else if column.attlen == -1 {
+                    pg_sys::Datum::from(pg_detoast_datum_copy(value.cast_mut_ptr()))
+                } else {
+                    datumCopy(value, false, column.attlen as c_int)
+                };
+            }
+        }
+        ExecDropSingleTupleTableSlot(slot);
+        index_endscan(scan);
+        index_close(index, pg_sys::NoLock as pg_sys::LOCKMODE);
+        table_close(heap, pg_sys::NoLock as pg_sys::LOCKMODE);
+        found
+    }
+}
