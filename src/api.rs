@@ -74,11 +74,10 @@ unsafe fn hash_arg(datum: pg_sys::Datum, arg: &str) -> [u8; 32] {
     })
 }
 
-thread_local! {
-    /// The buffer canonical forms are written into before they are hashed, kept between calls
-    /// so hashing a document does not grow a fresh string (copies, new pages) every time.
-    static SCRATCH: std::cell::RefCell<String> = const { std::cell::RefCell::new(String::new()) };
-}
+/// The buffer canonical forms are written into before they are hashed, kept between calls
+/// so hashing a document does not grow a fresh string (copies, new pages) every time.
+static SCRATCH: crate::local::BackendLocal<std::cell::RefCell<String>> =
+    crate::local::BackendLocal::new(std::cell::RefCell::new(String::new()));
 
 /// Runs `f` on the emptied scratch buffer; a buffer grown past 1 MB is given back afterwards.
 fn with_scratch<R>(f: impl FnOnce(&mut String) -> R) -> R {
@@ -218,9 +217,8 @@ struct ResultType {
     outcomes: [pg_sys::Datum; 4],
 }
 
-thread_local! {
-    static RESULT_TYPE: std::cell::Cell<Option<ResultType>> = const { std::cell::Cell::new(None) };
-}
+static RESULT_TYPE: crate::local::BackendLocal<std::cell::Cell<Option<ResultType>>> =
+    crate::local::BackendLocal::new(std::cell::Cell::new(None));
 
 unsafe fn result_type(fcinfo: pg_sys::FunctionCallInfo) -> ResultType {
     unsafe {

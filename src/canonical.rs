@@ -243,16 +243,18 @@ pub fn es_layout_into(text: &str, out: &mut String) {
     if neg {
         out.push('-');
     }
+    // At most 20 zeros are ever written in a row (the two ranges below).
+    const ZEROS: &str = "00000000000000000000";
     if k <= n && n <= 21 {
         out.push_str(s);
-        out.extend(std::iter::repeat_n('0', (n - k) as usize));
+        out.push_str(&ZEROS[..(n - k) as usize]);
     } else if 0 < n && n <= 21 {
         out.push_str(&s[..n as usize]);
         out.push('.');
         out.push_str(&s[n as usize..]);
     } else if -6 < n && n <= 0 {
         out.push_str("0.");
-        out.extend(std::iter::repeat_n('0', (-n) as usize));
+        out.push_str(&ZEROS[..(-n) as usize]);
         out.push_str(s);
     } else {
         out.push_str(&s[..1]);

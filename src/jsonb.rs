@@ -140,9 +140,8 @@ pub unsafe fn write_canonical(
     }
 }
 
-thread_local! {
-    static UTF8_DATABASE: std::cell::Cell<Option<bool>> = const { std::cell::Cell::new(None) };
-}
+static UTF8_DATABASE: crate::local::BackendLocal<std::cell::Cell<Option<bool>>> =
+    crate::local::BackendLocal::new(std::cell::Cell::new(None));
 
 /// Whether the database's encoding is UTF-8 (a backend stays in one database).
 fn utf8_database() -> bool {
@@ -442,9 +441,25 @@ pub(crate) unsafe fn numeric_text(num: pg_sys::Numeric, buf: &mut [u8; 64]) -> O
         let exponent = 4 * (weight - (ndigits as i64 - 1));
         buf[n] = b'e';
         n += 1;
-        let e = exponent.to_string();
-        buf[n..n + e.len()].copy_from_slice(e.as_bytes());
-        n += e.len();
+        if exponent < 0 {
+            buf[n] = b'-';
+            n += 1;
+        }
+        // |exponent| < 4 * 2^15: at most six digits, written from the right.
+        let mut magnitude = exponent.unsigned_abs();
+        let mut digits = [0u8; 8];
+        let mut at = digits.len();
+        loop {
+            at -= 1;
+            digits[at] = b'0' + (magnitude % 10) as u8;
+            magnitude /= 10;
+            if magnitude == 0 {
+                break;
+            }
+        }
+        let written = &digits[at..];
+        buf[n..n + written.len()].copy_from_slice(written);
+        n += written.len();
         std::str::from_utf8(&buf[..n]).ok()
     }
 }

@@ -9,7 +9,8 @@
 //! - `api`: the SQL-callable functions, declared in `sql/idempotency.sql`;
 //! - `worker`: the background sweeper (launcher and per-database sweepers);
 //! - `stats`: counters in shared memory;
-//! - `guc`, `error`: settings and error reporting.
+//! - `guc`, `error`: settings and error reporting;
+//! - `local`: per-backend state in plain statics.
 
 pub mod api;
 pub mod canonical;
@@ -18,6 +19,7 @@ pub mod ffi;
 pub mod guc;
 pub mod jsonb;
 pub mod keys;
+pub mod local;
 pub mod signing;
 pub mod state;
 pub mod stats;

@@ -68,10 +68,9 @@ pub fn enabled() -> bool {
     READY.load(Ordering::Relaxed)
 }
 
-thread_local! {
-    /// This backend's slot (a backend stays in one database): counting needs no lock.
-    static MY_SLOT: std::cell::Cell<*mut Slot> = const { std::cell::Cell::new(std::ptr::null_mut()) };
-}
+/// This backend's slot (a backend stays in one database): counting needs no lock.
+static MY_SLOT: crate::local::BackendLocal<std::cell::Cell<*mut Slot>> =
+    crate::local::BackendLocal::new(std::cell::Cell::new(std::ptr::null_mut()));
 
 fn my_slot() -> Option<*mut Slot> {
     let cached = MY_SLOT.with(|c| c.get());

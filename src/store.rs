@@ -165,9 +165,8 @@ struct Plans {
     sweep: OwnedPreparedStatement,
 }
 
-thread_local! {
-    static PLANS: Cell<Option<&'static Plans>> = const { Cell::new(None) };
-}
+static PLANS: crate::local::BackendLocal<Cell<Option<&'static Plans>>> =
+    crate::local::BackendLocal::new(Cell::new(None));
 
 fn plans(client: &SpiClient<'_>) -> Result<&'static Plans, pgrx::spi::Error> {
     if let Some(p) = PLANS.with(Cell::get) {
@@ -353,9 +352,8 @@ struct Layout {
     checked_for: pg_sys::Oid,
 }
 
-thread_local! {
-    static LAYOUT: Cell<Option<Layout>> = const { Cell::new(None) };
-}
+static LAYOUT: crate::local::BackendLocal<Cell<Option<Layout>>> =
+    crate::local::BackendLocal::new(Cell::new(None));
 
 /// Forgets the cached layout when the relation cache is invalidated (the table may have been
 /// dropped, e.g. by DROP EXTENSION).
@@ -372,10 +370,9 @@ unsafe extern "C-unwind" fn forget_layout(_arg: pg_sys::Datum, relid: pg_sys::Oi
     });
 }
 
-thread_local! {
-    /// Whether the store keeps keys hashed (`idempotency.config`), read once per layout.
-    static HASHED: Cell<Option<bool>> = const { Cell::new(None) };
-}
+/// Whether the store keeps keys hashed (`idempotency.config`), read once per layout.
+static HASHED: crate::local::BackendLocal<Cell<Option<bool>>> =
+    crate::local::BackendLocal::new(Cell::new(None));
 
 /// Locks the store against a concurrent switch of the key storage (which takes an ACCESS
 /// EXCLUSIVE lock and invalidates the layout when it commits), then tells whether keys are
@@ -461,9 +458,8 @@ pub fn refuse_read_only(function: &str) {
     }
 }
 
-thread_local! {
-    static CALLBACK_REGISTERED: Cell<bool> = const { Cell::new(false) };
-}
+static CALLBACK_REGISTERED: crate::local::BackendLocal<Cell<bool>> =
+    crate::local::BackendLocal::new(Cell::new(false));
 
 fn layout() -> Layout {
     if let Some(l) = LAYOUT.with(Cell::get) {
@@ -662,10 +658,9 @@ struct DirectLayout {
     in_progress: pg_sys::Datum,
 }
 
-thread_local! {
-    /// Some(None): the table is not as the extension made it; claims insert through SQL.
-    static DIRECT: Cell<Option<Option<DirectLayout>>> = const { Cell::new(None) };
-}
+/// Some(None): the table is not as the extension made it; claims insert through SQL.
+static DIRECT: crate::local::BackendLocal<Cell<Option<Option<DirectLayout>>>> =
+    crate::local::BackendLocal::new(Cell::new(None));
 
 /// The columns a fresh claim sets; every other column of the table starts NULL.
 const DIRECT_COLUMNS: [&std::ffi::CStr; 9] = [
@@ -1183,9 +1178,8 @@ struct AuditPlans {
     sweep: OwnedPreparedStatement,
 }
 
-thread_local! {
-    static AUDIT_PLANS: Cell<Option<&'static AuditPlans>> = const { Cell::new(None) };
-}
+static AUDIT_PLANS: crate::local::BackendLocal<Cell<Option<&'static AuditPlans>>> =
+    crate::local::BackendLocal::new(Cell::new(None));
 
 fn audit_plans(client: &SpiClient<'_>) -> Result<&'static AuditPlans, pgrx::spi::Error> {
     if let Some(p) = AUDIT_PLANS.with(Cell::get) {
