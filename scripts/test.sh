@@ -23,7 +23,10 @@ echo "== unit and #[pg_test] tests (cargo pgrx test)"
 # initdb refuses root: the test cluster runs as postgres, in a fresh directory it creates itself.
 pgdata=$(mktemp -u /tmp/idempotency-pgrx-XXXXXX)
 trap 'rm -rf "$pgdata"' EXIT
-cargo pgrx test pg15 --runas postgres --pgdata "$pgdata"
+# One test at a time: the tests share keys ('k'), each in a transaction it rolls back, and a
+# claim meeting another session's uncommitted claim of the same key answers in_progress at once
+# (by design): run side by side, two tests could see each other's keys.
+RUST_TEST_THREADS=1 cargo pgrx test pg15 --runas postgres --pgdata "$pgdata"
 
 echo "== integration tests (pytest, real sessions against throwaway clusters)"
 cargo pgrx install --pg-config "$PG_CONFIG" >/dev/null

@@ -36,6 +36,25 @@ unsafe fn jsonb_arg(fcinfo: pg_sys::FunctionCallInfo, n: usize) -> Option<pg_sys
     }
 }
 
+/// A text argument, read in place when it is neither compressed nor out of line (a key or a
+/// scope always is) and the database is UTF-8 (PostgreSQL has verified the text); otherwise
+/// through pgrx's conversion.
+unsafe fn text_arg<'a>(fcinfo: pg_sys::FunctionCallInfo, n: usize) -> Option<&'a str> {
+    unsafe {
+        if pg_arg_is_null(fcinfo, n) {
+            return None;
+        }
+        let ptr = pg_getarg_datum_raw(fcinfo, n).cast_mut_ptr::<pg_sys::varlena>();
+        let in_place = pgrx::varlena::varatt_is_4b_u(ptr)
+            || (pgrx::varlena::varatt_is_1b(ptr) && !pgrx::varlena::varatt_is_1b_e(ptr));
+        if in_place && jsonb::utf8_database() {
+            Some(pgrx::varlena::text_to_rust_str_unchecked(ptr))
+        } else {
+            pg_getarg(fcinfo, n)
+        }
+    }
+}
+
 /// Reads a jsonb argument into a canonical tree, raising a clear error naming `arg`.
 unsafe fn value_arg(fcinfo: pg_sys::FunctionCallInfo, n: usize, arg: &str) -> Option<Value> {
     unsafe {
@@ -124,8 +143,8 @@ unsafe fn checked_key_and_scope(
     s: usize,
 ) -> (String, String) {
     unsafe {
-        let key: Option<&str> = pg_getarg(fcinfo, k);
-        let scope: Option<&str> = pg_getarg(fcinfo, s);
+        let key = text_arg(fcinfo, k);
+        let scope = text_arg(fcinfo, s);
         check(keys::check_key("key", key, false));
         check(keys::check_key("scope", scope, true));
         // Both were checked to be non-NULL above.
@@ -161,9 +180,9 @@ v1!(pg_finfo_idempotency_claim);
 pub extern "C-unwind" fn idempotency_claim(fcinfo: pg_sys::FunctionCallInfo) -> pg_sys::Datum {
     unsafe {
         let (key, scope) = key_and_scope(fcinfo, 0, 2);
-        let (ttl, ttl_us) = duration_arg("ttl", pg_getarg(fcinfo, 3), guc::DEFAULT_TTL.get());
+        let (ttl, ttl_us) = duration_arg("ttl", pg_getarg(fcinfo, 3), guc::int(&guc::DEFAULT_TTL));
         let (lease, lease_us) =
-            duration_arg("lease", pg_getarg(fcinfo, 4), guc::DEFAULT_LEASE.get());
+            duration_arg("lease", pg_getarg(fcinfo, 4), guc::int(&guc::DEFAULT_LEASE));
         check(keys::check_lease_within_ttl(lease_us, ttl_us));
         let hash = jsonb_arg(fcinfo, 1).map(|d| hash_arg(d, "request"));
         store::refuse_read_only("claim");

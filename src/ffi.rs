@@ -1,4 +1,5 @@
-//! The replay path's look at the primary key, as one call into PostgreSQL.
+//! The replay path's look at the primary key, as one call into PostgreSQL; and two server
+//! functions that cannot fail, called without a boundary.
 //!
 //! pgrx wraps every `pg_sys` function in its own error boundary (a `sigsetjmp` and a thread
 //! check per call). A claim that replays makes some twenty such calls to open the table, scan
@@ -56,6 +57,24 @@ unsafe extern "C-unwind" {
     fn datumCopy(value: pg_sys::Datum, typbyval: bool, typlen: c_int) -> pg_sys::Datum;
     fn ExecDropSingleTupleTableSlot(slot: *mut pg_sys::TupleTableSlot);
     fn index_endscan(scan: pg_sys::IndexScanDesc);
+}
+
+// Two that read backend state and cannot raise an error: called directly, no boundary needed.
+unsafe extern "C-unwind" {
+    fn GetCurrentTransactionStartTimestamp() -> pg_sys::TimestampTz;
+    fn GetUserId() -> pg_sys::Oid;
+}
+
+/// The start of the current transaction (what `now()` returns).
+pub fn transaction_start() -> pg_sys::TimestampTz {
+    // SAFETY: reads a backend variable; never raises an error.
+    unsafe { GetCurrentTransactionStartTimestamp() }
+}
+
+/// The current role (under SECURITY DEFINER, the function's owner).
+pub fn current_role() -> pg_sys::Oid {
+    // SAFETY: reads a backend variable; never raises an error.
+    unsafe { GetUserId() }
 }
 
 /// Columns read from the row, in the order of `store::Layout::att`.

@@ -36,6 +36,13 @@ pub fn with_scope_prefix<R>(f: impl FnOnce(&str) -> R) -> R {
     f(&unsafe { std::ffi::CStr::from_ptr(raw) }.to_string_lossy())
 }
 
+/// An integer setting's current value, read in place (`GucSetting::get` checks the calling
+/// thread first, on every read; the extension only ever runs on the backend's thread).
+pub fn int(setting: &'static GucSetting<i32>) -> i32 {
+    // SAFETY: the GUC machinery keeps the variable valid for the backend's lifetime.
+    unsafe { *setting.as_ptr() }
+}
+
 /// Longest TTL or lease a setting accepts: ten years in seconds.
 const MAX_SECONDS: i32 = 10 * 366 * 86_400;
 

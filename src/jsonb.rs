@@ -1,5 +1,7 @@
-//! Reads a jsonb datum into a [`Value`] by walking its binary form with PostgreSQL's own
-//! iterator: numbers come out as their exact `numeric` text, never through `f64`.
+//! Reads jsonb datums: [`write_canonical`] writes the canonical form straight from the binary
+//! layout (read in Rust, no server call per value); [`to_value`] builds a tree (for exclusions)
+//! with PostgreSQL's iterator. Numbers come out as their exact `numeric` text, never through
+//! `f64`.
 
 use crate::canonical::{CanonError, Value, MAX_DEPTH};
 use pgrx::pg_sys;
@@ -144,7 +146,7 @@ static UTF8_DATABASE: crate::local::BackendLocal<std::cell::Cell<Option<bool>>> 
     crate::local::BackendLocal::new(std::cell::Cell::new(None));
 
 /// Whether the database's encoding is UTF-8 (a backend stays in one database).
-fn utf8_database() -> bool {
+pub(crate) fn utf8_database() -> bool {
     UTF8_DATABASE.with(|c| {
         if let Some(known) = c.get() {
             return known;

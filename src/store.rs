@@ -512,7 +512,7 @@ fn layout() -> Layout {
 /// different role (SET ROLE, SECURITY DEFINER callers) is checked again.
 fn check_access() {
     let l = layout();
-    let role = unsafe { pg_sys::GetUserId() };
+    let role = ffi::current_role();
     if l.checked_for == role {
         return;
     }
@@ -543,7 +543,7 @@ fn check_access() {
 fn row_from_version(v: &ffi::Version) -> Row {
     let value = |i: usize| (!v.nulls[i]).then_some(v.values[i]);
     let [hash, token, response, status, recovery, expires, locked] = std::array::from_fn(value);
-    let now = unsafe { pg_sys::GetCurrentTransactionStartTimestamp() };
+    let now = ffi::transaction_start();
     let expires_at = expires.map_or(0, |d| d.value() as i64);
     let locked_until = locked.map(|d| d.value() as i64);
     unsafe {
@@ -792,7 +792,7 @@ fn insert_direct(d: &DirectLayout, req: &ClaimRequest<'_>) -> ClaimResult {
             values[i] = v;
             nulls[i] = false;
         };
-        let now = pg_sys::Datum::from(pg_sys::GetCurrentTransactionStartTimestamp());
+        let now = pg_sys::Datum::from(ffi::transaction_start());
         let plus = |interval: pg_sys::Datum| {
             pg_sys::DirectFunctionCall2Coll(
                 Some(timestamptz_pl_interval),
@@ -914,7 +914,7 @@ impl Drop for KeyInsertLock {
 }
 
 fn seconds_left(locked_until: Option<pg_sys::TimestampTz>) -> Interval {
-    let now = unsafe { pg_sys::GetCurrentTransactionStartTimestamp() };
+    let now = ffi::transaction_start();
     let left = locked_until.map(|t| t.saturating_sub(now)).unwrap_or(0);
     Interval::new(0, 0, left.max(1_000_000))
         .unwrap_or_else(|_| Interval::new(0, 0, 1_000_000).unwrap())
@@ -965,7 +965,7 @@ const MAX_ROUNDS: usize = 50;
 /// Under REPEATABLE READ and SERIALIZABLE the row is read through the transaction's snapshot.
 pub fn claim(req: &ClaimRequest<'_>) -> ClaimResult {
     check_access();
-    let wait = Duration::from_millis(guc::CLAIM_WAIT.get().max(0) as u64);
+    let wait = Duration::from_millis(guc::int(&guc::CLAIM_WAIT).max(0) as u64);
     // Only a wait for a busy key needs the clock.
     let mut started = None;
     let snapshot_reads = unsafe { pg_sys::XactIsoLevel } >= pg_sys::XACT_REPEATABLE_READ as i32;
@@ -1402,7 +1402,7 @@ fn complete_direct(d: &DirectLayout, req: &CompleteRequest<'_>) -> Option<Comple
             close();
             table_changed("completion");
         }
-        let now = pg_sys::GetCurrentTransactionStartTimestamp();
+        let now = ffi::transaction_start();
         for _ in 0..MAX_ROUNDS {
             let old = match newest_version(rel, index, req.scope, req.key) {
                 Newest::Absent => {

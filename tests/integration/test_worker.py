@@ -353,6 +353,35 @@ def test_counters_since_server_start(preloaded):
         assert row[1] >= 1
 
 
+def test_counters_add_up_across_sessions_live_and_gone(preloaded):
+    """Each backend counts in a slot of its own and folds it into its database's as it exits:
+    a reader sees every live session's counts, and an exit neither loses nor doubles any."""
+    fields = "claims_new, claims_replay, claims_mismatch"
+    with connect(preloaded) as mon:
+        def counts():
+            return mon.execute(f"SELECT {fields} FROM idempotency.stats").fetchone()
+        before = counts()
+        sessions = [connect(preloaded) for _ in range(3)]
+        pids = []
+        for i, s in enumerate(sessions):
+            pids.append(s.execute("SELECT pg_backend_pid()").fetchone()[0])
+            assert claim(s, f"across-{i}", {"n": i})[0] == "new"
+            s.execute("SELECT idempotency.complete(%s, '{}')", (f"across-{i}",))
+            assert claim(s, f"across-{i}", {"n": i})[0] == "replay"
+            assert claim(s, f"across-{i}", {"n": -1})[0] == "mismatch"
+        expected = [3, 3, 3]
+        assert [a - b for a, b in zip(counts(), before)] == expected
+        for s in sessions[:2]:
+            s.close()
+        assert [a - b for a, b in zip(counts(), before)] == expected
+        sessions[2].close()
+
+        def gone():
+            return mon.execute("SELECT count(*) FROM pg_stat_activity WHERE pid = ANY(%s)", (pids,)).fetchone()[0] == 0
+        assert wait_for(gone)
+        assert [a - b for a, b in zip(counts(), before)] == expected
+
+
 def test_sweep_of_a_million_rows_under_claim_load(preloaded):
     with connect(preloaded) as a:
         a.execute("""INSERT INTO idempotency.idempotency_keys (key, status, token, expires_at, ttl, locked_until)
