@@ -153,3 +153,29 @@ def test_a_trigger_added_by_hand_sends_writes_through_sql(connect):
     assert claim(a, "trig-2", None)[0] == "replay"
     a.execute("DROP TABLE public.seen")
     a.execute("DROP FUNCTION public.note()")
+
+
+def test_replays_return_stored_responses_of_every_size_and_storage(connect):
+    """A replay reads the row below SQL and copies its columns out before the scan ends: small
+    responses stored inline with a one-byte header, compressed ones, and ones stored out of line
+    must come back exactly, as REPEATABLE READ's SQL path returns them."""
+    import random
+    r = random.Random(42)
+    a, b = connect(), connect()
+    responses = {
+        "small": {"ok": True},
+        "compressible": {"items": ["same text again"] * 2000},
+        "out-of-line": {"blob": "".join(r.choice("abcdefghijklmnopqrstuvwxyz0123456789") for _ in range(300_000))},
+    }
+    for name, response in responses.items():
+        assert claim(a, f"size-{name}", {"n": name})[0] == "new"
+        complete(a, f"size-{name}", response)
+    stored = dict(b.execute(
+        "SELECT key, pg_column_size(response) FROM idempotency.idempotency_keys WHERE key LIKE 'size-%'").fetchall())
+    assert stored["size-small"] < 127 and stored["size-compressible"] < 10_000 and stored["size-out-of-line"] > 200_000
+    for name, response in responses.items():
+        row = claim(b, f"size-{name}", {"n": name})
+        assert row[0] == "replay" and row[2] == response and row[3] == 200, name
+        with b.transaction():
+            b.execute("SET TRANSACTION ISOLATION LEVEL REPEATABLE READ")
+            assert claim(b, f"size-{name}", {"n": name})[2] == response, name
