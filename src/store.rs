@@ -537,9 +537,8 @@ fn check_access() {
     });
 }
 
-/// Reads the row in `slot` (copied out of the buffer) and judges it at `now()`.
 /// The row as [`ffi::look_up`] read it: the columns of `Layout::att`, variable-length ones
-/// already copied out of the table.
+/// already copied out of the table, judged at `now()`.
 fn row_from_version(v: &ffi::Version) -> Row {
     let value = |i: usize| (!v.nulls[i]).then_some(v.values[i]);
     let [hash, token, response, status, recovery, expires, locked] = std::array::from_fn(value);
