@@ -95,6 +95,13 @@ pub struct Version {
     pub nulls: [bool; COLUMNS],
 }
 
+impl Version {
+    /// Column `i` of `att`, None when NULL.
+    pub fn get(&self, i: usize) -> Option<pg_sys::Datum> {
+        (!self.nulls[i]).then_some(self.values[i])
+    }
+}
+
 /// Looks (scope, key) up through the primary key `index` of `heap` with a dirty snapshot, as
 /// PostgreSQL's own unique checks do, and reads the columns `att` of the first version seen.
 ///

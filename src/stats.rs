@@ -110,6 +110,8 @@ fn my_counters() -> Option<*mut [u64; EVENTS]> {
             .filter(|i| (1..=BACKEND_SLOTS).contains(i))
         {
             Some(i) => {
+                // Normally free: its last holder folded it as it exited (a crash resets all of
+                // shared memory). Fold whatever is there rather than count it twice or lose it.
                 fold(&mut table, i - 1);
                 let mine = &mut table.backends[i - 1];
                 mine.database = db;

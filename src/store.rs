@@ -347,10 +347,14 @@ struct Layout {
     relid: pg_sys::Oid,
     idxid: pg_sys::Oid,
     /// request_hash, token, response, response_status, recovery_point, expires_at, locked_until
+    /// (the last at index [`LOCKED_UNTIL`])
     att: [i32; 7],
     /// The role whose table privileges were checked for this layout (see `check_access`).
     checked_for: pg_sys::Oid,
 }
+
+/// Where `Layout::att` (and so a looked-up [`ffi::Version`]) has locked_until.
+const LOCKED_UNTIL: usize = 6;
 
 static LAYOUT: crate::local::BackendLocal<Cell<Option<Layout>>> =
     crate::local::BackendLocal::new(Cell::new(None));
@@ -540,8 +544,8 @@ fn check_access() {
 /// The row as [`ffi::look_up`] read it: the columns of `Layout::att`, variable-length ones
 /// already copied out of the table, judged at `now()`.
 fn row_from_version(v: &ffi::Version) -> Row {
-    let value = |i: usize| (!v.nulls[i]).then_some(v.values[i]);
-    let [hash, token, response, status, recovery, expires, locked] = std::array::from_fn(value);
+    let [hash, token, response, status, recovery, expires, locked] =
+        std::array::from_fn(|i| v.get(i));
     let now = ffi::transaction_start();
     let expires_at = expires.map_or(0, |d| d.value() as i64);
     let locked_until = locked.map(|d| d.value() as i64);
@@ -580,7 +584,7 @@ fn probe(scope: &str, key: &str) -> Probe {
         Probe::Absent
     } else if v.xmin != pg_sys::InvalidTransactionId || v.xmax != pg_sys::InvalidTransactionId {
         Probe::Busy {
-            locked_until: (!v.nulls[6]).then(|| v.values[6].value() as i64),
+            locked_until: v.get(LOCKED_UNTIL).map(|d| d.value() as i64),
         }
     } else {
         Probe::Committed(row_from_version(&v))
