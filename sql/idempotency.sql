@@ -80,7 +80,7 @@ AS 'MODULE_PATHNAME', 'idempotency_claim';
 -- schema. The other functions pin search_path = pg_catalog, pg_temp with SET.
 
 -- Checks key and scope (the shared argument rules and the session's scope_prefix) and returns
--- the key in the form the store keeps it: itself, or its SHA-256 in hex (set_key_storage).
+-- the key in the form the store keeps it: itself, or its keyed hash in hex (set_key_storage).
 CREATE FUNCTION idempotency._key(key text, scope text)
 RETURNS text
 LANGUAGE c VOLATILE PARALLEL UNSAFE
@@ -91,6 +91,12 @@ CREATE FUNCTION idempotency._count(event text)
 RETURNS void
 LANGUAGE c VOLATILE PARALLEL SAFE
 AS 'MODULE_PATHNAME', 'idempotency_count';
+
+-- Refuses a recovery point over idempotency.max_recovery_point_size (54000).
+CREATE FUNCTION idempotency._check_recovery_point(recovery_point text)
+RETURNS void
+LANGUAGE c VOLATILE PARALLEL SAFE
+AS 'MODULE_PATHNAME', 'idempotency_check_recovery_point';
 
 -- Raises the error that explains why complete/checkpoint found no row it may change.
 CREATE FUNCTION idempotency._raise_not_claimed(p_key text, p_scope text, p_token bigint, p_action text)
@@ -119,12 +125,18 @@ BEGIN
             ERRCODE = 'IK002',
             MESSAGE = pg_catalog.format('cannot %s key %s in scope %L: it is already completed', p_action, v_label, p_scope),
             HINT = 'a completed key replays its stored response; claim it to read that response';
-    ELSE
+    ELSIF p_token OPERATOR(pg_catalog.<) r.token THEN
         RAISE EXCEPTION USING
             ERRCODE = 'IK003',
             MESSAGE = pg_catalog.format('cannot %s key %s in scope %L: token %s is stale, the current token is %s',
                                         p_action, v_label, p_scope, p_token, r.token),
-            HINT = 'another worker took the key over after this lease ran out; abandon this attempt';
+            HINT = 'another worker took the key over after this lease ran out (or the token is another key''s); abandon this attempt';
+    ELSE
+        RAISE EXCEPTION USING
+            ERRCODE = 'IK003',
+            MESSAGE = pg_catalog.format('cannot %s key %s in scope %L: token %s was never issued for it, the current token is %s',
+                                        p_action, v_label, p_scope, p_token, r.token),
+            HINT = 'pass the token that claim returned for this key';
     END IF;
     RETURN NULL;  -- not reached
 END
@@ -167,6 +179,7 @@ DECLARE
     v_key text;
 BEGIN
     v_key := idempotency._key(checkpoint.key, checkpoint.scope);
+    PERFORM idempotency._check_recovery_point(checkpoint.recovery_point);
     UPDATE idempotency.idempotency_keys AS k
        SET recovery_point = checkpoint.recovery_point
      WHERE k.scope OPERATOR(pg_catalog.=) checkpoint.scope
@@ -254,11 +267,15 @@ AS 'MODULE_PATHNAME', 'idempotency_sweep';
 -- Keys stored hashed ------------------------------------------------------------------------
 
 -- How the store keeps keys: no row (or 'plain') keeps them as given, 'sha256' keeps the hex
--- SHA-256 of each key. Changed only by set_key_storage; dumped by pg_dump with the keys.
+-- HMAC-SHA256, under key_secret, of each key's SHA-256 (a keyed hash: without the secret a
+-- stored key cannot be checked against a dictionary of e-mail addresses or order numbers).
+-- Changed only by set_key_storage; dumped by pg_dump with the keys, secret included: a
+-- restored store needs it to find its keys.
 CREATE TABLE idempotency.config (
     singleton   boolean PRIMARY KEY DEFAULT true CHECK (singleton),
     key_storage text NOT NULL
-        CHECK (key_storage OPERATOR(pg_catalog.=) ANY (ARRAY['plain', 'sha256']::text[]))
+        CHECK (key_storage OPERATOR(pg_catalog.=) ANY (ARRAY['plain', 'sha256']::text[])),
+    key_secret  bytea CHECK (key_secret IS NULL OR pg_catalog.length(key_secret) OPERATOR(pg_catalog.=) 32)
 );
 SELECT pg_catalog.pg_extension_config_dump('idempotency.config', '');
 
@@ -267,10 +284,17 @@ RETURNS void
 LANGUAGE c VOLATILE PARALLEL UNSAFE
 AS 'MODULE_PATHNAME', 'idempotency_store_changed';
 
+-- The stored form of a key whose SHA-256 is digest, under secret.
+CREATE FUNCTION idempotency._rekey(digest bytea, secret bytea)
+RETURNS text
+LANGUAGE c IMMUTABLE PARALLEL SAFE
+AS 'MODULE_PATHNAME', 'idempotency_rekey';
+
 -- Switches how the store keeps keys. To 'sha256': every stored key (and every audit row) is
--- replaced by its hash in this transaction; callers change nothing. To 'plain': refused while
--- any live key is stored hashed (a hash cannot be turned back into its key). Returns the
--- number of keys rewritten.
+-- replaced by its keyed hash in this transaction (the secret is made inside the server on
+-- first use and kept); callers change nothing. To 'plain': refused while any live key is
+-- stored hashed (a hash cannot be turned back into its key). Returns the number of keys
+-- rewritten.
 CREATE FUNCTION idempotency.set_key_storage(mode text)
 RETURNS bigint
 LANGUAGE plpgsql VOLATILE
@@ -278,6 +302,7 @@ SET search_path = pg_catalog, pg_temp
 AS $fn$
 DECLARE
     v_current text;
+    v_secret bytea;
     v_rows bigint := 0;
 BEGIN
     IF mode IS NULL THEN
@@ -289,16 +314,17 @@ BEGIN
     END IF;
     -- Waits for running claims; claims that come later wait here and then see the new mode.
     LOCK TABLE idempotency.idempotency_keys, idempotency.audit IN ACCESS EXCLUSIVE MODE;
-    SELECT c.key_storage INTO v_current FROM idempotency.config AS c;
+    SELECT c.key_storage, c.key_secret INTO v_current, v_secret FROM idempotency.config AS c;
     IF COALESCE(v_current, 'plain') OPERATOR(pg_catalog.=) mode THEN
         RETURN 0;
     END IF;
     IF mode OPERATOR(pg_catalog.=) 'sha256' THEN
+        v_secret := COALESCE(v_secret, idempotency._random_secret());
         UPDATE idempotency.idempotency_keys AS k
-           SET key = pg_catalog.encode(pg_catalog.sha256(pg_catalog.convert_to(k.key, 'UTF8')), 'hex');
+           SET key = idempotency._rekey(pg_catalog.sha256(pg_catalog.convert_to(k.key, 'UTF8')), v_secret);
         GET DIAGNOSTICS v_rows = ROW_COUNT;
         UPDATE idempotency.audit AS a
-           SET key = pg_catalog.encode(pg_catalog.sha256(pg_catalog.convert_to(a.key, 'UTF8')), 'hex'),
+           SET key = idempotency._rekey(pg_catalog.sha256(pg_catalog.convert_to(a.key, 'UTF8')), v_secret),
                key_is_hash = true
          WHERE NOT a.key_is_hash;
     ELSE
@@ -312,8 +338,9 @@ BEGIN
                 HINT = 'switch when they have expired (or after forgetting them); until then the store stays sha256';
         END IF;
     END IF;
-    INSERT INTO idempotency.config AS c (singleton, key_storage) VALUES (true, mode)
-        ON CONFLICT (singleton) DO UPDATE SET key_storage = excluded.key_storage;
+    INSERT INTO idempotency.config AS c (singleton, key_storage, key_secret) VALUES (true, mode, v_secret)
+        ON CONFLICT (singleton) DO UPDATE
+        SET key_storage = excluded.key_storage, key_secret = COALESCE(c.key_secret, excluded.key_secret);
     PERFORM idempotency._store_changed();
     RETURN v_rows;
 END
@@ -365,9 +392,11 @@ CREATE TABLE idempotency.signing_secrets (
 COMMENT ON TABLE idempotency.signing_secrets IS
     'Secrets of sign_key/verify_key: the newest signs, all verify. Not dumped by pg_dump.';
 
+-- _sign and _verify bind the signature to the session's idempotency.scope_prefix (a key signed
+-- for one tenant does not verify for another): STABLE, not IMMUTABLE.
 CREATE FUNCTION idempotency._sign(key text, kid integer, secret bytea)
 RETURNS text
-LANGUAGE c IMMUTABLE PARALLEL SAFE
+LANGUAGE c STABLE PARALLEL SAFE
 AS 'MODULE_PATHNAME', 'idempotency_sign';
 
 CREATE FUNCTION idempotency._signed_kid(signed text)
@@ -377,7 +406,7 @@ AS 'MODULE_PATHNAME', 'idempotency_signed_kid';
 
 CREATE FUNCTION idempotency._verify(signed text, secret bytea)
 RETURNS text
-LANGUAGE c IMMUTABLE PARALLEL SAFE
+LANGUAGE c STABLE PARALLEL SAFE
 AS 'MODULE_PATHNAME', 'idempotency_verify';
 
 CREATE FUNCTION idempotency._random_secret()
@@ -422,6 +451,13 @@ DECLARE
 BEGIN
     IF signed IS NULL THEN
         RAISE EXCEPTION USING ERRCODE = '22004', MESSAGE = 'signed must not be NULL';
+    END IF;
+    -- 255 characters of key (4 bytes each at most), the secret id and the signature: anything
+    -- longer is refused from its header, before any of it is read or MACed.
+    IF pg_catalog.octet_length(signed) OPERATOR(pg_catalog.>) 1100 THEN
+        RAISE EXCEPTION USING
+            ERRCODE = 'IK004',
+            MESSAGE = pg_catalog.format('signed is not a signed key: %s bytes, longer than any signed key', pg_catalog.octet_length(signed));
     END IF;
     v_kid := idempotency._signed_kid(signed);
     IF v_kid IS NULL THEN
@@ -582,5 +618,6 @@ $notice$;
 -- Superusers only; the internal helpers are not for applications either.
 REVOKE EXECUTE ON FUNCTION idempotency.set_key_storage(text), idempotency.rotate_signing_secret(),
     idempotency.retire_signing_secret(integer), idempotency._store_changed(),
-    idempotency._random_secret(), idempotency._count(text), idempotency._announce()
+    idempotency._random_secret(), idempotency._count(text), idempotency._announce(),
+    idempotency._rekey(bytea, bytea)
     FROM PUBLIC;

@@ -76,12 +76,84 @@ fn seconds_interval(seconds: i32) -> Interval {
     })
 }
 
-/// A TTL or lease argument, or the setting's default when NULL; checked either way.
-fn duration_arg(arg: &str, given: Option<Interval>, default_seconds: i32) -> (Interval, i128) {
-    let value = given.unwrap_or_else(|| seconds_interval(default_seconds));
+/// A TTL or lease: the argument, or the setting's default when NULL, and its name for errors.
+struct Duration {
+    value: Interval,
+    /// "ttl", "lease", or the setting that supplied the value.
+    name: &'static str,
+    /// `now() + value`, as the store computes it (calendar months and days, session time zone).
+    ends: pg_sys::TimestampTz,
+}
+
+/// Checks a duration on its own (positive, at most ten years) and on the clock: `now() +` it
+/// must lie after now and at most ten calendar years ahead. ('1 month -29 days' is positive
+/// counted in 30-day months but ends before now in February; '122 months' is 3660 days but
+/// over ten years.)
+fn duration(name: &'static str, value: Interval) -> Duration {
     let (m, d, us) = interval_parts(&value);
-    let total = check(keys::check_duration(arg, m, d, us));
-    (value, total)
+    check(keys::check_duration(name, m, d, us));
+    let ends = store::now_plus(&value);
+    let now = crate::ffi::transaction_start();
+    if ends <= now {
+        arg_error(ArgError::invalid(format!(
+            "{name} must end in the future: now() + {name} is not after now() ({})",
+            interval_text(&value)
+        )));
+    }
+    let ten_years = Interval::new(120, 0, 0).unwrap_or_else(|_| unreachable!("a valid interval"));
+    if ends > store::now_plus(&ten_years) {
+        arg_error(ArgError::invalid(format!(
+            "{name} must be at most 10 years (got {})",
+            interval_text(&value)
+        )));
+    }
+    Duration { value, name, ends }
+}
+
+/// An interval as PostgreSQL prints it.
+fn interval_text(i: &Interval) -> String {
+    keys::abbreviate(&i.to_string())
+}
+
+/// The TTL and lease of a claim: each argument, or its setting when NULL. With no lease given
+/// the lease is `least(idempotency.default_lease, ttl)`, so `claim(key, ttl => '1 second')`
+/// works; a lease that would outlive the key is refused, naming what set each.
+fn ttl_and_lease(ttl: Option<Interval>, lease: Option<Interval>) -> (Duration, Duration) {
+    let ttl = match ttl {
+        Some(t) => duration("ttl", t),
+        None => duration(
+            "idempotency.default_ttl",
+            seconds_interval(guc::int(&guc::DEFAULT_TTL)),
+        ),
+    };
+    let lease = match lease {
+        Some(l) => duration("lease", l),
+        None => {
+            let default = duration(
+                "idempotency.default_lease",
+                seconds_interval(guc::int(&guc::DEFAULT_LEASE)),
+            );
+            if default.ends > ttl.ends {
+                Duration {
+                    value: ttl.value,
+                    name: "lease",
+                    ends: ttl.ends,
+                }
+            } else {
+                default
+            }
+        }
+    };
+    if lease.ends > ttl.ends {
+        arg_error(ArgError::invalid(format!(
+            "{} ({}) must not be longer than {} ({}): the lease would outlive the key",
+            lease.name,
+            interval_text(&lease.value),
+            ttl.name,
+            interval_text(&ttl.value)
+        )));
+    }
+    (ttl, lease)
 }
 
 /// SHA-256 of the exact canonical form of a jsonb argument, written straight from the jsonb.
@@ -165,12 +237,7 @@ unsafe fn key_and_scope(fcinfo: pg_sys::FunctionCallInfo, k: usize, s: usize) ->
 
 /// An optional `ttl` argument (NULL: the caller's default applies), checked when given.
 unsafe fn optional_ttl(fcinfo: pg_sys::FunctionCallInfo, n: usize) -> Option<Interval> {
-    let ttl = unsafe { pg_getarg::<Interval>(fcinfo, n) };
-    if let Some(t) = &ttl {
-        let (m, d, us) = interval_parts(t);
-        check(keys::check_duration("ttl", m, d, us));
-    }
-    ttl
+    unsafe { pg_getarg::<Interval>(fcinfo, n) }.map(|t| duration("ttl", t).value)
 }
 
 v1!(pg_finfo_idempotency_claim);
@@ -180,10 +247,8 @@ v1!(pg_finfo_idempotency_claim);
 pub extern "C-unwind" fn idempotency_claim(fcinfo: pg_sys::FunctionCallInfo) -> pg_sys::Datum {
     unsafe {
         let (key, scope) = key_and_scope(fcinfo, 0, 2);
-        let (ttl, ttl_us) = duration_arg("ttl", pg_getarg(fcinfo, 3), guc::int(&guc::DEFAULT_TTL));
-        let (lease, lease_us) =
-            duration_arg("lease", pg_getarg(fcinfo, 4), guc::int(&guc::DEFAULT_LEASE));
-        check(keys::check_lease_within_ttl(lease_us, ttl_us));
+        let (ttl, lease) = ttl_and_lease(pg_getarg(fcinfo, 3), pg_getarg(fcinfo, 4));
+        let (ttl, lease) = (ttl.value, lease.value);
         let hash = jsonb_arg(fcinfo, 1).map(|d| hash_arg(d, "request"));
         store::refuse_read_only("claim");
         let result = store::claim(&ClaimRequest {
@@ -501,9 +566,45 @@ v1!(pg_finfo_idempotency_sweep);
 pub extern "C-unwind" fn idempotency_sweep(fcinfo: pg_sys::FunctionCallInfo) -> pg_sys::Datum {
     let batch = unsafe { batch_size_arg(fcinfo) };
     store::refuse_read_only("sweep");
-    let total = in_batches(batch, store::sweep_batch);
+    let prefix = sweep_prefix("sweep");
+    let total = in_batches(batch, |b| store::sweep_batch(b, &prefix));
     stats::sweep_finished(total);
     pg_sys::Datum::from(total)
+}
+
+/// Which rows a sweep may touch: every row for the extension's owner and superusers (and
+/// members of the owner's role); for a session with a scope prefix, the rows under its prefix;
+/// otherwise none: a tenant must neither delete another tenant's rows nor, inside an open
+/// transaction, hold their row locks (which makes their claims answer in_progress).
+fn sweep_prefix(function: &str) -> String {
+    // SAFETY: reads backend state and the catalog inside the calling transaction. The caller
+    // is the session's current role: inside these SECURITY DEFINER functions GetUserId() is
+    // the owner.
+    let (caller, owner) = unsafe {
+        let ext = pg_sys::get_extension_oid(c"idempotency".as_ptr(), false);
+        (pg_sys::GetOuterUserId(), extension_owner(ext))
+    };
+    // SAFETY: catalog look-ups in the calling transaction.
+    let privileged =
+        unsafe { pg_sys::superuser_arg(caller) || pg_sys::has_privs_of_role(caller, owner) };
+    let prefix = guc::with_scope_prefix(str::to_owned);
+    if privileged || !prefix.is_empty() {
+        return if privileged { String::new() } else { prefix };
+    }
+    raise(
+        PgSqlErrorCode::ERRCODE_INSUFFICIENT_PRIVILEGE,
+        format!("idempotency.{function} of the whole store is for the extension's owner and superusers"),
+        Some("run it as the owner (the background sweeper or pg_cron do), or give this role a scope prefix (ALTER ROLE ... SET idempotency.scope_prefix) to sweep only its own scopes"),
+    )
+}
+
+/// The owner of the extension `ext`.
+unsafe fn extension_owner(ext: pg_sys::Oid) -> pg_sys::Oid {
+    let owner = Spi::get_one_with_args::<pg_sys::Oid>(
+        "SELECT e.extowner FROM pg_catalog.pg_extension AS e WHERE e.oid OPERATOR(pg_catalog.=) $1",
+        &[ext.into()],
+    );
+    owner.ok().flatten().unwrap_or(pg_sys::InvalidOid)
 }
 
 /// The `batch_size` argument of the sweep functions (NULL: `idempotency.sweep_batch_size`).
@@ -575,6 +676,7 @@ pub extern "C-unwind" fn idempotency_shared_stats(
     fcinfo: pg_sys::FunctionCallInfo,
 ) -> pg_sys::Datum {
     unsafe {
+        refuse_stats_to_tenants();
         let slot = stats::snapshot();
         let counter = |e: Event| slot.map(|s| s.counters[e as usize] as i64).into_datum();
         let last_at = slot
@@ -602,6 +704,30 @@ pub extern "C-unwind" fn idempotency_shared_stats(
     }
 }
 
+/// The counters are the whole database's: only for roles that may read `idempotency.stats`
+/// (its owner, superusers, roles granted SELECT on it, e.g. a monitoring role), not for
+/// every tenant that has USAGE on the schema.
+fn refuse_stats_to_tenants() {
+    // SAFETY: catalog look-ups inside the calling transaction; `_shared_stats` is not SECURITY
+    // DEFINER (it is also called from the view), so GetUserId() is the role asking.
+    let allowed = unsafe {
+        let role = pg_sys::GetUserId();
+        let nsp = pg_sys::get_namespace_oid(c"idempotency".as_ptr(), false);
+        let view = pg_sys::get_relname_relid(c"stats".as_ptr(), nsp);
+        pg_sys::superuser_arg(role)
+            || (view != pg_sys::InvalidOid
+                && pg_sys::pg_class_aclcheck(view, role, pg_sys::ACL_SELECT as pg_sys::AclMode)
+                    == pg_sys::AclResult::ACLCHECK_OK)
+    };
+    if !allowed {
+        raise(
+            PgSqlErrorCode::ERRCODE_INSUFFICIENT_PRIVILEGE,
+            "idempotency._shared_stats: the database-wide counters are for roles that may read idempotency.stats".into(),
+            Some("GRANT SELECT ON idempotency.stats TO <role>; (see the README's Privileges and tenants)"),
+        );
+    }
+}
+
 v1!(pg_finfo_idempotency_complete);
 /// `idempotency._complete(key, response, response_status, scope, token, ttl)`: the work of
 /// `idempotency.complete`; NULL when there is no live claim to complete, which the SQL wrapper
@@ -613,6 +739,14 @@ pub extern "C-unwind" fn idempotency_complete(fcinfo: pg_sys::FunctionCallInfo) 
         let (key, scope) = key_and_scope(fcinfo, 0, 3);
         let response_status = check(keys::check_status(pg_getarg::<i32>(fcinfo, 2)));
         let ttl = optional_ttl(fcinfo, 5);
+        if let Some(response) = jsonb_arg(fcinfo, 1) {
+            check_size(
+                "response",
+                response,
+                "idempotency.max_response_size",
+                &guc::MAX_RESPONSE_SIZE,
+            );
+        }
         store::refuse_read_only("complete");
         let request = store::CompleteRequest {
             scope: &scope,
@@ -695,7 +829,9 @@ pub extern "C-unwind" fn idempotency_sign(fcinfo: pg_sys::FunctionCallInfo) -> p
             arg_error(ArgError::invalid("kid must be a positive integer".into()));
         };
         let secret = secret_arg(fcinfo, 2);
-        text_datum(&crate::signing::sign(&key, kid, &secret))
+        let signed =
+            guc::with_scope_prefix(|prefix| crate::signing::sign(&key, kid, &secret, prefix));
+        text_datum(&signed)
     }
 }
 
@@ -724,7 +860,11 @@ pub extern "C-unwind" fn idempotency_verify(fcinfo: pg_sys::FunctionCallInfo) ->
         let signed: Option<String> = pg_getarg(fcinfo, 0);
         let secret = secret_arg(fcinfo, 1);
         match signed.as_deref().and_then(crate::signing::parse) {
-            Some((key, kid, sig)) if crate::signing::verify(key, kid, &sig, &secret) => {
+            Some((key, kid, sig))
+                if guc::with_scope_prefix(|prefix| {
+                    crate::signing::verify(key, kid, &sig, &secret, prefix)
+                }) =>
+            {
                 text_datum(key)
             }
             _ => pg_return_null(fcinfo),
@@ -761,11 +901,70 @@ pub extern "C-unwind" fn idempotency_sweep_audit(
 ) -> pg_sys::Datum {
     let batch = unsafe { batch_size_arg(fcinfo) };
     store::refuse_read_only("sweep_audit");
+    let prefix = sweep_prefix("sweep_audit");
     let retention = guc::AUDIT_RETENTION.get();
     if retention <= 0 {
         return pg_sys::Datum::from(0i64);
     }
     pg_sys::Datum::from(in_batches(batch, |b| {
-        store::sweep_audit_batch(retention as f64, b)
+        store::sweep_audit_batch(retention as f64, b, &prefix)
     }))
+}
+
+v1!(pg_finfo_idempotency_rekey);
+/// `idempotency._rekey(digest bytea, secret bytea) RETURNS text`: the stored form of a key
+/// whose SHA-256 is `digest` when the store keeps keys hashed under `secret` (used by
+/// `set_key_storage` and the upgrade from 0.2.0, whose stored form was the hex SHA-256).
+#[pg_guard]
+#[unsafe(no_mangle)]
+pub extern "C-unwind" fn idempotency_rekey(fcinfo: pg_sys::FunctionCallInfo) -> pg_sys::Datum {
+    unsafe {
+        let digest: Option<Vec<u8>> = pg_getarg(fcinfo, 0);
+        let Some(digest) = digest.filter(|d| d.len() == 32) else {
+            arg_error(ArgError::invalid("digest must be a 32-byte SHA-256".into()));
+        };
+        let secret = secret_arg(fcinfo, 1);
+        text_datum(&crate::signing::rekeyed(&digest, &secret))
+    }
+}
+
+v1!(pg_finfo_idempotency_check_recovery_point);
+/// `idempotency._check_recovery_point(recovery_point text)`: refuses a recovery point larger
+/// than `idempotency.max_recovery_point_size` (used by `checkpoint`).
+#[pg_guard]
+#[unsafe(no_mangle)]
+pub extern "C-unwind" fn idempotency_check_recovery_point(
+    fcinfo: pg_sys::FunctionCallInfo,
+) -> pg_sys::Datum {
+    unsafe {
+        if !pg_arg_is_null(fcinfo, 0) {
+            check_size(
+                "recovery_point",
+                pg_getarg_datum_raw(fcinfo, 0),
+                "idempotency.max_recovery_point_size",
+                &guc::MAX_RECOVERY_POINT_SIZE,
+            );
+        }
+        pgrx::fcinfo::pg_return_void()
+    }
+}
+
+/// Refuses a variable-length argument larger than a size setting (in kB), before anything is
+/// written or copied: its size is read from the header, without detoasting.
+unsafe fn check_size(
+    arg: &str,
+    value: pg_sys::Datum,
+    setting: &str,
+    limit: &'static pgrx::GucSetting<i32>,
+) {
+    // SAFETY: `value` is a varlena argument of the call; toast_raw_datum_size reads its header.
+    let size = unsafe { pg_sys::toast_raw_datum_size(value) } as i64;
+    let max = guc::int(limit) as i64 * 1024;
+    if size > max {
+        raise(
+            PgSqlErrorCode::ERRCODE_PROGRAM_LIMIT_EXCEEDED,
+            format!("{arg} is too large: {size} bytes, {setting} allows {max}"),
+            Some("store a reference to large results (a row id, an object store key) instead, or raise the setting"),
+        );
+    }
 }

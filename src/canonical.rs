@@ -63,10 +63,12 @@ impl fmt::Display for CanonError {
             CanonError::TooDeep => {
                 write!(f, "document is nested deeper than {MAX_DEPTH} levels")
             }
+            // The number as canonical JSON writes it in exact mode (`1e+309`), not as it
+            // happened to be carried (`10e308` from jsonb's digits).
             CanonError::NumberOutOfRange(n) => write!(
                 f,
                 "number {} is outside the IEEE-754 double range",
-                abbreviate(n, 40)
+                abbreviate(&es_layout(n), 40)
             ),
             CanonError::InvalidPointer(p) => write!(
                 f,
@@ -669,6 +671,12 @@ mod tests {
             Err(CanonError::NumberOutOfRange(_))
         ));
         assert_eq!(rfc8785_number("1e-400").unwrap(), "0");
+        // The message spells the value canonically, whatever digits carried it.
+        let e = rfc8785_number("10e308").unwrap_err();
+        assert_eq!(
+            e.to_string(),
+            "number 1e+309 is outside the IEEE-754 double range"
+        );
     }
 
     #[test]

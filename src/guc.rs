@@ -1,5 +1,6 @@
 //! The extension's settings (`idempotency.*`).
 
+use pgrx::prelude::*;
 use pgrx::{GucContext, GucFlags, GucRegistry, GucSetting};
 use std::ffi::CString;
 
@@ -24,16 +25,229 @@ pub static SCOPE_PREFIX: GucSetting<Option<CString>> = GucSetting::<Option<CStri
 pub static AUDIT: GucSetting<bool> = GucSetting::<bool>::new(false);
 /// Seconds audit rows are kept (0: kept until deleted by hand).
 pub static AUDIT_RETENTION: GucSetting<i32> = GucSetting::<i32>::new(0);
+/// Milliseconds a claim that meets another open transaction's claim tells the caller to wait.
+pub static BUSY_RETRY_AFTER: GucSetting<i32> = GucSetting::<i32>::new(1000);
+/// Largest response `complete` stores, in kB.
+pub static MAX_RESPONSE_SIZE: GucSetting<i32> = GucSetting::<i32>::new(4096);
+/// Largest recovery point `checkpoint` stores, in kB.
+pub static MAX_RECOVERY_POINT_SIZE: GucSetting<i32> = GucSetting::<i32>::new(64);
 
 /// Calls `f` with the session's scope prefix ("" when unset), read in place: the setting's
-/// memory stays valid until it is changed, which cannot happen during `f`.
+/// memory stays valid until it is changed, which cannot happen during `f`. Refuses (42501) a
+/// session whose prefix may not be the one a superuser set (see [`prefix_untrusted`]).
 pub fn with_scope_prefix<R>(f: impl FnOnce(&str) -> R) -> R {
+    if prefix_untrusted() {
+        crate::error::raise(
+            pgrx::PgSqlErrorCode::ERRCODE_INSUFFICIENT_PRIVILEGE,
+            "idempotency.scope_prefix of this session was set by a role that may not set it, \
+             so the prefix a superuser set for the role is not in force"
+                .into(),
+            Some(
+                "connect without setting idempotency.scope_prefix (PGOPTIONS, startup options, SET \
+                 before the extension was first used); preloading the library \
+                 (shared_preload_libraries) refuses such settings at connection time",
+            ),
+        );
+    }
     // SAFETY: the GUC machinery keeps a valid C string (or NULL) in the setting's variable.
     let raw = unsafe { *SCOPE_PREFIX.as_ptr() };
     if raw.is_null() {
         return f("");
     }
     f(&unsafe { std::ffi::CStr::from_ptr(raw) }.to_string_lossy())
+}
+
+/// PostgreSQL's spelling of a boolean setting's value (parse_bool).
+fn parse_bool(value: &str) -> bool {
+    let Ok(c) = std::ffi::CString::new(value) else {
+        return false;
+    };
+    let mut result = false;
+    // SAFETY: parse_bool reads a C string and writes a bool; it raises no error.
+    unsafe { pg_sys::parse_bool(c.as_ptr(), &mut result) && result }
+}
+
+// Binding settings ------------------------------------------------------------------------
+//
+// `idempotency.scope_prefix` and `idempotency.audit` are a superuser's choice for a role
+// (ALTER ROLE / ALTER DATABASE ... SET, postgresql.conf) that the role must not undo.
+//
+// scope_prefix is superuser-only, so PostgreSQL refuses a role's own SET once the library is
+// loaded. Before that (no shared_preload_libraries) the setting is a placeholder, which takes
+// any role's value: a startup option (PGOPTIONS) even shadows the value the superuser set for
+// the role, and when the library then defines the setting PostgreSQL drops the role's value
+// with a WARNING and leaves the empty default, i.e. no prefix at all. So `init` notes which
+// roles had set the placeholder, and the first use checks whether each of them may set it
+// (superuser, or GRANT SET ON PARAMETER): if one may not, the value in force is not the
+// superuser's, and every function that takes a scope refuses the session.
+//
+// audit is settable by every role (a procedure turns it on with SET LOCAL), so a superuser's
+// "on" is binding as a floor: complete audits when the session's value or the superuser's is
+// on. The floor comes from the values PostgreSQL applies from superuser-controlled sources
+// (configuration file, ALTER SYSTEM, ALTER DATABASE/ROLE ... SET), seen by a check hook, which
+// sees them all when the library is preloaded: at login the role's settings are applied after
+// the startup options, and a lower-priority value still passes the check hook. Loaded later,
+// the placeholder kept only the winning value, so the floor is read from pg_db_role_setting
+// once per session instead.
+
+use crate::local::BackendLocal;
+use pgrx::pg_sys::{GucSource, Oid};
+use std::cell::Cell;
+
+/// Roles that set the scope_prefix placeholder in this session before the library was
+/// loaded (at most a few: the reset value, the current value and the SET stack).
+static PREFIX_SETTERS: BackendLocal<Cell<[Oid; 8]>> =
+    BackendLocal::new(Cell::new([pg_sys::InvalidOid; 8]));
+/// Some(verdict) once the setters were checked.
+static PREFIX_VERDICT: BackendLocal<Cell<Option<bool>>> = BackendLocal::new(Cell::new(None));
+
+/// The audit floor: bit `s` is set while the value last applied from superuser-controlled
+/// source `s` is on. Any of them on turns auditing on: a role may write its own
+/// `ALTER ROLE ... SET idempotency.audit = off` (the setting is not superuser-only), which must
+/// not undo a database-wide "on", so the sources are combined with OR, not by precedence.
+static AUDIT_FLOOR: BackendLocal<Cell<u32>> = BackendLocal::new(Cell::new(0));
+/// Loaded after login: the floor is read from pg_db_role_setting (Some once read).
+static AUDIT_FROM_CATALOG: BackendLocal<Cell<Option<bool>>> = BackendLocal::new(Cell::new(None));
+static LOADED_LATE: BackendLocal<Cell<bool>> = BackendLocal::new(Cell::new(false));
+
+/// A value set from one of these sources was privilege-checked when a superuser wrote it
+/// (configuration file, command line, ALTER DATABASE/ROLE ... SET).
+fn superuser_source(source: GucSource::Type) -> bool {
+    (GucSource::PGC_S_ENV_VAR..=GucSource::PGC_S_DATABASE_USER).contains(&source)
+}
+
+use pgrx::pg_sys;
+
+/// Notes the roles that set `name`'s placeholder with their own privileges (startup options,
+/// SET), before the library defines it.
+fn placeholder_setters(name: &std::ffi::CStr) -> [Oid; 8] {
+    let mut roles = [pg_sys::InvalidOid; 8];
+    let mut n = 0;
+    let mut note = |source: GucSource::Type, role: Oid| {
+        if source >= GucSource::PGC_S_CLIENT && role != pg_sys::InvalidOid && n < roles.len() {
+            roles[n] = role;
+            n += 1;
+        }
+    };
+    // SAFETY: the record and its stack belong to the server's settings, valid for the backend.
+    unsafe {
+        let record = crate::compat::find_setting(name);
+        if record.is_null() {
+            return roles;
+        }
+        let r = &*record;
+        note(r.reset_source, r.reset_srole);
+        note(r.source, r.srole);
+        let mut stack = r.stack;
+        while !stack.is_null() {
+            note((*stack).source, (*stack).srole);
+            note(GucSource::PGC_S_SESSION, (*stack).masked_srole);
+            stack = (*stack).prev;
+        }
+    }
+    roles
+}
+
+/// Whether the scope prefix in force may not be the one a superuser set (see above).
+pub fn prefix_untrusted() -> bool {
+    if let Some(v) = PREFIX_VERDICT.with(Cell::get) {
+        return v;
+    }
+    let setters = PREFIX_SETTERS.with(Cell::get);
+    let untrusted = setters
+        .iter()
+        .filter(|r| **r != pg_sys::InvalidOid)
+        .any(|&role| {
+            // SAFETY: catalog look-ups inside the calling function's transaction.
+            unsafe {
+                !pg_sys::superuser_arg(role)
+                    && pg_sys::pg_parameter_aclcheck(
+                        c"idempotency.scope_prefix".as_ptr(),
+                        role,
+                        pg_sys::ACL_SET as pg_sys::AclMode,
+                    ) != pg_sys::AclResult::ACLCHECK_OK
+            }
+        });
+    PREFIX_VERDICT.with(|c| c.set(Some(untrusted)));
+    untrusted
+}
+
+/// Records the audit floor from the values applied from superuser-controlled sources.
+#[pg_guard]
+unsafe extern "C-unwind" fn audit_check(
+    newval: *mut bool,
+    _extra: *mut *mut std::ffi::c_void,
+    source: GucSource::Type,
+) -> bool {
+    // SAFETY: the server passes a valid pointer to the proposed value.
+    let value = unsafe { *newval };
+    let bit = |s: GucSource::Type| 1u32 << s;
+    AUDIT_FLOOR.with(|c| {
+        if superuser_source(source) {
+            c.set(if value {
+                c.get() | bit(source)
+            } else {
+                c.get() & !bit(source)
+            });
+        } else if source == GucSource::PGC_S_DEFAULT {
+            // Removed from the configuration file and reloaded.
+            c.set(c.get() & !bit(GucSource::PGC_S_FILE));
+        }
+    });
+    true
+}
+
+/// Whether `complete` writes an audit row: the session's `idempotency.audit`, or a
+/// superuser's choice for the session's role and database.
+pub fn audit() -> bool {
+    // SAFETY: the GUC machinery keeps the variable valid for the backend's lifetime.
+    if unsafe { *AUDIT.as_ptr() } || AUDIT_FLOOR.with(Cell::get) != 0 {
+        return true;
+    }
+    if !LOADED_LATE.with(Cell::get) {
+        return false;
+    }
+    if let Some(v) = AUDIT_FROM_CATALOG.with(Cell::get) {
+        return v;
+    }
+    let v = audit_from_catalog();
+    AUDIT_FROM_CATALOG.with(|c| c.set(Some(v)));
+    v
+}
+
+/// Whether ALTER DATABASE/ROLE ... SET turned `idempotency.audit` on for this session's login
+/// role and database (any of the four levels, combined with OR as above).
+fn audit_from_catalog() -> bool {
+    let _path = crate::store::PinnedSearchPath::pin();
+    // SAFETY: reads backend variables.
+    let (database, role) = unsafe { (pg_sys::MyDatabaseId, pg_sys::GetSessionUserId()) };
+    let settings = pgrx::Spi::connect(|client| {
+        let rows = client.select(
+            "SELECT s.setconfig FROM pg_catalog.pg_db_role_setting AS s \
+              WHERE s.setdatabase OPERATOR(pg_catalog.=) ANY (ARRAY[$1, 0]::pg_catalog.oid[]) \
+                AND s.setrole OPERATOR(pg_catalog.=) ANY (ARRAY[$2, 0]::pg_catalog.oid[]) \
+",
+            None,
+            &[database.into(), role.into()],
+        )?;
+        let mut all = Vec::new();
+        for row in rows {
+            all.push(row.get::<Vec<Option<String>>>(1)?.unwrap_or_default());
+        }
+        Ok::<_, pgrx::spi::Error>(all)
+    })
+    .unwrap_or_else(|e| {
+        crate::error::raise(
+            pgrx::PgSqlErrorCode::ERRCODE_INTERNAL_ERROR,
+            format!("idempotency: reading pg_db_role_setting: {e}"),
+            None,
+        )
+    });
+    settings.iter().flatten().flatten().any(|entry| {
+        entry.split_once('=').is_some_and(|(name, value)| {
+            name.eq_ignore_ascii_case("idempotency.audit") && parse_bool(value)
+        })
+    })
 }
 
 /// An integer setting's current value, read in place (`GucSetting::get` checks the calling
@@ -118,6 +332,9 @@ pub fn init() {
         GucContext::Sighup,
         GucFlags::default(),
     );
+    // SAFETY: _PG_init runs on the backend's (or postmaster's) main thread.
+    LOADED_LATE.with(|c| c.set(unsafe { !pg_sys::process_shared_preload_libraries_in_progress }));
+    PREFIX_SETTERS.with(|c| c.set(placeholder_setters(c"idempotency.scope_prefix")));
     GucRegistry::define_string_guc(
         c"idempotency.scope_prefix",
         c"Every scope this session passes to the extension must start with this prefix.",
@@ -127,14 +344,25 @@ pub fn init() {
         GucContext::Suset,
         GucFlags::default(),
     );
-    GucRegistry::define_bool_guc(
-        c"idempotency.audit",
-        c"Whether complete also appends a row to idempotency.audit, in the same transaction.",
-        c"Turn it on where an audit trail is needed, e.g. SET LOCAL in a payment procedure.",
-        &AUDIT,
-        GucContext::Userset,
-        GucFlags::default(),
-    );
+    // SAFETY: registers the setting with the server, as GucRegistry does, plus a check hook;
+    // the variable is a static that lives as long as the library.
+    unsafe {
+        pg_sys::DefineCustomBoolVariable(
+            c"idempotency.audit".as_ptr(),
+            c"Whether complete also appends a row to idempotency.audit, in the same transaction.".as_ptr(),
+            c"Turn it on where an audit trail is needed, e.g. SET LOCAL in a payment procedure; \
+              on set by a superuser (postgresql.conf, ALTER ROLE/DATABASE ... SET) cannot be turned off \
+              by the role."
+                .as_ptr(),
+            AUDIT.as_ptr(),
+            false,
+            pg_sys::GucContext::PGC_USERSET,
+            0,
+            Some(audit_check),
+            None,
+            None,
+        );
+    }
     GucRegistry::define_int_guc(
         c"idempotency.audit_retention",
         c"How long the background sweeper keeps audit rows; 0 keeps them.",
@@ -144,6 +372,37 @@ pub fn init() {
         i32::MAX,
         GucContext::Sighup,
         GucFlags::UNIT_S,
+    );
+    GucRegistry::define_int_guc(
+        c"idempotency.busy_retry_after",
+        c"retry_after of a claim that meets another open transaction's claim of the same key.",
+        c"That transaction usually commits or rolls back within milliseconds, so a retry soon \
+          gets the real answer; the lease says nothing about it.",
+        &BUSY_RETRY_AFTER,
+        1,
+        3_600_000,
+        GucContext::Userset,
+        GucFlags::UNIT_MS,
+    );
+    GucRegistry::define_int_guc(
+        c"idempotency.max_response_size",
+        c"Largest response complete stores.",
+        c"A larger response is refused (54000) before anything is written.",
+        &MAX_RESPONSE_SIZE,
+        1,
+        1024 * 1024,
+        GucContext::Suset,
+        GucFlags::UNIT_KB,
+    );
+    GucRegistry::define_int_guc(
+        c"idempotency.max_recovery_point_size",
+        c"Largest recovery point checkpoint stores.",
+        c"A larger recovery point is refused (54000) before anything is written.",
+        &MAX_RECOVERY_POINT_SIZE,
+        1,
+        1024 * 1024,
+        GucContext::Suset,
+        GucFlags::UNIT_KB,
     );
     unsafe { pgrx::pg_sys::MarkGUCPrefixReserved(c"idempotency".as_ptr()) };
 }

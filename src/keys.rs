@@ -106,16 +106,6 @@ pub fn check_duration(arg: &str, months: i32, days: i32, micros: i64) -> Result<
     Ok(total)
 }
 
-/// Checks that a lease fits inside the TTL (a lease outliving its key would be meaningless).
-pub fn check_lease_within_ttl(lease: i128, ttl: i128) -> Result<(), ArgError> {
-    if lease > ttl {
-        return Err(ArgError::invalid(
-            "lease must not be longer than ttl".to_string(),
-        ));
-    }
-    Ok(())
-}
-
 /// Checks an HTTP-like response status.
 pub fn check_status(status: Option<i32>) -> Result<i32, ArgError> {
     let s = status.ok_or_else(|| ArgError::null("response_status"))?;
@@ -138,7 +128,19 @@ pub fn hash_value(value: &Value) -> Result<[u8; 32], canonical::CanonError> {
     Ok(Sha256::digest(text.as_bytes()).into())
 }
 
+/// Whether a step has the form of the params hash that `derive_key` appends.
+fn looks_like_params_hash(step: &str) -> bool {
+    step.len() == DERIVED_HASH_HEX && step.bytes().all(|b| matches!(b, b'0'..=b'9' | b'a'..=b'f'))
+}
+
 /// `parent:step`, or `parent:step:<16 hex of the params hash>`.
+///
+/// Injective (up to a collision of the 64-bit params hash): the part after the last `:` is the
+/// params hash exactly when it is 16 lowercase hex digits, which a step may not be, and the
+/// step before it holds no `:`, so (parent, step, params) can be read back from the key. These
+/// are the keys release 0.2.0 derived, unchanged; 0.2.0 also accepted a 16-hex-digit step,
+/// whose key could equal another derivation's (`derive_key('a:b', '7e84cbf0f7a7c92c')` =
+/// `derive_key('a', 'b', params)`), and that step is now refused.
 pub fn derive_key(
     parent: Option<&str>,
     step: Option<&str>,
@@ -153,6 +155,12 @@ pub fn derive_key(
         return Err(ArgError::invalid(
             "step must not contain ':' (it separates the parts of a derived key)".to_string(),
         ));
+    }
+    if looks_like_params_hash(step) {
+        return Err(ArgError::invalid(format!(
+            "step must not be {DERIVED_HASH_HEX} lowercase hex digits (got {step:?}): that form \
+             marks the params hash, so the key could equal another derivation's"
+        )));
     }
     let mut key = format!("{parent}:{step}");
     if let Some(params) = params {
@@ -381,8 +389,6 @@ mod tests {
             .unwrap_err()
             .message
             .contains("10 years"));
-        assert!(check_lease_within_ttl(2, 1).is_err());
-        assert!(check_lease_within_ttl(1, 1).is_ok());
     }
 
     #[test]
@@ -404,6 +410,17 @@ mod tests {
         assert_eq!(k1.len(), "order-1:charge:".len() + DERIVED_HASH_HEX);
         assert_eq!(derive_key(Some("a"), Some("b"), None).unwrap(), "a:b");
         assert!(derive_key(Some("a"), Some("b:c"), None).is_err());
+        // The review's collision: ('order-1', 'charge', params) against ('order-1:charge', hash).
+        let params = parse_json(r#"{"amount":5}"#).unwrap();
+        let with_params = derive_key(Some("order-1"), Some("charge"), Some(&params)).unwrap();
+        let (parent, hash) = with_params.rsplit_once(':').unwrap();
+        assert_eq!(
+            derive_key(Some(parent), Some(hash), None).unwrap_err().kind,
+            ArgErrorKind::Invalid
+        );
+        // A step that is merely hex-like (other length, upper case) is still a step.
+        assert!(derive_key(Some("a"), Some("7e84cbf0f7a7c92"), None).is_ok());
+        assert!(derive_key(Some("a"), Some("7E84CBF0F7A7C92C"), None).is_ok());
         assert!(derive_key(Some(&"x".repeat(250)), Some("charge"), None).is_err());
         assert!(derive_key(None, Some("b"), None).is_err());
     }

@@ -14,6 +14,7 @@
 
 pub mod api;
 pub mod canonical;
+pub mod compat;
 pub mod error;
 pub mod ffi;
 pub mod guc;

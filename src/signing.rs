@@ -70,13 +70,22 @@ pub fn b64url_decode(s: &str) -> Option<Vec<u8>> {
     Some(out)
 }
 
-fn signed_message(kid: i32, key: &str) -> Vec<u8> {
-    format!("{kid}.{key}").into_bytes()
+/// What is signed: `<kid>.<key>`, and for a session with a scope prefix (a tenant) also a NUL
+/// and the prefix, so a key signed for one tenant does not verify for another. A key holds no
+/// NUL (PostgreSQL text cannot), so the message reads back unambiguously; with no prefix it is
+/// the message of release 0.2.0, whose signed keys keep verifying.
+fn signed_message(kid: i32, key: &str, prefix: &str) -> Vec<u8> {
+    let mut m = format!("{kid}.{key}").into_bytes();
+    if !prefix.is_empty() {
+        m.push(0);
+        m.extend_from_slice(prefix.as_bytes());
+    }
+    m
 }
 
-/// Signs `key` with the secret `kid`.
-pub fn sign(key: &str, kid: i32, secret: &[u8]) -> String {
-    let mac = hmac_sha256(secret, &signed_message(kid, key));
+/// Signs `key` with the secret `kid`, for the tenant with scope prefix `prefix` ("" for none).
+pub fn sign(key: &str, kid: i32, secret: &[u8], prefix: &str) -> String {
+    let mac = hmac_sha256(secret, &signed_message(kid, key, prefix));
     format!("{key}.{kid}.{}", b64url(&mac))
 }
 
@@ -88,6 +97,10 @@ pub fn parse(signed: &str) -> Option<(&str, i32, Vec<u8>)> {
     if key.is_empty() || sig.len() != SIGNATURE_CHARS {
         return None;
     }
+    // A key longer than any key can be is refused before any MAC is computed.
+    if key.len() > crate::keys::MAX_KEY_CHARS && key.chars().count() > crate::keys::MAX_KEY_CHARS {
+        return None;
+    }
     // Only the canonical decimal spelling of a positive id: "07" or "+7" would sign alike.
     if kid.is_empty() || kid.starts_with('0') || !kid.bytes().all(|b| b.is_ascii_digit()) {
         return None;
@@ -96,9 +109,10 @@ pub fn parse(signed: &str) -> Option<(&str, i32, Vec<u8>)> {
     Some((key, kid, b64url_decode(sig)?))
 }
 
-/// Whether `signature` is the signature of `key` under secret `kid`, compared in constant time.
-pub fn verify(key: &str, kid: i32, signature: &[u8], secret: &[u8]) -> bool {
-    let expected = hmac_sha256(secret, &signed_message(kid, key));
+/// Whether `signature` is the signature of `key` under secret `kid` for the tenant with scope
+/// prefix `prefix`, compared in constant time.
+pub fn verify(key: &str, kid: i32, signature: &[u8], secret: &[u8], prefix: &str) -> bool {
+    let expected = hmac_sha256(secret, &signed_message(kid, key, prefix));
     signature.len() == expected.len()
         && signature
             .iter()
@@ -107,9 +121,18 @@ pub fn verify(key: &str, kid: i32, signature: &[u8], secret: &[u8]) -> bool {
             == 0
 }
 
-/// The stored form of a key when the store keeps keys hashed: lowercase hex SHA-256.
-pub fn hashed_key(key: &str) -> String {
-    crate::keys::hex(&Sha256::digest(key.as_bytes()))
+/// The stored form of a key when the store keeps keys hashed: the lowercase hex HMAC-SHA256,
+/// under the store's secret, of the key's SHA-256. A plain SHA-256 of an e-mail address or an
+/// order number is reversed with a dictionary; without the secret (kept in the server) this is
+/// not. Hashing the SHA-256 rather than the key lets release 0.2.0's stored form (the hex
+/// SHA-256) be rewritten into this one without the keys ([`rekeyed`]).
+pub fn hashed_key(key: &str, secret: &[u8]) -> String {
+    rekeyed(&Sha256::digest(key.as_bytes()), secret)
+}
+
+/// The stored form of a key whose SHA-256 is `digest`.
+pub fn rekeyed(digest: &[u8], secret: &[u8]) -> String {
+    crate::keys::hex(&hmac_sha256(secret, digest))
 }
 
 /// What messages show of a stored hashed key: a prefix, never the whole digest.
@@ -176,18 +199,51 @@ mod tests {
 
     #[test]
     fn sign_then_verify() {
-        let s = sign("order.42", 3, b"secret");
+        let s = sign("order.42", 3, b"secret", "");
         let (key, kid, sig) = parse(&s).unwrap();
         assert_eq!((key, kid), ("order.42", 3));
-        assert!(verify(key, kid, &sig, b"secret"));
-        assert!(!verify(key, kid, &sig, b"other secret"));
-        assert!(!verify("order.43", kid, &sig, b"secret"));
-        assert!(!verify(key, 4, &sig, b"secret"));
+        assert!(verify(key, kid, &sig, b"secret", ""));
+        assert!(!verify(key, kid, &sig, b"other secret", ""));
+        assert!(!verify("order.43", kid, &sig, b"secret", ""));
+        assert!(!verify(key, 4, &sig, b"secret", ""));
+    }
+
+    #[test]
+    fn a_key_signed_for_one_tenant_does_not_verify_for_another() {
+        let s = sign("checkout-1", 1, b"secret", "shop_b:");
+        let (key, kid, sig) = parse(&s).unwrap();
+        assert!(verify(key, kid, &sig, b"secret", "shop_b:"));
+        assert!(!verify(key, kid, &sig, b"secret", "shop_a:"));
+        assert!(!verify(key, kid, &sig, b"secret", ""));
+        // Without a prefix the message is release 0.2.0's: its signed keys still verify.
+        let old = format!("k.1.{}", b64url(&hmac_sha256(b"secret", b"1.k")));
+        let (key, kid, sig) = parse(&old).unwrap();
+        assert!(verify(key, kid, &sig, b"secret", ""));
+    }
+
+    #[test]
+    fn keyed_hashes_need_the_secret_and_rekey_sha256_digests() {
+        let a = hashed_key("alice@example.com", b"secret one");
+        assert_eq!(a.len(), 64);
+        assert_ne!(a, hashed_key("alice@example.com", b"secret two"));
+        assert_ne!(a, crate::keys::hex(&Sha256::digest(b"alice@example.com")));
+        // Release 0.2.0 stored the plain SHA-256: it is rewritten without the key.
+        assert_eq!(
+            rekeyed(&Sha256::digest(b"alice@example.com"), b"secret one"),
+            a
+        );
+    }
+
+    #[test]
+    fn an_overlong_signed_key_is_refused_before_any_mac() {
+        let sig = "A".repeat(SIGNATURE_CHARS);
+        assert!(parse(&format!("{}.1.{sig}", "k".repeat(256))).is_none());
+        assert!(parse(&format!("{}.1.{sig}", "k".repeat(255))).is_some());
     }
 
     #[test]
     fn malformed_signed_keys_do_not_parse() {
-        let s = sign("k", 1, b"x");
+        let s = sign("k", 1, b"x", "");
         let sig = s.rsplit_once('.').unwrap().1;
         for bad in [
             "k".to_string(),
@@ -209,13 +265,13 @@ mod tests {
         #[test]
         fn any_single_bit_flip_is_refused(key in "[a-z0-9:.-]{1,40}", kid in 1i32..1000, bit in 0usize..10_000) {
             let secret = b"a server secret";
-            let signed = sign(&key, kid, secret);
+            let signed = sign(&key, kid, secret, "");
             let mut bytes = signed.clone().into_bytes();
             let i = bit % (bytes.len() * 8);
             bytes[i / 8] ^= 1 << (i % 8);
             if let Ok(tampered) = String::from_utf8(bytes) {
                 let accepted = parse(&tampered)
-                    .is_some_and(|(k, id, sig)| verify(k, id, &sig, secret));
+                    .is_some_and(|(k, id, sig)| verify(k, id, &sig, secret, ""));
                 prop_assert!(!accepted, "{tampered} accepted");
             }
         }

@@ -3,13 +3,14 @@
 
 use crate::error::raise;
 use crate::state::{self, Decision, Stored};
-use crate::{ffi, guc, stats};
+use crate::{ffi, guc, keys, stats};
 use pgrx::datum::{Interval, TimestampWithTimeZone};
 use pgrx::pg_sys;
 use pgrx::prelude::*;
 use pgrx::spi::{OwnedPreparedStatement, SpiClient};
 use pgrx::PgOid;
 use pgrx::PgSqlErrorCode;
+use sha2::Digest;
 use std::cell::Cell;
 use std::time::{Duration, Instant};
 
@@ -206,7 +207,7 @@ fn plans(client: &SpiClient<'_>) -> Result<&'static Plans, pgrx::spi::Error> {
             )?
             .keep(),
         sweep: client
-            .prepare_mut(SWEEP_SQL, &[PgOid::from(pg_sys::INT8OID)])?
+            .prepare_mut(SWEEP_SQL, &[PgOid::from(pg_sys::INT8OID), text])?
             .keep(),
     }));
     PLANS.with(|c| c.set(Some(p)));
@@ -333,9 +334,7 @@ enum Probe {
     /// No version of the row exists, committed or not.
     Absent,
     /// Another open transaction is inserting, updating or deleting the row.
-    Busy {
-        locked_until: Option<pg_sys::TimestampTz>,
-    },
+    Busy,
     /// The newest committed version (or our own transaction's).
     Committed(Row),
 }
@@ -347,14 +346,10 @@ struct Layout {
     relid: pg_sys::Oid,
     idxid: pg_sys::Oid,
     /// request_hash, token, response, response_status, recovery_point, expires_at, locked_until
-    /// (the last at index [`LOCKED_UNTIL`])
     att: [i32; 7],
     /// The role whose table privileges were checked for this layout (see `check_access`).
     checked_for: pg_sys::Oid,
 }
-
-/// Where `Layout::att` (and so a looked-up [`ffi::Version`]) has locked_until.
-const LOCKED_UNTIL: usize = 6;
 
 static LAYOUT: crate::local::BackendLocal<Cell<Option<Layout>>> =
     crate::local::BackendLocal::new(Cell::new(None));
@@ -374,68 +369,107 @@ unsafe extern "C-unwind" fn forget_layout(_arg: pg_sys::Datum, relid: pg_sys::Oi
     });
 }
 
-/// Whether the store keeps keys hashed (`idempotency.config`), read once per layout.
-static HASHED: crate::local::BackendLocal<Cell<Option<bool>>> =
+/// How the store keeps keys (`idempotency.config`, changed by `set_key_storage`).
+#[derive(Clone, Copy)]
+enum KeyStorage {
+    Plain,
+    /// HMAC-SHA256 under this secret of the key's SHA-256 ([`crate::signing::hashed_key`]).
+    Keyed([u8; 32]),
+    /// Release 0.2.0's plain SHA-256: a store not yet updated to 0.3.0 (no secret column).
+    Sha256,
+}
+
+/// The key storage, read once per layout.
+static HASHED: crate::local::BackendLocal<Cell<Option<KeyStorage>>> =
     crate::local::BackendLocal::new(Cell::new(None));
 
 /// Locks the store against a concurrent switch of the key storage (which takes an ACCESS
-/// EXCLUSIVE lock and invalidates the layout when it commits), then tells whether keys are
-/// stored hashed. Taking the lock first processes any pending invalidation, so the answer
-/// holds until the end of the transaction.
-fn keys_hashed() -> bool {
+/// EXCLUSIVE lock and invalidates the layout when it commits), then tells how keys are
+/// stored. Taking the lock first processes any pending invalidation, so the answer holds
+/// until the end of the transaction.
+fn key_storage() -> KeyStorage {
     let l = layout();
     unsafe { pg_sys::LockRelationOid(l.relid, pg_sys::AccessShareLock as pg_sys::LOCKMODE) };
     let l = layout();
     if let Some(h) = HASHED.with(Cell::get) {
         return h;
     }
-    let hashed = unsafe {
+    // SAFETY: catalog look-ups inside the calling transaction.
+    let config = unsafe {
         let nsp = pg_sys::get_namespace_oid(c"idempotency".as_ptr(), false);
-        pg_sys::get_relname_relid(c"config".as_ptr(), nsp) != pg_sys::InvalidOid
-    } && {
+        pg_sys::get_relname_relid(c"config".as_ptr(), nsp)
+    };
+    let storage = if config == pg_sys::InvalidOid {
+        KeyStorage::Plain
+    } else {
+        // SAFETY: as above.
+        let has_secret = unsafe { pg_sys::get_attnum(config, c"key_secret".as_ptr()) } > 0;
+        let query = if has_secret {
+            "SELECT c.key_storage OPERATOR(pg_catalog.=) 'sha256', c.key_secret \
+               FROM idempotency.config AS c"
+        } else {
+            "SELECT c.key_storage OPERATOR(pg_catalog.=) 'sha256', NULL::pg_catalog.bytea \
+               FROM idempotency.config AS c"
+        };
         let _path = PinnedSearchPath::pin();
         // A read-only SPI query (select, not update): it must work on a hot standby, where
         // assigning a transaction id is an error.
-        Spi::connect(|client| {
-            client
-                .select(
-                    "SELECT COALESCE((SELECT c.key_storage OPERATOR(pg_catalog.=) 'sha256' \
-                     FROM idempotency.config AS c), false)",
-                    None,
-                    &[],
-                )?
-                .first()
-                .get_one::<bool>()
+        let row = Spi::connect(|client| {
+            let t = client.select(query, None, &[])?;
+            if t.is_empty() {
+                return Ok((false, None));
+            }
+            let row = t.first();
+            Ok::<_, pgrx::spi::Error>((
+                row.get::<bool>(1)?.unwrap_or(false),
+                row.get::<Vec<u8>>(2)?,
+            ))
         })
-        .unwrap_or_else(|e: pgrx::spi::Error| {
+        .unwrap_or_else(|e| {
             raise(
                 PgSqlErrorCode::ERRCODE_INTERNAL_ERROR,
                 format!("idempotency: reading idempotency.config: {e}"),
                 None,
             )
-        })
-        .unwrap_or(false)
+        });
+        match row {
+            (false, _) => KeyStorage::Plain,
+            (true, None) if !has_secret => KeyStorage::Sha256,
+            (true, secret) => match secret.as_deref().map(<[u8; 32]>::try_from) {
+                Some(Ok(s)) => KeyStorage::Keyed(s),
+                _ => raise(
+                    PgSqlErrorCode::ERRCODE_DATA_CORRUPTED,
+                    "idempotency.config keeps keys hashed but has no 32-byte key_secret".into(),
+                    Some("the secret was changed by hand: restore it, or forget the hashed keys and call set_key_storage again"),
+                ),
+            },
+        }
     };
     // Only cache what belongs to the current layout (an invalidation may have come in).
     if LAYOUT.with(Cell::get).is_some_and(|c| c.relid == l.relid) {
-        HASHED.with(|h| h.set(Some(hashed)));
+        HASHED.with(|h| h.set(Some(storage)));
     }
-    hashed
+    storage
 }
 
-/// The form in which `key` is stored: itself, or its SHA-256 in hex when the store keeps
+/// Whether the store keeps keys hashed (as far as this transaction has looked).
+fn keys_hashed() -> bool {
+    !matches!(HASHED.with(Cell::get), None | Some(KeyStorage::Plain))
+}
+
+/// The form in which `key` is stored: itself, or its keyed hash in hex when the store keeps
 /// keys hashed (`idempotency.set_key_storage`).
 pub fn stored_key(key: String) -> String {
-    if keys_hashed() {
-        crate::signing::hashed_key(&key)
-    } else {
-        key
+    match key_storage() {
+        KeyStorage::Plain => key,
+        KeyStorage::Keyed(secret) => crate::signing::hashed_key(&key, &secret),
+        KeyStorage::Sha256 => keys::hex(&sha2::Sha256::digest(key.as_bytes())),
     }
 }
 
 /// How messages name a stored key: quoted, or only a prefix of its hash.
 pub fn key_label(stored: &str) -> String {
-    if HASHED.with(Cell::get).unwrap_or(false) {
+    if keys_hashed() {
         crate::signing::hash_label(stored)
     } else {
         format!("{stored:?}")
@@ -583,9 +617,7 @@ fn probe(scope: &str, key: &str) -> Probe {
     if !v.exists {
         Probe::Absent
     } else if v.xmin != pg_sys::InvalidTransactionId || v.xmax != pg_sys::InvalidTransactionId {
-        Probe::Busy {
-            locked_until: v.get(LOCKED_UNTIL).map(|d| d.value() as i64),
-        }
+        Probe::Busy
     } else {
         Probe::Committed(row_from_version(&v))
     }
@@ -923,10 +955,30 @@ fn seconds_left(locked_until: Option<pg_sys::TimestampTz>) -> Interval {
         .unwrap_or_else(|_| Interval::new(0, 0, 1_000_000).unwrap())
 }
 
-fn busy_result(locked_until: Option<pg_sys::TimestampTz>) -> ClaimResult {
+/// The answer to a claim that meets another open transaction's claim (or change) of the key:
+/// in progress, come back after `idempotency.busy_retry_after` (that transaction usually ends
+/// in milliseconds: its lease says nothing about when). `expires_at` stays NULL: the row is not
+/// committed and may never be.
+fn busy_result() -> ClaimResult {
     let mut r = ClaimResult::new(Outcome::InProgress);
-    r.retry_after = Some(seconds_left(locked_until));
+    r.retry_after = Interval::new(0, 0, guc::int(&guc::BUSY_RETRY_AFTER).max(1) as i64 * 1000).ok();
     r
+}
+
+/// `now()` plus an interval, with PostgreSQL's calendar arithmetic in the session's time zone
+/// (what `pg_catalog.now() + interval` gives the statements).
+pub fn now_plus(interval: &Interval) -> pg_sys::TimestampTz {
+    use pgrx::IntoDatum;
+    let now = pg_sys::Datum::from(ffi::transaction_start());
+    let Some(i) = interval.into_datum() else {
+        internal("an interval could not be converted");
+    };
+    // SAFETY: timestamptz_pl_interval takes a timestamptz and an interval datum; it raises a
+    // clear error (22008) when the result is out of range.
+    unsafe {
+        pg_sys::DirectFunctionCall2Coll(Some(timestamptz_pl_interval), pg_sys::InvalidOid, now, i)
+    }
+    .value() as pg_sys::TimestampTz
 }
 
 fn sleep_a_little() {
@@ -979,7 +1031,7 @@ pub fn claim(req: &ClaimRequest<'_>) -> ClaimResult {
                 Some(row) => decide(client, req, row),
                 None => match probe_or_insert(req, || insert(client, req)) {
                     Looked::Inserted(step) => step,
-                    Looked::Found(Probe::Busy { locked_until }) => Ok(Step::Busy(locked_until)),
+                    Looked::Found(Probe::Busy) => Ok(Step::Busy),
                     // Committed, but not in this REPEATABLE READ snapshot: the insert fails with
                     // a serialization error, as it should.
                     Looked::Found(Probe::Committed(_)) => insert(client, req),
@@ -1002,7 +1054,7 @@ pub fn claim(req: &ClaimRequest<'_>) -> ClaimResult {
             };
             match found {
                 Looked::Inserted(step) => step,
-                Looked::Found(Probe::Busy { locked_until }) => Ok(Step::Busy(locked_until)),
+                Looked::Found(Probe::Busy) => Ok(Step::Busy),
                 Looked::Found(Probe::Committed(row)) => {
                     match state::decide(stored(&row), given(req)) {
                         d @ (Decision::Replay | Decision::Mismatch | Decision::InProgress) => {
@@ -1018,9 +1070,9 @@ pub fn claim(req: &ClaimRequest<'_>) -> ClaimResult {
         };
         match step {
             Ok(Step::Done(result)) => return result,
-            Ok(Step::Busy(locked_until)) => {
+            Ok(Step::Busy) => {
                 if started.get_or_insert_with(Instant::now).elapsed() >= wait {
-                    return busy_result(locked_until);
+                    return busy_result();
                 }
                 sleep_a_little();
             }
@@ -1086,7 +1138,9 @@ fn answer(req: &ClaimRequest<'_>, decision: Decision, row: Row) -> ClaimResult {
         Decision::Replay => replay(row),
         Decision::Mismatch => {
             log_mismatch(req, row.request_hash.as_deref());
-            ClaimResult::new(Outcome::Mismatch)
+            let mut r = ClaimResult::new(Outcome::Mismatch);
+            r.expires_at = row.expires_at;
+            r
         }
         _ => in_progress(row),
     }
@@ -1106,10 +1160,10 @@ fn decide(
             // Lock the newest version without waiting, then decide again on it.
             let Some(locked) = read_row(client, true, req)? else {
                 return Ok(match probe(req.scope, req.key) {
-                    Probe::Busy { locked_until } => Step::Busy(locked_until),
+                    Probe::Busy => Step::Busy,
                     // Still there, so another claimer holds its row lock while it decides on a
                     // takeover: the key is busy (spinning here would only burn rounds).
-                    Probe::Committed(_) => Step::Busy(None),
+                    Probe::Committed(_) => Step::Busy,
                     Probe::Absent => Step::Again,
                 });
             };
@@ -1128,7 +1182,7 @@ fn decide(
 
 enum Step {
     Done(ClaimResult),
-    Busy(Option<pg_sys::TimestampTz>),
+    Busy,
     Again,
 }
 
@@ -1166,12 +1220,14 @@ const AUDIT_SQL: &str = "INSERT INTO idempotency.audit \
        (scope, key, key_is_hash, request_hash, token, response_status, completed_at, completed_by) \
      VALUES ($1, $2, $3, $4, $5, $6, pg_catalog.now(), $7)";
 
-/// Deletes up to $2 audit rows older than $1 seconds, skipping rows other transactions hold.
+/// Deletes up to $2 audit rows older than $1 seconds whose scope starts with $3 ('' for all),
+/// skipping rows other transactions hold.
 const AUDIT_SWEEP_SQL: &str = "DELETE FROM idempotency.audit AS a \
      WHERE a.ctid OPERATOR(pg_catalog.=) ANY (ARRAY( \
        SELECT s.ctid FROM idempotency.audit AS s \
         WHERE s.completed_at OPERATOR(pg_catalog.<) (pg_catalog.now() \
               OPERATOR(pg_catalog.-) pg_catalog.make_interval(secs => $1)) \
+          AND pg_catalog.starts_with(s.scope, $3) \
         LIMIT $2 FOR UPDATE SKIP LOCKED))";
 
 /// The audit statements, prepared on first use (a store created by release 0.1.0 and not yet
@@ -1218,7 +1274,11 @@ fn audit_plans(client: &SpiClient<'_>) -> Result<&'static AuditPlans, pgrx::spi:
         sweep: client
             .prepare_mut(
                 AUDIT_SWEEP_SQL,
-                &[oid(pg_sys::FLOAT8OID), oid(pg_sys::INT8OID)],
+                &[
+                    oid(pg_sys::FLOAT8OID),
+                    oid(pg_sys::INT8OID),
+                    oid(pg_sys::TEXTOID),
+                ],
             )?
             .keep(),
     }));
@@ -1336,7 +1396,7 @@ fn audit(req: &CompleteRequest<'_>, done: &Completed) {
             &[
                 req.scope.into(),
                 req.key.into(),
-                HASHED.with(Cell::get).unwrap_or(false).into(),
+                keys_hashed().into(),
                 done.request_hash.clone().into(),
                 done.token.into(),
                 req.response_status.into(),
@@ -1547,10 +1607,12 @@ unsafe fn insert_index_entries(rel: pg_sys::Relation, slot: *mut pg_sys::TupleTa
     }
 }
 
+/// Deletes up to $1 expired rows whose scope starts with $2 ('' for all).
 const SWEEP_SQL: &str = "DELETE FROM idempotency.idempotency_keys AS k \
      WHERE k.ctid OPERATOR(pg_catalog.=) ANY (ARRAY( \
        SELECT s.ctid FROM idempotency.idempotency_keys AS s \
         WHERE s.expires_at OPERATOR(pg_catalog.<=) pg_catalog.now() \
+          AND pg_catalog.starts_with(s.scope, $2) \
         LIMIT $1 FOR UPDATE SKIP LOCKED))";
 
 /// How many rows still in the table expired after `since` (and by now()): the inflow the
@@ -1572,12 +1634,13 @@ pub fn expired_since(since: pg_sys::TimestampTz) -> i64 {
     .unwrap_or(0)
 }
 
-/// Deletes up to `batch` expired rows, skipping rows other transactions hold; returns how many.
-pub fn sweep_batch(batch: i64) -> i64 {
+/// Deletes up to `batch` expired rows whose scope starts with `prefix` ("": every row),
+/// skipping rows other transactions hold; returns how many.
+pub fn sweep_batch(batch: i64, prefix: &str) -> i64 {
     let _path = PinnedSearchPath::pin();
     let deleted = Spi::connect_mut(|client| {
         client
-            .update(&plans(client)?.sweep, None, &[batch.into()])
+            .update(&plans(client)?.sweep, None, &[batch.into(), prefix.into()])
             .map(|t| t.len() as i64)
     })
     .unwrap_or_else(|e| {
@@ -1591,13 +1654,18 @@ pub fn sweep_batch(batch: i64) -> i64 {
     deleted
 }
 
-/// Deletes up to `batch` audit rows older than `retention_secs`; returns how many.
-pub fn sweep_audit_batch(retention_secs: f64, batch: i64) -> i64 {
+/// Deletes up to `batch` audit rows older than `retention_secs` whose scope starts with
+/// `prefix` ("": every row); returns how many.
+pub fn sweep_audit_batch(retention_secs: f64, batch: i64, prefix: &str) -> i64 {
     let _path = PinnedSearchPath::pin();
     Spi::connect_mut(|client| {
         let p = audit_plans(client)?;
         client
-            .update(&p.sweep, None, &[retention_secs.into(), batch.into()])
+            .update(
+                &p.sweep,
+                None,
+                &[retention_secs.into(), batch.into(), prefix.into()],
+            )
             .map(|t| t.len() as i64)
     })
     .unwrap_or_else(|e| {

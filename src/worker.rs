@@ -241,7 +241,7 @@ pub extern "C-unwind" fn idempotency_sweeper_main(arg: pg_sys::Datum) {
     compress_full_page_images();
     lower_priority(guc::SWEEP_NICE.get());
     let total = sweep_in_batches(
-        |batch| Some(store::sweep_batch(batch)),
+        |batch| Some(store::sweep_batch(batch, "")),
         Some(store::expired_since),
     );
     stats::sweep_finished(total);
@@ -400,7 +400,7 @@ fn sweep_audit() {
     sweep_in_batches(
         |batch| {
             let retention = guc::AUDIT_RETENTION.get();
-            (retention > 0).then(|| store::sweep_audit_batch(retention as f64, batch))
+            (retention > 0).then(|| store::sweep_audit_batch(retention as f64, batch, ""))
         },
         None,
     );
