@@ -1,4 +1,4 @@
-"""Upgrades: install the previous release (0.1.0, its install script frozen in sql/releases/),
+"""Upgrades: install each previous release (0.1.0, 0.2.0: install scripts frozen in sql/releases/),
 write keys of every kind, ALTER EXTENSION idempotency UPDATE, and check that every key still
 behaves and that the upgraded schema is exactly what a fresh install of the new release creates."""
 
@@ -13,7 +13,7 @@ from test_concurrency import claim
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 PG_CONFIG = "/usr/lib/postgresql/15/bin/pg_config"
-PREVIOUS = ["0.1.0"]
+PREVIOUS = ["0.1.0", "0.2.0"]
 
 
 def current_version():
@@ -34,7 +34,9 @@ def previous_releases_installed():
         dst = os.path.join(sharedir, "extension", f"idempotency--{v}.sql")
         if not os.path.exists(dst) or open(src).read() != open(dst).read():
             shutil.copyfile(src, dst)
-        up = os.path.join(sharedir, "extension", f"idempotency--{v}--{current_version()}.sql")
+    # The chain of upgrade scripts, each release to the next.
+    for a, b in zip(PREVIOUS, PREVIOUS[1:] + [current_version()]):
+        up = os.path.join(sharedir, "extension", f"idempotency--{a}--{b}.sql")
         assert os.path.exists(up), f"{up} missing: run cargo pgrx install"
 
 
@@ -170,3 +172,36 @@ def test_keys_survive_the_upgrade(cluster, fresh_db):
         assert claim(app, "done", {"a": 1}, scope="s")[0] == "replay"
     db.execute("DROP OWNED BY legacy_app")
     db.execute("DROP ROLE legacy_app")
+
+
+def test_keys_stored_hashed_by_0_2_0_are_rekeyed(cluster, fresh_db):
+    """0.2.0 kept hashed keys as their plain SHA-256; 0.3.0 keeps a keyed hash. The upgrade
+    rewrites them without the keys, and every key still replays (or stays in progress)."""
+    import hashlib
+    import hmac
+    db = fresh_db("upgrade_hashed")
+    db.execute("CREATE EXTENSION idempotency VERSION '0.2.0'")
+    db.execute("SELECT idempotency.set_key_storage('sha256')")
+    db.execute("SET idempotency.audit = on")
+    done = claim(db, "alice@example.com", {"a": 1}, scope="s")
+    db.execute("SELECT idempotency.complete('alice@example.com', '{\"ok\": 1}', scope => 's')")
+    leased = claim(db, "bob@example.com", scope="s", lease="1 hour")
+    stored = dict(db.execute("SELECT key, status::text FROM idempotency.idempotency_keys").fetchall())
+    plain_sha = {hashlib.sha256(k.encode()).hexdigest() for k in ("alice@example.com", "bob@example.com")}
+    assert set(stored) == plain_sha  # what 0.2.0 wrote (the new library serves the old schema alike)
+    assert claim(db, "alice@example.com", {"a": 1}, scope="s")[0] == "replay"
+
+    db.execute("ALTER EXTENSION idempotency UPDATE")
+    secret = db.execute("SELECT key_secret FROM idempotency.config").fetchone()[0]
+    assert len(secret) == 32
+    keyed = {hmac.new(secret, hashlib.sha256(k.encode()).digest(), "sha256").hexdigest()
+             for k in ("alice@example.com", "bob@example.com")}
+    assert {k for (k,) in db.execute("SELECT key FROM idempotency.idempotency_keys")} == keyed
+    assert {k for (k,) in db.execute("SELECT key FROM idempotency.audit")} <= keyed
+    assert db.execute("SELECT count(*) FROM idempotency.audit WHERE key_is_hash").fetchone()[0] == 1
+    with psycopg.connect(cluster.conninfo().replace("dbname=idem", "dbname=upgrade_hashed"), autocommit=True) as new:
+        for c in (db, new):
+            assert claim(c, "alice@example.com", {"a": 1}, scope="s")[:3] == ("replay", done[1], {"ok": 1})
+            assert claim(c, "bob@example.com", scope="s")[0] == "in_progress"
+        new.execute("SELECT idempotency.complete('bob@example.com', '{}', scope => 's', token => %s)", (leased[1],))
+        assert claim(db, "bob@example.com", scope="s")[0] == "replay"
