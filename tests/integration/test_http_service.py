@@ -242,11 +242,11 @@ def test_order_is_created_once_and_replayed(service, sql):
         assert (s2, b2) == (201, body)
         assert h2["idempotent-replayed"] == "true" and h2["idempotency-key"] == '"order-1"'
         assert h2["idempotency-expires"] == h["idempotency-expires"]
-    # A bare (unquoted) key is the same key.
+    # Parameters after the String are ignored: the same key.
     s3, h3, b3 = service.post("/orders", ORDER, key=None, client="alice",
-                              headers={"Idempotency-Key": "order-1"})
+                              headers={"Idempotency-Key": '"order-1";p=1'})
     assert (s3, b3, h3["idempotent-replayed"]) == (201, body, "true")
-    assert h3["idempotency-key"] == "order-1"
+    assert h3["idempotency-key"] == '"order-1";p=1'
     # Keys are scoped to the client: bob's order-1 is his own.
     s4, _, b4 = service.post("/orders", ORDER, key="order-1", client="bob")
     assert s4 == 201 and json.loads(b4)["order_id"] != first["order_id"]
@@ -272,11 +272,19 @@ def test_missing_or_malformed_key_is_400(service, sql):
         '""': "empty",
         "": "empty",
         '"' + "x" * 256 + '"': "too long: 256 characters",
-        "a b": "bad character at position 2",
+        '"a\u00e9"': "bad character at position 3 (byte 0xe9)",
         '"ab': "no closing quote",
         '"a\\nb"': "bad escape",
-        '"ab";x=1': "after the closing quote",
-        "k\u00e9": "bad character at position 2 (byte 0xe9)",
+        '"ab" x': "after the closing quote at position 6",
+        '"ab";X=1': "malformed parameter at position 6",
+        '"ab";x=?2': "malformed parameter at position 8",
+        # Items of another type than String (RFC 9651: a malformed field).
+        "abc": "is a bare Token, not a String",
+        "a b": "is a bare Token, not a String",
+        "k\u00e9": "is a bare Token, not a String",
+        "1": "is an Integer or Decimal, not a String",
+        "?1": "is a Boolean, not a String",
+        ":aGk=:": "is a Byte Sequence, not a String",
     }
     for raw, why in cases.items():
         status, h, b = service.post("/orders", ORDER, key=None, client="dave",
@@ -298,6 +306,30 @@ def test_missing_or_malformed_key_is_400(service, sql):
     assert_problem(status, h, b, 422)
     assert stored_row(sql, "dave:POST /orders", "bad-body") is None
     assert count(sql, "orders", "dave") == 1
+
+
+def test_key_is_a_string_item_with_optional_parameters(service, sql):
+    """RFC 9651: an Item is a String here, optionally with parameters (ignored); an Item of
+    another type is a malformed field, refused with 400, never a key of its own."""
+    scope = "dora:POST /orders"
+    status, h, body = service.post("/orders", ORDER, key=None, client="dora",
+                                   headers={"Idempotency-Key": '"param-1";p=1'})
+    assert status == 201 and "idempotent-replayed" not in h, body
+    assert h["idempotency-key"] == '"param-1";p=1'
+    assert stored_row(sql, scope, "param-1")[:2] == ("completed", 201)
+    for raw in ('"param-1"', '"param-1"; a=?0;b="x;y";c=tok/1;d=-1.5;e=:aGk=:;f=@1700000000;*g'):
+        s2, h2, b2 = service.post("/orders", ORDER, key=None, client="dora",
+                                  headers={"Idempotency-Key": raw})
+        assert (s2, b2, h2.get("idempotent-replayed")) == (201, body, "true"), (raw, b2)
+    for raw, kind in (("abc", "a bare Token"), ("1", "an Integer or Decimal"), ("?1", "a Boolean")):
+        status, h, b = service.post("/orders", ORDER, key=None, client="dora",
+                                    headers={"Idempotency-Key": raw})
+        doc = assert_problem(status, h, b, 400, "Idempotency-Key is malformed")
+        assert f"is {kind}, not a String" in doc["detail"], (raw, doc)
+        assert h["idempotency-key"] == raw and "idempotency-expires" not in h
+    # Nothing was claimed under the bare values ('?1' would be key '?1'); one order in all.
+    assert sql("SELECT key FROM idempotency.idempotency_keys WHERE scope = %s", scope) == [("param-1",)]
+    assert count(sql, "orders", "dora") == 1
 
 
 def test_storm_of_identical_posts_creates_one_order(service, sql):
