@@ -332,6 +332,60 @@ def test_key_is_a_string_item_with_optional_parameters(service, sql):
     assert count(sql, "orders", "dora") == 1
 
 
+def test_body_is_judged_as_jsonb_judges_it(service, sql):
+    """JSON that jsonb accepts is accepted, whatever a double or a recursion limit would say:
+    numbers beyond the range of a double and nesting deeper than 128 levels. Their exact
+    values are stored, and the same bytes again are a replay."""
+    big = "9" * 400
+    deep = "[" * 200 + "1" + "]" * 200
+    text = ('{"items": [{"sku": "A1", "qty": 1, "weight": 1e400, "serial": 123456789012345678901234567890, '
+            f'"big": {big}, "deep": {deep}}}], "amount": 123456789012345678901234567890.5, '
+            '"currency": "EUR"}').encode()
+    status, h, b = service.post("/orders", text, key="big-1", client="owen")
+    assert status == 201, b
+    # What the service stored is what PostgreSQL reads from the text sent, exactly.
+    assert sql("SELECT items = (%s::jsonb -> 'items'), amount = 123456789012345678901234567890.5 "
+               "FROM http_example.orders WHERE client_id = 'owen'", text.decode()) == [(True, True)]
+    assert sql("SELECT jsonb_path_query_first(items, '$[0].weight')::text = '1' || repeat('0', 400) "
+               "FROM http_example.orders WHERE client_id = 'owen'") == [(True,)]
+    s2, h2, b2 = service.post("/orders", text, key="big-1", client="owen")
+    assert (s2, b2, h2.get("idempotent-replayed")) == (201, b, "true")
+    assert count(sql, "orders", "owen") == 1
+
+
+def test_body_that_jsonb_refuses_is_a_client_error(service, sql):
+    """JSON that jsonb cannot hold, or text PostgreSQL does not read as JSON, is refused with
+    400 or 422 saying why, never 503 "retry" (no retry can succeed). Nothing is claimed: the key
+    stays free for the corrected request."""
+    scope = "pia:POST /orders"
+    item = '{{"items": [{{"sku": {}}}], "amount": 5, "currency": "EUR"}}'
+    cases = [
+        (item.format('"A\\u0000"'), 422, "\\u0000 cannot be converted to text"),
+        (item.format('1e200000'), 422, "overflows numeric format"),
+        # jsonb takes this, the fingerprint's canonical hashing (1000 levels) does not.
+        (item.format("[" * 5000 + "]" * 5000), 422, "nested deeper than"),
+        (item.format('"\\ud800"'), 400, "surrogate"),
+    ]
+    for text, want, why in cases:
+        status, h, b = service.post("/orders", text.encode(), key="nul-1", client="pia")
+        doc = assert_problem(status, h, b, want)
+        assert "retry-after" not in h and "idempotency-expires" not in h
+        assert why in doc["detail"], (text[:60], doc)
+        assert stored_row(sql, scope, "nul-1") is None
+    # A refund with such a body: the same.
+    status, h, b = service.post("/refunds", b'{"order_id": 1, "amount": 1, "note": "\\u0000"}',
+                                key="nul-2", client="pia")
+    assert "cannot be converted to text" in assert_problem(status, h, b, 422)["detail"]
+    assert stored_row(sql, "pia:POST /refunds", "nul-2") is None
+    # A NUL in the query string is refused before anything reaches PostgreSQL.
+    status, h, b = service.post("/orders?note=a%00b", ORDER, key="nul-1", client="pia")
+    assert "NUL" in assert_problem(status, h, b, 400)["detail"]
+    # The key was never used: the corrected request is new.
+    status, h, b = service.post("/orders", ORDER, key="nul-1", client="pia")
+    assert status == 201 and "idempotent-replayed" not in h, b
+    assert count(sql, "orders", "pia") == 1
+
+
 def test_storm_of_identical_posts_creates_one_order(service, sql):
     """100 concurrent identical POSTs: one order, and every client gets the same answer. The
     first request's transaction stays open for 300 ms; duplicates wait for it (claim_wait) and
