@@ -40,6 +40,56 @@ def test_place_order_charges_once(shop, db):
     assert [k for (k,) in outbox] == [first["body"]["charge_key"], other["body"]["charge_key"]]
 
 
+def test_place_order_refuses_a_bad_key_or_client_before_writing(shop, db):
+    """Each refusal is a 400 answer in the shape of the others, saying what is wrong, and
+    nothing is written: no order, no charge, no claim."""
+    order = {"items": [{"sku": "C3", "qty": 1}], "amount": 5, "currency": "EUR"}
+    call = "SELECT shop.place_order(%s, %s, %s)"
+    cases = [
+        ("client-9", "k" * 240, "Idempotency-Key is malformed", "too long: 240 characters, at most 200"),
+        ("client-9", "k" * 201, "Idempotency-Key is malformed", "too long: 201 characters"),
+        ("client-9", "", "Idempotency-Key is malformed", "empty"),
+        ("client-9", None, "Idempotency-Key is missing", "1 to 200 characters"),
+        (None, "key-9", "Client id is missing", "1 to 64 characters"),
+        ("", "key-9", "Client id is missing", "1 to 64 characters"),
+        ("c" * 65, "key-9", "Client id is too long", "65 characters, at most 64"),
+    ]
+    for client, key, title, why in cases:
+        r = db.execute(call, (client, key, Jsonb(order))).fetchone()[0]
+        assert r["status"] == 400, (client, key, r)
+        assert r["body"]["title"] == title and why in r["body"]["detail"], (client, key, r)
+    assert db.execute("SELECT count(*) FROM shop.orders").fetchone()[0] == 0
+    assert db.execute("SELECT count(*) FROM shop.payment_outbox").fetchone()[0] == 0
+    assert db.execute("SELECT count(*) FROM idempotency.idempotency_keys").fetchone()[0] == 0
+
+    # The longest accepted key and client id: the order is placed and charged.
+    r = db.execute(call, ("c" * 64, "k" * 200, Jsonb(order))).fetchone()[0]
+    assert r["status"] == 201, r
+    charge_key = r["body"]["charge_key"]
+    assert charge_key.startswith("k" * 200 + ":charge:") and len(charge_key) <= 255
+    assert db.execute("SELECT idempotency_key, order_id FROM shop.payment_outbox").fetchall() == [
+        (charge_key, r["body"]["order_id"])]
+
+
+def test_place_order_charge_keys_do_not_collide_across_clients(shop, db):
+    """('a/b', 'c') and ('a', 'b/c') are two clients' orders: each gets its own charge. A charge
+    key built from client_id || '/' || key would be the same for both, and the outbox's ON
+    CONFLICT DO NOTHING would drop the second order's charge."""
+    order = {"items": [{"sku": "D4", "qty": 1}], "amount": 12, "currency": "EUR"}
+    call = "SELECT shop.place_order(%s, %s, %s)"
+    first = db.execute(call, ("a/b", "c", Jsonb(order))).fetchone()[0]
+    second = db.execute(call, ("a", "b/c", Jsonb(order))).fetchone()[0]
+    assert first["status"] == 201 and second["status"] == 201, (first, second)
+    assert first["body"]["order_id"] != second["body"]["order_id"]
+    assert first["body"]["charge_key"] != second["body"]["charge_key"]
+    orders = db.execute("SELECT id, client_id FROM shop.orders ORDER BY id").fetchall()
+    assert orders == [(first["body"]["order_id"], "a/b"), (second["body"]["order_id"], "a")]
+    outbox = db.execute("SELECT idempotency_key, order_id, amount FROM shop.payment_outbox "
+                        "ORDER BY order_id").fetchall()
+    assert outbox == [(first["body"]["charge_key"], first["body"]["order_id"], 12),
+                      (second["body"]["charge_key"], second["body"]["order_id"], 12)]
+
+
 def test_place_order_storm_creates_one_order(shop, cluster, db):
     order = {"items": [{"sku": "B2", "qty": 1}], "amount": 10, "currency": "USD"}
     answers = race(

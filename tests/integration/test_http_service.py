@@ -242,11 +242,11 @@ def test_order_is_created_once_and_replayed(service, sql):
         assert (s2, b2) == (201, body)
         assert h2["idempotent-replayed"] == "true" and h2["idempotency-key"] == '"order-1"'
         assert h2["idempotency-expires"] == h["idempotency-expires"]
-    # A bare (unquoted) key is the same key.
+    # Parameters after the String are ignored: the same key.
     s3, h3, b3 = service.post("/orders", ORDER, key=None, client="alice",
-                              headers={"Idempotency-Key": "order-1"})
+                              headers={"Idempotency-Key": '"order-1";p=1'})
     assert (s3, b3, h3["idempotent-replayed"]) == (201, body, "true")
-    assert h3["idempotency-key"] == "order-1"
+    assert h3["idempotency-key"] == '"order-1";p=1'
     # Keys are scoped to the client: bob's order-1 is his own.
     s4, _, b4 = service.post("/orders", ORDER, key="order-1", client="bob")
     assert s4 == 201 and json.loads(b4)["order_id"] != first["order_id"]
@@ -272,11 +272,19 @@ def test_missing_or_malformed_key_is_400(service, sql):
         '""': "empty",
         "": "empty",
         '"' + "x" * 256 + '"': "too long: 256 characters",
-        "a b": "bad character at position 2",
+        '"a\u00e9"': "bad character at position 3 (byte 0xe9)",
         '"ab': "no closing quote",
         '"a\\nb"': "bad escape",
-        '"ab";x=1': "after the closing quote",
-        "k\u00e9": "bad character at position 2 (byte 0xe9)",
+        '"ab" x': "after the closing quote at position 6",
+        '"ab";X=1': "malformed parameter at position 6",
+        '"ab";x=?2': "malformed parameter at position 8",
+        # Items of another type than String (RFC 9651: a malformed field).
+        "abc": "is a bare Token, not a String",
+        "a b": "is a bare Token, not a String",
+        "k\u00e9": "is a bare Token, not a String",
+        "1": "is an Integer or Decimal, not a String",
+        "?1": "is a Boolean, not a String",
+        ":aGk=:": "is a Byte Sequence, not a String",
     }
     for raw, why in cases.items():
         status, h, b = service.post("/orders", ORDER, key=None, client="dave",
@@ -298,6 +306,84 @@ def test_missing_or_malformed_key_is_400(service, sql):
     assert_problem(status, h, b, 422)
     assert stored_row(sql, "dave:POST /orders", "bad-body") is None
     assert count(sql, "orders", "dave") == 1
+
+
+def test_key_is_a_string_item_with_optional_parameters(service, sql):
+    """RFC 9651: an Item is a String here, optionally with parameters (ignored); an Item of
+    another type is a malformed field, refused with 400, never a key of its own."""
+    scope = "dora:POST /orders"
+    status, h, body = service.post("/orders", ORDER, key=None, client="dora",
+                                   headers={"Idempotency-Key": '"param-1";p=1'})
+    assert status == 201 and "idempotent-replayed" not in h, body
+    assert h["idempotency-key"] == '"param-1";p=1'
+    assert stored_row(sql, scope, "param-1")[:2] == ("completed", 201)
+    for raw in ('"param-1"', '"param-1"; a=?0;b="x;y";c=tok/1;d=-1.5;e=:aGk=:;f=@1700000000;*g'):
+        s2, h2, b2 = service.post("/orders", ORDER, key=None, client="dora",
+                                  headers={"Idempotency-Key": raw})
+        assert (s2, b2, h2.get("idempotent-replayed")) == (201, body, "true"), (raw, b2)
+    for raw, kind in (("abc", "a bare Token"), ("1", "an Integer or Decimal"), ("?1", "a Boolean")):
+        status, h, b = service.post("/orders", ORDER, key=None, client="dora",
+                                    headers={"Idempotency-Key": raw})
+        doc = assert_problem(status, h, b, 400, "Idempotency-Key is malformed")
+        assert f"is {kind}, not a String" in doc["detail"], (raw, doc)
+        assert h["idempotency-key"] == raw and "idempotency-expires" not in h
+    # Nothing was claimed under the bare values ('?1' would be key '?1'); one order in all.
+    assert sql("SELECT key FROM idempotency.idempotency_keys WHERE scope = %s", scope) == [("param-1",)]
+    assert count(sql, "orders", "dora") == 1
+
+
+def test_body_is_judged_as_jsonb_judges_it(service, sql):
+    """JSON that jsonb accepts is accepted, whatever a double or a recursion limit would say:
+    numbers beyond the range of a double and nesting deeper than 128 levels. Their exact
+    values are stored, and the same bytes again are a replay."""
+    big = "9" * 400
+    deep = "[" * 200 + "1" + "]" * 200
+    text = ('{"items": [{"sku": "A1", "qty": 1, "weight": 1e400, "serial": 123456789012345678901234567890, '
+            f'"big": {big}, "deep": {deep}}}], "amount": 123456789012345678901234567890.5, '
+            '"currency": "EUR"}').encode()
+    status, h, b = service.post("/orders", text, key="big-1", client="owen")
+    assert status == 201, b
+    # What the service stored is what PostgreSQL reads from the text sent, exactly.
+    assert sql("SELECT items = (%s::jsonb -> 'items'), amount = 123456789012345678901234567890.5 "
+               "FROM http_example.orders WHERE client_id = 'owen'", text.decode()) == [(True, True)]
+    assert sql("SELECT jsonb_path_query_first(items, '$[0].weight')::text = '1' || repeat('0', 400) "
+               "FROM http_example.orders WHERE client_id = 'owen'") == [(True,)]
+    s2, h2, b2 = service.post("/orders", text, key="big-1", client="owen")
+    assert (s2, b2, h2.get("idempotent-replayed")) == (201, b, "true")
+    assert count(sql, "orders", "owen") == 1
+
+
+def test_body_that_jsonb_refuses_is_a_client_error(service, sql):
+    """JSON that jsonb cannot hold, or text PostgreSQL does not read as JSON, is refused with
+    400 or 422 saying why, never 503 "retry" (no retry can succeed). Nothing is claimed: the key
+    stays free for the corrected request."""
+    scope = "pia:POST /orders"
+    item = '{{"items": [{{"sku": {}}}], "amount": 5, "currency": "EUR"}}'
+    cases = [
+        (item.format('"A\\u0000"'), 422, "\\u0000 cannot be converted to text"),
+        (item.format('1e200000'), 422, "overflows numeric format"),
+        # jsonb takes this, the fingerprint's canonical hashing (1000 levels) does not.
+        (item.format("[" * 5000 + "]" * 5000), 422, "nested deeper than"),
+        (item.format('"\\ud800"'), 400, "surrogate"),
+    ]
+    for text, want, why in cases:
+        status, h, b = service.post("/orders", text.encode(), key="nul-1", client="pia")
+        doc = assert_problem(status, h, b, want)
+        assert "retry-after" not in h and "idempotency-expires" not in h
+        assert why in doc["detail"], (text[:60], doc)
+        assert stored_row(sql, scope, "nul-1") is None
+    # A refund with such a body: the same.
+    status, h, b = service.post("/refunds", b'{"order_id": 1, "amount": 1, "note": "\\u0000"}',
+                                key="nul-2", client="pia")
+    assert "cannot be converted to text" in assert_problem(status, h, b, 422)["detail"]
+    assert stored_row(sql, "pia:POST /refunds", "nul-2") is None
+    # A NUL in the query string is refused before anything reaches PostgreSQL.
+    status, h, b = service.post("/orders?note=a%00b", ORDER, key="nul-1", client="pia")
+    assert "NUL" in assert_problem(status, h, b, 400)["detail"]
+    # The key was never used: the corrected request is new.
+    status, h, b = service.post("/orders", ORDER, key="nul-1", client="pia")
+    assert status == 201 and "idempotent-replayed" not in h, b
+    assert count(sql, "orders", "pia") == 1
 
 
 def test_storm_of_identical_posts_creates_one_order(service, sql):

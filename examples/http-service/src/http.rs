@@ -9,7 +9,7 @@ use axum::http::{HeaderMap, HeaderValue, StatusCode, Uri};
 use axum::response::Response;
 use serde_json::{json, Map, Value};
 
-use crate::key;
+use crate::{body, key};
 
 pub const PROBLEM_JSON: &str = "application/problem+json";
 const PROBLEM_BASE: &str = "https://developer.example.com/idempotency/";
@@ -93,12 +93,15 @@ pub struct Ctx {
     pub query: String,
     /// The body as received (PostgreSQL parses it: numbers keep their exact value).
     pub body: String,
-    pub json: Value,
+    /// The members of the body's top-level object, for the routes' checks (`None`: not an
+    /// object).
+    pub members: body::Members,
     pub echo: Echo,
     pub test_delay: Option<std::time::Duration>,
 }
 
 /// Authenticates the client (401), reads the Idempotency-Key (400) and the JSON body (400).
+/// Whether jsonb can hold the body is PostgreSQL's call, when the request is claimed.
 #[allow(clippy::result_large_err)]
 pub fn prelude(
     method: &'static str,
@@ -155,8 +158,8 @@ pub fn prelude(
         Ok(t) => t,
         Err(_) => return Err(bad_request("the body is not UTF-8".into(), &echo)),
     };
-    let json: Value = match serde_json::from_str(text) {
-        Ok(v) => v,
+    let members = match body::parse(text) {
+        Ok(m) => m,
         Err(e) => return Err(bad_request(format!("the body is not JSON: {e}"), &echo)),
     };
     let test_delay = if test_hooks {
@@ -176,16 +179,24 @@ pub fn prelude(
         path,
         query: query.to_string(),
         body: text.to_string(),
-        json,
+        members,
         echo,
         test_delay,
     })
 }
 
-fn query_json(q: &str) -> Result<Value, serde_urlencoded::de::Error> {
-    let pairs: Vec<(String, String)> = serde_urlencoded::from_str(q)?;
+/// The query string as a JSON object. A name or value with a NUL (`%00`) is refused: PostgreSQL
+/// text cannot hold one.
+fn query_json(q: &str) -> Result<Value, String> {
+    let pairs: Vec<(String, String)> = serde_urlencoded::from_str(q).map_err(|e| e.to_string())?;
     let mut m = Map::new();
     for (k, v) in pairs {
+        if k.contains('\0') || v.contains('\0') {
+            return Err(
+                "a name or value holds a NUL character (%00), which PostgreSQL text cannot hold"
+                    .into(),
+            );
+        }
         match m.get_mut(&k) {
             None => {
                 m.insert(k, Value::String(v));
@@ -211,5 +222,7 @@ mod tests {
             json!({"a": ["1", "2", "3"], "b": "x y"})
         );
         assert_eq!(query_json("").unwrap(), json!({}));
+        assert!(query_json("a=x%00y").unwrap_err().contains("NUL"));
+        assert!(query_json("a%00=1").unwrap_err().contains("NUL"));
     }
 }

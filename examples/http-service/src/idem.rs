@@ -159,10 +159,48 @@ pub fn sqlstate(e: &tokio_postgres::Error) -> Option<&str> {
     e.code().map(|c| c.code())
 }
 
+/// The message of a database error with its DETAIL, if any.
+fn message(e: &tokio_postgres::Error) -> String {
+    match e.as_db_error() {
+        Some(d) => match d.detail() {
+            Some(detail) => format!("{}: {detail}", d.message()),
+            None => d.message().to_string(),
+        },
+        None => e.to_string(),
+    }
+}
+
 /// Maps a database error to a problem response: the extension's argument errors (22023) are the
-/// client's fault, conflicts (40001) are retryable, anything else is ours.
+/// client's fault, so is a body that jsonb refuses, conflicts (40001) are retryable, anything
+/// else is ours.
+///
+/// The request body is the only text of the client's that a statement turns into jsonb (first
+/// in the claim, so nothing is stored for such a request), and its checked fields are cast only
+/// after that: so a failed jsonb input is the body's. 22P02 is text that is not JSON to
+/// PostgreSQL (a lone surrogate `\ud800`); the others are JSON that it cannot take: 22P05
+/// `\u0000`, 22003 a number beyond `numeric`, 54001 nesting deeper than the fingerprint's
+/// canonical hashing (1000 levels) or the server's stack takes, 54000 a value over a jsonb size
+/// limit. Retrying cannot help: 400 or 422, never 503.
 pub fn db_error(e: &tokio_postgres::Error, echo: &Echo) -> Response {
     let r = match sqlstate(e) {
+        Some("22P02") => problem(
+            StatusCode::BAD_REQUEST,
+            "bad-request",
+            "Bad request",
+            &format!(
+                "the body is not JSON that PostgreSQL accepts: {}",
+                message(e)
+            ),
+        ),
+        Some("22P05" | "22003" | "54001" | "54000") => problem(
+            StatusCode::UNPROCESSABLE_ENTITY,
+            "body-unstorable",
+            "The body cannot be stored",
+            &format!(
+                "the body is JSON, but PostgreSQL cannot take it: {}",
+                message(e)
+            ),
+        ),
         Some("22023") | Some("22004") => problem(
             StatusCode::BAD_REQUEST,
             "key-malformed",

@@ -8,8 +8,8 @@ use axum::body::Bytes;
 use axum::extract::State;
 use axum::http::{HeaderMap, StatusCode, Uri};
 use axum::response::Response;
-use serde_json::Value;
 
+use crate::body::{self, Members};
 use crate::http::{finish, prelude, problem, stored, Ctx, Echo};
 use crate::idem::{self, Outcome};
 use crate::App;
@@ -41,7 +41,7 @@ pub async fn create(
         Ok(c) => c,
         Err(r) => return r,
     };
-    if let Err(detail) = validate(&ctx.json) {
+    if let Err(detail) = validate(&ctx.members) {
         let r = problem(
             StatusCode::UNPROCESSABLE_ENTITY,
             "invalid-order",
@@ -107,15 +107,13 @@ async fn run(app: &App, ctx: &Ctx) -> Result<Response, tokio_postgres::Error> {
 }
 
 /// `{"items": [...], "amount": <number > 0>, "currency": "EUR"}`.
-fn validate(v: &Value) -> Result<(), String> {
-    let o = v.as_object().ok_or("the body must be a JSON object")?;
-    match o.get("items") {
-        Some(Value::Array(a)) if !a.is_empty() => {}
-        _ => return Err("items must be a non-empty array".into()),
+fn validate(m: &Members) -> Result<(), String> {
+    let o = m.as_ref().ok_or("the body must be a JSON object")?;
+    if !o.get("items").is_some_and(|v| body::is_non_empty_array(v)) {
+        return Err("items must be a non-empty array".into());
     }
-    match o.get("amount") {
-        Some(Value::Number(n)) if n.as_f64().is_some_and(|x| x > 0.0) => {}
-        _ => return Err("amount must be a number greater than 0".into()),
+    if !o.get("amount").is_some_and(|v| body::is_positive_number(v)) {
+        return Err("amount must be a number greater than 0".into());
     }
-    crate::refunds::check_currency(o.get("currency"))
+    crate::refunds::check_currency(o.get("currency").map(|v| &**v))
 }

@@ -18,8 +18,10 @@ use axum::body::Bytes;
 use axum::extract::State;
 use axum::http::{HeaderMap, StatusCode, Uri};
 use axum::response::Response;
+use serde_json::value::RawValue;
 use serde_json::Value;
 
+use crate::body::{self, Members};
 use crate::http::{finish, prelude, problem, problem_json, stored, Ctx, Echo};
 use crate::idem::{self, Claim, Outcome};
 use crate::provider::CallError;
@@ -79,7 +81,7 @@ pub async fn create(
         Ok(c) => c,
         Err(r) => return r,
     };
-    if let Err(detail) = validate(&ctx.json) {
+    if let Err(detail) = validate(&ctx.members) {
         let r = problem(
             StatusCode::UNPROCESSABLE_ENTITY,
             "invalid-refund",
@@ -371,21 +373,21 @@ async fn release(client: &tokio_postgres::Client, ctx: &Ctx, token: Option<i64>)
 }
 
 /// `{"order_id": <integer > 0>, "amount": <number > 0>}`.
-fn validate(v: &Value) -> Result<(), String> {
-    let o = v.as_object().ok_or("the body must be a JSON object")?;
-    match o.get("order_id").and_then(Value::as_i64) {
+fn validate(m: &Members) -> Result<(), String> {
+    let o = m.as_ref().ok_or("the body must be a JSON object")?;
+    match o.get("order_id").and_then(|v| body::integer(v)) {
         Some(id) if id > 0 => {}
         _ => return Err("order_id must be a positive integer".into()),
     }
-    match o.get("amount") {
-        Some(Value::Number(n)) if n.as_f64().is_some_and(|x| x > 0.0) => Ok(()),
-        _ => Err("amount must be a number greater than 0".into()),
+    if !o.get("amount").is_some_and(|v| body::is_positive_number(v)) {
+        return Err("amount must be a number greater than 0".into());
     }
+    Ok(())
 }
 
 /// Three upper-case ASCII letters (ISO 4217 style).
-pub fn check_currency(v: Option<&Value>) -> Result<(), String> {
-    match v.and_then(Value::as_str) {
+pub fn check_currency(v: Option<&RawValue>) -> Result<(), String> {
+    match v.and_then(body::string) {
         Some(c) if c.len() == 3 && c.bytes().all(|b| b.is_ascii_uppercase()) => Ok(()),
         _ => Err("currency must be three upper-case letters, e.g. \"EUR\"".into()),
     }
