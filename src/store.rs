@@ -1336,7 +1336,7 @@ pub fn complete(req: &CompleteRequest<'_>) -> Option<TimestampWithTimeZone> {
         None => complete_sql(req),
     };
     let done = done?;
-    if guc::AUDIT.get() {
+    if guc::audit() {
         audit(req, &done);
     }
     stats::count(stats::Event::Completion, 1);

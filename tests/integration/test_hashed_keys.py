@@ -2,6 +2,7 @@
 its indexes and the server log never hold a plain key, and switching is tested both ways."""
 
 import hashlib
+import hmac
 import os
 import threading
 import time
@@ -24,8 +25,15 @@ def hashed_cluster():
     c.destroy()
 
 
-def sha(key):
-    return hashlib.sha256(key.encode()).hexdigest()
+def stored_form(conn, key):
+    """How the store keeps `key`: the hex HMAC-SHA256 of its SHA-256 under the store's secret
+    (a plain SHA-256 would be reversible with a dictionary)."""
+    secret = conn.execute("SELECT key_secret FROM idempotency.config").fetchone()[0]
+    assert secret is not None and len(secret) == 32
+    digest = hashlib.sha256(key.encode()).digest()
+    keyed = hmac.new(secret, digest, "sha256").hexdigest()
+    assert keyed != digest.hex()
+    return keyed
 
 
 def relation_bytes(conn, cluster):
@@ -60,30 +68,31 @@ def test_hashed_end_to_end(hashed_cluster):
         with pytest.raises(psycopg.Error) as e:  # IK002 names the key by hash prefix only
             db.execute("SELECT idempotency.complete(%s, '{}', scope => 'shop')", (key,))
         assert e.value.sqlstate == "IK002"
-        assert key not in str(e.value) and sha(key)[:12] in str(e.value)
+        assert key not in str(e.value) and stored_form(db, key)[:12] in str(e.value)
         row = db.execute("SELECT * FROM idempotency.lookup(%s, 'shop')", (key,)).fetchone()
-        assert row[1] == sha(key)
+        assert row[1] == stored_form(db, key)
         stored = db.execute("SELECT scope, key FROM idempotency.idempotency_keys").fetchall()
-        assert stored == [("shop", sha(key))]
-        assert db.execute("SELECT key, key_is_hash FROM idempotency.audit").fetchall() == [(sha(key), True)]
+        assert stored == [("shop", stored_form(db, key))]
+        assert db.execute("SELECT key, key_is_hash FROM idempotency.audit").fetchall() == [(stored_form(db, key), True)]
         # The index entries (as pageinspect shows them) and the files on disk hold no plain key.
         items = db.execute(
             "SELECT string_agg(data, ' ') FROM bt_page_items('idempotency.idempotency_keys_pkey', 1)"
         ).fetchone()[0]
         assert key.encode().hex() not in items.replace(" ", "")
-        assert sha(key).encode().hex() in items.replace(" ", "")
+        assert stored_form(db, key).encode().hex() in items.replace(" ", "")
         disk = relation_bytes(db, c)
-        assert key.encode() not in disk and sha(key).encode() in disk
+        assert key.encode() not in disk and stored_form(db, key).encode() in disk
         # Derived keys of a hashed key are hashed in turn.
         child = db.execute("SELECT idempotency.derive_key(%s, 'charge')", (key,)).fetchone()[0]
         assert claim(db, child, scope="shop")[0] == "new"
         assert db.execute("SELECT count(*) FROM idempotency.idempotency_keys WHERE key = %s",
-                          (sha(child),)).fetchone()[0] == 1
+                          (stored_form(db, child),)).fetchone()[0] == 1
         assert db.execute("SELECT idempotency.forget(%s, 'shop')", (key,)).fetchone()[0] is True
         assert claim(db, key, {"amount": 100}, scope="shop")[0] == "new"
+        hashed = stored_form(db, key)
     log = c.server_log()
     assert "key reused with a different request" in log
-    assert f"key=sha256:{sha(key)[:12]}" in log
+    assert f"key=sha256:{hashed[:12]}" in log
     assert key not in log and "jane.doe" not in log
 
 
@@ -98,7 +107,7 @@ def test_switch_migrates_plain_keys_and_refuses_to_go_back(hashed_cluster):
         assert db.execute("SELECT idempotency.set_key_storage('sha256')").fetchone()[0] == 50
         assert db.execute("SELECT idempotency.set_key_storage('sha256')").fetchone()[0] == 0  # no-op
         keys = {k for (k,) in db.execute("SELECT key FROM idempotency.idempotency_keys").fetchall()}
-        assert keys == {sha(f"k{i}") for i in range(50)}
+        assert keys == {stored_form(db, f"k{i}") for i in range(50)}
         assert db.execute("SELECT bool_and(key_is_hash), count(*) FROM idempotency.audit").fetchone() == (True, 25)
         # Callers change nothing: the same plain keys find their rows.
         for i in range(50):
@@ -137,4 +146,4 @@ def test_switch_waits_for_open_claims_and_other_sessions_follow(hashed_cluster):
         assert claim(other, "open")[0] == "in_progress"
         assert claim(other, "fresh")[0] == "new"
         keys = {k for (k,) in other.execute("SELECT key FROM idempotency.idempotency_keys").fetchall()}
-        assert keys == {sha("warm-up"), sha("open"), sha("fresh")}
+        assert keys == {stored_form(other, "warm-up"), stored_form(other, "open"), stored_form(other, "fresh")}
