@@ -165,7 +165,8 @@ def test_claim_never_waits_on_an_open_transaction(connect):
         elapsed = time.monotonic() - started
         assert r[0] == "in_progress", r
         assert elapsed < 1.0, f"claim waited {elapsed:.2f}s"
-        assert 19 <= r[4].total_seconds() <= 20, "retry_after is the holder's lease"
+        # Not the holder's lease: the transaction usually ends in milliseconds.
+        assert r[4].total_seconds() == 1.0, "retry_after is idempotency.busy_retry_after"
         # Also for an open takeover of an expired row.
     # The holder committed: now it is an ordinary in-progress row.
     assert claim(other, "open-tx", {"a": 1})[0] == "in_progress"

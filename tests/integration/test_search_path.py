@@ -3,6 +3,7 @@ pg_catalog) change nothing: every function runs with a pinned search path and sc
 statements."""
 
 import hashlib
+import hmac
 
 import psycopg
 import pytest
@@ -107,7 +108,9 @@ def test_install_script_and_newer_functions_ignore_planted_objects(cluster, db):
             c.execute("SELECT idempotency.complete('plain-key', '{}', token => %s)", (first[1],))
             assert c.execute("SELECT idempotency.set_key_storage('sha256')").fetchone()[0] == 1
             key = c.execute("SELECT key FROM idempotency.idempotency_keys").fetchone()[0]
-            assert key == hashlib.sha256(b"plain-key").hexdigest()
+            secret = c.execute("SELECT key_secret FROM idempotency.config").fetchone()[0]
+            # The planted evil.sha256 (which returns one zero byte) was not the one called.
+            assert key == hmac.new(secret, hashlib.sha256(b"plain-key").digest(), "sha256").hexdigest()
             assert claim(c, "plain-key", {"a": 1})[0] == "replay"
             try:
                 c.execute("SELECT idempotency.complete('plain-key', '{}')")
