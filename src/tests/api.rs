@@ -410,7 +410,7 @@ mod tests {
             ),
             (
                 "SELECT idempotency.claim('k', ttl => '1 minute', lease => '2 minutes')",
-                "22023: lease must not be longer than ttl",
+                "22023: lease (\"00:02:00\") must not be longer than ttl (\"00:01:00\"): the lease would outlive the key",
             ),
             (
                 "SELECT idempotency.complete(NULL, '{}')",
