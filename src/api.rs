@@ -322,7 +322,7 @@ unsafe fn result_type(fcinfo: pg_sys::FunctionCallInfo) -> ResultType {
                 Some("reinstall the extension"),
             );
         }
-        let outcome_type = (*tupdesc).attrs.as_slice(1)[0].atttypid;
+        let outcome_type = (*crate::compat::attribute(tupdesc, 0)).atttypid;
         let mut outcomes = [pg_sys::Datum::from(0usize); 4];
         for (i, o) in [
             Outcome::New,

@@ -39,3 +39,97 @@ pub unsafe fn find_setting(name: &CStr) -> *mut pg_sys::config_generic {
     // SAFETY: find_option with skip_errors never raises; it returns null for an unknown name.
     unsafe { pg_sys::find_option(name.as_ptr(), false, true, pg_sys::DEBUG1 as i32) }
 }
+
+/// This backend's 0-based number among the server's processes (for per-backend slots in
+/// shared memory), or None outside a backend. 15 and 16 number backends from 1
+/// (`MyBackendId`); 17 numbers every process from 0 (`MyProcNumber`).
+pub fn backend_index() -> Option<usize> {
+    #[cfg(any(feature = "pg15", feature = "pg16"))]
+    // SAFETY: reads a backend variable set at backend start.
+    let index = usize::try_from(unsafe { pg_sys::MyBackendId })
+        .ok()
+        .and_then(|id| id.checked_sub(1));
+    #[cfg(not(any(feature = "pg15", feature = "pg16")))]
+    // SAFETY: as above.
+    let index = usize::try_from(unsafe { pg_sys::MyProcNumber }).ok();
+    index
+}
+
+/// Attribute `i` (0-based) of a tuple descriptor: an array member of `TupleDescData` up to 17,
+/// behind `TupleDescAttr` from 18 on (which added the compact attributes).
+///
+/// # Safety
+/// `desc` must be a valid tuple descriptor and `i < natts`.
+pub unsafe fn attribute(desc: pg_sys::TupleDesc, i: usize) -> *mut pg_sys::FormData_pg_attribute {
+    #[cfg(not(feature = "pg18"))]
+    // SAFETY: the caller guarantees `i < natts`, the length of the array.
+    unsafe {
+        (*desc).attrs.as_mut_ptr().add(i)
+    }
+    #[cfg(feature = "pg18")]
+    // SAFETY: as above.
+    unsafe {
+        pg_sys::TupleDescAttr(desc, i as std::ffi::c_int)
+    }
+}
+
+/// Pins the search path to `pg_catalog` (no temporary schema for tables, which every
+/// statement names anyway) until dropped, as a function's `SET search_path` clause would,
+/// without its per-call cost where the server allows: 15 and 16 push an override search path;
+/// 17 removed that, so there it is a `SET search_path` at a new GUC nesting level, undone on
+/// drop (as fmgr does for a SET clause).
+pub struct SearchPathPin {
+    #[cfg(not(any(feature = "pg15", feature = "pg16")))]
+    nest_level: std::ffi::c_int,
+}
+
+impl SearchPathPin {
+    pub fn pin() -> SearchPathPin {
+        #[cfg(any(feature = "pg15", feature = "pg16"))]
+        {
+            let mut path = pg_sys::OverrideSearchPath {
+                schemas: std::ptr::null_mut(),
+                addCatalog: true,
+                addTemp: false,
+                generation: 0,
+            };
+            // SAFETY: the server copies the override; popped on drop, also while an ERROR
+            // unwinds.
+            unsafe { pg_sys::PushOverrideSearchPath(&mut path) };
+            SearchPathPin {}
+        }
+        #[cfg(not(any(feature = "pg15", feature = "pg16")))]
+        // SAFETY: a new GUC nesting level with search_path saved in it, as fmgr_security_definer
+        // does for a function's SET clause; AtEOXact_GUC on drop restores the caller's value.
+        unsafe {
+            let nest_level = pg_sys::NewGUCNestLevel();
+            pg_sys::set_config_option(
+                c"search_path".as_ptr(),
+                c"pg_catalog, pg_temp".as_ptr(),
+                pg_sys::GucContext::PGC_USERSET,
+                pg_sys::GucSource::PGC_S_SESSION,
+                pg_sys::GucAction::GUC_ACTION_SAVE,
+                true,
+                0,
+                false,
+            );
+            SearchPathPin { nest_level }
+        }
+    }
+}
+
+impl Drop for SearchPathPin {
+    /// Also runs while an ERROR unwinds through the extension.
+    fn drop(&mut self) {
+        #[cfg(any(feature = "pg15", feature = "pg16"))]
+        // SAFETY: pops the override pushed by `pin`.
+        unsafe {
+            pg_sys::PopOverrideSearchPath()
+        };
+        #[cfg(not(any(feature = "pg15", feature = "pg16")))]
+        // SAFETY: ends the nesting level `pin` opened, restoring the saved search_path.
+        unsafe {
+            pg_sys::AtEOXact_GUC(true, self.nest_level)
+        };
+    }
+}

@@ -100,24 +100,19 @@ fn my_counters() -> Option<*mut [u64; EVENTS]> {
     if !enabled() || db == 0 {
         return None;
     }
-    let id = unsafe { pg_sys::MyBackendId };
+    let index = crate::compat::backend_index();
     let ptr = {
         let mut table = TABLE.exclusive();
         // The database's slot exists (readers find the database) before counting starts.
         let database_slot = slot_index(&mut table, db)?;
-        match usize::try_from(id)
-            .ok()
-            .filter(|i| (1..=BACKEND_SLOTS).contains(i))
-        {
+        match index.filter(|i| *i < BACKEND_SLOTS) {
             Some(i) => {
                 // Normally free: its last holder folded it as it exited (a crash resets all of
                 // shared memory). Fold whatever is there rather than count it twice or lose it.
-                fold(&mut table, i - 1);
-                let mine = &mut table.backends[i - 1];
+                fold(&mut table, i);
+                let mine = &mut table.backends[i];
                 mine.database = db;
-                unsafe {
-                    pg_sys::before_shmem_exit(Some(fold_at_exit), pg_sys::Datum::from(i - 1))
-                };
+                unsafe { pg_sys::before_shmem_exit(Some(fold_at_exit), pg_sys::Datum::from(i)) };
                 &raw mut mine.counters
             }
             None => &raw mut table.slots[database_slot].counters,

@@ -304,30 +304,11 @@ fn write_claim(
     Ok(Some(result))
 }
 
-/// Pins the search path to `pg_catalog` (no temporary schema) while the extension runs its own
-/// statements, whatever the caller's `search_path`: the pinning `SET search_path` clause would
-/// give, without its per-call cost. Every statement is schema-qualified as well.
-pub struct PinnedSearchPath(());
-
-impl PinnedSearchPath {
-    pub fn pin() -> PinnedSearchPath {
-        let mut path = pg_sys::OverrideSearchPath {
-            schemas: std::ptr::null_mut(),
-            addCatalog: true,
-            addTemp: false,
-            generation: 0,
-        };
-        unsafe { pg_sys::PushOverrideSearchPath(&mut path) };
-        PinnedSearchPath(())
-    }
-}
-
-impl Drop for PinnedSearchPath {
-    /// Also runs while an ERROR unwinds through the extension.
-    fn drop(&mut self) {
-        unsafe { pg_sys::PopOverrideSearchPath() };
-    }
-}
+/// Pins the search path to `pg_catalog` while the extension runs its own statements, whatever
+/// the caller's `search_path`: what a pinning `SET search_path` clause would give, without its
+/// per-call cost where the server allows (see [`crate::compat::SearchPathPin`]). Every
+/// statement is schema-qualified as well.
+pub use crate::compat::SearchPathPin as PinnedSearchPath;
 
 /// What a dirty-snapshot look at the primary key found.
 enum Probe {
