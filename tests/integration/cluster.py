@@ -11,6 +11,8 @@ import subprocess
 import tempfile
 import time
 
+# The server's binaries: PostgreSQL 15 from Debian unless scripts/test.sh runs the suite against
+# another major version (PG_BIN=<prefix>/bin, see scripts/pg-server.sh).
 PG_BIN = os.environ.get("PG_BIN", "/usr/lib/postgresql/15/bin")
 
 

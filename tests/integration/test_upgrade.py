@@ -12,7 +12,9 @@ import pytest
 from test_concurrency import claim
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-PG_CONFIG = "/usr/lib/postgresql/15/bin/pg_config"
+from cluster import PG_BIN
+
+PG_CONFIG = os.path.join(PG_BIN, "pg_config")
 PREVIOUS = ["0.1.0", "0.2.0"]
 
 
