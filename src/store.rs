@@ -152,25 +152,35 @@ fn stored(r: &Row) -> Stored<'_> {
     }
 }
 
-/// The statements claim and sweep run, prepared once per backend (SPI_keepplan) so a claim
-/// pays for execution only. PostgreSQL's plan cache re-plans them after DDL on the table,
-/// re-resolving names, so they survive even DROP and CREATE EXTENSION in one session.
-struct Plans {
-    select: OwnedPreparedStatement,
-    select_locked: OwnedPreparedStatement,
-    insert: OwnedPreparedStatement,
-    insert_fresh: OwnedPreparedStatement,
-    restart: OwnedPreparedStatement,
-    takeover: OwnedPreparedStatement,
-    complete: OwnedPreparedStatement,
-    sweep: OwnedPreparedStatement,
+/// The statements claim and sweep run, each prepared once per backend (SPI_keepplan) when it
+/// is first needed, so a claim pays for execution only. PostgreSQL's plan cache re-plans them
+/// after DDL on the table, re-resolving names, so they survive even DROP and CREATE EXTENSION
+/// in one session. Prepared one by one, not all at once: a statement that cannot be planned
+/// on the table as it is (an INSERT ... ON CONFLICT on a table with rules, which PostgreSQL
+/// refuses) fails only where it is used, not every statement with it.
+#[derive(Clone, Copy)]
+enum Plan {
+    Select,
+    SelectLocked,
+    Insert,
+    InsertFresh,
+    Restart,
+    TakeOver,
+    Complete,
+    Sweep,
 }
 
-static PLANS: crate::local::BackendLocal<Cell<Option<&'static Plans>>> =
-    crate::local::BackendLocal::new(Cell::new(None));
+const PLAN_COUNT: usize = 8;
 
-fn plans(client: &SpiClient<'_>) -> Result<&'static Plans, pgrx::spi::Error> {
-    if let Some(p) = PLANS.with(Cell::get) {
+static PLANS: crate::local::BackendLocal<
+    [Cell<Option<&'static OwnedPreparedStatement>>; PLAN_COUNT],
+> = crate::local::BackendLocal::new([const { Cell::new(None) }; PLAN_COUNT]);
+
+fn plan(
+    client: &SpiClient<'_>,
+    which: Plan,
+) -> Result<&'static OwnedPreparedStatement, pgrx::spi::Error> {
+    if let Some(p) = PLANS.with(|c| c[which as usize].get()) {
         return Ok(p);
     }
     let text = PgOid::from(pg_sys::TEXTOID);
@@ -182,18 +192,18 @@ fn plans(client: &SpiClient<'_>) -> Result<&'static Plans, pgrx::spi::Error> {
         PgOid::from(pg_sys::INTERVALOID),
         PgOid::from(pg_sys::INTERVALOID),
     ];
-    let p: &'static Plans = Box::leak(Box::new(Plans {
-        select: client
+    let prepared = match which {
+        Plan::Select => client
             .prepare(select_sql(false).as_str(), &key_args)?
             .keep(),
-        select_locked: client
+        Plan::SelectLocked => client
             .prepare_mut(select_sql(true).as_str(), &key_args)?
             .keep(),
-        insert: client.prepare_mut(INSERT_SQL, &claim_args)?.keep(),
-        insert_fresh: client.prepare_mut(INSERT_FRESH_SQL, &claim_args)?.keep(),
-        restart: client.prepare_mut(RESTART_SQL, &claim_args)?.keep(),
-        takeover: client.prepare_mut(TAKEOVER_SQL, &claim_args)?.keep(),
-        complete: client
+        Plan::Insert => client.prepare_mut(INSERT_SQL, &claim_args)?.keep(),
+        Plan::InsertFresh => client.prepare_mut(INSERT_FRESH_SQL, &claim_args)?.keep(),
+        Plan::Restart => client.prepare_mut(RESTART_SQL, &claim_args)?.keep(),
+        Plan::TakeOver => client.prepare_mut(TAKEOVER_SQL, &claim_args)?.keep(),
+        Plan::Complete => client
             .prepare_mut(
                 COMPLETE_SQL,
                 &[
@@ -206,11 +216,12 @@ fn plans(client: &SpiClient<'_>) -> Result<&'static Plans, pgrx::spi::Error> {
                 ],
             )?
             .keep(),
-        sweep: client
+        Plan::Sweep => client
             .prepare_mut(SWEEP_SQL, &[PgOid::from(pg_sys::INT8OID), text])?
             .keep(),
-    }));
-    PLANS.with(|c| c.set(Some(p)));
+    };
+    let p: &'static OwnedPreparedStatement = Box::leak(Box::new(prepared));
+    PLANS.with(|c| c[which as usize].set(Some(p)));
     Ok(p)
 }
 
@@ -234,12 +245,11 @@ fn read_row(
     req: &ClaimRequest<'_>,
 ) -> Result<Option<Row>, pgrx::spi::Error> {
     let args = [req.scope.into(), req.key.into()];
-    let p = plans(client)?;
     let table = if lock {
         // Row locks need a read-write SPI call.
-        client.update(&p.select_locked, Some(1), &args)?
+        client.update(plan(client, Plan::SelectLocked)?, Some(1), &args)?
     } else {
-        client.select(&p.select, Some(1), &args)?
+        client.select(plan(client, Plan::Select)?, Some(1), &args)?
     };
     if table.is_empty() {
         return Ok(None);
@@ -273,13 +283,15 @@ fn write_claim(
     req: &ClaimRequest<'_>,
 ) -> Result<Option<ClaimResult>, pgrx::spi::Error> {
     let hash = req.hash.map(|h| h.to_vec());
-    let p = plans(client)?;
-    let stmt = match write {
-        Write::Insert => &p.insert,
-        Write::InsertFresh => &p.insert_fresh,
-        Write::Restart => &p.restart,
-        Write::TakeOver => &p.takeover,
-    };
+    let stmt = plan(
+        client,
+        match write {
+            Write::Insert => Plan::Insert,
+            Write::InsertFresh => Plan::InsertFresh,
+            Write::Restart => Plan::Restart,
+            Write::TakeOver => Plan::TakeOver,
+        },
+    )?;
     let table = client.update(
         stmt,
         None,
@@ -1658,13 +1670,13 @@ fn complete_sql(req: &CompleteRequest<'_>) -> Option<Completed> {
         .response
         .map(|d| unsafe { pgrx::datum::DatumWithOid::new(d, pg_sys::JSONBOID) });
     Spi::connect_mut(|client| {
-        let p = plans(client)?;
+        let complete = plan(client, Plan::Complete)?;
         let response = match response {
             Some(d) => d,
             None => pgrx::datum::DatumWithOid::null_oid(pg_sys::JSONBOID),
         };
         let table = client.update(
-            &p.complete,
+            complete,
             None,
             &[
                 req.scope.into(),
@@ -1951,7 +1963,11 @@ pub fn sweep_batch(batch: i64, prefix: &str) -> i64 {
     let _path = PinnedSearchPath::pin();
     let deleted = Spi::connect_mut(|client| {
         client
-            .update(&plans(client)?.sweep, None, &[batch.into(), prefix.into()])
+            .update(
+                plan(client, Plan::Sweep)?,
+                None,
+                &[batch.into(), prefix.into()],
+            )
             .map(|t| t.len() as i64)
     })
     .unwrap_or_else(|e| {
