@@ -670,11 +670,13 @@ fn layout() -> Layout {
         return l;
     }
     if !CALLBACK_REGISTERED.with(Cell::get) {
+        // SAFETY: registers a callback that only clears backend-local caches; once per backend.
         unsafe {
             pg_sys::CacheRegisterRelcacheCallback(Some(forget_layout), pg_sys::Datum::from(0usize))
         };
         CALLBACK_REGISTERED.with(|c| c.set(true));
     }
+    // SAFETY: catalog look-ups by name; the OIDs passed on are checked to exist first.
     unsafe {
         let nsp = pg_sys::get_namespace_oid(c"idempotency".as_ptr(), false);
         let relid = pg_sys::get_relname_relid(c"idempotency_keys".as_ptr(), nsp);
@@ -818,6 +820,8 @@ unsafe fn scan_key_dirty(
         pg_sys::TransactionId,
     ) -> bool,
 ) -> bool {
+    // SAFETY: `heap` and `index` are open (the caller's contract); the snapshots live on this
+    // frame (dirty) or are registered (fresh) for as long as the scans that use them.
     unsafe {
         let mut snapshot: pg_sys::SnapshotData = std::mem::zeroed();
         snapshot.snapshot_type = pg_sys::SnapshotType::SNAPSHOT_DIRTY;
@@ -1427,6 +1431,7 @@ fn probe_or_insert(
     // row should have been answered). Under REPEATABLE READ the insert's ON CONFLICT DO
     // NOTHING handles that race (the executor re-checks), and a fresh snapshot outside the
     // transaction's own would only confuse SERIALIZABLE's conflict checks.
+    // SAFETY: reads a backend variable.
     let read_committed = unsafe { pg_sys::XactIsoLevel } < pg_sys::XACT_REPEATABLE_READ as i32;
     match probe(req.scope, req.key, read_committed) {
         Probe::Absent => Looked::Inserted(insert()),
