@@ -407,10 +407,8 @@ unsafe fn attribute<'a>(
     // SAFETY: the caller's contract; the slice is the relation's own descriptor.
     unsafe {
         let desc = (*rel).rd_att;
-        (*desc)
-            .attrs
-            .as_slice((*desc).natts as usize)
-            .iter()
+        (0..(*desc).natts as usize)
+            .map(|i| &*crate::compat::attribute(desc, i))
             .find(|a| !a.attisdropped && std::ffi::CStr::from_ptr(a.attname.data.as_ptr()) == name)
     }
 }
@@ -1039,22 +1037,24 @@ unsafe fn build_direct_layout(relid: pg_sys::Oid, idxid: pg_sys::Oid) -> Option<
             && !(*form).relhasrules
             && !(*form).relrowsecurity
             && !published;
-        let attrs = (*desc).attrs.as_slice(natts);
-        let ours = attrs.iter().filter(|a| !a.attisdropped).all(|a| {
-            let name = std::ffi::CStr::from_ptr(a.attname.data.as_ptr());
-            OWN_COLUMNS.iter().any(|&(own, typid, nullable)| {
-                own == name
-                    && column_is(
-                        a,
-                        if typid == pg_sys::InvalidOid {
-                            status_type
-                        } else {
-                            typid
-                        },
-                    )
-                    && (!nullable || !a.attnotnull)
-            })
-        });
+        let ours = (0..natts)
+            .map(|i| &*crate::compat::attribute(desc, i))
+            .filter(|a| !a.attisdropped)
+            .all(|a| {
+                let name = std::ffi::CStr::from_ptr(a.attname.data.as_ptr());
+                OWN_COLUMNS.iter().any(|&(own, typid, nullable)| {
+                    own == name
+                        && column_is(
+                            a,
+                            if typid == pg_sys::InvalidOid {
+                                status_type
+                            } else {
+                                typid
+                            },
+                        )
+                        && (!nullable || !a.attnotnull)
+                })
+            });
         let all = OWN_COLUMNS
             .iter()
             .all(|&(own, _, _)| attribute(rel, own).is_some());
