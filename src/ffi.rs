@@ -52,6 +52,23 @@ unsafe extern "C-unwind" {
         direction: pg_sys::ScanDirection::Type,
         slot: *mut pg_sys::TupleTableSlot,
     ) -> bool;
+    fn index_getnext_tid(
+        scan: pg_sys::IndexScanDesc,
+        direction: pg_sys::ScanDirection::Type,
+    ) -> pg_sys::ItemPointer;
+    fn index_fetch_heap(scan: pg_sys::IndexScanDesc, slot: *mut pg_sys::TupleTableSlot) -> bool;
+    fn GetLatestSnapshot() -> pg_sys::Snapshot;
+    fn RegisterSnapshot(snapshot: pg_sys::Snapshot) -> pg_sys::Snapshot;
+    fn UnregisterSnapshot(snapshot: pg_sys::Snapshot);
+    #[cfg(debug_assertions)]
+    fn WaitLatch(
+        latch: *mut pg_sys::Latch,
+        wake_events: c_int,
+        timeout: std::ffi::c_long,
+        wait_event_info: u32,
+    ) -> c_int;
+    #[cfg(debug_assertions)]
+    fn ResetLatch(latch: *mut pg_sys::Latch);
     fn slot_getsomeattrs_int(slot: *mut pg_sys::TupleTableSlot, attnum: c_int);
     fn pg_detoast_datum_copy(datum: *mut pg_sys::varlena) -> *mut pg_sys::varlena;
     fn datumCopy(value: pg_sys::Datum, typbyval: bool, typlen: c_int) -> pg_sys::Datum;
@@ -85,6 +102,10 @@ pub const COLUMNS: usize = 7;
 pub struct Version {
     /// False: no version of the key exists, committed or not.
     pub exists: bool,
+    /// The dirty look found nothing, but a fresh MVCC snapshot taken after it sees the key: a
+    /// transaction updated an indexed column of the row and committed while the look was
+    /// between the index and the heap (see [`look_up`]). Look again.
+    pub raced: bool,
     /// The open transaction that inserted the version, or is changing, deleting or locking it
     /// for an update (invalid when none).
     pub xmin: pg_sys::TransactionId,
@@ -109,6 +130,18 @@ impl Version {
 /// the unique index admits no second live one. So the first version answers: either it is
 /// committed and untouched, or an open transaction is on it.
 ///
+/// A miss is not proof of absence: the btree scan collects the key's index entries first and
+/// reads the heap after, so an UPDATE of an indexed column (`expires_at`) that commits in
+/// between leaves the scan with only the dead old version, the new version's index entry
+/// unseen. With `confirm_miss`, a miss is checked with an MVCC snapshot taken after it
+/// (`GetLatestSnapshot`): such an updater inserted its new index entry before it committed,
+/// so that scan cannot miss the row; if it finds the key, the answer is `raced` (the caller
+/// looks again). Without it a miss is returned as it is (for callers that look again anyway).
+///
+/// `pause_ms` (debug builds only, `idempotency.debug_probe_pause`) waits that long between
+/// the index scan and each heap fetch of the dirty look, so that tests can commit an update
+/// in that window.
+///
 /// # Safety
 /// Call from the backend's main thread with valid OIDs of a table and its (scope, key) btree
 /// index whose key columns are `text COLLATE "C"`, and `att` positive attribute numbers of
@@ -119,9 +152,66 @@ pub unsafe fn look_up(
     scope: &str,
     key: &str,
     att: &[i32; COLUMNS],
+    confirm_miss: bool,
+    pause_ms: i32,
 ) -> Version {
     // SAFETY: `scan` has only plain old frames (see the module comment).
-    unsafe { pg_sys::ffi::pg_guard_ffi_boundary(|| scan(heap, index, scope, key, att)) }
+    unsafe {
+        pg_sys::ffi::pg_guard_ffi_boundary(|| {
+            scan(heap, index, scope, key, att, confirm_miss, pause_ms)
+        })
+    }
+}
+
+/// Waits `ms` milliseconds (debug builds only: the test hook between index and heap).
+#[cfg(debug_assertions)]
+unsafe fn pause(ms: i32) {
+    if ms > 0 {
+        // SAFETY: called on the backend's main thread; WaitLatch raises no error with these
+        // flags (it exits the process on postmaster death).
+        unsafe {
+            WaitLatch(
+                pg_sys::MyLatch,
+                (pg_sys::WL_LATCH_SET | pg_sys::WL_TIMEOUT | pg_sys::WL_EXIT_ON_PM_DEATH) as i32,
+                ms as std::ffi::c_long,
+                pg_sys::PG_WAIT_EXTENSION,
+            );
+            ResetLatch(pg_sys::MyLatch);
+        }
+    }
+}
+
+#[cfg(not(debug_assertions))]
+#[inline(always)]
+unsafe fn pause(_ms: i32) {}
+
+/// The next version the index scan finds, as `index_getnext_slot` does it (which is these
+/// two calls), with the test pause between the index and the heap. (store.rs has the same
+/// loop with pgrx's guarded calls, for its scans outside this module's boundary.)
+///
+/// # Safety
+/// `scan` is an open index scan over the table of `slot`; called inside the boundary.
+unsafe fn next_version(
+    scan: pg_sys::IndexScanDesc,
+    slot: *mut pg_sys::TupleTableSlot,
+    pause_ms: i32,
+) -> bool {
+    // SAFETY: see the function's contract; the calls are index_getnext_slot's own body.
+    unsafe {
+        loop {
+            // A non-MVCC snapshot may see more than one member of a HOT chain: the heap fetch
+            // then continues on the same index entry.
+            if !(*scan).xs_heap_continue {
+                if index_getnext_tid(scan, pg_sys::ScanDirection::ForwardScanDirection).is_null() {
+                    return false;
+                }
+                pause(pause_ms);
+            }
+            if index_fetch_heap(scan, slot) {
+                return true;
+            }
+        }
+    }
 }
 
 unsafe fn scan(
@@ -130,7 +220,11 @@ unsafe fn scan(
     scope: &str,
     key: &str,
     att: &[i32; COLUMNS],
+    confirm_miss: bool,
+    pause_ms: i32,
 ) -> Version {
+    // SAFETY: the caller's contract (`look_up`): valid OIDs of the table and its (scope, key)
+    // index and positive attribute numbers; every pointer used is one the server returned.
     unsafe {
         let lock = pg_sys::AccessShareLock as pg_sys::LOCKMODE;
         let heap = table_open(heap_oid, lock);
@@ -156,12 +250,13 @@ unsafe fn scan(
         let slot = table_slot_create(heap, std::ptr::null_mut());
         let mut found = Version {
             exists: false,
+            raced: false,
             xmin: pg_sys::InvalidTransactionId,
             xmax: pg_sys::InvalidTransactionId,
             values: [pg_sys::Datum::from(0usize); COLUMNS],
             nulls: [true; COLUMNS],
         };
-        if index_getnext_slot(scan, pg_sys::ScanDirection::ForwardScanDirection, slot) {
+        if next_version(scan, slot, pause_ms) {
             found.exists = true;
             found.xmin = snapshot.xmin;
             found.xmax = snapshot.xmax;
@@ -187,6 +282,17 @@ unsafe fn scan(
                     datumCopy(value, false, column.attlen as c_int)
                 };
             }
+        } else if confirm_miss {
+            // A snapshot taken now sees every version committed before now through its own
+            // index entry (see `look_up`). Registered for the scan's duration.
+            let fresh = RegisterSnapshot(GetLatestSnapshot());
+            let confirm = index_beginscan(heap, index, fresh, 2, 0);
+            // index_rescan copies the keys: the same array serves both scans.
+            index_rescan(confirm, keys.as_mut_ptr(), 2, std::ptr::null_mut(), 0);
+            found.raced =
+                index_getnext_slot(confirm, pg_sys::ScanDirection::ForwardScanDirection, slot);
+            index_endscan(confirm);
+            UnregisterSnapshot(fresh);
         }
         ExecDropSingleTupleTableSlot(slot);
         index_endscan(scan);

@@ -405,4 +405,35 @@ pub fn init() {
         GucFlags::UNIT_KB,
     );
     unsafe { pgrx::pg_sys::MarkGUCPrefixReserved(c"idempotency".as_ptr()) };
+
+    // Test hooks, debug builds only (`cargo pgrx install`/`test` build the dev profile; release
+    // builds do not have the setting at all).
+    #[cfg(debug_assertions)]
+    GucRegistry::define_int_guc(
+        c"idempotency.debug_probe_pause",
+        c"Debug builds only: pause between the index scan and the heap fetch of a key look-up.",
+        c"For tests that commit a concurrent update inside that window.",
+        &DEBUG_PROBE_PAUSE,
+        0,
+        60_000,
+        GucContext::Userset,
+        GucFlags::UNIT_MS,
+    );
+}
+
+/// Debug builds only: milliseconds the key look-ups pause between index and heap.
+#[cfg(debug_assertions)]
+pub static DEBUG_PROBE_PAUSE: GucSetting<i32> = GucSetting::<i32>::new(0);
+
+/// `idempotency.debug_probe_pause` in a debug build; 0 (no pause, no read) in a release build.
+#[inline(always)]
+pub fn debug_probe_pause() -> i32 {
+    #[cfg(debug_assertions)]
+    {
+        int(&DEBUG_PROBE_PAUSE)
+    }
+    #[cfg(not(debug_assertions))]
+    {
+        0
+    }
 }

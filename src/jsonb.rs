@@ -1,115 +1,105 @@
 //! Reads jsonb datums: [`write_canonical`] writes the canonical form straight from the binary
 //! layout (read in Rust, no server call per value); [`to_value`] builds a tree (for exclusions)
-//! with PostgreSQL's iterator. Numbers come out as their exact `numeric` text, never through
+//! with the same bounds-checked reader. Numbers come out as their exact `numeric` text, never through
 //! `f64`.
 
 use crate::canonical::{CanonError, Value, MAX_DEPTH};
 use pgrx::pg_sys;
-use pgrx::pg_sys::JsonbIteratorToken as Tok;
 use std::ffi::CStr;
 
-enum Frame {
-    Array(Vec<Value>),
-    Object(Vec<(String, Value)>, Option<String>),
-    /// jsonb stores a top-level scalar as a one-element "raw scalar" array.
-    RawScalar(Option<Value>),
-}
-
-unsafe fn scalar(v: &pg_sys::JsonbValue) -> Value {
-    unsafe {
-        match v.type_ {
-            pg_sys::jbvType::jbvNull => Value::Null,
-            pg_sys::jbvType::jbvBool => Value::Bool(v.val.boolean),
-            pg_sys::jbvType::jbvString => Value::String(string(v)),
-            pg_sys::jbvType::jbvNumeric => {
-                let text = pg_sys::numeric_normalize(v.val.numeric);
-                let owned = CStr::from_ptr(text).to_string_lossy().into_owned();
-                pg_sys::pfree(text.cast());
-                Value::Number(owned)
-            }
-            other => panic!("unexpected jsonb scalar type {other}"),
-        }
-    }
-}
-
-unsafe fn string(v: &pg_sys::JsonbValue) -> String {
-    unsafe {
-        let s = v.val.string;
-        let bytes = std::slice::from_raw_parts(s.val as *const u8, s.len as usize);
-        // jsonb text is valid UTF-8 in a UTF-8 database; other encodings are converted lossily.
-        String::from_utf8_lossy(bytes).into_owned()
-    }
-}
-
-fn push(stack: &mut [Frame], result: &mut Option<Value>, value: Value) {
-    match stack.last_mut() {
-        Some(Frame::Array(items)) => items.push(value),
-        Some(Frame::Object(members, pending)) => {
-            let name = pending.take().unwrap_or_default();
-            members.push((name, value));
-        }
-        Some(Frame::RawScalar(slot)) => *slot = Some(value),
-        None => *result = Some(value),
-    }
-}
-
-/// Converts a (possibly toasted) jsonb datum into a [`Value`].
+/// Converts a (possibly toasted) jsonb datum into a [`Value`], read with the same bounds-checked
+/// reader as [`write_canonical`] (not the server's iterator, which trusts the binary layout): a
+/// damaged value, whether from a damaged page or made by a superuser's binary cast from bytea,
+/// is [`CanonError::Damaged`] (XX001), never a wild read.
 ///
 /// # Safety
 /// `datum` must be a non-NULL jsonb datum.
 pub unsafe fn to_value(datum: pg_sys::Datum) -> Result<Value, CanonError> {
+    // SAFETY: the caller's contract; the detoasted copy lives in the current memory context
+    // for the duration of the read, and every read of it goes through the bounded slice.
     unsafe {
-        let jb = pg_sys::pg_detoast_datum(datum.cast_mut_ptr()) as *mut pg_sys::Jsonb;
-        let mut it = pg_sys::JsonbIteratorInit(&mut (*jb).root);
-        let mut v: pg_sys::JsonbValue = std::mem::zeroed();
-        let mut stack: Vec<Frame> = Vec::new();
-        let mut depth = 0usize;
-        let mut result = None;
-        loop {
-            match pg_sys::JsonbIteratorNext(&mut it, &mut v, false) {
-                Tok::WJB_DONE => break,
-                Tok::WJB_BEGIN_ARRAY if v.val.array.rawScalar => stack.push(Frame::RawScalar(None)),
-                Tok::WJB_BEGIN_ARRAY | Tok::WJB_BEGIN_OBJECT => {
-                    depth += 1;
-                    if depth > MAX_DEPTH {
-                        return Err(CanonError::TooDeep);
-                    }
-                    if v.type_ == pg_sys::jbvType::jbvArray {
-                        stack.push(Frame::Array(Vec::with_capacity(
-                            v.val.array.nElems.max(0) as usize
-                        )));
-                    } else {
-                        stack.push(Frame::Object(
-                            Vec::with_capacity(v.val.object.nPairs.max(0) as usize),
-                            None,
-                        ));
-                    }
-                }
-                Tok::WJB_KEY => {
-                    if let Some(Frame::Object(_, pending)) = stack.last_mut() {
-                        *pending = Some(string(&v));
-                    }
-                }
-                Tok::WJB_VALUE | Tok::WJB_ELEM => push(&mut stack, &mut result, scalar(&v)),
-                Tok::WJB_END_ARRAY | Tok::WJB_END_OBJECT => {
-                    let value = match stack.pop() {
-                        Some(Frame::Array(items)) => {
-                            depth -= 1;
-                            Value::Array(items)
-                        }
-                        Some(Frame::Object(members, _)) => {
-                            depth -= 1;
-                            Value::Object(members)
-                        }
-                        Some(Frame::RawScalar(inner)) => inner.unwrap_or(Value::Null),
-                        None => panic!("unbalanced jsonb iterator"),
-                    };
-                    push(&mut stack, &mut result, value);
-                }
-                other => panic!("unexpected jsonb iterator token {other}"),
+        let ptr = pg_sys::pg_detoast_datum(datum.cast_mut_ptr());
+        let bytes = std::slice::from_raw_parts(
+            pgrx::varlena::vardata_any(ptr).cast::<u8>(),
+            pgrx::varlena::varsize_any_exhdr(ptr),
+        );
+        container_value(Container(bytes), 0, utf8_database())
+    }
+}
+
+/// One container as a [`Value`] (the raw-scalar wrapper of a top-level scalar gives the scalar);
+/// members in jsonb's stored order, as the server's iterator returns them.
+fn container_value(c: Container<'_>, depth: usize, utf8: bool) -> Result<Value, CanonError> {
+    let header = c.header()?;
+    let count = c.count()?;
+    if header & JB_FARRAY != 0 {
+        if header & JB_FSCALAR != 0 {
+            if count != 1 {
+                return Err(damaged());
             }
+            return child_value(c.child(0, 1)?, depth, utf8);
         }
-        Ok(result.unwrap_or(Value::Null))
+        if depth + 1 > MAX_DEPTH {
+            return Err(CanonError::TooDeep);
+        }
+        // The capacity is bounded by the container's length (four bytes per entry).
+        let mut items = Vec::with_capacity(count.min(c.0.len() / 4));
+        for i in 0..count {
+            items.push(child_value(c.child(i, count)?, depth + 1, utf8)?);
+        }
+        Ok(Value::Array(items))
+    } else if header & JB_FOBJECT != 0 {
+        if depth + 1 > MAX_DEPTH {
+            return Err(CanonError::TooDeep);
+        }
+        let entries = 2 * count;
+        let mut members = Vec::with_capacity(count.min(c.0.len() / 8));
+        for i in 0..count {
+            let Child::String(name) = c.child(i, entries)? else {
+                return Err(damaged());
+            };
+            let value = child_value(c.child(count + i, entries)?, depth + 1, utf8)?;
+            members.push((string_of(name, utf8).to_owned(), value));
+        }
+        Ok(Value::Object(members))
+    } else {
+        Err(damaged())
+    }
+}
+
+fn child_value(child: Child<'_>, depth: usize, utf8: bool) -> Result<Value, CanonError> {
+    Ok(match child {
+        Child::Null => Value::Null,
+        Child::Bool(b) => Value::Bool(b),
+        Child::String(s) => Value::String(string_of(s, utf8).to_owned()),
+        Child::Number(n) => Value::Number(number_string(n)?),
+        Child::Container(c) => container_value(c, depth, utf8)?,
+    })
+}
+
+/// A jsonb number's exact value as text (`[-]digits[e[-]digits]`, or the server's normalized
+/// form for very long ones), read from an aligned copy, checked to lie within `n`.
+fn number_string(n: &[u8]) -> Result<String, CanonError> {
+    // Eight-byte words: aligned for the numeric's header and digits.
+    let mut copy = vec![0u64; n.len().div_ceil(8).max(1)];
+    let p = copy.as_mut_ptr().cast::<u8>();
+    // SAFETY: `copy` has room for `n.len()` bytes; the numeric's own header must say it lies
+    // within them before anything reads it as a numeric.
+    unsafe {
+        std::ptr::copy_nonoverlapping(n.as_ptr(), p, n.len());
+        if n.is_empty() || pgrx::varlena::varsize_any(p.cast()) > n.len() {
+            return Err(damaged());
+        }
+        let num = p as pg_sys::Numeric;
+        let mut text = [0u8; 64];
+        if let Some(t) = numeric_text(num, &mut text) {
+            return Ok(t.to_owned());
+        }
+        // Rare (more than 60 digits): the server lays it out.
+        let t = pg_sys::numeric_normalize(num);
+        let owned = CStr::from_ptr(t).to_string_lossy().into_owned();
+        pg_sys::pfree(t.cast());
+        Ok(owned)
     }
 }
 

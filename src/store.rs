@@ -152,25 +152,35 @@ fn stored(r: &Row) -> Stored<'_> {
     }
 }
 
-/// The statements claim and sweep run, prepared once per backend (SPI_keepplan) so a claim
-/// pays for execution only. PostgreSQL's plan cache re-plans them after DDL on the table,
-/// re-resolving names, so they survive even DROP and CREATE EXTENSION in one session.
-struct Plans {
-    select: OwnedPreparedStatement,
-    select_locked: OwnedPreparedStatement,
-    insert: OwnedPreparedStatement,
-    insert_fresh: OwnedPreparedStatement,
-    restart: OwnedPreparedStatement,
-    takeover: OwnedPreparedStatement,
-    complete: OwnedPreparedStatement,
-    sweep: OwnedPreparedStatement,
+/// The statements claim and sweep run, each prepared once per backend (SPI_keepplan) when it
+/// is first needed, so a claim pays for execution only. PostgreSQL's plan cache re-plans them
+/// after DDL on the table, re-resolving names, so they survive even DROP and CREATE EXTENSION
+/// in one session. Prepared one by one, not all at once: a statement that cannot be planned
+/// on the table as it is (an INSERT ... ON CONFLICT on a table with rules, which PostgreSQL
+/// refuses) fails only where it is used, not every statement with it.
+#[derive(Clone, Copy)]
+enum Plan {
+    Select,
+    SelectLocked,
+    Insert,
+    InsertFresh,
+    Restart,
+    TakeOver,
+    Complete,
+    Sweep,
 }
 
-static PLANS: crate::local::BackendLocal<Cell<Option<&'static Plans>>> =
-    crate::local::BackendLocal::new(Cell::new(None));
+const PLAN_COUNT: usize = 8;
 
-fn plans(client: &SpiClient<'_>) -> Result<&'static Plans, pgrx::spi::Error> {
-    if let Some(p) = PLANS.with(Cell::get) {
+static PLANS: crate::local::BackendLocal<
+    [Cell<Option<&'static OwnedPreparedStatement>>; PLAN_COUNT],
+> = crate::local::BackendLocal::new([const { Cell::new(None) }; PLAN_COUNT]);
+
+fn plan(
+    client: &SpiClient<'_>,
+    which: Plan,
+) -> Result<&'static OwnedPreparedStatement, pgrx::spi::Error> {
+    if let Some(p) = PLANS.with(|c| c[which as usize].get()) {
         return Ok(p);
     }
     let text = PgOid::from(pg_sys::TEXTOID);
@@ -182,18 +192,18 @@ fn plans(client: &SpiClient<'_>) -> Result<&'static Plans, pgrx::spi::Error> {
         PgOid::from(pg_sys::INTERVALOID),
         PgOid::from(pg_sys::INTERVALOID),
     ];
-    let p: &'static Plans = Box::leak(Box::new(Plans {
-        select: client
+    let prepared = match which {
+        Plan::Select => client
             .prepare(select_sql(false).as_str(), &key_args)?
             .keep(),
-        select_locked: client
+        Plan::SelectLocked => client
             .prepare_mut(select_sql(true).as_str(), &key_args)?
             .keep(),
-        insert: client.prepare_mut(INSERT_SQL, &claim_args)?.keep(),
-        insert_fresh: client.prepare_mut(INSERT_FRESH_SQL, &claim_args)?.keep(),
-        restart: client.prepare_mut(RESTART_SQL, &claim_args)?.keep(),
-        takeover: client.prepare_mut(TAKEOVER_SQL, &claim_args)?.keep(),
-        complete: client
+        Plan::Insert => client.prepare_mut(INSERT_SQL, &claim_args)?.keep(),
+        Plan::InsertFresh => client.prepare_mut(INSERT_FRESH_SQL, &claim_args)?.keep(),
+        Plan::Restart => client.prepare_mut(RESTART_SQL, &claim_args)?.keep(),
+        Plan::TakeOver => client.prepare_mut(TAKEOVER_SQL, &claim_args)?.keep(),
+        Plan::Complete => client
             .prepare_mut(
                 COMPLETE_SQL,
                 &[
@@ -206,11 +216,12 @@ fn plans(client: &SpiClient<'_>) -> Result<&'static Plans, pgrx::spi::Error> {
                 ],
             )?
             .keep(),
-        sweep: client
+        Plan::Sweep => client
             .prepare_mut(SWEEP_SQL, &[PgOid::from(pg_sys::INT8OID), text])?
             .keep(),
-    }));
-    PLANS.with(|c| c.set(Some(p)));
+    };
+    let p: &'static OwnedPreparedStatement = Box::leak(Box::new(prepared));
+    PLANS.with(|c| c[which as usize].set(Some(p)));
     Ok(p)
 }
 
@@ -234,12 +245,11 @@ fn read_row(
     req: &ClaimRequest<'_>,
 ) -> Result<Option<Row>, pgrx::spi::Error> {
     let args = [req.scope.into(), req.key.into()];
-    let p = plans(client)?;
     let table = if lock {
         // Row locks need a read-write SPI call.
-        client.update(&p.select_locked, Some(1), &args)?
+        client.update(plan(client, Plan::SelectLocked)?, Some(1), &args)?
     } else {
-        client.select(&p.select, Some(1), &args)?
+        client.select(plan(client, Plan::Select)?, Some(1), &args)?
     };
     if table.is_empty() {
         return Ok(None);
@@ -273,13 +283,15 @@ fn write_claim(
     req: &ClaimRequest<'_>,
 ) -> Result<Option<ClaimResult>, pgrx::spi::Error> {
     let hash = req.hash.map(|h| h.to_vec());
-    let p = plans(client)?;
-    let stmt = match write {
-        Write::Insert => &p.insert,
-        Write::InsertFresh => &p.insert_fresh,
-        Write::Restart => &p.restart,
-        Write::TakeOver => &p.takeover,
-    };
+    let stmt = plan(
+        client,
+        match write {
+            Write::Insert => Plan::Insert,
+            Write::InsertFresh => Plan::InsertFresh,
+            Write::Restart => Plan::Restart,
+            Write::TakeOver => Plan::TakeOver,
+        },
+    )?;
     let table = client.update(
         stmt,
         None,
@@ -318,6 +330,9 @@ enum Probe {
     Busy,
     /// The newest committed version (or our own transaction's).
     Committed(Row),
+    /// The row changed between the index scan and the heap fetch (an update of an indexed
+    /// column committed in between, see [`ffi::look_up`]): look again.
+    Changed,
 }
 
 /// Per-backend cache of the table's OIDs and column numbers, checked against the catalog's
@@ -330,6 +345,174 @@ struct Layout {
     att: [i32; 7],
     /// The role whose table privileges were checked for this layout (see `check_access`).
     checked_for: pg_sys::Oid,
+    /// A column that the look-up reads (`att`, or scope and key, which it compares in the
+    /// index) whose type is not the one it interprets the column's datums as: claim and
+    /// complete refuse the table (`check_layout`) rather than misread or miswrite it.
+    mismatch: Option<Mismatch>,
+}
+
+/// A column whose type differs from the extension's table.
+#[derive(Clone, Copy)]
+struct Mismatch {
+    column: &'static str,
+    expected: &'static str,
+    /// The column's type and typmod (InvalidOid: the column is missing).
+    found: pg_sys::Oid,
+    typmod: i32,
+}
+
+/// The look-up's columns, in the order of `Layout::att`, with the types whose datums
+/// `ffi::look_up` copies and `row_from_version` reads (as bytea, int8, jsonb, int4, text and
+/// timestamptz).
+const LOOKUP_COLUMNS: [(&std::ffi::CStr, pg_sys::Oid, &str); 7] = [
+    (c"request_hash", pg_sys::BYTEAOID, "bytea"),
+    (c"token", pg_sys::INT8OID, "bigint"),
+    (c"response", pg_sys::JSONBOID, "jsonb"),
+    (c"response_status", pg_sys::INT4OID, "integer"),
+    (c"recovery_point", pg_sys::TEXTOID, "text"),
+    (
+        c"expires_at",
+        pg_sys::TIMESTAMPTZOID,
+        "timestamp with time zone",
+    ),
+    (
+        c"locked_until",
+        pg_sys::TIMESTAMPTZOID,
+        "timestamp with time zone",
+    ),
+];
+
+/// Whether attribute `a` is a live column of type `typid` with no typmod, stored as that
+/// type is (length, by value, alignment): what a datum of `typid` built or read in Rust needs.
+/// A typmod (`timestamptz(0)`, `varchar(n)`) would also need the value coerced, which only SQL
+/// does.
+fn column_is(a: &pg_sys::FormData_pg_attribute, typid: pg_sys::Oid) -> bool {
+    let (mut len, mut byval, mut align) = (0i16, false, 0 as std::ffi::c_char);
+    // SAFETY: a syscache look-up of a built-in or existing type; raises an ERROR only for a
+    // type that does not exist, which the first comparison rules out before it runs.
+    a.atttypid == typid && !a.attisdropped && a.atttypmod == -1 && {
+        unsafe { pg_sys::get_typlenbyvalalign(typid, &mut len, &mut byval, &mut align) };
+        a.attlen == len && a.attbyval == byval && a.attalign == align
+    }
+}
+
+/// The live attribute `name` of the open relation `rel`, if any.
+///
+/// # Safety
+/// `rel` is an open relation.
+unsafe fn attribute<'a>(
+    rel: pg_sys::Relation,
+    name: &std::ffi::CStr,
+) -> Option<&'a pg_sys::FormData_pg_attribute> {
+    // SAFETY: the caller's contract; the slice is the relation's own descriptor.
+    unsafe {
+        let desc = (*rel).rd_att;
+        (0..(*desc).natts as usize)
+            .map(|i| &*crate::compat::attribute(desc, i))
+            .find(|a| !a.attisdropped && std::ffi::CStr::from_ptr(a.attname.data.as_ptr()) == name)
+    }
+}
+
+/// Finds the columns the look-up reads (their attribute numbers into `att`, from the opened
+/// relation, so with every pending invalidation applied) and checks them against the types it
+/// reads them as, and the primary key against the scan it makes (`ffi::look_up`: texteq on
+/// index columns 1 and 2, collation "C").
+/// Once per layout, so once per relcache invalidation of the table.
+///
+/// # Safety
+/// `relid` and `idxid` are the table and its primary key.
+unsafe fn check_lookup_columns(
+    relid: pg_sys::Oid,
+    idxid: pg_sys::Oid,
+    att: &mut [i32; 7],
+) -> Option<Mismatch> {
+    // SAFETY: opens and closes relations by OID (AccessShareLock, kept to the end of the
+    // transaction as every reader's); every pointer read is the relcache's.
+    unsafe {
+        let lock = pg_sys::AccessShareLock as pg_sys::LOCKMODE;
+        let rel = pg_sys::table_open(relid, lock);
+        let mut mismatch = None;
+        let mut note = |name: &'static std::ffi::CStr,
+                        expected: &'static str,
+                        a: Option<&pg_sys::FormData_pg_attribute>| {
+            if mismatch.is_none() {
+                mismatch = Some(Mismatch {
+                    column: name.to_str().unwrap_or("?"),
+                    expected,
+                    found: a.map_or(pg_sys::InvalidOid, |a| a.atttypid),
+                    typmod: a.map_or(-1, |a| a.atttypmod),
+                });
+            }
+        };
+        for (i, (name, typid, expected)) in LOOKUP_COLUMNS.iter().enumerate() {
+            let a = attribute(rel, name);
+            att[i] = a.map_or(0, |a| a.attnum as i32);
+            if !a.is_some_and(|a| column_is(a, *typid)) {
+                note(name, expected, a);
+            }
+        }
+        let mut key_columns = [0i16; 2];
+        for (i, name) in [c"scope", c"key"].into_iter().enumerate() {
+            let a = attribute(rel, name);
+            match a {
+                Some(a)
+                    if column_is(a, pg_sys::TEXTOID)
+                        && a.attcollation == pg_sys::C_COLLATION_OID =>
+                {
+                    key_columns[i] = a.attnum
+                }
+                _ => note(name, "text COLLATE \"C\"", a),
+            }
+        }
+        pg_sys::table_close(rel, pg_sys::NoLock as pg_sys::LOCKMODE);
+        let index = pg_sys::index_open(idxid, lock);
+        let form = (*index).rd_index;
+        let ok = !form.is_null()
+            && (*form).indisunique
+            && (*form).indnatts == 2
+            && (*form).indnkeyatts == 2
+            && (*(*index).rd_rel).relam == pg_sys::BTREE_AM_OID
+            && (*form).indkey.values.as_slice(2) == key_columns;
+        pg_sys::index_close(index, pg_sys::NoLock as pg_sys::LOCKMODE);
+        if !ok {
+            note(
+                c"idempotency_keys_pkey",
+                "a btree primary key on (scope, key)",
+                None,
+            );
+        }
+        mismatch
+    }
+}
+
+/// Refuses a table whose look-up columns were altered (see `Layout::mismatch`): claim and
+/// complete read and write those columns below SQL and cannot work on other types.
+fn check_layout(l: &Layout) {
+    let Some(m) = l.mismatch else {
+        return;
+    };
+    let found = if m.found == pg_sys::InvalidOid {
+        "missing or not as created".to_string()
+    } else {
+        // SAFETY: formats an existing type's name (palloc'd in the current context).
+        unsafe {
+            let name = pg_sys::format_type_with_typemod(m.found, m.typmod);
+            std::ffi::CStr::from_ptr(name)
+                .to_string_lossy()
+                .into_owned()
+        }
+    };
+    raise(
+        PgSqlErrorCode::ERRCODE_OBJECT_NOT_IN_PREREQUISITE_STATE,
+        format!(
+            "idempotency: idempotency.idempotency_keys.{} is {found}, but the extension needs {}",
+            m.column, m.expected
+        ),
+        Some(
+            "the table was altered by hand: alter it back, or reinstall the extension \
+             (DROP EXTENSION idempotency; CREATE EXTENSION idempotency;)",
+        ),
+    );
 }
 
 static LAYOUT: crate::local::BackendLocal<Cell<Option<Layout>>> =
@@ -485,11 +668,13 @@ fn layout() -> Layout {
         return l;
     }
     if !CALLBACK_REGISTERED.with(Cell::get) {
+        // SAFETY: registers a callback that only clears backend-local caches; once per backend.
         unsafe {
             pg_sys::CacheRegisterRelcacheCallback(Some(forget_layout), pg_sys::Datum::from(0usize))
         };
         CALLBACK_REGISTERED.with(|c| c.set(true));
     }
+    // SAFETY: catalog look-ups by name; the OIDs passed on are checked to exist first.
     unsafe {
         let nsp = pg_sys::get_namespace_oid(c"idempotency".as_ptr(), false);
         let relid = pg_sys::get_relname_relid(c"idempotency_keys".as_ptr(), nsp);
@@ -501,24 +686,14 @@ fn layout() -> Layout {
                 Some("reinstall the extension: DROP EXTENSION idempotency; CREATE EXTENSION idempotency;"),
             );
         }
-        let names = [
-            c"request_hash",
-            c"token",
-            c"response",
-            c"response_status",
-            c"recovery_point",
-            c"expires_at",
-            c"locked_until",
-        ];
         let mut att = [0i32; 7];
-        for (i, n) in names.iter().enumerate() {
-            att[i] = pg_sys::get_attnum(relid, n.as_ptr()) as i32;
-        }
+        let mismatch = check_lookup_columns(relid, idxid, &mut att);
         let l = Layout {
             relid,
             idxid,
             att,
             checked_for: pg_sys::InvalidOid,
+            mismatch,
         };
         LAYOUT.with(|c| c.set(Some(l)));
         l
@@ -531,6 +706,7 @@ fn layout() -> Layout {
 /// different role (SET ROLE, SECURITY DEFINER callers) is checked again.
 fn check_access() {
     let l = layout();
+    check_layout(&l);
     let role = ffi::current_role();
     if l.checked_for == role {
         return;
@@ -592,10 +768,29 @@ fn row_from_version(v: &ffi::Version) -> Row {
 /// Looks the key up in the primary key with a dirty snapshot, as PostgreSQL's own unique
 /// checks do: it sees committed rows and learns, without waiting, whether another open
 /// transaction is inserting, changing or deleting the key.
-fn probe(scope: &str, key: &str) -> Probe {
+///
+/// `confirm_miss`: a miss is confirmed with a fresh MVCC snapshot and answered `Changed` when
+/// that sees the key (a concurrent update raced the look). Callers that act on `Absent` (by
+/// inserting) confirm; callers that only look again on `Absent` need not.
+fn probe(scope: &str, key: &str, confirm_miss: bool) -> Probe {
     let l = layout();
-    let v = unsafe { ffi::look_up(l.relid, l.idxid, scope, key, &l.att) };
-    if !v.exists {
+    // SAFETY: `layout` checked the OIDs, the key columns (text COLLATE "C") and the types and
+    // positive attribute numbers of `att` against the catalog (`check_layout` refuses a table
+    // that differs before any probe).
+    let v = unsafe {
+        ffi::look_up(
+            l.relid,
+            l.idxid,
+            scope,
+            key,
+            &l.att,
+            confirm_miss,
+            guc::debug_probe_pause(),
+        )
+    };
+    if v.raced {
+        Probe::Changed
+    } else if !v.exists {
         Probe::Absent
     } else if v.xmin != pg_sys::InvalidTransactionId || v.xmax != pg_sys::InvalidTransactionId {
         Probe::Busy
@@ -608,6 +803,10 @@ fn probe(scope: &str, key: &str) -> Probe {
 /// PostgreSQL's own unique checks do, until `visit` returns true. `visit` gets each version's
 /// slot and the dirty snapshot's verdict on it: the open transaction that inserted it (xmin) or
 /// is changing, deleting or locking it for an update (xmax), each invalid when there is none.
+///
+/// Returns false when the dirty scan saw no version at all but an MVCC snapshot taken after it
+/// sees the key: an update of an indexed column committed between the index scan and the heap
+/// fetch (see [`ffi::look_up`]), so the caller must look again.
 unsafe fn scan_key_dirty(
     heap: pg_sys::Relation,
     index: pg_sys::Relation,
@@ -618,7 +817,9 @@ unsafe fn scan_key_dirty(
         pg_sys::TransactionId,
         pg_sys::TransactionId,
     ) -> bool,
-) {
+) -> bool {
+    // SAFETY: `heap` and `index` are open (the caller's contract); the snapshots live on this
+    // frame (dirty) or are registered (fresh) for as long as the scans that use them.
     unsafe {
         let mut snapshot: pg_sys::SnapshotData = std::mem::zeroed();
         snapshot.snapshot_type = pg_sys::SnapshotType::SNAPSHOT_DIRTY;
@@ -639,13 +840,72 @@ unsafe fn scan_key_dirty(
         let scan = pg_sys::index_beginscan(heap, index, &mut snapshot, 2, 0);
         pg_sys::index_rescan(scan, keys.as_mut_ptr(), 2, std::ptr::null_mut(), 0);
         let slot = pg_sys::table_slot_create(heap, std::ptr::null_mut());
-        while pg_sys::index_getnext_slot(scan, pg_sys::ScanDirection::ForwardScanDirection, slot) {
+        let pause = guc::debug_probe_pause();
+        let mut found_any = false;
+        while next_version(scan, slot, pause) {
+            found_any = true;
             if visit(slot, snapshot.xmin, snapshot.xmax) {
                 break;
             }
         }
+        // A miss may be a race with an update of an indexed column (see `ffi::look_up`):
+        // confirm it with a snapshot taken now, which cannot miss a committed version.
+        let raced = !found_any && {
+            let fresh = pg_sys::RegisterSnapshot(pg_sys::GetLatestSnapshot());
+            let confirm = pg_sys::index_beginscan(heap, index, fresh, 2, 0);
+            // index_rescan copies the keys: the same array serves both scans.
+            pg_sys::index_rescan(confirm, keys.as_mut_ptr(), 2, std::ptr::null_mut(), 0);
+            let seen = pg_sys::index_getnext_slot(
+                confirm,
+                pg_sys::ScanDirection::ForwardScanDirection,
+                slot,
+            );
+            pg_sys::index_endscan(confirm);
+            pg_sys::UnregisterSnapshot(fresh);
+            seen
+        };
         pg_sys::ExecDropSingleTupleTableSlot(slot);
         pg_sys::index_endscan(scan);
+        !raced
+    }
+}
+
+/// `index_getnext_slot`, which is these two calls, with the test pause of
+/// `idempotency.debug_probe_pause` (debug builds only) between the index and the heap.
+///
+/// # Safety
+/// `scan` is an open index scan over the table of `slot`.
+unsafe fn next_version(
+    scan: pg_sys::IndexScanDesc,
+    slot: *mut pg_sys::TupleTableSlot,
+    pause_ms: i32,
+) -> bool {
+    // SAFETY: see the function's contract; the calls are index_getnext_slot's own body.
+    unsafe {
+        loop {
+            // A non-MVCC snapshot may see more than one member of a HOT chain: the heap fetch
+            // then continues on the same index entry.
+            if !(*scan).xs_heap_continue {
+                if pg_sys::index_getnext_tid(scan, pg_sys::ScanDirection::ForwardScanDirection)
+                    .is_null()
+                {
+                    return false;
+                }
+                if cfg!(debug_assertions) && pause_ms > 0 {
+                    pg_sys::WaitLatch(
+                        pg_sys::MyLatch,
+                        (pg_sys::WL_LATCH_SET | pg_sys::WL_TIMEOUT | pg_sys::WL_EXIT_ON_PM_DEATH)
+                            as i32,
+                        pause_ms as std::ffi::c_long,
+                        pg_sys::PG_WAIT_EXTENSION,
+                    );
+                    pg_sys::ResetLatch(pg_sys::MyLatch);
+                }
+            }
+            if pg_sys::index_fetch_heap(scan, slot) {
+                return true;
+            }
+        }
     }
 }
 
@@ -678,33 +938,52 @@ struct DirectLayout {
 static DIRECT: crate::local::BackendLocal<Cell<Option<Option<DirectLayout>>>> =
     crate::local::BackendLocal::new(Cell::new(None));
 
-/// The columns a fresh claim sets; every other column of the table starts NULL.
-const DIRECT_COLUMNS: [&std::ffi::CStr; 9] = [
-    c"scope",
-    c"key",
-    c"request_hash",
-    c"status",
-    c"token",
-    c"created_at",
-    c"locked_until",
-    c"expires_at",
-    c"ttl",
+/// Every column of the extension's table with the type its datums have in the direct writes
+/// (InvalidOid: the enum `idempotency.key_status`), and whether a fresh claim leaves it NULL.
+const OWN_COLUMNS: [(&std::ffi::CStr, pg_sys::Oid, bool); 13] = [
+    (c"scope", pg_sys::TEXTOID, false),
+    (c"key", pg_sys::TEXTOID, false),
+    (c"request_hash", pg_sys::BYTEAOID, false),
+    (c"status", pg_sys::InvalidOid, false),
+    (c"token", pg_sys::INT8OID, false),
+    (c"response", pg_sys::JSONBOID, true),
+    (c"response_status", pg_sys::INT4OID, true),
+    (c"recovery_point", pg_sys::TEXTOID, true),
+    (c"created_at", pg_sys::TIMESTAMPTZOID, false),
+    (c"completed_at", pg_sys::TIMESTAMPTZOID, true),
+    (c"locked_until", pg_sys::TIMESTAMPTZOID, false),
+    (c"expires_at", pg_sys::TIMESTAMPTZOID, false),
+    (c"ttl", pg_sys::INTERVALOID, false),
 ];
 
-/// The nullable columns a fresh claim leaves NULL.
-const NULL_COLUMNS: [&str; 4] = [
-    "response",
-    "response_status",
-    "recovery_point",
-    "completed_at",
-];
+/// The table's constraints as the extension creates them (sql/idempotency.sql), one line each:
+/// type, name and `pg_get_constraintdef` (under the pinned search path), ordered by name. The
+/// direct writes build rows that satisfy exactly these; any other set (one dropped, replaced
+/// or added, NOT VALID, a foreign key, an exclusion or a unique constraint) goes through SQL,
+/// where the executor checks it.
+const OWN_CONSTRAINTS: &str = "c idempotency_keys_lease_check CHECK (((status = 'in_progress'::idempotency.key_status) = (locked_until IS NOT NULL)))\n\
+p idempotency_keys_pkey PRIMARY KEY (scope, key)\n\
+c idempotency_keys_request_hash_check CHECK (((request_hash IS NULL) OR (length(request_hash) = 32)))\n\
+c idempotency_keys_response_status_check CHECK (((response_status IS NULL) OR ((response_status >= 100) AND (response_status <= 599))))";
 
-/// The table's CHECK constraints as the extension creates them.
-const OWN_CHECKS: u16 = 3;
+const CONSTRAINTS_SQL: &str = "SELECT pg_catalog.string_agg(c.contype::pg_catalog.text \
+       OPERATOR(pg_catalog.||) ' ' OPERATOR(pg_catalog.||) c.conname::pg_catalog.text \
+       OPERATOR(pg_catalog.||) ' ' OPERATOR(pg_catalog.||) pg_catalog.pg_get_constraintdef(c.oid), \
+       E'\\n' ORDER BY c.conname) \
+     FROM pg_catalog.pg_constraint AS c WHERE c.conrelid OPERATOR(pg_catalog.=) $1";
 
-/// The direct-write layout, or None when the table differs from the extension's own (a column,
-/// CHECK constraint or trigger added by hand, a partitioned table): then the INSERT statement
-/// runs, with everything PostgreSQL would do for it.
+/// The direct-write layout, or None when the table differs from the extension's own; then the
+/// INSERT and UPDATE statements run, with everything PostgreSQL would do for them. Checked
+/// once per relcache invalidation of the table (ALTER TABLE, constraints, rules, triggers,
+/// publications all send one), never per call:
+/// - a plain table (not partitioned), no triggers, no rules (a rewrite rule replaces or adds
+///   to the statement), no row-level security;
+/// - exactly the extension's columns, each of the type (typmod, length, by-value, alignment)
+///   whose datums the writes build, and the ones a fresh claim leaves NULL nullable;
+/// - exactly the extension's constraints, by name and definition ([`OWN_CONSTRAINTS`]);
+/// - not in any publication: the executor checks a published table's replica identity and
+///   the publications' row filters and column lists on UPDATE (`CheckCmdReplicaIdentity`),
+///   which the direct update would bypass.
 fn direct_layout() -> Option<DirectLayout> {
     let l = layout();
     if let Some(d) = DIRECT.with(Cell::get) {
@@ -712,6 +991,7 @@ fn direct_layout() -> Option<DirectLayout> {
             return d;
         }
     }
+    // SAFETY: the OIDs are the layout's, just read from the catalog.
     let d = unsafe { build_direct_layout(l.relid, l.idxid) };
     if LAYOUT.with(Cell::get).is_some_and(|c| c.relid == l.relid) {
         DIRECT.with(|c| c.set(Some(d)));
@@ -719,26 +999,73 @@ fn direct_layout() -> Option<DirectLayout> {
     d
 }
 
+/// [`direct_layout`] with the table locked for writing first: taking the lock applies the
+/// invalidations of DDL that committed since the layout was read, so the layout describes the
+/// table as the write will find it (as the executor's lock at the start of a statement does).
+fn direct_layout_for_write() -> Option<DirectLayout> {
+    let l = layout();
+    // SAFETY: locks an existing relation by OID; held to the end of the transaction, as a
+    // write's lock is.
+    unsafe { pg_sys::LockRelationOid(l.relid, pg_sys::RowExclusiveLock as pg_sys::LOCKMODE) };
+    direct_layout()
+}
+
+/// # Safety
+/// `relid` and `idxid` are the store table and its primary key.
 unsafe fn build_direct_layout(relid: pg_sys::Oid, idxid: pg_sys::Oid) -> Option<DirectLayout> {
     let _path = PinnedSearchPath::pin();
+    // SAFETY: the caller's contract; the relation stays open (AccessShareLock) while its
+    // descriptor, rules and publication description are read.
     unsafe {
+        let status_type = Spi::get_one::<pg_sys::Oid>(
+            "SELECT 'idempotency.key_status'::pg_catalog.regtype::pg_catalog.oid",
+        )
+        .ok()
+        .flatten()?;
         let rel = pg_sys::table_open(relid, pg_sys::AccessShareLock as pg_sys::LOCKMODE);
         let desc = (*rel).rd_att;
         let natts = (*desc).natts as usize;
-        let constr = (*desc).constr;
-        let plain = (*(*rel).rd_rel).relkind == pg_sys::RELKIND_RELATION as std::ffi::c_char
+        let form = (*rel).rd_rel;
+        let mut publication: pg_sys::PublicationDesc = Default::default();
+        pg_sys::RelationBuildPublicationDesc(rel, &mut publication);
+        let actions = publication.pubactions;
+        let published =
+            actions.pubinsert || actions.pubupdate || actions.pubdelete || actions.pubtruncate;
+        let plain = (*form).relkind == pg_sys::RELKIND_RELATION as std::ffi::c_char
             && (*rel).trigdesc.is_null()
-            && (constr.is_null() || (*constr).num_check == OWN_CHECKS);
-        let mut known = plain;
-        let attrs = (*desc).attrs.as_slice(natts);
-        for a in attrs.iter().filter(|a| !a.attisdropped) {
-            let name = std::ffi::CStr::from_ptr(a.attname.data.as_ptr());
-            let ours = DIRECT_COLUMNS.contains(&name)
-                || (NULL_COLUMNS.iter().any(|n| name.to_bytes() == n.as_bytes()) && !a.attnotnull);
-            known &= ours;
-        }
+            && (*rel).rd_rules.is_null()
+            && !(*form).relhasrules
+            && !(*form).relrowsecurity
+            && !published;
+        let ours = (0..natts)
+            .map(|i| &*crate::compat::attribute(desc, i))
+            .filter(|a| !a.attisdropped)
+            .all(|a| {
+                let name = std::ffi::CStr::from_ptr(a.attname.data.as_ptr());
+                OWN_COLUMNS.iter().any(|&(own, typid, nullable)| {
+                    own == name
+                        && column_is(
+                            a,
+                            if typid == pg_sys::InvalidOid {
+                                status_type
+                            } else {
+                                typid
+                            },
+                        )
+                        && (!nullable || !a.attnotnull)
+                })
+            });
+        let all = OWN_COLUMNS
+            .iter()
+            .all(|&(own, _, _)| attribute(rel, own).is_some());
         pg_sys::table_close(rel, pg_sys::AccessShareLock as pg_sys::LOCKMODE);
-        if !known {
+        if !(plain && ours && all) {
+            return None;
+        }
+        let constraints = Spi::get_one_with_args::<String>(CONSTRAINTS_SQL, &[relid.into()])
+            .ok()
+            .flatten()?;
+        if constraints != OWN_CONSTRAINTS {
             return None;
         }
         let position = |name: &std::ffi::CStr| {
@@ -1016,15 +1343,16 @@ pub fn claim(req: &ClaimRequest<'_>) -> ClaimResult {
                     // Committed, but not in this REPEATABLE READ snapshot: the insert fails with
                     // a serialization error, as it should.
                     Looked::Found(Probe::Committed(_)) => insert(client, req),
-                    Looked::Found(Probe::Absent) => Ok(Step::Again),
+                    Looked::Found(Probe::Absent | Probe::Changed) => Ok(Step::Again),
                 },
             })
         } else {
             // First a look without the insert lock: a key that exists (the replay, mismatch and
             // in-progress answers) needs no lock at all. Only an absent key is looked at again
             // under the lock and inserted.
-            let found = match probe(req.scope, req.key) {
-                Probe::Absent => probe_or_insert(req, || match direct_layout() {
+            // Unconfirmed: a miss is looked at again, confirmed, under the insert lock.
+            let found = match probe(req.scope, req.key, false) {
+                Probe::Absent => probe_or_insert(req, || match direct_layout_for_write() {
                     Some(d) => Ok(Step::Done(insert_direct(&d, req))),
                     None => with_spi(|client| {
                         Ok(write_claim(client, Write::InsertFresh, req)?
@@ -1046,7 +1374,7 @@ pub fn claim(req: &ClaimRequest<'_>) -> ClaimResult {
                         }
                     }
                 }
-                Looked::Found(Probe::Absent) => Ok(Step::Again),
+                Looked::Found(Probe::Absent | Probe::Changed) => Ok(Step::Again),
             }
         };
         match step {
@@ -1098,7 +1426,14 @@ fn probe_or_insert(
     insert: impl FnOnce() -> Result<Step, pgrx::spi::Error>,
 ) -> Looked {
     let _insert_lock = KeyInsertLock::acquire(req.scope, req.key);
-    match probe(req.scope, req.key) {
+    // Under READ COMMITTED an absent key is inserted without ON CONFLICT: a miss that raced a
+    // concurrent update must not pass for absence (it would be a unique violation, where the
+    // row should have been answered). Under REPEATABLE READ the insert's ON CONFLICT DO
+    // NOTHING handles that race (the executor re-checks), and a fresh snapshot outside the
+    // transaction's own would only confuse SERIALIZABLE's conflict checks.
+    // SAFETY: reads a backend variable.
+    let read_committed = unsafe { pg_sys::XactIsoLevel } < pg_sys::XACT_REPEATABLE_READ as i32;
+    match probe(req.scope, req.key, read_committed) {
         Probe::Absent => Looked::Inserted(insert()),
         found => Looked::Found(found),
     }
@@ -1140,12 +1475,12 @@ fn decide(
         Decision::Restart | Decision::TakeOver => {
             // Lock the newest version without waiting, then decide again on it.
             let Some(locked) = read_row(client, true, req)? else {
-                return Ok(match probe(req.scope, req.key) {
+                return Ok(match probe(req.scope, req.key, false) {
                     Probe::Busy => Step::Busy,
                     // Still there, so another claimer holds its row lock while it decides on a
                     // takeover: the key is busy (spinning here would only burn rounds).
                     Probe::Committed(_) => Step::Busy,
-                    Probe::Absent => Step::Again,
+                    Probe::Absent | Probe::Changed => Step::Again,
                 });
             };
             match state::decide(stored(&locked), given(req)) {
@@ -1300,12 +1635,15 @@ struct Completed {
 ///
 /// Under READ COMMITTED the row is updated directly ([`complete_direct`]); under REPEATABLE
 /// READ and SERIALIZABLE (whose snapshot and predicate-lock rules the executor applies) and on
-/// a table changed by hand, through the UPDATE statement.
+/// a table that is not as the extension made it ([`direct_layout`]: changed by hand, with
+/// rules, or published), through the UPDATE statement.
 pub fn complete(req: &CompleteRequest<'_>) -> Option<TimestampWithTimeZone> {
     let _path = PinnedSearchPath::pin();
+    // Both paths read the completed row's columns as the extension's types.
+    check_layout(&layout());
     let read_committed = unsafe { pg_sys::XactIsoLevel } < pg_sys::XACT_REPEATABLE_READ as i32;
     let direct = if read_committed {
-        direct_layout()
+        direct_layout_for_write()
     } else {
         None
     };
@@ -1337,13 +1675,13 @@ fn complete_sql(req: &CompleteRequest<'_>) -> Option<Completed> {
         .response
         .map(|d| unsafe { pgrx::datum::DatumWithOid::new(d, pg_sys::JSONBOID) });
     Spi::connect_mut(|client| {
-        let p = plans(client)?;
+        let complete = plan(client, Plan::Complete)?;
         let response = match response {
             Some(d) => d,
             None => pgrx::datum::DatumWithOid::null_oid(pg_sys::JSONBOID),
         };
         let table = client.update(
-            &p.complete,
+            complete,
             None,
             &[
                 req.scope.into(),
@@ -1398,6 +1736,8 @@ enum Newest {
     Wait(pg_sys::TransactionId),
     /// The newest committed version (or this transaction's own), copied.
     Row(pg_sys::HeapTuple),
+    /// The scan raced an update of the row (see [`scan_key_dirty`]): look again.
+    Changed,
 }
 
 unsafe fn newest_version(
@@ -1407,7 +1747,8 @@ unsafe fn newest_version(
     key: &str,
 ) -> Newest {
     let mut found = Newest::Absent;
-    unsafe {
+    // SAFETY: `rel` and `index` are the open table and its primary key (the caller's contract).
+    let whole = unsafe {
         scan_key_dirty(rel, index, scope, key, |slot, xmin, xmax| {
             if xmax != pg_sys::InvalidTransactionId {
                 found = Newest::Wait(xmax);
@@ -1418,9 +1759,13 @@ unsafe fn newest_version(
             }
             found = Newest::Row(pg_sys::ExecCopySlotHeapTuple(slot));
             true
-        });
+        })
+    };
+    if whole {
+        found
+    } else {
+        Newest::Changed
     }
-    found
 }
 
 /// [`complete_sql`]'s UPDATE, done directly on the row (READ COMMITTED, table as the extension
@@ -1462,6 +1807,8 @@ fn complete_direct(d: &DirectLayout, req: &CompleteRequest<'_>) -> Option<Comple
                     );
                     continue;
                 }
+                // Counts as a round, like a row that changed under the update.
+                Newest::Changed => continue,
                 Newest::Row(tuple) => tuple,
             };
             let mut values = vec![pg_sys::Datum::from(0usize); d.natts];
@@ -1621,7 +1968,11 @@ pub fn sweep_batch(batch: i64, prefix: &str) -> i64 {
     let _path = PinnedSearchPath::pin();
     let deleted = Spi::connect_mut(|client| {
         client
-            .update(&plans(client)?.sweep, None, &[batch.into(), prefix.into()])
+            .update(
+                plan(client, Plan::Sweep)?,
+                None,
+                &[batch.into(), prefix.into()],
+            )
             .map(|t| t.len() as i64)
     })
     .unwrap_or_else(|e| {
