@@ -66,10 +66,193 @@ pub unsafe fn attribute(desc: pg_sys::TupleDesc, i: usize) -> *mut pg_sys::FormD
     unsafe {
         (*desc).attrs.as_mut_ptr().add(i)
     }
+    // TupleDescAttr is an inline function of the headers: the attributes follow the compact
+    // ones, `natts` of each.
     #[cfg(feature = "pg18")]
+    // SAFETY: as above; the layout is the one TupleDescAttr computes.
+    unsafe {
+        (*desc)
+            .compact_attrs
+            .as_mut_ptr()
+            .add((*desc).natts as usize)
+            .cast::<pg_sys::FormData_pg_attribute>()
+            .add(i)
+    }
+}
+
+/// Which indexes an update must add entries to (`table_tuple_update`'s verdict): none (a HOT
+/// update), all, or, from 16 on, only the summarizing (BRIN) ones.
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+pub enum IndexUpdate {
+    None,
+    All,
+    Summarizing,
+}
+
+/// `table_tuple_update`, with its index verdict as an [`IndexUpdate`] (a bool up to 15, an enum
+/// from 16 on).
+///
+/// # Safety
+/// As `table_tuple_update`: an open relation, a valid TID and a slot of its row type.
+#[allow(clippy::too_many_arguments)]
+pub unsafe fn table_tuple_update(
+    rel: pg_sys::Relation,
+    tid: pg_sys::ItemPointer,
+    slot: *mut pg_sys::TupleTableSlot,
+    cid: pg_sys::CommandId,
+    wait: bool,
+    tmfd: *mut pg_sys::TM_FailureData,
+    lockmode: *mut pg_sys::LockTupleMode::Type,
+) -> (pg_sys::TM_Result::Type, IndexUpdate) {
+    let null = std::ptr::null_mut();
+    #[cfg(feature = "pg15")]
+    // SAFETY: the caller's guarantees; the verdict is written by the call.
+    unsafe {
+        let mut all = false;
+        let r = pg_sys::table_tuple_update(
+            rel, tid, slot, cid, null, null, wait, tmfd, lockmode, &mut all,
+        );
+        (
+            r,
+            if all {
+                IndexUpdate::All
+            } else {
+                IndexUpdate::None
+            },
+        )
+    }
+    #[cfg(not(feature = "pg15"))]
     // SAFETY: as above.
     unsafe {
-        pg_sys::TupleDescAttr(desc, i as std::ffi::c_int)
+        let mut verdict = pg_sys::TU_UpdateIndexes::TU_None;
+        let r = pg_sys::table_tuple_update(
+            rel,
+            tid,
+            slot,
+            cid,
+            null,
+            null,
+            wait,
+            tmfd,
+            lockmode,
+            &mut verdict,
+        );
+        let update = match verdict {
+            pg_sys::TU_UpdateIndexes::TU_None => IndexUpdate::None,
+            pg_sys::TU_UpdateIndexes::TU_Summarizing => IndexUpdate::Summarizing,
+            _ => IndexUpdate::All,
+        };
+        (r, update)
+    }
+}
+
+/// `ExecInsertIndexTuples` for a row just written (not an update's bottom-up deletion hint, no
+/// arbiter indexes): 16 added `onlySummarizing`, true after a HOT update that changed a column
+/// of a summarizing index only. Returns the list of indexes needing a recheck.
+///
+/// # Safety
+/// As `ExecInsertIndexTuples`: a result relation with its indexes open, the row in `slot`.
+pub unsafe fn insert_index_tuples(
+    rri: *mut pg_sys::ResultRelInfo,
+    slot: *mut pg_sys::TupleTableSlot,
+    estate: *mut pg_sys::EState,
+    only_summarizing: bool,
+) -> *mut pg_sys::List {
+    let (no_conflict, no_arbiters) = (std::ptr::null_mut(), std::ptr::null_mut());
+    #[cfg(feature = "pg15")]
+    // SAFETY: the caller's guarantees; 15 has no summarizing-only updates.
+    unsafe {
+        let _ = only_summarizing;
+        pg_sys::ExecInsertIndexTuples(rri, slot, estate, false, false, no_conflict, no_arbiters)
+    }
+    #[cfg(not(feature = "pg15"))]
+    // SAFETY: as above.
+    unsafe {
+        pg_sys::ExecInsertIndexTuples(
+            rri,
+            slot,
+            estate,
+            false,
+            false,
+            no_conflict,
+            no_arbiters,
+            only_summarizing,
+        )
+    }
+}
+
+/// `index_beginscan` (through pgrx's error boundary); 18 added an instrumentation argument.
+///
+/// # Safety
+/// As `index_beginscan`: open relations, a valid snapshot.
+pub unsafe fn index_beginscan(
+    heap: pg_sys::Relation,
+    index: pg_sys::Relation,
+    snapshot: pg_sys::Snapshot,
+    nkeys: std::ffi::c_int,
+) -> pg_sys::IndexScanDesc {
+    #[cfg(not(feature = "pg18"))]
+    // SAFETY: the caller's guarantees.
+    unsafe {
+        pg_sys::index_beginscan(heap, index, snapshot, nkeys, 0)
+    }
+    #[cfg(feature = "pg18")]
+    // SAFETY: the caller's guarantees; no instrumentation.
+    unsafe {
+        pg_sys::index_beginscan(heap, index, snapshot, std::ptr::null_mut(), nkeys, 0)
+    }
+}
+
+/// The same server functions declared directly, without pgrx's per-call error boundary, for
+/// `ffi.rs`, which makes its calls inside one boundary of its own.
+pub mod raw {
+    use pgrx::pg_sys;
+    use std::ffi::c_int;
+
+    unsafe extern "C-unwind" {
+        #[cfg(not(feature = "pg18"))]
+        #[link_name = "index_beginscan"]
+        fn index_beginscan_5(
+            heap: pg_sys::Relation,
+            index: pg_sys::Relation,
+            snapshot: pg_sys::Snapshot,
+            nkeys: c_int,
+            norderbys: c_int,
+        ) -> pg_sys::IndexScanDesc;
+        #[cfg(feature = "pg18")]
+        #[link_name = "index_beginscan"]
+        fn index_beginscan_6(
+            heap: pg_sys::Relation,
+            index: pg_sys::Relation,
+            snapshot: pg_sys::Snapshot,
+            instrument: *mut std::ffi::c_void,
+            nkeys: c_int,
+            norderbys: c_int,
+        ) -> pg_sys::IndexScanDesc;
+    }
+
+    /// `index_beginscan` without a boundary: call only inside `pg_guard_ffi_boundary`, from
+    /// plain old frames (see ffi.rs).
+    ///
+    /// # Safety
+    /// As `index_beginscan`, and the above.
+    #[inline]
+    pub unsafe fn index_beginscan(
+        heap: pg_sys::Relation,
+        index: pg_sys::Relation,
+        snapshot: pg_sys::Snapshot,
+        nkeys: c_int,
+    ) -> pg_sys::IndexScanDesc {
+        #[cfg(not(feature = "pg18"))]
+        // SAFETY: the caller's guarantees.
+        unsafe {
+            index_beginscan_5(heap, index, snapshot, nkeys, 0)
+        }
+        #[cfg(feature = "pg18")]
+        // SAFETY: the caller's guarantees; no instrumentation.
+        unsafe {
+            index_beginscan_6(heap, index, snapshot, std::ptr::null_mut(), nkeys, 0)
+        }
     }
 }
 

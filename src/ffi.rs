@@ -29,13 +29,6 @@ unsafe extern "C-unwind" {
         procedure: pg_sys::RegProcedure,
         argument: pg_sys::Datum,
     );
-    fn index_beginscan(
-        heap: pg_sys::Relation,
-        index: pg_sys::Relation,
-        snapshot: pg_sys::Snapshot,
-        nkeys: c_int,
-        norderbys: c_int,
-    ) -> pg_sys::IndexScanDesc;
     fn index_rescan(
         scan: pg_sys::IndexScanDesc,
         keys: pg_sys::ScanKey,
@@ -245,7 +238,7 @@ unsafe fn scan(
                 )),
             );
         }
-        let scan = index_beginscan(heap, index, &mut snapshot, 2, 0);
+        let scan = crate::compat::raw::index_beginscan(heap, index, &mut snapshot, 2);
         index_rescan(scan, keys.as_mut_ptr(), 2, std::ptr::null_mut(), 0);
         let slot = table_slot_create(heap, std::ptr::null_mut());
         let mut found = Version {
@@ -265,12 +258,13 @@ unsafe fn scan(
                 slot_getsomeattrs_int(slot, last);
             }
             let desc = (*slot).tts_tupleDescriptor;
-            let attrs = (*desc).attrs.as_slice((*desc).natts as usize);
+            let natts = (*desc).natts as usize;
             for (i, &n) in att.iter().enumerate() {
                 let at = (n - 1) as usize;
-                let Some(column) = attrs.get(at) else {
+                if at >= natts {
                     continue;
-                };
+                }
+                let column = &*crate::compat::attribute(desc, at);
                 let null = *(*slot).tts_isnull.add(at);
                 let value = *(*slot).tts_values.add(at);
                 found.nulls[i] = null;
@@ -286,7 +280,7 @@ unsafe fn scan(
             // A snapshot taken now sees every version committed before now through its own
             // index entry (see `look_up`). Registered for the scan's duration.
             let fresh = RegisterSnapshot(GetLatestSnapshot());
-            let confirm = index_beginscan(heap, index, fresh, 2, 0);
+            let confirm = crate::compat::raw::index_beginscan(heap, index, fresh, 2);
             // index_rescan copies the keys: the same array serves both scans.
             index_rescan(confirm, keys.as_mut_ptr(), 2, std::ptr::null_mut(), 0);
             found.raced =

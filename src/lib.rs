@@ -42,6 +42,12 @@ pgrx::extension_sql_file!(
 
 #[pg_guard]
 pub extern "C-unwind" fn _PG_init() {
+    // pgrx puts a Rust backtrace in the DETAIL of an ERROR raised inside a server call when
+    // backtraces are enabled (RUST_BACKTRACE in the server's environment): DETAIL goes to the
+    // client, and a client must never see one. Rust reads RUST_LIB_BACKTRACE before
+    // RUST_BACKTRACE for captured backtraces, once, so this turns them off for the process.
+    // (_PG_init runs on the process's only thread, before any backtrace was captured.)
+    std::env::set_var("RUST_LIB_BACKTRACE", "0");
     guc::init();
     // Shared memory and the background sweeper exist only when the library is preloaded
     // (shared_preload_libraries); loaded later, every SQL function still works.

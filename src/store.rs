@@ -837,7 +837,7 @@ unsafe fn scan_key_dirty(
                 pg_sys::Datum::from(d),
             );
         }
-        let scan = pg_sys::index_beginscan(heap, index, &mut snapshot, 2, 0);
+        let scan = crate::compat::index_beginscan(heap, index, &mut snapshot, 2);
         pg_sys::index_rescan(scan, keys.as_mut_ptr(), 2, std::ptr::null_mut(), 0);
         let slot = pg_sys::table_slot_create(heap, std::ptr::null_mut());
         let pause = guc::debug_probe_pause();
@@ -852,7 +852,7 @@ unsafe fn scan_key_dirty(
         // confirm it with a snapshot taken now, which cannot miss a committed version.
         let raced = !found_any && {
             let fresh = pg_sys::RegisterSnapshot(pg_sys::GetLatestSnapshot());
-            let confirm = pg_sys::index_beginscan(heap, index, fresh, 2, 0);
+            let confirm = crate::compat::index_beginscan(heap, index, fresh, 2);
             // index_rescan copies the keys: the same array serves both scans.
             pg_sys::index_rescan(confirm, keys.as_mut_ptr(), 2, std::ptr::null_mut(), 0);
             let seen = pg_sys::index_getnext_slot(
@@ -1181,7 +1181,7 @@ fn insert_direct(d: &DirectLayout, req: &ClaimRequest<'_>) -> ClaimResult {
             0,
             std::ptr::null_mut(),
         );
-        insert_index_entries(rel, slot);
+        insert_index_entries(rel, slot, false);
         pg_sys::ExecDropSingleTupleTableSlot(slot);
         pg_sys::table_close(rel, pg_sys::NoLock as pg_sys::LOCKMODE);
         // What later statements of this transaction (complete, a second claim) must see.
@@ -1857,23 +1857,25 @@ fn complete_direct(d: &DirectLayout, req: &CompleteRequest<'_>) -> Option<Comple
             let mut tid = (*old).t_self;
             let mut tmfd: pg_sys::TM_FailureData = std::mem::zeroed();
             let mut lockmode: pg_sys::LockTupleMode::Type = 0;
-            let mut update_indexes = false;
-            let result = pg_sys::table_tuple_update(
+            let (result, index_update) = crate::compat::table_tuple_update(
                 rel,
                 &mut tid,
                 slot,
                 pg_sys::GetCurrentCommandId(true),
-                std::ptr::null_mut(),
-                std::ptr::null_mut(),
                 true,
                 &mut tmfd,
                 &mut lockmode,
-                &mut update_indexes,
             );
             match result {
                 pg_sys::TM_Result::TM_Ok => {
-                    if update_indexes {
-                        insert_index_entries(rel, slot);
+                    // As the executor: a HOT update adds no index entries, except (16 on) to
+                    // summarizing indexes whose column changed.
+                    match index_update {
+                        crate::compat::IndexUpdate::None => {}
+                        crate::compat::IndexUpdate::All => insert_index_entries(rel, slot, false),
+                        crate::compat::IndexUpdate::Summarizing => {
+                            insert_index_entries(rel, slot, true)
+                        }
                     }
                     pg_sys::ExecDropSingleTupleTableSlot(slot);
                     close();
@@ -1908,8 +1910,13 @@ fn complete_direct(d: &DirectLayout, req: &CompleteRequest<'_>) -> Option<Comple
 }
 
 /// Adds the index entries of a row just written to the heap (in `slot`, with its TID): what
-/// the executor does after an insert or a non-HOT update.
-unsafe fn insert_index_entries(rel: pg_sys::Relation, slot: *mut pg_sys::TupleTableSlot) {
+/// the executor does after an insert or a non-HOT update (or, `only_summarizing`, after a HOT
+/// update that changed a summarizing index's column).
+unsafe fn insert_index_entries(
+    rel: pg_sys::Relation,
+    slot: *mut pg_sys::TupleTableSlot,
+    only_summarizing: bool,
+) {
     unsafe {
         let estate = pg_sys::CreateExecutorState();
         let rri = pg_sys::palloc0(std::mem::size_of::<pg_sys::ResultRelInfo>())
@@ -1918,17 +1925,9 @@ unsafe fn insert_index_entries(rel: pg_sys::Relation, slot: *mut pg_sys::TupleTa
         // No range table entry: this is not a planned statement.
         pg_sys::InitResultRelInfo(rri, rel, 0, std::ptr::null_mut(), 0);
         pg_sys::ExecOpenIndices(rri, false);
-        // update = false: in PostgreSQL 15 it only feeds a hint to btree's bottom-up deletion,
+        // update = false (inside compat): it only feeds a hint to btree's bottom-up deletion,
         // which would look the changed columns up in a range table this write does not have.
-        let recheck = pg_sys::ExecInsertIndexTuples(
-            rri,
-            slot,
-            estate,
-            false,
-            false,
-            std::ptr::null_mut(),
-            std::ptr::null_mut(),
-        );
+        let recheck = crate::compat::insert_index_tuples(rri, slot, estate, only_summarizing);
         pg_sys::list_free(recheck);
         pg_sys::ExecCloseIndices(rri);
         pg_sys::FreeExecutorState(estate);

@@ -1,7 +1,13 @@
+import os
+
 import psycopg
 import pytest
 
 from cluster import Cluster
+
+# Servers inherit the environment: with RUST_BACKTRACE set (as on CI's machines) pgrx would put
+# Rust backtraces into errors' DETAIL, which test_hardening checks never reaches a client.
+os.environ.setdefault("RUST_BACKTRACE", "1")
 
 
 @pytest.fixture(scope="session")

@@ -382,3 +382,17 @@ def test_hashed_keys_are_keyed_not_plain_sha256(db):
     finally:
         db.execute("DELETE FROM idempotency.idempotency_keys")
         db.execute("SELECT idempotency.set_key_storage('plain')")
+
+
+def test_no_rust_backtrace_reaches_the_client(connect, cluster):
+    """An ERROR raised inside a server call (here a statement timeout while claim waits) must
+    not carry a Rust backtrace in its DETAIL, even with RUST_BACKTRACE set for the server."""
+    holder, waiter = connect(autocommit=False), connect()
+    assert claim(holder, "bt")[0] == "new"
+    waiter.execute("SET idempotency.claim_wait = '10s'")
+    waiter.execute("SET statement_timeout = '200ms'")
+    with pytest.raises(psycopg.errors.QueryCanceled) as e:
+        claim(waiter, "bt")
+    detail = e.value.diag.message_detail or ""
+    assert "backtrace" not in detail.lower() and "rust_begin_unwind" not in detail and "at /" not in detail, detail
+    holder.rollback()
