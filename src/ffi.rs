@@ -102,7 +102,7 @@ impl Version {
     }
 }
 
-/// Looks (scope, key) up through the primary key `index` of `heap` with a dirty snapshot, as
+/// Looks (scope, key) (text in the database encoding) up through the primary key `index` of `heap` with a dirty snapshot, as
 /// PostgreSQL's own unique checks do, and reads the columns `att` of the first version seen.
 ///
 /// A dirty snapshot sees at most one version of a key that no open transaction is changing:
@@ -116,8 +116,8 @@ impl Version {
 pub unsafe fn look_up(
     heap: pg_sys::Oid,
     index: pg_sys::Oid,
-    scope: &str,
-    key: &str,
+    scope: &[u8],
+    key: &[u8],
     att: &[i32; COLUMNS],
 ) -> Version {
     // SAFETY: `scan` has only plain old frames (see the module comment).
@@ -127,8 +127,8 @@ pub unsafe fn look_up(
 unsafe fn scan(
     heap_oid: pg_sys::Oid,
     index_oid: pg_sys::Oid,
-    scope: &str,
-    key: &str,
+    scope: &[u8],
+    key: &[u8],
     att: &[i32; COLUMNS],
 ) -> Version {
     unsafe {

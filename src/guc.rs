@@ -54,7 +54,15 @@ pub fn with_scope_prefix<R>(f: impl FnOnce(&str) -> R) -> R {
     if raw.is_null() {
         return f("");
     }
-    f(&unsafe { std::ffi::CStr::from_ptr(raw) }.to_string_lossy())
+    let raw = unsafe { std::ffi::CStr::from_ptr(raw) };
+    if crate::encoding::utf8_database() {
+        // Checked: a value from postgresql.conf is not verified against any encoding.
+        return f(&raw.to_string_lossy());
+    }
+    // The setting's text is in the database encoding, as any text the session sends.
+    let prefix = crate::encoding::to_utf8(raw.to_bytes())
+        .unwrap_or_else(|m| crate::encoding::untranslatable("idempotency.scope_prefix", m));
+    f(&prefix)
 }
 
 /// PostgreSQL's spelling of a boolean setting's value (parse_bool).

@@ -6,6 +6,7 @@
 use crate::canonical::{CanonError, Value, MAX_DEPTH};
 use pgrx::pg_sys;
 use pgrx::pg_sys::JsonbIteratorToken as Tok;
+use std::borrow::Cow;
 use std::ffi::CStr;
 
 enum Frame {
@@ -15,29 +16,29 @@ enum Frame {
     RawScalar(Option<Value>),
 }
 
-unsafe fn scalar(v: &pg_sys::JsonbValue) -> Value {
+unsafe fn scalar(v: &pg_sys::JsonbValue) -> Result<Value, CanonError> {
     unsafe {
-        match v.type_ {
+        Ok(match v.type_ {
             pg_sys::jbvType::jbvNull => Value::Null,
             pg_sys::jbvType::jbvBool => Value::Bool(v.val.boolean),
-            pg_sys::jbvType::jbvString => Value::String(string(v)),
+            pg_sys::jbvType::jbvString => Value::String(string(v)?),
             pg_sys::jbvType::jbvNumeric => {
                 let text = pg_sys::numeric_normalize(v.val.numeric);
                 let owned = CStr::from_ptr(text).to_string_lossy().into_owned();
                 pg_sys::pfree(text.cast());
                 Value::Number(owned)
             }
-            other => panic!("unexpected jsonb scalar type {other}"),
-        }
+            _ => return Err(CanonError::Damaged),
+        })
     }
 }
 
-unsafe fn string(v: &pg_sys::JsonbValue) -> String {
+unsafe fn string(v: &pg_sys::JsonbValue) -> Result<String, CanonError> {
     unsafe {
         let s = v.val.string;
         let bytes = std::slice::from_raw_parts(s.val as *const u8, s.len as usize);
-        // jsonb text is valid UTF-8 in a UTF-8 database; other encodings are converted lossily.
-        String::from_utf8_lossy(bytes).into_owned()
+        // jsonb strings are stored in the database encoding.
+        Ok(string_of(bytes, crate::encoding::utf8_database())?.into_owned())
     }
 }
 
@@ -87,10 +88,10 @@ pub unsafe fn to_value(datum: pg_sys::Datum) -> Result<Value, CanonError> {
                 }
                 Tok::WJB_KEY => {
                     if let Some(Frame::Object(_, pending)) = stack.last_mut() {
-                        *pending = Some(string(&v));
+                        *pending = Some(string(&v)?);
                     }
                 }
-                Tok::WJB_VALUE | Tok::WJB_ELEM => push(&mut stack, &mut result, scalar(&v)),
+                Tok::WJB_VALUE | Tok::WJB_ELEM => push(&mut stack, &mut result, scalar(&v)?),
                 Tok::WJB_END_ARRAY | Tok::WJB_END_OBJECT => {
                     let value = match stack.pop() {
                         Some(Frame::Array(items)) => {
@@ -138,23 +139,14 @@ pub unsafe fn write_canonical(
             pgrx::varlena::vardata_any(ptr).cast::<u8>(),
             pgrx::varlena::varsize_any_exhdr(ptr),
         );
-        write_container(Container(bytes), mode, out, 0, utf8_database())
+        write_container(
+            Container(bytes),
+            mode,
+            out,
+            0,
+            crate::encoding::utf8_database(),
+        )
     }
-}
-
-static UTF8_DATABASE: crate::local::BackendLocal<std::cell::Cell<Option<bool>>> =
-    crate::local::BackendLocal::new(std::cell::Cell::new(None));
-
-/// Whether the database's encoding is UTF-8 (a backend stays in one database).
-pub(crate) fn utf8_database() -> bool {
-    UTF8_DATABASE.with(|c| {
-        if let Some(known) = c.get() {
-            return known;
-        }
-        let utf8 = unsafe { pg_sys::GetDatabaseEncoding() } == pg_sys::pg_enc::PG_UTF8 as i32;
-        c.set(Some(utf8));
-        utf8
-    })
 }
 
 // jsonb's binary layout (src/include/utils/jsonb.h, unchanged since 9.4): a container is a
@@ -255,15 +247,18 @@ impl<'a> Container<'a> {
     }
 }
 
-/// A jsonb string as text: valid UTF-8 in a UTF-8 database (PostgreSQL verifies every text it
-/// takes in against the database encoding, jsonb's parser included, as pgrx relies on for its
-/// own &str conversions); checked in any other.
-fn string_of(bytes: &[u8], utf8: bool) -> &str {
+/// A jsonb string as text. jsonb keeps its strings in the database encoding: valid UTF-8 in a
+/// UTF-8 database (PostgreSQL verifies every text it takes in against the database encoding,
+/// jsonb's parser included, as pgrx relies on for its own &str conversions), read in place;
+/// converted to UTF-8 in any other.
+fn string_of(bytes: &[u8], utf8: bool) -> Result<Cow<'_, str>, CanonError> {
     if utf8 {
         // SAFETY: see above.
-        unsafe { std::str::from_utf8_unchecked(bytes) }
+        Ok(Cow::Borrowed(unsafe {
+            std::str::from_utf8_unchecked(bytes)
+        }))
     } else {
-        std::str::from_utf8(bytes).unwrap_or("\u{fffd}")
+        crate::encoding::to_utf8(bytes).map_err(CanonError::Untranslatable)
     }
 }
 
@@ -278,7 +273,7 @@ fn write_child(
     match child {
         Child::Null => out.push_str("null"),
         Child::Bool(b) => out.push_str(if b { "true" } else { "false" }),
-        Child::String(s) => write_string(string_of(s, utf8), out),
+        Child::String(s) => write_string(&string_of(s, utf8)?, out),
         Child::Number(n) => unsafe {
             // Read from an aligned copy: a jsonb read in place (a short varlena header) puts
             // its numbers at odd addresses.
@@ -348,15 +343,15 @@ fn write_container(
             return Err(CanonError::TooDeep);
         }
         let entries = 2 * count;
-        let mut members: Vec<(&str, usize)> = Vec::with_capacity(count);
+        let mut members: Vec<(Cow<'_, str>, usize)> = Vec::with_capacity(count);
         for i in 0..count {
             let Child::String(name) = c.child(i, entries)? else {
                 return Err(damaged());
             };
-            members.push((string_of(name, utf8), count + i));
+            members.push((string_of(name, utf8)?, count + i));
         }
         // jsonb keeps keys ordered by length, then bytes; RFC 8785 wants UTF-16 order.
-        members.sort_by(|a, b| utf16_cmp(a.0, b.0));
+        members.sort_by(|a, b| utf16_cmp(&a.0, &b.0));
         out.push('{');
         for (i, (name, value)) in members.iter().enumerate() {
             if i > 0 {
