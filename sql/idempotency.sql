@@ -124,7 +124,7 @@ DECLARE
     v_key text := idempotency._key(p_key, p_scope);
     -- Messages show a hashed key only as a prefix of its hash.
     v_label text := CASE WHEN v_key OPERATOR(pg_catalog.=) p_key THEN pg_catalog.quote_literal(p_key)
-                         ELSE 'sha256:' OPERATOR(pg_catalog.||) pg_catalog.left(v_key, 12) OPERATOR(pg_catalog.||) '…' END;
+                         ELSE 'sha256:' OPERATOR(pg_catalog.||) pg_catalog.left(v_key, 12) OPERATOR(pg_catalog.||) '...' END;
 BEGIN
     SELECT k.status, k.token, k.expires_at OPERATOR(pg_catalog.>) pg_catalog.now() AS live
       INTO r

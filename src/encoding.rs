@@ -284,6 +284,8 @@ pub fn for_message(message: String) -> String {
     for c in message.chars() {
         if c.is_ascii() {
             out.push(c);
+        } else if c == '\u{2026}' {
+            out.push_str("...");
         } else {
             out.push_str(&format!("\\u{{{:x}}}", c as u32));
         }

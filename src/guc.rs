@@ -240,7 +240,21 @@ fn audit_from_catalog() -> bool {
         )?;
         let mut all = Vec::new();
         for row in rows {
-            all.push(row.get::<Vec<Option<String>>>(1)?.unwrap_or_default());
+            // Entries as the shared catalog holds them (any database's encoding: not through
+            // pgrx's UTF-8 String); only ASCII names and values matter here.
+            let entries = row.get::<pgrx::Array<'_, pg_sys::Datum>>(1)?;
+            all.push(
+                entries
+                    .iter()
+                    .flat_map(|a| a.iter())
+                    .flatten()
+                    .map(|d| {
+                        // SAFETY: setconfig is text[]; its elements are text datums.
+                        let bytes = unsafe { crate::encoding::text_bytes(d) };
+                        Some(String::from_utf8_lossy(bytes).into_owned())
+                    })
+                    .collect::<Vec<_>>(),
+            );
         }
         Ok::<_, pgrx::spi::Error>(all)
     })

@@ -1641,7 +1641,14 @@ pub fn sweep_batch(batch: i64, prefix: &str) -> i64 {
     let _path = PinnedSearchPath::pin();
     let deleted = Spi::connect_mut(|client| {
         client
-            .update(&plans(client)?.sweep, None, &[batch.into(), prefix.into()])
+            .update(
+                &plans(client)?.sweep,
+                None,
+                &[
+                    batch.into(),
+                    encoding::spi_text(prefix, "idempotency.scope_prefix"),
+                ],
+            )
             .map(|t| t.len() as i64)
     })
     .unwrap_or_else(|e| {
@@ -1665,7 +1672,11 @@ pub fn sweep_audit_batch(retention_secs: f64, batch: i64, prefix: &str) -> i64 {
             .update(
                 &p.sweep,
                 None,
-                &[retention_secs.into(), batch.into(), prefix.into()],
+                &[
+                    retention_secs.into(),
+                    batch.into(),
+                    encoding::spi_text(prefix, "idempotency.scope_prefix"),
+                ],
             )
             .map(|t| t.len() as i64)
     })
