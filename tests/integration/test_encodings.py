@@ -9,6 +9,8 @@ client_encoding UTF8: the server converts what they send into the database encod
 import hashlib
 import json
 import os
+import shutil
+import subprocess
 
 import psycopg
 import pytest
@@ -267,7 +269,19 @@ def test_untranslatable_text_is_22P05_naming_the_argument(session):
     assert db.execute("SELECT count(*) FROM idempotency.idempotency_keys").fetchone()[0] == 0
 
 
+def frozen_release_installed(version):
+    """Puts a frozen install script of an earlier release next to the installed extension, as
+    test_upgrade.py does (cargo pgrx install copies only the current one)."""
+    pg_config = os.environ.get("PG_CONFIG", "/usr/lib/postgresql/15/bin/pg_config")
+    sharedir = subprocess.run([pg_config, "--sharedir"], check=True, capture_output=True, text=True).stdout.strip()
+    src = os.path.join(ROOT, "sql", "releases", f"idempotency--{version}.sql")
+    dst = os.path.join(sharedir, "extension", f"idempotency--{version}.sql")
+    if not os.path.exists(dst) or open(src, "rb").read() != open(dst, "rb").read():
+        shutil.copyfile(src, dst)
+
+
 def test_sql_ascii_is_refused(databases):
+    frozen_release_installed("0.2.0")
     with psycopg.connect(conninfo(databases, "enc_sqlascii"), autocommit=True) as db:
         assert db.execute("SELECT pg_catalog.getdatabaseencoding()").fetchone()[0] == "SQL_ASCII"
         with pytest.raises(psycopg.Error) as e:
