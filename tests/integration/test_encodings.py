@@ -16,6 +16,7 @@ import psycopg
 import pytest
 from psycopg.types.json import Jsonb
 
+from cluster import PG_BIN
 from test_canonical_oracle import oracle
 
 ROOT = os.path.join(os.path.dirname(__file__), "..", "..")
@@ -272,7 +273,7 @@ def test_untranslatable_text_is_22P05_naming_the_argument(session):
 def frozen_release_installed(version):
     """Puts a frozen install script of an earlier release next to the installed extension, as
     test_upgrade.py does (cargo pgrx install copies only the current one)."""
-    pg_config = os.environ.get("PG_CONFIG", "/usr/lib/postgresql/15/bin/pg_config")
+    pg_config = os.path.join(PG_BIN, "pg_config")
     sharedir = subprocess.run([pg_config, "--sharedir"], check=True, capture_output=True, text=True).stdout.strip()
     src = os.path.join(ROOT, "sql", "releases", f"idempotency--{version}.sql")
     dst = os.path.join(sharedir, "extension", f"idempotency--{version}.sql")
