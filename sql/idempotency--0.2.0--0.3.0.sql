@@ -24,7 +24,7 @@ DECLARE
     v_key text := idempotency._key(p_key, p_scope);
     -- Messages show a hashed key only as a prefix of its hash.
     v_label text := CASE WHEN v_key OPERATOR(pg_catalog.=) p_key THEN pg_catalog.quote_literal(p_key)
-                         ELSE 'sha256:' OPERATOR(pg_catalog.||) pg_catalog.left(v_key, 12) OPERATOR(pg_catalog.||) '…' END;
+                         ELSE 'sha256:' OPERATOR(pg_catalog.||) pg_catalog.left(v_key, 12) OPERATOR(pg_catalog.||) '...' END;
 BEGIN
     SELECT k.status, k.token, k.expires_at OPERATOR(pg_catalog.>) pg_catalog.now() AS live
       INTO r
@@ -218,3 +218,20 @@ BEGIN
     RETURN v_key;
 END
 $fn$;
+
+-- ---------------------------------------------------------------------------------------------
+-- Encodings (issue 13, item 2; branch `encodings`): the same check as at the top of
+-- sql/idempotency.sql. A SQL_ASCII database cannot run 0.3.0 (its library refuses every call
+-- that reads text there), so the update says so clearly instead of succeeding.
+DO $encoding$
+BEGIN
+    IF pg_catalog.getdatabaseencoding() OPERATOR(pg_catalog.=) 'SQL_ASCII' THEN
+        RAISE EXCEPTION USING
+            ERRCODE = 'feature_not_supported',
+            MESSAGE = 'idempotency does not support databases with encoding SQL_ASCII: their text has no defined characters, so it cannot be hashed as Unicode',
+            HINT = 'create the database with ENCODING ''UTF8'' and install the extension there';
+    END IF;
+END
+$encoding$;
+-- End of the encodings section.
+-- ---------------------------------------------------------------------------------------------

@@ -12,6 +12,21 @@
 -- functions (set_key_storage, rotate_signing_secret, retire_signing_secret) are for
 -- superusers only. idempotency.scope_prefix (set per role by a superuser) keeps tenants apart.
 
+-- Encodings: keys, scopes and documents are hashed as Unicode, converted from the database
+-- encoding. SQL_ASCII has no defined characters (any byte is taken as it comes), so no
+-- conversion exists: refuse it here, clearly, rather than hash bytes whose meaning is unknown.
+-- The library refuses it at call time too (an extension created before this check).
+DO $encoding$
+BEGIN
+    IF pg_catalog.getdatabaseencoding() OPERATOR(pg_catalog.=) 'SQL_ASCII' THEN
+        RAISE EXCEPTION USING
+            ERRCODE = 'feature_not_supported',
+            MESSAGE = 'idempotency does not support databases with encoding SQL_ASCII: their text has no defined characters, so it cannot be hashed as Unicode',
+            HINT = 'create the database with ENCODING ''UTF8'' and install the extension there';
+    END IF;
+END
+$encoding$;
+
 CREATE TYPE idempotency.key_status AS ENUM ('in_progress', 'completed');
 CREATE TYPE idempotency.outcome AS ENUM ('new', 'replay', 'in_progress', 'mismatch');
 
@@ -109,7 +124,7 @@ DECLARE
     v_key text := idempotency._key(p_key, p_scope);
     -- Messages show a hashed key only as a prefix of its hash.
     v_label text := CASE WHEN v_key OPERATOR(pg_catalog.=) p_key THEN pg_catalog.quote_literal(p_key)
-                         ELSE 'sha256:' OPERATOR(pg_catalog.||) pg_catalog.left(v_key, 12) OPERATOR(pg_catalog.||) '…' END;
+                         ELSE 'sha256:' OPERATOR(pg_catalog.||) pg_catalog.left(v_key, 12) OPERATOR(pg_catalog.||) '...' END;
 BEGIN
     SELECT k.status, k.token, k.expires_at OPERATOR(pg_catalog.>) pg_catalog.now() AS live
       INTO r

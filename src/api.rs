@@ -7,12 +7,13 @@ use crate::error::{arg_error, canon_error, check, raise};
 use crate::keys::{self, ArgError};
 use crate::stats::{self, Event};
 use crate::store::{self, ClaimRequest, ClaimResult, Outcome};
-use crate::{guc, jsonb};
+use crate::{encoding, guc, jsonb};
 use pgrx::datum::{Interval, TimestampWithTimeZone};
 use pgrx::fcinfo::{pg_arg_is_null, pg_getarg, pg_getarg_datum_raw, pg_return_null};
 use pgrx::prelude::*;
 use pgrx::{pg_sys, PgSqlErrorCode};
 use sha2::{Digest, Sha256};
+use std::borrow::Cow;
 
 /// Declares the V1 calling-convention record PostgreSQL looks up for `$name`.
 macro_rules! v1 {
@@ -36,22 +37,40 @@ unsafe fn jsonb_arg(fcinfo: pg_sys::FunctionCallInfo, n: usize) -> Option<pg_sys
     }
 }
 
-/// A text argument, read in place when it is neither compressed nor out of line (a key or a
-/// scope always is) and the database is UTF-8 (PostgreSQL has verified the text); otherwise
-/// through pgrx's conversion.
-unsafe fn text_arg<'a>(fcinfo: pg_sys::FunctionCallInfo, n: usize) -> Option<&'a str> {
+/// A text argument as UTF-8; every text argument is read through here. Read in place when it
+/// is neither compressed nor out of line (a key or a scope always is) and the database is UTF-8
+/// (PostgreSQL has verified the text); converted from the database encoding in any other
+/// (`encoding`), raising 22P05 naming `arg` for a character without a Unicode equivalent.
+unsafe fn text_arg<'a>(
+    fcinfo: pg_sys::FunctionCallInfo,
+    n: usize,
+    arg: &str,
+) -> Option<Cow<'a, str>> {
     unsafe {
         if pg_arg_is_null(fcinfo, n) {
             return None;
         }
-        let ptr = pg_getarg_datum_raw(fcinfo, n).cast_mut_ptr::<pg_sys::varlena>();
-        let in_place = pgrx::varlena::varatt_is_4b_u(ptr)
-            || (pgrx::varlena::varatt_is_1b(ptr) && !pgrx::varlena::varatt_is_1b_e(ptr));
-        if in_place && jsonb::utf8_database() {
-            Some(pgrx::varlena::text_to_rust_str_unchecked(ptr))
-        } else {
-            pg_getarg(fcinfo, n)
+        Some(encoding::text_of(pg_getarg_datum_raw(fcinfo, n), arg))
+    }
+}
+
+/// A `text[]` argument's elements as UTF-8 (NULL elements as None).
+unsafe fn text_array_arg(
+    fcinfo: pg_sys::FunctionCallInfo,
+    n: usize,
+    arg: &str,
+) -> Option<Vec<Option<String>>> {
+    unsafe {
+        if pg_arg_is_null(fcinfo, n) {
+            return None;
         }
+        let array = pg_getarg::<pgrx::Array<'_, pg_sys::Datum>>(fcinfo, n)?;
+        Some(
+            array
+                .iter()
+                .map(|d| d.map(|d| encoding::text_of(d, arg).into_owned()))
+                .collect(),
+        )
     }
 }
 
@@ -187,14 +206,9 @@ fn with_scratch<R>(f: impl FnOnce(&mut String) -> R) -> R {
     })
 }
 
-fn text_datum(s: &str) -> pg_sys::Datum {
-    s.into_datum().unwrap_or_else(|| {
-        raise(
-            PgSqlErrorCode::ERRCODE_INTERNAL_ERROR,
-            "text conversion".into(),
-            None,
-        )
-    })
+/// A text result in the database encoding; `what` names it in a 22P05 error.
+fn text_datum(s: &str, what: &str) -> pg_sys::Datum {
+    encoding::text_datum(s, what)
 }
 
 fn bytea_datum(b: &[u8]) -> pg_sys::Datum {
@@ -215,16 +229,16 @@ unsafe fn checked_key_and_scope(
     s: usize,
 ) -> (String, String) {
     unsafe {
-        let key = text_arg(fcinfo, k);
-        let scope = text_arg(fcinfo, s);
-        check(keys::check_key("key", key, false));
-        check(keys::check_key("scope", scope, true));
+        let key = text_arg(fcinfo, k, "key");
+        let scope = text_arg(fcinfo, s, "scope");
+        check(keys::check_key("key", key.as_deref(), false));
+        check(keys::check_key("scope", scope.as_deref(), true));
         // Both were checked to be non-NULL above.
         let (key, scope) = (key.unwrap_or_default(), scope.unwrap_or_default());
         check(guc::with_scope_prefix(|prefix| {
-            keys::check_scope_allowed(scope, prefix)
+            keys::check_scope_allowed(&scope, prefix)
         }));
-        (key.to_owned(), scope.to_owned())
+        (key.into_owned(), scope.into_owned())
     }
 }
 
@@ -375,7 +389,9 @@ unsafe fn claim_tuple(fcinfo: pg_sys::FunctionCallInfo, r: ClaimResult) -> pg_sy
             r.response_status.into_datum(),
             r.retry_after.into_datum(),
             r.expires_at.into_datum(),
-            r.recovery_point.into_datum(),
+            r.recovery_point
+                .as_deref()
+                .map(|p| text_datum(p, "recovery_point")),
         ];
         tuple_datum(t.tupdesc, &fields)
     }
@@ -433,7 +449,7 @@ pub extern "C-unwind" fn idempotency_canonical_json(
     fcinfo: pg_sys::FunctionCallInfo,
 ) -> pg_sys::Datum {
     unsafe {
-        let mode: Option<String> = pg_getarg(fcinfo, 1);
+        let mode = text_arg(fcinfo, 1, "numbers");
         let mode = match mode.as_deref() {
             None => arg_error(ArgError::null("numbers")),
             Some(m) => NumberMode::parse(m).unwrap_or_else(|| {
@@ -452,7 +468,7 @@ pub extern "C-unwind" fn idempotency_canonical_json(
         };
         let mut text = String::new();
         jsonb::write_canonical(doc, mode, &mut text).unwrap_or_else(|e| canon_error("doc", e));
-        text_datum(&text)
+        text_datum(&text, "canonical_json result")
     }
 }
 
@@ -464,7 +480,7 @@ pub extern "C-unwind" fn idempotency_canonical_hash(
     fcinfo: pg_sys::FunctionCallInfo,
 ) -> pg_sys::Datum {
     unsafe {
-        let exclude: Option<Vec<Option<String>>> = pg_getarg(fcinfo, 1);
+        let exclude = text_array_arg(fcinfo, 1, "exclude");
         let Some(exclude) = exclude else {
             arg_error(ArgError::null("exclude"));
         };
@@ -495,15 +511,15 @@ v1!(pg_finfo_idempotency_derive_key);
 #[unsafe(no_mangle)]
 pub extern "C-unwind" fn idempotency_derive_key(fcinfo: pg_sys::FunctionCallInfo) -> pg_sys::Datum {
     unsafe {
-        let parent: Option<String> = pg_getarg(fcinfo, 0);
-        let step: Option<String> = pg_getarg(fcinfo, 1);
+        let parent = text_arg(fcinfo, 0, "parent");
+        let step = text_arg(fcinfo, 1, "step");
         let params = value_arg(fcinfo, 2, "params");
         let key = check(keys::derive_key(
             parent.as_deref(),
             step.as_deref(),
             params.as_ref(),
         ));
-        text_datum(&key)
+        text_datum(&key, "derived key")
     }
 }
 
@@ -513,7 +529,7 @@ v1!(pg_finfo_idempotency_cron_key);
 #[unsafe(no_mangle)]
 pub extern "C-unwind" fn idempotency_cron_key(fcinfo: pg_sys::FunctionCallInfo) -> pg_sys::Datum {
     unsafe {
-        let job: Option<String> = pg_getarg(fcinfo, 0);
+        let job = text_arg(fcinfo, 0, "job");
         let at: Option<TimestampWithTimeZone> = pg_getarg(fcinfo, 1);
         let slot: Option<Interval> = pg_getarg(fcinfo, 2);
         let at = at.map(pg_sys::TimestampTz::from);
@@ -522,7 +538,7 @@ pub extern "C-unwind" fn idempotency_cron_key(fcinfo: pg_sys::FunctionCallInfo) 
             at,
             slot.as_ref().map(interval_parts),
         ));
-        text_datum(&key)
+        text_datum(&key, "cron key")
     }
 }
 
@@ -534,8 +550,8 @@ pub extern "C-unwind" fn idempotency_request_fingerprint(
     fcinfo: pg_sys::FunctionCallInfo,
 ) -> pg_sys::Datum {
     unsafe {
-        let method: Option<String> = pg_getarg(fcinfo, 0);
-        let path: Option<String> = pg_getarg(fcinfo, 1);
+        let method = text_arg(fcinfo, 0, "method");
+        let path = text_arg(fcinfo, 1, "path");
         let query = value_arg(fcinfo, 2, "query");
         if let Some(q) = &query {
             if !matches!(q, Value::Object(_)) {
@@ -641,7 +657,7 @@ v1!(pg_finfo_idempotency_count);
 #[unsafe(no_mangle)]
 pub extern "C-unwind" fn idempotency_count(fcinfo: pg_sys::FunctionCallInfo) -> pg_sys::Datum {
     unsafe {
-        match pg_getarg::<&str>(fcinfo, 0) {
+        match text_arg(fcinfo, 0, "event").as_deref() {
             Some("release") => stats::count(Event::Release, 1),
             other => raise(
                 PgSqlErrorCode::ERRCODE_INVALID_PARAMETER_VALUE,
@@ -781,7 +797,7 @@ v1!(pg_finfo_idempotency_key);
 pub extern "C-unwind" fn idempotency_key(fcinfo: pg_sys::FunctionCallInfo) -> pg_sys::Datum {
     unsafe {
         let (key, _scope) = key_and_scope(fcinfo, 0, 1);
-        text_datum(&key)
+        text_datum(&key, "key")
     }
 }
 
@@ -823,7 +839,7 @@ v1!(pg_finfo_idempotency_sign);
 #[unsafe(no_mangle)]
 pub extern "C-unwind" fn idempotency_sign(fcinfo: pg_sys::FunctionCallInfo) -> pg_sys::Datum {
     unsafe {
-        let key: Option<String> = pg_getarg(fcinfo, 0);
+        let key = text_arg(fcinfo, 0, "key");
         let key = check(keys::check_key("key", key.as_deref(), false)).to_string();
         let Some(kid) = pg_getarg::<i32>(fcinfo, 1).filter(|k| *k > 0) else {
             arg_error(ArgError::invalid("kid must be a positive integer".into()));
@@ -831,7 +847,7 @@ pub extern "C-unwind" fn idempotency_sign(fcinfo: pg_sys::FunctionCallInfo) -> p
         let secret = secret_arg(fcinfo, 2);
         let signed =
             guc::with_scope_prefix(|prefix| crate::signing::sign(&key, kid, &secret, prefix));
-        text_datum(&signed)
+        text_datum(&signed, "signed key")
     }
 }
 
@@ -842,8 +858,8 @@ v1!(pg_finfo_idempotency_signed_kid);
 #[unsafe(no_mangle)]
 pub extern "C-unwind" fn idempotency_signed_kid(fcinfo: pg_sys::FunctionCallInfo) -> pg_sys::Datum {
     unsafe {
-        let signed: Option<&str> = pg_getarg(fcinfo, 0);
-        match signed.and_then(crate::signing::parse) {
+        let signed = text_arg(fcinfo, 0, "signed");
+        match signed.as_deref().and_then(crate::signing::parse) {
             Some((_, kid, _)) => pg_sys::Datum::from(kid),
             None => pg_return_null(fcinfo),
         }
@@ -857,7 +873,7 @@ v1!(pg_finfo_idempotency_verify);
 #[unsafe(no_mangle)]
 pub extern "C-unwind" fn idempotency_verify(fcinfo: pg_sys::FunctionCallInfo) -> pg_sys::Datum {
     unsafe {
-        let signed: Option<String> = pg_getarg(fcinfo, 0);
+        let signed = text_arg(fcinfo, 0, "signed");
         let secret = secret_arg(fcinfo, 1);
         match signed.as_deref().and_then(crate::signing::parse) {
             Some((key, kid, sig))
@@ -865,7 +881,7 @@ pub extern "C-unwind" fn idempotency_verify(fcinfo: pg_sys::FunctionCallInfo) ->
                     crate::signing::verify(key, kid, &sig, &secret, prefix)
                 }) =>
             {
-                text_datum(key)
+                text_datum(key, "key")
             }
             _ => pg_return_null(fcinfo),
         }
@@ -924,7 +940,7 @@ pub extern "C-unwind" fn idempotency_rekey(fcinfo: pg_sys::FunctionCallInfo) -> 
             arg_error(ArgError::invalid("digest must be a 32-byte SHA-256".into()));
         };
         let secret = secret_arg(fcinfo, 1);
-        text_datum(&crate::signing::rekeyed(&digest, &secret))
+        text_datum(&crate::signing::rekeyed(&digest, &secret), "key")
     }
 }
 

@@ -55,6 +55,9 @@ pub enum CanonError {
     Parse(String),
     /// A jsonb value whose binary form does not hold together (only from reading jsonb).
     Damaged,
+    /// A jsonb string with a character that has no Unicode equivalent (only from reading jsonb
+    /// in a database whose encoding is not UTF-8).
+    Untranslatable(String),
 }
 
 impl fmt::Display for CanonError {
@@ -77,6 +80,7 @@ impl fmt::Display for CanonError {
             ),
             CanonError::Parse(m) => write!(f, "invalid JSON: {m}"),
             CanonError::Damaged => write!(f, "the jsonb value's binary form is damaged"),
+            CanonError::Untranslatable(m) => write!(f, "{m}"),
         }
     }
 }

@@ -10,9 +10,10 @@ use pgrx::{PgLogLevel, PgSqlErrorCode};
 
 /// Raises an ERROR; never returns.
 pub fn raise(code: PgSqlErrorCode, message: String, hint: Option<&str>) -> ! {
+    let message = crate::encoding::for_message(message);
     let mut report = ErrorReport::new(code, message, "idempotency");
     if let Some(h) = hint {
-        report = report.set_hint(h);
+        report = report.set_hint(crate::encoding::for_message(h.to_string()));
     }
     report.report(PgLogLevel::ERROR);
     unreachable!("ERROR returned")
@@ -41,6 +42,7 @@ pub fn canon_error(arg: &str, e: CanonError) -> ! {
             PgSqlErrorCode::ERRCODE_INVALID_TEXT_REPRESENTATION
         }
         CanonError::Damaged => PgSqlErrorCode::ERRCODE_DATA_CORRUPTED,
+        CanonError::Untranslatable(_) => PgSqlErrorCode::ERRCODE_UNTRANSLATABLE_CHARACTER,
     };
     let hint = match e {
         CanonError::NumberOutOfRange(_) => {

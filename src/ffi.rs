@@ -116,7 +116,7 @@ impl Version {
     }
 }
 
-/// Looks (scope, key) up through the primary key `index` of `heap` with a dirty snapshot, as
+/// Looks (scope, key) (text in the database encoding) up through the primary key `index` of `heap` with a dirty snapshot, as
 /// PostgreSQL's own unique checks do, and reads the columns `att` of the first version seen.
 ///
 /// A dirty snapshot sees at most one version of a key that no open transaction is changing:
@@ -142,8 +142,8 @@ impl Version {
 pub unsafe fn look_up(
     heap: pg_sys::Oid,
     index: pg_sys::Oid,
-    scope: &str,
-    key: &str,
+    scope: &[u8],
+    key: &[u8],
     att: &[i32; COLUMNS],
     confirm_miss: bool,
     pause_ms: i32,
@@ -210,8 +210,8 @@ unsafe fn next_version(
 unsafe fn scan(
     heap_oid: pg_sys::Oid,
     index_oid: pg_sys::Oid,
-    scope: &str,
-    key: &str,
+    scope: &[u8],
+    key: &[u8],
     att: &[i32; COLUMNS],
     confirm_miss: bool,
     pause_ms: i32,

@@ -54,7 +54,15 @@ pub fn with_scope_prefix<R>(f: impl FnOnce(&str) -> R) -> R {
     if raw.is_null() {
         return f("");
     }
-    f(&unsafe { std::ffi::CStr::from_ptr(raw) }.to_string_lossy())
+    let raw = unsafe { std::ffi::CStr::from_ptr(raw) };
+    if crate::encoding::utf8_database() {
+        // Checked: a value from postgresql.conf is not verified against any encoding.
+        return f(&raw.to_string_lossy());
+    }
+    // The setting's text is in the database encoding, as any text the session sends.
+    let prefix = crate::encoding::to_utf8(raw.to_bytes())
+        .unwrap_or_else(|m| crate::encoding::untranslatable("idempotency.scope_prefix", m));
+    f(&prefix)
 }
 
 /// PostgreSQL's spelling of a boolean setting's value (parse_bool).
@@ -232,7 +240,21 @@ fn audit_from_catalog() -> bool {
         )?;
         let mut all = Vec::new();
         for row in rows {
-            all.push(row.get::<Vec<Option<String>>>(1)?.unwrap_or_default());
+            // Entries as the shared catalog holds them (any database's encoding: not through
+            // pgrx's UTF-8 String); only ASCII names and values matter here.
+            let entries = row.get::<pgrx::Array<'_, pg_sys::Datum>>(1)?;
+            all.push(
+                entries
+                    .iter()
+                    .flat_map(|a| a.iter())
+                    .flatten()
+                    .map(|d| {
+                        // SAFETY: setconfig is text[]; its elements are text datums.
+                        let bytes = unsafe { crate::encoding::text_bytes(d) };
+                        Some(String::from_utf8_lossy(bytes).into_owned())
+                    })
+                    .collect::<Vec<_>>(),
+            );
         }
         Ok::<_, pgrx::spi::Error>(all)
     })

@@ -5,6 +5,7 @@
 
 use crate::canonical::{CanonError, Value, MAX_DEPTH};
 use pgrx::pg_sys;
+use std::borrow::Cow;
 use std::ffi::CStr;
 
 /// Converts a (possibly toasted) jsonb datum into a [`Value`], read with the same bounds-checked
@@ -23,7 +24,7 @@ pub unsafe fn to_value(datum: pg_sys::Datum) -> Result<Value, CanonError> {
             pgrx::varlena::vardata_any(ptr).cast::<u8>(),
             pgrx::varlena::varsize_any_exhdr(ptr),
         );
-        container_value(Container(bytes), 0, utf8_database())
+        container_value(Container(bytes), 0, crate::encoding::utf8_database())
     }
 }
 
@@ -59,7 +60,7 @@ fn container_value(c: Container<'_>, depth: usize, utf8: bool) -> Result<Value, 
                 return Err(damaged());
             };
             let value = child_value(c.child(count + i, entries)?, depth + 1, utf8)?;
-            members.push((string_of(name, utf8).to_owned(), value));
+            members.push((string_of(name, utf8)?.into_owned(), value));
         }
         Ok(Value::Object(members))
     } else {
@@ -71,7 +72,7 @@ fn child_value(child: Child<'_>, depth: usize, utf8: bool) -> Result<Value, Cano
     Ok(match child {
         Child::Null => Value::Null,
         Child::Bool(b) => Value::Bool(b),
-        Child::String(s) => Value::String(string_of(s, utf8).to_owned()),
+        Child::String(s) => Value::String(string_of(s, utf8)?.into_owned()),
         Child::Number(n) => Value::Number(number_string(n)?),
         Child::Container(c) => container_value(c, depth, utf8)?,
     })
@@ -128,23 +129,14 @@ pub unsafe fn write_canonical(
             pgrx::varlena::vardata_any(ptr).cast::<u8>(),
             pgrx::varlena::varsize_any_exhdr(ptr),
         );
-        write_container(Container(bytes), mode, out, 0, utf8_database())
+        write_container(
+            Container(bytes),
+            mode,
+            out,
+            0,
+            crate::encoding::utf8_database(),
+        )
     }
-}
-
-static UTF8_DATABASE: crate::local::BackendLocal<std::cell::Cell<Option<bool>>> =
-    crate::local::BackendLocal::new(std::cell::Cell::new(None));
-
-/// Whether the database's encoding is UTF-8 (a backend stays in one database).
-pub(crate) fn utf8_database() -> bool {
-    UTF8_DATABASE.with(|c| {
-        if let Some(known) = c.get() {
-            return known;
-        }
-        let utf8 = unsafe { pg_sys::GetDatabaseEncoding() } == pg_sys::pg_enc::PG_UTF8 as i32;
-        c.set(Some(utf8));
-        utf8
-    })
 }
 
 // jsonb's binary layout (src/include/utils/jsonb.h, unchanged since 9.4): a container is a
@@ -245,15 +237,18 @@ impl<'a> Container<'a> {
     }
 }
 
-/// A jsonb string as text: valid UTF-8 in a UTF-8 database (PostgreSQL verifies every text it
-/// takes in against the database encoding, jsonb's parser included, as pgrx relies on for its
-/// own &str conversions); checked in any other.
-fn string_of(bytes: &[u8], utf8: bool) -> &str {
+/// A jsonb string as text. jsonb keeps its strings in the database encoding: valid UTF-8 in a
+/// UTF-8 database (PostgreSQL verifies every text it takes in against the database encoding,
+/// jsonb's parser included, as pgrx relies on for its own &str conversions), read in place;
+/// converted to UTF-8 in any other.
+fn string_of(bytes: &[u8], utf8: bool) -> Result<Cow<'_, str>, CanonError> {
     if utf8 {
         // SAFETY: see above.
-        unsafe { std::str::from_utf8_unchecked(bytes) }
+        Ok(Cow::Borrowed(unsafe {
+            std::str::from_utf8_unchecked(bytes)
+        }))
     } else {
-        std::str::from_utf8(bytes).unwrap_or("\u{fffd}")
+        crate::encoding::to_utf8(bytes).map_err(CanonError::Untranslatable)
     }
 }
 
@@ -268,7 +263,7 @@ fn write_child(
     match child {
         Child::Null => out.push_str("null"),
         Child::Bool(b) => out.push_str(if b { "true" } else { "false" }),
-        Child::String(s) => write_string(string_of(s, utf8), out),
+        Child::String(s) => write_string(&string_of(s, utf8)?, out),
         Child::Number(n) => unsafe {
             // Read from an aligned copy: a jsonb read in place (a short varlena header) puts
             // its numbers at odd addresses.
@@ -338,15 +333,15 @@ fn write_container(
             return Err(CanonError::TooDeep);
         }
         let entries = 2 * count;
-        let mut members: Vec<(&str, usize)> = Vec::with_capacity(count);
+        let mut members: Vec<(Cow<'_, str>, usize)> = Vec::with_capacity(count);
         for i in 0..count {
             let Child::String(name) = c.child(i, entries)? else {
                 return Err(damaged());
             };
-            members.push((string_of(name, utf8), count + i));
+            members.push((string_of(name, utf8)?, count + i));
         }
         // jsonb keeps keys ordered by length, then bytes; RFC 8785 wants UTF-16 order.
-        members.sort_by(|a, b| utf16_cmp(a.0, b.0));
+        members.sort_by(|a, b| utf16_cmp(&a.0, &b.0));
         out.push('{');
         for (i, (name, value)) in members.iter().enumerate() {
             if i > 0 {

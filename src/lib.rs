@@ -9,12 +9,14 @@
 //! - `api`: the SQL-callable functions, declared in `sql/idempotency.sql`;
 //! - `worker`: the background sweeper (launcher and per-database sweepers);
 //! - `stats`: counters in shared memory;
+//! - `encoding`: text between the database encoding and UTF-8;
 //! - `guc`, `error`: settings and error reporting;
 //! - `local`: per-backend state in plain statics.
 
 pub mod api;
 pub mod canonical;
 pub mod compat;
+pub mod encoding;
 pub mod error;
 pub mod ffi;
 pub mod guc;

@@ -3,7 +3,7 @@
 
 use crate::error::raise;
 use crate::state::{self, Decision, Stored};
-use crate::{ffi, guc, keys, stats};
+use crate::{encoding, ffi, guc, keys, stats};
 use pgrx::datum::{Interval, TimestampWithTimeZone};
 use pgrx::pg_sys;
 use pgrx::prelude::*;
@@ -244,7 +244,10 @@ fn read_row(
     lock: bool,
     req: &ClaimRequest<'_>,
 ) -> Result<Option<Row>, pgrx::spi::Error> {
-    let args = [req.scope.into(), req.key.into()];
+    let args = [
+        encoding::spi_text(req.scope, "scope"),
+        encoding::spi_text(req.key, "key"),
+    ];
     let table = if lock {
         // Row locks need a read-write SPI call.
         client.update(plan(client, Plan::SelectLocked)?, Some(1), &args)?
@@ -261,12 +264,22 @@ fn read_row(
         token: t.get::<i64>(3)?,
         response: t.get::<OwnedJsonb>(4)?,
         response_status: t.get::<i32>(5)?,
-        recovery_point: t.get::<String>(6)?,
+        recovery_point: recovery_point(&t, 6)?,
         expires_at: t.get::<TimestampWithTimeZone>(7)?,
         expired: t.get::<bool>(8)?.unwrap_or(true),
         lease_over: t.get::<bool>(9)?.unwrap_or(false),
         retry_after: t.get::<Interval>(10)?,
     }))
+}
+
+/// The recovery point in column `n` of an SPI row, as UTF-8.
+fn recovery_point(
+    t: &pgrx::spi::SpiTupleTable<'_>,
+    n: usize,
+) -> Result<Option<String>, pgrx::spi::Error> {
+    let datum = t.get_datum_by_ordinal(n)?;
+    // SAFETY: the column is text; its value lives until the SPI call ends, after this copy.
+    Ok(datum.map(|d| unsafe { encoding::text_of(d, "recovery_point") }.into_owned()))
 }
 
 #[derive(Clone, Copy)]
@@ -296,8 +309,8 @@ fn write_claim(
         stmt,
         None,
         &[
-            req.scope.into(),
-            req.key.into(),
+            encoding::spi_text(req.scope, "scope"),
+            encoding::spi_text(req.key, "key"),
             hash.into(),
             req.lease.into(),
             req.ttl.into(),
@@ -311,7 +324,7 @@ fn write_claim(
     result.token = t.get::<i64>(1)?;
     result.expires_at = t.get::<TimestampWithTimeZone>(2)?;
     if t.columns()? >= 3 {
-        result.recovery_point = t.get::<String>(3)?;
+        result.recovery_point = recovery_point(&t, 3)?;
     }
     Ok(Some(result))
 }
@@ -756,7 +769,7 @@ fn row_from_version(v: &ffi::Version) -> Row {
             // Copies in the function's memory context already: no second copy.
             response: response.map(OwnedJsonb),
             response_status: status.map(|d| d.value() as i32),
-            recovery_point: recovery.and_then(|d| String::from_datum(d, false)),
+            recovery_point: recovery.map(|d| encoding::text_of(d, "recovery_point").into_owned()),
             expires_at: expires.and_then(|d| TimestampWithTimeZone::from_datum(d, false)),
             expired: expires_at <= now,
             lease_over: locked_until.is_some_and(|l| l <= now),
@@ -774,6 +787,10 @@ fn row_from_version(v: &ffi::Version) -> Row {
 /// inserting) confirm; callers that only look again on `Absent` need not.
 fn probe(scope: &str, key: &str, confirm_miss: bool) -> Probe {
     let l = layout();
+    let (scope, key) = (
+        encoding::server_bytes(scope, "scope"),
+        encoding::server_bytes(key, "key"),
+    );
     // SAFETY: `layout` checked the OIDs, the key columns (text COLLATE "C") and the types and
     // positive attribute numbers of `att` against the catalog (`check_layout` refuses a table
     // that differs before any probe).
@@ -781,8 +798,8 @@ fn probe(scope: &str, key: &str, confirm_miss: bool) -> Probe {
         ffi::look_up(
             l.relid,
             l.idxid,
-            scope,
-            key,
+            &scope,
+            &key,
             &l.att,
             confirm_miss,
             guc::debug_probe_pause(),
@@ -825,16 +842,15 @@ unsafe fn scan_key_dirty(
         snapshot.snapshot_type = pg_sys::SnapshotType::SNAPSHOT_DIRTY;
         let mut keys: [pg_sys::ScanKeyData; 2] = std::mem::zeroed();
         // The key columns are COLLATE "C", which is what ScanKeyInit assumes.
-        let scope_text =
-            pg_sys::cstring_to_text_with_len(scope.as_ptr().cast(), scope.len() as i32);
-        let key_text = pg_sys::cstring_to_text_with_len(key.as_ptr().cast(), key.len() as i32);
+        let scope_text = encoding::text_datum(scope, "scope");
+        let key_text = encoding::text_datum(key, "key");
         for (i, d) in [scope_text, key_text].into_iter().enumerate() {
             pg_sys::ScanKeyInit(
                 &mut keys[i],
                 (i + 1) as pg_sys::AttrNumber,
                 pg_sys::BTEqualStrategyNumber as u16,
                 pg_sys::Oid::from(pg_sys::F_TEXTEQ),
-                pg_sys::Datum::from(d),
+                d,
             );
         }
         let scan = crate::compat::index_beginscan(heap, index, &mut snapshot, 2);
@@ -1147,8 +1163,8 @@ fn insert_direct(d: &DirectLayout, req: &ClaimRequest<'_>) -> ClaimResult {
         let (Some(lease), Some(ttl), Some(scope), Some(key)) = (
             req.lease.into_datum(),
             req.ttl.into_datum(),
-            req.scope.into_datum(),
-            req.key.into_datum(),
+            Some(encoding::text_datum(req.scope, "scope")),
+            Some(encoding::text_datum(req.key, "key")),
         ) else {
             pg_sys::table_close(rel, pg_sys::NoLock as pg_sys::LOCKMODE);
             internal("a claim argument could not be converted");
@@ -1307,13 +1323,14 @@ fn log_mismatch(req: &ClaimRequest<'_>, stored: Option<&[u8]>) {
         h.map(|h| crate::keys::hex(&h[..h.len().min(6)]))
             .unwrap_or_default()
     };
-    pgrx::warning!(
+    let message = format!(
         "idempotency: key reused with a different request: scope={:?} key={} stored_hash={} request_hash={}",
         req.scope,
         key_label(req.key),
         prefix(stored),
         prefix(req.hash.as_ref().map(|h| &h[..]))
     );
+    pgrx::warning!("{}", encoding::for_message(message));
 }
 
 /// How many times claim re-reads a row that changed under it before giving up.
@@ -1603,13 +1620,16 @@ fn audit_plans(client: &SpiClient<'_>) -> Result<&'static AuditPlans, pgrx::spi:
 }
 
 /// The role that completes: the session's current role (SET ROLE), not the owner of the
-/// SECURITY DEFINER function that runs the statement.
-fn completing_role() -> String {
+/// SECURITY DEFINER function that runs the statement. Its name's bytes as the catalog holds
+/// them, not through a UTF-8 string (as `current_user` gives it, in any database encoding).
+fn completing_role<'a>() -> pgrx::datum::DatumWithOid<'a> {
+    // SAFETY: GetUserNameFromId returns a palloc'd, NUL-terminated name (it raises an ERROR
+    // for a role that does not exist); the text datum is a copy of its bytes.
     unsafe {
         let name = pg_sys::GetUserNameFromId(pg_sys::GetOuterUserId(), false);
-        std::ffi::CStr::from_ptr(name)
-            .to_string_lossy()
-            .into_owned()
+        let len = std::ffi::CStr::from_ptr(name).to_bytes().len();
+        let text = pg_sys::cstring_to_text_with_len(name, len as i32);
+        pgrx::datum::DatumWithOid::new(pg_sys::Datum::from(text), pg_sys::TEXTOID)
     }
 }
 
@@ -1684,8 +1704,8 @@ fn complete_sql(req: &CompleteRequest<'_>) -> Option<Completed> {
             complete,
             None,
             &[
-                req.scope.into(),
-                req.key.into(),
+                encoding::spi_text(req.scope, "scope"),
+                encoding::spi_text(req.key, "key"),
                 response,
                 req.response_status.into(),
                 req.token.into(),
@@ -1713,13 +1733,13 @@ fn audit(req: &CompleteRequest<'_>, done: &Completed) {
             &audit.insert,
             None,
             &[
-                req.scope.into(),
-                req.key.into(),
+                encoding::spi_text(req.scope, "scope"),
+                encoding::spi_text(req.key, "key"),
                 keys_hashed().into(),
                 done.request_hash.clone().into(),
                 done.token.into(),
                 req.response_status.into(),
-                completing_role().into(),
+                completing_role(),
             ],
         )?;
         Ok(())
@@ -1970,7 +1990,10 @@ pub fn sweep_batch(batch: i64, prefix: &str) -> i64 {
             .update(
                 plan(client, Plan::Sweep)?,
                 None,
-                &[batch.into(), prefix.into()],
+                &[
+                    batch.into(),
+                    encoding::spi_text(prefix, "idempotency.scope_prefix"),
+                ],
             )
             .map(|t| t.len() as i64)
     })
@@ -1995,7 +2018,11 @@ pub fn sweep_audit_batch(retention_secs: f64, batch: i64, prefix: &str) -> i64 {
             .update(
                 &p.sweep,
                 None,
-                &[retention_secs.into(), batch.into(), prefix.into()],
+                &[
+                    retention_secs.into(),
+                    batch.into(),
+                    encoding::spi_text(prefix, "idempotency.scope_prefix"),
+                ],
             )
             .map(|t| t.len() as i64)
     })
