@@ -65,16 +65,6 @@ pub fn with_scope_prefix<R>(f: impl FnOnce(&str) -> R) -> R {
     f(&prefix)
 }
 
-/// PostgreSQL's spelling of a boolean setting's value (parse_bool).
-fn parse_bool(value: &str) -> bool {
-    let Ok(c) = std::ffi::CString::new(value) else {
-        return false;
-    };
-    let mut result = false;
-    // SAFETY: parse_bool reads a C string and writes a bool; it raises no error.
-    unsafe { pg_sys::parse_bool(c.as_ptr(), &mut result) && result }
-}
-
 // Binding settings ------------------------------------------------------------------------
 //
 // `idempotency.scope_prefix` and `idempotency.audit` are a superuser's choice for a role
@@ -229,47 +219,28 @@ fn audit_from_catalog() -> bool {
     let _path = crate::store::PinnedSearchPath::pin();
     // SAFETY: reads backend variables.
     let (database, role) = unsafe { (pg_sys::MyDatabaseId, pg_sys::GetSessionUserId()) };
-    let settings = pgrx::Spi::connect(|client| {
-        let rows = client.select(
-            "SELECT s.setconfig FROM pg_catalog.pg_db_role_setting AS s \
+    // Judged in SQL, so no entry's text (any database's encoding) crosses into Rust; the
+    // spellings are those parse_bool accepts for true.
+    pgrx::Spi::get_one_with_args::<bool>(
+        "SELECT EXISTS (SELECT FROM pg_catalog.pg_db_role_setting AS s, \
+                                    pg_catalog.unnest(s.setconfig) AS c(entry) \
               WHERE s.setdatabase OPERATOR(pg_catalog.=) ANY (ARRAY[$1, 0]::pg_catalog.oid[]) \
                 AND s.setrole OPERATOR(pg_catalog.=) ANY (ARRAY[$2, 0]::pg_catalog.oid[]) \
-",
-            None,
-            &[database.into(), role.into()],
-        )?;
-        let mut all = Vec::new();
-        for row in rows {
-            // Entries as the shared catalog holds them (any database's encoding: not through
-            // pgrx's UTF-8 String); only ASCII names and values matter here.
-            let entries = row.get::<pgrx::Array<'_, pg_sys::Datum>>(1)?;
-            all.push(
-                entries
-                    .iter()
-                    .flat_map(|a| a.iter())
-                    .flatten()
-                    .map(|d| {
-                        // SAFETY: setconfig is text[]; its elements are text datums.
-                        let bytes = unsafe { crate::encoding::text_bytes(d) };
-                        Some(String::from_utf8_lossy(bytes).into_owned())
-                    })
-                    .collect::<Vec<_>>(),
-            );
-        }
-        Ok::<_, pgrx::spi::Error>(all)
-    })
+                AND pg_catalog.lower(pg_catalog.split_part(c.entry, '=', 1)) \
+                    OPERATOR(pg_catalog.=) 'idempotency.audit' \
+                AND pg_catalog.lower(pg_catalog.btrim(pg_catalog.substr(c.entry, \
+                      pg_catalog.strpos(c.entry, '=') OPERATOR(pg_catalog.+) 1))) \
+                    OPERATOR(pg_catalog.=) ANY (ARRAY['on', 'true', 'tru', 'tr', 't', 'yes', 'ye', 'y', '1']))",
+        &[database.into(), role.into()],
+    )
     .unwrap_or_else(|e| {
         crate::error::raise(
             pgrx::PgSqlErrorCode::ERRCODE_INTERNAL_ERROR,
             format!("idempotency: reading pg_db_role_setting: {e}"),
             None,
         )
-    });
-    settings.iter().flatten().flatten().any(|entry| {
-        entry.split_once('=').is_some_and(|(name, value)| {
-            name.eq_ignore_ascii_case("idempotency.audit") && parse_bool(value)
-        })
     })
+    .unwrap_or(false)
 }
 
 /// An integer setting's current value, read in place (`GucSetting::get` checks the calling
