@@ -6,7 +6,8 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 
 PG_BIN=/usr/lib/postgresql/15/bin
-scripts/bootstrap.sh
+# The demo needs PostgreSQL 15 only (scripts/test.sh also installs 16-18).
+IDEMPOTENCY_PG_VERSIONS=${IDEMPOTENCY_PG_VERSIONS:-15} scripts/bootstrap.sh
 echo "== building and installing the extension"
 cargo pgrx install --pg-config "$PG_BIN/pg_config" >/dev/null
 
