@@ -282,6 +282,8 @@ def main():
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--big", type=int, default=10_000_000)
     ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--out", default="RESULTS",
+                    help="name of the report (NAME.md) and chart (NAME.png is throughput_p99 for RESULTS)")
     args = ap.parse_args()
     if args.quick:
         args.seconds, args.rounds, args.big = 1, 1, 100_000
@@ -441,14 +443,15 @@ def write_results(args, report, pg, redis, scale, sweep, hashes):
               + ", ".join(f"{x:.2f}" for x in sweep["ratios"]) + ".",
               ] + [f"- WAL per transaction (2,000 transactions after a checkpoint, both tables at 10,000 rows), {k}: "
                    f"{v:,.0f} bytes." for k, v in report["wal"].items()]
-    lines += ["", "![throughput and p99 by client count](throughput_p99.png)", ""]
-    with open(os.path.join(HERE, "RESULTS.md"), "w") as f:
+    png = "throughput_p99.png" if args.out == "RESULTS" else f"throughput_p99-{args.out}.png"
+    lines += ["", f"![throughput and p99 by client count]({png})", ""]
+    with open(os.path.join(HERE, f"{args.out}.md"), "w") as f:
         f.write("\n".join(lines))
-    chart(pg, redis)
+    chart(pg, redis, png)
     print("\n".join(lines))
 
 
-def chart(pg, redis):
+def chart(pg, redis, png):
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -469,7 +472,7 @@ def chart(pg, redis):
         ax.grid(True, which="both", alpha=0.3)
     b.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.02, 1))
     fig.tight_layout()
-    fig.savefig(os.path.join(HERE, "throughput_p99.png"), dpi=110)
+    fig.savefig(os.path.join(HERE, png), dpi=110)
 
 
 if __name__ == "__main__":

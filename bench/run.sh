@@ -3,13 +3,27 @@
 # matplotlib), builds and installs a release build of the extension, and runs bench/bench.py,
 # which starts its own cluster and Redis servers and writes bench/RESULTS.md and the chart.
 # Takes about 20 minutes with the defaults; pass --quick for a smoke run of the harness.
+# --pg NN benchmarks PostgreSQL NN (15, the default, 16, 17, 18: scripts/pg-server.sh) and
+# writes bench/RESULTS-pgNN.md instead.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-scripts/bootstrap.sh
+pg=15
+args=()
+while (($#)); do
+    case "$1" in
+        --pg) pg=$2; shift 2 ;;
+        *) args+=("$1"); shift ;;
+    esac
+done
+IDEMPOTENCY_PG_VERSIONS="$pg" scripts/bootstrap.sh
+pg_config=$(scripts/pg-server.sh "$pg")
+export PG_BIN
+PG_BIN=$(dirname "$pg_config")
+[ "$pg" = 15 ] || args=(--out "RESULTS-pg$pg" "${args[@]}")
 if ! command -v redis-server >/dev/null || ! command -v redis-benchmark >/dev/null; then
     apt-get update -qq
     DEBIAN_FRONTEND=noninteractive apt-get install -y -qq redis-server >/dev/null
 fi
 python3 -c "import matplotlib" 2>/dev/null || python3 -m pip install -q --root-user-action=ignore "matplotlib>=3.7,<4"
-cargo pgrx install --release --pg-config /usr/lib/postgresql/15/bin/pg_config >/dev/null
-exec python3 bench/bench.py "$@"
+cargo pgrx install --release --pg-config "$pg_config" >/dev/null
+exec python3 bench/bench.py "${args[@]}"

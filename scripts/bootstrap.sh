@@ -42,6 +42,13 @@ for v in "${VERSIONS[@]}"; do
     grep -qs "pg$v *= *\"$pg_config\"" "$config" || stale=true
 done
 if $stale; then
+    # Keep the versions configured before (init rewrites the file; a demo may have set up 15
+    # alone, the tests all four): a changed configuration rebuilds pgrx's bindings.
+    for v in 15 16 17 18; do
+        [[ " ${VERSIONS[*]} " == *" $v "* ]] && continue
+        old=$(sed -n "s/^pg$v *= *\"\(.*\)\"/\1/p" "$config" 2>/dev/null || true)
+        [ -n "$old" ] && [ -x "$old" ] && init+=("--pg$v=$old")
+    done
     echo "bootstrap: cargo pgrx init ${init[*]}"
     cargo pgrx init "${init[@]}" >/dev/null
 fi
