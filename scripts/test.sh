@@ -54,3 +54,16 @@ for v in "${VERSIONS[@]}"; do
         PG_BIN=$(dirname "$pg_config") python3 -m pytest -q "${CORE[@]/#/tests/integration/}"
     fi
 done
+
+# pg_upgrade from 15 to the newest version tested (17 or 18), once every server has the
+# extension installed.
+newest=""
+for v in "${VERSIONS[@]}"; do
+    case "$v" in 17 | 18) newest=$v ;; esac
+done
+if [[ " ${VERSIONS[*]} " == *" 15 "* ]] && [ -n "$newest" ]; then
+    echo "== pg_upgrade from PostgreSQL 15 to $newest"
+    PG_UPGRADE_FROM=$(dirname "$(scripts/pg-server.sh 15)") \
+        PG_UPGRADE_TO=$(dirname "$(scripts/pg-server.sh "$newest")") \
+        python3 -m pytest -q tests/integration/test_pg_upgrade.py
+fi
