@@ -55,15 +55,20 @@ for v in "${VERSIONS[@]}"; do
     fi
 done
 
-# pg_upgrade from 15 to the newest version tested (17 or 18), once every server has the
-# extension installed.
-newest=""
+# pg_upgrade of a cluster with the extension and live keys to the newest version tested (17 or
+# 18), once every server has the extension installed. From 16, not from Debian's 15: its 15.20
+# marks every column with a `pg_attver` attoption that the PyPI builds of 17.11 and 18.6 do not
+# know, so pg_upgrade from it fails here for any table, with or without the extension.
+from="" to=""
 for v in "${VERSIONS[@]}"; do
-    case "$v" in 17 | 18) newest=$v ;; esac
+    case "$v" in
+        16) from=$v ;;
+        17 | 18) to=$v ;;
+    esac
 done
-if [[ " ${VERSIONS[*]} " == *" 15 "* ]] && [ -n "$newest" ]; then
-    echo "== pg_upgrade from PostgreSQL 15 to $newest"
-    PG_UPGRADE_FROM=$(dirname "$(scripts/pg-server.sh 15)") \
-        PG_UPGRADE_TO=$(dirname "$(scripts/pg-server.sh "$newest")") \
+if [ -n "$from" ] && [ -n "$to" ]; then
+    echo "== pg_upgrade from PostgreSQL $from to $to"
+    PG_UPGRADE_FROM=$(dirname "$(scripts/pg-server.sh "$from")") \
+        PG_UPGRADE_TO=$(dirname "$(scripts/pg-server.sh "$to")") \
         python3 -m pytest -q tests/integration/test_pg_upgrade.py
 fi

@@ -976,7 +976,9 @@ const OWN_COLUMNS: [(&std::ffi::CStr, pg_sys::Oid, bool); 13] = [
 /// type, name and `pg_get_constraintdef` (under the pinned search path), ordered by name. The
 /// direct writes build rows that satisfy exactly these; any other set (one dropped, replaced
 /// or added, NOT VALID, a foreign key, an exclusion or a unique constraint) goes through SQL,
-/// where the executor checks it.
+/// where the executor checks it. NOT NULL constraints (catalogued here from PostgreSQL 18 on,
+/// contype 'n') are left out: the layout compares each column's `attnotnull` instead, on every
+/// version.
 const OWN_CONSTRAINTS: &str = "c idempotency_keys_lease_check CHECK (((status = 'in_progress'::idempotency.key_status) = (locked_until IS NOT NULL)))\n\
 p idempotency_keys_pkey PRIMARY KEY (scope, key)\n\
 c idempotency_keys_request_hash_check CHECK (((request_hash IS NULL) OR (length(request_hash) = 32)))\n\
@@ -986,7 +988,8 @@ const CONSTRAINTS_SQL: &str = "SELECT pg_catalog.string_agg(c.contype::pg_catalo
        OPERATOR(pg_catalog.||) ' ' OPERATOR(pg_catalog.||) c.conname::pg_catalog.text \
        OPERATOR(pg_catalog.||) ' ' OPERATOR(pg_catalog.||) pg_catalog.pg_get_constraintdef(c.oid), \
        E'\\n' ORDER BY c.conname) \
-     FROM pg_catalog.pg_constraint AS c WHERE c.conrelid OPERATOR(pg_catalog.=) $1";
+     FROM pg_catalog.pg_constraint AS c WHERE c.conrelid OPERATOR(pg_catalog.=) $1 \
+      AND c.contype OPERATOR(pg_catalog.<>) 'n'";
 
 /// The direct-write layout, or None when the table differs from the extension's own; then the
 /// INSERT and UPDATE statements run, with everything PostgreSQL would do for them. Checked
