@@ -34,6 +34,9 @@ pub unsafe fn find_setting(name: &CStr) -> *mut pg_sys::config_generic {
 }
 
 /// See the PostgreSQL 15 version: from 16 on the server looks settings up by name itself.
+///
+/// # Safety
+/// Call from the backend's main thread; the record lives as long as the backend.
 #[cfg(not(feature = "pg15"))]
 pub unsafe fn find_setting(name: &CStr) -> *mut pg_sys::config_generic {
     // SAFETY: find_option with skip_errors never raises; it returns null for an unknown name.
