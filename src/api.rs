@@ -593,34 +593,35 @@ pub extern "C-unwind" fn idempotency_sweep(fcinfo: pg_sys::FunctionCallInfo) -> 
 /// otherwise none: a tenant must neither delete another tenant's rows nor, inside an open
 /// transaction, hold their row locks (which makes their claims answer in_progress).
 fn sweep_prefix(function: &str) -> String {
-    // SAFETY: reads backend state and the catalog inside the calling transaction. The caller
-    // is the session's current role: inside these SECURITY DEFINER functions GetUserId() is
-    // the owner.
-    let (caller, owner) = unsafe {
-        let ext = pg_sys::get_extension_oid(c"idempotency".as_ptr(), false);
-        (pg_sys::GetOuterUserId(), extension_owner(ext))
-    };
+    // SAFETY: reads backend state. The caller is the session's current role: inside these
+    // SECURITY DEFINER functions GetUserId() is the owner.
+    let caller = unsafe { pg_sys::GetOuterUserId() };
     // SAFETY: catalog look-ups in the calling transaction.
-    let privileged =
-        unsafe { pg_sys::superuser_arg(caller) || pg_sys::has_privs_of_role(caller, owner) };
-    let prefix = guc::with_scope_prefix(str::to_owned);
-    if privileged || !prefix.is_empty() {
-        return if privileged { String::new() } else { prefix };
+    if unsafe {
+        pg_sys::superuser_arg(caller) || pg_sys::has_privs_of_role(caller, extension_owner())
+    } {
+        return String::new();
     }
-    raise(
-        PgSqlErrorCode::ERRCODE_INSUFFICIENT_PRIVILEGE,
-        format!("idempotency.{function} of the whole store is for the extension's owner and superusers"),
-        Some("run it as the owner (the background sweeper or pg_cron do), or give this role a scope prefix (ALTER ROLE ... SET idempotency.scope_prefix) to sweep only its own scopes"),
-    )
+    let prefix = guc::with_scope_prefix(str::to_owned);
+    if prefix.is_empty() {
+        raise(
+            PgSqlErrorCode::ERRCODE_INSUFFICIENT_PRIVILEGE,
+            format!("idempotency.{function} of the whole store is for the extension's owner and superusers"),
+            Some("run it as the owner (the background sweeper or pg_cron do), or give this role a scope prefix (ALTER ROLE ... SET idempotency.scope_prefix) to sweep only its own scopes"),
+        );
+    }
+    prefix
 }
 
-/// The owner of the extension `ext`.
-unsafe fn extension_owner(ext: pg_sys::Oid) -> pg_sys::Oid {
-    let owner = Spi::get_one_with_args::<pg_sys::Oid>(
-        "SELECT e.extowner FROM pg_catalog.pg_extension AS e WHERE e.oid OPERATOR(pg_catalog.=) $1",
-        &[ext.into()],
-    );
-    owner.ok().flatten().unwrap_or(pg_sys::InvalidOid)
+/// The owner of the extension.
+fn extension_owner() -> pg_sys::Oid {
+    Spi::get_one::<pg_sys::Oid>(
+        "SELECT e.extowner FROM pg_catalog.pg_extension AS e \
+          WHERE e.extname OPERATOR(pg_catalog.=) 'idempotency'",
+    )
+    .ok()
+    .flatten()
+    .unwrap_or(pg_sys::InvalidOid)
 }
 
 /// The `batch_size` argument of the sweep functions (NULL: `idempotency.sweep_batch_size`).
