@@ -24,8 +24,12 @@ cargo fmt --all -- --check
 for v in "${VERSIONS[@]}"; do
     cargo clippy --all-targets --no-default-features --features "pg$v" -- -D warnings
 done
+cargo clippy -p idempotency-core --all-targets --all-features -- -D warnings
 # The canonicalizer fuzz harness is a crate of its own (run by tests/integration/test_fuzz.py).
 (cd fuzz && cargo fmt -- --check && cargo clippy --release -- -D warnings)
+
+echo "== the pure core (crates/idempotency-core): unit and property tests, no PostgreSQL"
+cargo test -p idempotency-core -q
 
 echo "== examples/http-service: fmt, clippy, unit tests (its end-to-end tests run with pytest)"
 cargo fmt --manifest-path examples/http-service/Cargo.toml -- --check

@@ -1,8 +1,10 @@
 //! `idempotency`: retry-safe state-changing operations inside PostgreSQL.
 //!
 //! Module map:
-//! - `canonical`, `keys`, `state`, `signing`: pure logic (RFC 8785, argument rules, key
-//!   derivation, the claim state machine, signed and hashed keys), tested with plain `cargo test`;
+//! - `canonical`, `keys`, `state`, `signing`: the pure logic (RFC 8785, argument rules, key
+//!   derivation, the claim decision table, signed and hashed keys), from the crate
+//!   `idempotency-core` (crates/idempotency-core), which has no pgrx: `cargo test -p
+//!   idempotency-core` runs its tests without PostgreSQL;
 //! - `jsonb`: reads a jsonb datum into the canonical tree;
 //! - `store`: the SQL the extension runs against its table (claim, sweep);
 //! - `ffi`: the replay path's primary-key look-up as one call into PostgreSQL;
@@ -14,17 +16,14 @@
 //! - `local`: per-backend state in plain statics.
 
 pub mod api;
-pub mod canonical;
+pub use idempotency_core::{canonical, keys, signing, state};
 pub mod compat;
 pub mod encoding;
 pub mod error;
 pub mod ffi;
 pub mod guc;
 pub mod jsonb;
-pub mod keys;
 pub mod local;
-pub mod signing;
-pub mod state;
 pub mod stats;
 pub mod store;
 pub mod worker;

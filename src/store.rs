@@ -42,24 +42,7 @@ impl IntoDatum for OwnedJsonb {
     }
 }
 
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Outcome {
-    New,
-    Replay,
-    InProgress,
-    Mismatch,
-}
-
-impl Outcome {
-    pub fn label(self) -> &'static str {
-        match self {
-            Outcome::New => "new",
-            Outcome::Replay => "replay",
-            Outcome::InProgress => "in_progress",
-            Outcome::Mismatch => "mismatch",
-        }
-    }
-}
+pub use crate::state::Outcome;
 
 /// What `claim` returns (the fields of `idempotency.claim_result`).
 pub struct ClaimResult {

@@ -1,4 +1,4 @@
-"""Fuzzing of the canonicalizer (src/canonical.rs) with the stable-Rust harness in fuzz/.
+"""Fuzzing of the canonicalizer (crates/idempotency-core/src/canonical.rs) with the stable-Rust harness in fuzz/.
 
 The harness generates seeded random JSON text (valid, mutated, random bytes, deep nesting, huge
 numbers, long strings, escapes and surrogates, duplicate names) and checks no panic, no hang,

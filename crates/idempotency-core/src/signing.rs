@@ -4,70 +4,39 @@
 //! HMAC-SHA256 (RFC 2104) of `<secret id>.<key>` under the server secret with that id. The key
 //! itself may contain dots: the last two dot-separated fields are the id and the signature.
 
+use base64::engine::general_purpose::URL_SAFE_NO_PAD;
+use base64::Engine as _;
+use hmac::{Hmac, Mac};
 use sha2::{Digest, Sha256};
 
-const BLOCK: usize = 64;
+type HmacSha256 = Hmac<Sha256>;
+
 /// Length of an encoded signature: 32 bytes in unpadded base64url.
 pub const SIGNATURE_CHARS: usize = 43;
 
-/// HMAC-SHA256 of `message` under `secret`.
-pub fn hmac_sha256(secret: &[u8], message: &[u8]) -> [u8; 32] {
-    let mut block = [0u8; BLOCK];
-    if secret.len() > BLOCK {
-        block[..32].copy_from_slice(&Sha256::digest(secret));
-    } else {
-        block[..secret.len()].copy_from_slice(secret);
-    }
-    let mut inner = Sha256::new();
-    inner.update(block.map(|b| b ^ 0x36));
-    inner.update(message);
-    let mut outer = Sha256::new();
-    outer.update(block.map(|b| b ^ 0x5c));
-    outer.update(inner.finalize());
-    outer.finalize().into()
+/// HMAC-SHA256 of `message` under `secret`, as a MAC in progress (the `hmac` crate).
+fn mac(secret: &[u8], message: &[u8]) -> HmacSha256 {
+    // HMAC takes a key of any length (a longer one is hashed first): this cannot fail.
+    let mut mac = <HmacSha256 as Mac>::new_from_slice(secret).expect("HMAC accepts any key length");
+    mac.update(message);
+    mac
 }
 
-const B64: &[u8; 64] = b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789-_";
+/// HMAC-SHA256 of `message` under `secret`.
+pub fn hmac_sha256(secret: &[u8], message: &[u8]) -> [u8; 32] {
+    mac(secret, message).finalize().into_bytes().into()
+}
 
 /// Unpadded base64url (RFC 4648 section 5).
 pub fn b64url(bytes: &[u8]) -> String {
-    let mut out = String::with_capacity(bytes.len().div_ceil(3) * 4);
-    for chunk in bytes.chunks(3) {
-        let n = chunk
-            .iter()
-            .enumerate()
-            .fold(0u32, |n, (i, &b)| n | (b as u32) << (16 - 8 * i));
-        for i in 0..=chunk.len() {
-            out.push(B64[(n >> (18 - 6 * i) & 63) as usize] as char);
-        }
-    }
-    out
+    URL_SAFE_NO_PAD.encode(bytes)
 }
 
 /// Decodes unpadded base64url; None for any other character, padding or a dangling length.
-/// Non-canonical encodings (stray low bits in the last character) are refused too, so each
-/// signature has exactly one spelling.
+/// Non-canonical encodings (stray low bits in the last character) are refused too (the
+/// engine's default), so each signature has exactly one spelling.
 pub fn b64url_decode(s: &str) -> Option<Vec<u8>> {
-    let value = |c: u8| B64.iter().position(|&b| b == c).map(|p| p as u32);
-    let bytes = s.as_bytes();
-    if bytes.len() % 4 == 1 {
-        return None;
-    }
-    let mut out = Vec::with_capacity(bytes.len() * 3 / 4);
-    for chunk in bytes.chunks(4) {
-        let mut n = 0u32;
-        for (i, &c) in chunk.iter().enumerate() {
-            n |= value(c)? << (18 - 6 * i);
-        }
-        let len = chunk.len() - 1;
-        for i in 0..len {
-            out.push((n >> (16 - 8 * i)) as u8);
-        }
-        if len < 3 && n & ((1 << (24 - 8 * len)) - 1) != 0 {
-            return None;
-        }
-    }
-    Some(out)
+    URL_SAFE_NO_PAD.decode(s).ok()
 }
 
 /// What is signed: `<kid>.<key>`, and for a session with a scope prefix (a tenant) also a NUL
@@ -112,13 +81,9 @@ pub fn parse(signed: &str) -> Option<(&str, i32, Vec<u8>)> {
 /// Whether `signature` is the signature of `key` under secret `kid` for the tenant with scope
 /// prefix `prefix`, compared in constant time.
 pub fn verify(key: &str, kid: i32, signature: &[u8], secret: &[u8], prefix: &str) -> bool {
-    let expected = hmac_sha256(secret, &signed_message(kid, key, prefix));
-    signature.len() == expected.len()
-        && signature
-            .iter()
-            .zip(expected.iter())
-            .fold(0u8, |acc, (a, b)| acc | (a ^ b))
-            == 0
+    mac(secret, &signed_message(kid, key, prefix))
+        .verify_slice(signature)
+        .is_ok()
 }
 
 /// The stored form of a key when the store keeps keys hashed: the lowercase hex HMAC-SHA256,
@@ -132,7 +97,7 @@ pub fn hashed_key(key: &str, secret: &[u8]) -> String {
 
 /// The stored form of a key whose SHA-256 is `digest`.
 pub fn rekeyed(digest: &[u8], secret: &[u8]) -> String {
-    crate::keys::hex(&hmac_sha256(secret, digest))
+    format!("{:x}", mac(secret, digest).finalize().into_bytes())
 }
 
 /// What messages show of a stored hashed key: a prefix, never the whole digest.

@@ -330,7 +330,7 @@ pub fn fingerprint_document(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::canonical::parse_json;
+    use crate::json_text::parse_json;
 
     #[test]
     fn bad_values_are_abbreviated_in_messages() {

@@ -15,6 +15,27 @@ pub enum Decision {
     TakeOver,
 }
 
+/// What `claim` answers: the four outcomes of the SQL API contract (`claim_result.outcome`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Outcome {
+    New,
+    Replay,
+    InProgress,
+    Mismatch,
+}
+
+impl Outcome {
+    /// The outcome's name in SQL.
+    pub fn label(self) -> &'static str {
+        match self {
+            Outcome::New => "new",
+            Outcome::Replay => "replay",
+            Outcome::InProgress => "in_progress",
+            Outcome::Mismatch => "mismatch",
+        }
+    }
+}
+
 /// The stored row, as `claim` reads it (times compared by the database at `now()`).
 #[derive(Debug, Clone, Copy)]
 pub struct Stored<'a> {
