@@ -7,7 +7,7 @@ import pytest
 from psycopg.types.json import Jsonb
 
 from cluster import PG_BIN
-from test_concurrency import race
+from helpers import race
 
 ROOT = os.path.join(os.path.dirname(__file__), "..", "..")
 

@@ -14,7 +14,7 @@ from psycopg.types.json import Jsonb
 
 from cluster import Cluster
 from faultload import Load, verify
-from test_concurrency import claim
+from helpers import claim
 
 SETTINGS = {
     "fsync": "on",

@@ -15,7 +15,7 @@ import psycopg
 import pytest
 
 from cluster import Cluster, _as_postgres
-from test_concurrency import claim
+from helpers import claim
 
 FROM = os.environ.get("PG_UPGRADE_FROM")
 TO = os.environ.get("PG_UPGRADE_TO")

@@ -22,7 +22,7 @@ import psycopg
 from psycopg.types.json import Jsonb
 
 from cluster import Cluster
-from test_concurrency import claim
+from helpers import claim
 
 SECONDS = float(os.environ.get("SOAK_SECONDS", "60"))
 SESSIONS = int(os.environ.get("SOAK_SESSIONS", "32"))
