@@ -16,6 +16,8 @@ from cluster import Cluster
 from faultload import Load, verify
 from helpers import claim
 
+pytestmark = pytest.mark.slow  # a standby, crashes under load, promotion
+
 SETTINGS = {
     "fsync": "on",
     "wal_level": "replica",

@@ -10,6 +10,8 @@ import pytest
 
 from cluster import Cluster
 
+pytestmark = pytest.mark.slow  # waits for pg_cron's next minute
+
 
 @pytest.fixture(scope="module")
 def cron_cluster():
