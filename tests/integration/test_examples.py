@@ -1,4 +1,4 @@
-"""The README's worked stored procedure (examples/place_order.sql) and the demo script."""
+"""The worked stored procedure of docs/patterns.md (examples/place_order.sql) and the demo script."""
 
 import os
 import subprocess
