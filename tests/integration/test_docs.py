@@ -62,21 +62,21 @@ def anchors(path):
     return found
 
 
-def links(doc):
-    for n, line in outside_fences(os.path.join(ROOT, doc)):
+def links(doc, root=ROOT):
+    for n, line in outside_fences(os.path.join(root, doc)):
         for m in LINK.finditer(re.sub(r"`[^`]*`", "``", line)):  # not inside code spans
             yield n, m.group(1)
 
 
-def dead_links(doc):
-    here = os.path.dirname(os.path.join(ROOT, doc))
+def dead_links(doc, root=ROOT):
+    here = os.path.dirname(os.path.join(root, doc))
     dead = []
-    for n, target in links(doc):
+    for n, target in links(doc, root):
         if re.match(r"[a-zA-Z][a-zA-Z0-9+.-]*:", target):
             continue  # https:, mailto: ...
         path, _, anchor = target.partition("#")
-        full = os.path.normpath(os.path.join(here, path)) if path else os.path.join(ROOT, doc)
-        if not full.startswith(ROOT):
+        full = os.path.normpath(os.path.join(here, path)) if path else os.path.join(root, doc)
+        if not full.startswith(root):
             dead.append(f"{doc}:{n}: {target} leaves the repository")
         elif not os.path.exists(full):
             dead.append(f"{doc}:{n}: {target}: no such file")
@@ -98,3 +98,15 @@ def test_the_checker_sees_links_and_anchors():
     assert any(t.startswith("docs/") for _, t in links("README.md"))
     assert "quickstart" in anchors(os.path.join(ROOT, "README.md"))
     assert slug("`claim(key text, scope text = '') → claim_result`") == "claimkey-text-scope-text----claim_result"
+
+
+def test_the_checker_reports_dead_links(tmp_path):
+    (tmp_path / "docs").mkdir()
+    (tmp_path / "docs" / "there.md").write_text("# There\n\n## A `code` heading\n")
+    (tmp_path / "README.md").write_text(
+        "# Top\n\n[ok](docs/there.md) [ok](docs/there.md#a-code-heading) [ok](#top) [ok](docs/)\n"
+        "[web](https://example.org/x) `[in code](missing.md)`\n\n```\n[in a fence](missing.md)\n```\n"
+        "[gone](docs/missing.md) [bad anchor](docs/there.md#nowhere) [bad self](#nowhere)\n"
+    )
+    dead = dead_links("README.md", str(tmp_path))
+    assert [d.split(": ")[1] for d in dead] == ["docs/missing.md", "docs/there.md#nowhere", "#nowhere"], dead
