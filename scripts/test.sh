@@ -52,6 +52,7 @@ for v in "${VERSIONS[@]}"; do
 
     echo "== PostgreSQL $v: integration tests (pytest, real sessions against throwaway clusters)"
     cargo pgrx install --pg-config "$pg_config" >/dev/null
+    # No -m: the tests marked slow (pytest.ini) run too; `-m "not slow"` is only for quick local runs.
     if [ "$v" = "$first" ]; then
         PG_BIN=$(dirname "$pg_config") python3 -m pytest -q tests/integration
     else

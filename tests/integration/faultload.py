@@ -15,7 +15,7 @@ import time
 import psycopg
 from psycopg.types.json import Jsonb
 
-from test_concurrency import claim
+from helpers import claim
 
 
 class Record:

@@ -5,7 +5,7 @@ are deleted only past idempotency.audit_retention."""
 import psycopg
 import pytest
 
-from test_concurrency import claim
+from helpers import claim
 
 
 @pytest.fixture

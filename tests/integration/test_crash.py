@@ -7,7 +7,7 @@ import time
 
 import psycopg
 
-from test_concurrency import claim
+from helpers import claim
 
 
 def test_terminated_backend_releases_its_one_transaction_claim(connect):

@@ -19,6 +19,8 @@ import pytest
 from cluster import Cluster
 from faultload import Load, verify
 
+pytestmark = pytest.mark.slow  # rounds of crashes under load
+
 ROUNDS = int(os.environ.get("CRASH_ROUNDS", "3"))
 SEED = int(os.environ.get("CRASH_SEED", "5"))
 

@@ -17,7 +17,7 @@ import psycopg
 import pytest
 from psycopg.types.json import Jsonb
 
-from test_concurrency import claim
+from helpers import claim
 
 PAUSE_MS = 400
 

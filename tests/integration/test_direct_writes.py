@@ -11,7 +11,7 @@ import psycopg
 import pytest
 from psycopg.types.json import Jsonb
 
-from test_concurrency import claim
+from helpers import claim
 
 
 def complete(conn, key, response, **kw):

@@ -1,4 +1,4 @@
-"""The README's worked stored procedure (examples/place_order.sql) and the demo script."""
+"""The worked stored procedure of docs/patterns.md (examples/place_order.sql) and the demo script."""
 
 import os
 import subprocess
@@ -7,7 +7,7 @@ import pytest
 from psycopg.types.json import Jsonb
 
 from cluster import PG_BIN
-from test_concurrency import race
+from helpers import race
 
 ROOT = os.path.join(os.path.dirname(__file__), "..", "..")
 

@@ -7,7 +7,7 @@ import time
 import psycopg
 
 from cluster import PG_BIN
-from test_concurrency import claim
+from helpers import claim
 
 
 def test_expired_key_is_new_without_any_sweep(db):

@@ -14,7 +14,9 @@ from psycopg.types.json import Jsonb
 
 from cluster import Cluster
 from faultload import Load, verify
-from test_concurrency import claim
+from helpers import claim
+
+pytestmark = pytest.mark.slow  # a standby, crashes under load, promotion
 
 SETTINGS = {
     "fsync": "on",

@@ -18,6 +18,8 @@ import sys
 
 import pytest
 
+pytestmark = pytest.mark.slow  # builds the fuzz harness with cargo, then hundreds of thousands of executions
+
 ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
 FUZZ = os.path.join(ROOT, "fuzz")
 BINARY = os.path.join(FUZZ, "target", "release", "canon-fuzz")

@@ -11,7 +11,7 @@ import pytest
 from psycopg.types.json import Jsonb
 
 from cluster import Cluster
-from test_concurrency import claim
+from helpers import claim
 
 
 @pytest.fixture(scope="module", params=["late", "preloaded"])

@@ -12,7 +12,7 @@ import psycopg
 import pytest
 
 from cluster import Cluster
-from test_concurrency import claim
+from helpers import claim
 
 
 @pytest.fixture

@@ -22,6 +22,8 @@ import pytest
 
 from cluster import PG_BIN, free_port
 
+pytestmark = pytest.mark.slow  # builds the example service with cargo
+
 ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
 EXAMPLE = os.path.join(ROOT, "examples", "http-service")
 DB = "http_example"

@@ -12,7 +12,7 @@ import pytest
 from psycopg.types.json import Jsonb
 
 from cluster import Cluster
-from test_concurrency import race_sessions
+from helpers import race_sessions
 
 PATTERNS_DIR = os.path.join(os.path.dirname(__file__), "..", "..", "examples", "patterns")
 PATTERNS = ["payment", "webhook", "queue", "workflow", "cron"]

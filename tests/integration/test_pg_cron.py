@@ -1,5 +1,5 @@
-"""The README recipe for sweeping without the background sweeper: a cluster that preloads
-pg_cron but not idempotency schedules `SELECT idempotency.sweep()`, and expired keys vanish
+"""The recipe of docs/operations.md for sweeping without the background sweeper: a cluster that
+preloads pg_cron but not idempotency schedules `SELECT idempotency.sweep()`, and expired keys vanish
 while live ones stay. pg_cron 1.5+ runs the job every 5 seconds; Debian 12's 1.4 schedules at
 minute granularity, so there the test waits up to a minute and a half."""
 
@@ -9,6 +9,8 @@ import psycopg
 import pytest
 
 from cluster import Cluster
+
+pytestmark = pytest.mark.slow  # waits for pg_cron's next minute
 
 
 @pytest.fixture(scope="module")
@@ -45,7 +47,7 @@ def test_pg_cron_sweeps_expired_keys(cron_cluster):
         time.sleep(1.2)
         assert db.execute("SELECT count(*) FROM idempotency.idempotency_keys WHERE expires_at <= now()").fetchone()[0] == 300
 
-        # The recipe from README "Operating the sweeper".
+        # The recipe from docs/operations.md, "Without preloading: pg_cron".
         db.execute("SELECT cron.schedule('idempotency-sweep', %s, 'SELECT idempotency.sweep()')", (schedule,))
 
         deadline = time.time() + (30 if seconds else 100)

@@ -15,11 +15,14 @@ import psycopg
 import pytest
 
 from cluster import Cluster, _as_postgres
-from test_concurrency import claim
+from helpers import claim
 
 FROM = os.environ.get("PG_UPGRADE_FROM")
 TO = os.environ.get("PG_UPGRADE_TO")
-pytestmark = pytest.mark.skipif(not (FROM and TO), reason="PG_UPGRADE_FROM and PG_UPGRADE_TO not set")
+pytestmark = [
+    pytest.mark.slow,  # two servers, pg_upgrade
+    pytest.mark.skipif(not (FROM and TO), reason="PG_UPGRADE_FROM and PG_UPGRADE_TO not set"),
+]
 
 SETTINGS = {"shared_preload_libraries": "'idempotency'", "idempotency.sweep_interval": "'1s'"}
 

@@ -7,7 +7,7 @@ apart, without a way for a tenant to lift it."""
 import psycopg
 import pytest
 
-from test_concurrency import claim
+from helpers import claim
 
 GRANT = "GRANT USAGE ON SCHEMA idempotency TO {role}"
 

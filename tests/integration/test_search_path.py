@@ -8,7 +8,7 @@ import hmac
 import psycopg
 import pytest
 
-from test_concurrency import claim
+from helpers import claim
 
 ATTACK = """
 CREATE SCHEMA evil;

@@ -19,10 +19,13 @@ import threading
 import time
 
 import psycopg
+import pytest
 from psycopg.types.json import Jsonb
 
 from cluster import Cluster
-from test_concurrency import claim
+from helpers import claim
+
+pytestmark = pytest.mark.slow  # minutes of mixed load
 
 SECONDS = float(os.environ.get("SOAK_SECONDS", "60"))
 SESSIONS = int(os.environ.get("SOAK_SESSIONS", "32"))

@@ -9,7 +9,7 @@ import subprocess
 import psycopg
 import pytest
 
-from test_concurrency import claim
+from helpers import claim
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from cluster import PG_BIN

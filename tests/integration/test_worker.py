@@ -9,7 +9,7 @@ import psycopg
 import pytest
 
 from cluster import Cluster
-from test_concurrency import claim
+from helpers import claim
 
 
 @pytest.fixture(scope="module")
@@ -193,6 +193,7 @@ def test_sweep_delay_paces_a_backlog(preloaded):
             a.execute("SELECT pg_reload_conf()")
 
 
+@pytest.mark.slow  # a backlog swept under claim load: 20-35 s
 def test_sweeper_yields_to_sessions_that_write(preloaded):
     """While other sessions write WAL the sweeper deletes a twentieth of a batch at a time; on an
     idle server it deletes full batches."""
@@ -389,6 +390,7 @@ def test_counters_add_up_across_sessions_live_and_gone(preloaded):
         assert [a - b for a, b in zip(counts(), before)] == expected
 
 
+@pytest.mark.slow  # a backlog swept under claim load: 20-35 s
 def test_sweep_of_a_million_rows_under_claim_load(preloaded):
     with connect(preloaded) as a:
         a.execute("""INSERT INTO idempotency.idempotency_keys (key, status, token, expires_at, ttl, locked_until)
