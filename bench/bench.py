@@ -7,6 +7,12 @@ Run through bench/run.sh (it installs the prerequisites and a release build). Op
   --rounds N    alternating rounds per comparison (default 2)
   --big N       rows for the scale comparison (default 10,000,000)
   --quick       a smoke run: 1 s runs, 1 round, 100,000 rows (checks the harness, not targets)
+  --no-redis    skip the Redis comparisons (they do not depend on the PostgreSQL version)
+  --no-scale    skip the 10M-row scale comparison
+  --out NAME    write NAME.md (and a chart) instead of RESULTS.md; bench/run.sh --pg NN uses
+                RESULTS-pgNN
+  --summary     only rewrite the per-version table in RESULTS.md from RESULTS.md and the
+                RESULTS-pgNN.md reports
 """
 
 import argparse
@@ -282,9 +288,15 @@ def main():
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--big", type=int, default=10_000_000)
     ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--no-redis", action="store_true")
+    ap.add_argument("--no-scale", action="store_true")
+    ap.add_argument("--summary", action="store_true")
     ap.add_argument("--out", default="RESULTS",
                     help="name of the report (NAME.md) and chart (NAME.png is throughput_p99 for RESULTS)")
     args = ap.parse_args()
+    if args.summary:
+        write_summary()
+        return
     if args.quick:
         args.seconds, args.rounds, args.big = 1, 1, 100_000
     logdir = tempfile.mkdtemp(prefix="idempotency-bench-")
@@ -334,7 +346,7 @@ def main():
 
         print("== Redis", flush=True)
         redis = {}
-        if shutil.which("redis-server"):
+        if shutil.which("redis-server") and not args.no_redis:
             for aof in (False, True):
                 server = Redis(aof)
                 try:
@@ -346,33 +358,43 @@ def main():
                 finally:
                     server.stop()
 
-        print("== scale", flush=True)
         # The runs above left their keys behind: back to the 10,000 replay keys (and 100 hot ones).
         sql(cluster, "DELETE FROM idempotency.idempotency_keys WHERE key !~ '^(r|hot-)[0-9]+$'")
         sql(cluster, "VACUUM ANALYZE idempotency.idempotency_keys")
-        small = sql(cluster, "SELECT count(*) FROM idempotency.idempotency_keys")[0][0]
-        scale = {}
-        scale["small"] = (small, pgbench(cluster, "ext_one_tx.sql", 4, args.seconds * 2, "scale-small", logdir))
-        sql(cluster, f"""INSERT INTO idempotency.idempotency_keys
-                           (key, request_hash, status, token, response, response_status, expires_at, ttl, completed_at)
-                         SELECT 'big-' || i, (SELECT idempotency.canonical_hash('{REQUEST}')), 'completed', i, '{{"ok": true}}',
-                                200, now() + interval '1 day', interval '1 day', now()
-                           FROM generate_series(1, {args.big}) i""")
-        sql(cluster, "VACUUM ANALYZE idempotency.idempotency_keys")
-        big = sql(cluster, "SELECT count(*) FROM idempotency.idempotency_keys")[0][0]
-        scale["big"] = (big, pgbench(cluster, "ext_one_tx.sql", 4, args.seconds * 2, "scale-big", logdir))
-        sql(cluster, "DELETE FROM idempotency.idempotency_keys WHERE key LIKE 'big-%'")
-        sql(cluster, "VACUUM idempotency.idempotency_keys")
+        scale = None
+        if not args.no_scale:
+            print("== scale", flush=True)
+            scale = scale_bench(cluster, args, logdir)
 
         print("== sweep", flush=True)
         sweep = sweep_bench(cluster, args.seconds, args.rounds, logdir)
 
         print("== hashing", flush=True)
         hashes = hashing(cluster, args.seconds)
+        report["version"] = sql(cluster, "SHOW server_version")[0][0]
     finally:
         cluster.destroy()
         shutil.rmtree(logdir, ignore_errors=True)
     write_results(args, report, pg, redis, scale, sweep, hashes)
+    write_summary()
+
+
+def scale_bench(cluster, args, logdir):
+    """claim+complete at 4 clients on the 10,000 replay keys, then with args.big more rows."""
+    small = sql(cluster, "SELECT count(*) FROM idempotency.idempotency_keys")[0][0]
+    scale = {}
+    scale["small"] = (small, pgbench(cluster, "ext_one_tx.sql", 4, args.seconds * 2, "scale-small", logdir))
+    sql(cluster, f"""INSERT INTO idempotency.idempotency_keys
+                       (key, request_hash, status, token, response, response_status, expires_at, ttl, completed_at)
+                     SELECT 'big-' || i, (SELECT idempotency.canonical_hash('{REQUEST}')), 'completed', i, '{{"ok": true}}',
+                            200, now() + interval '1 day', interval '1 day', now()
+                       FROM generate_series(1, {args.big}) i""")
+    sql(cluster, "VACUUM ANALYZE idempotency.idempotency_keys")
+    big = sql(cluster, "SELECT count(*) FROM idempotency.idempotency_keys")[0][0]
+    scale["big"] = (big, pgbench(cluster, "ext_one_tx.sql", 4, args.seconds * 2, "scale-big", logdir))
+    sql(cluster, "DELETE FROM idempotency.idempotency_keys WHERE key LIKE 'big-%'")
+    sql(cluster, "VACUUM idempotency.idempotency_keys")
+    return scale
 
 
 def fmt(x, digits=0):
@@ -384,12 +406,15 @@ def write_results(args, report, pg, redis, scale, sweep, hashes):
     one, sel, replay = "extension: claim + complete, one transaction", "floor: primary-key SELECT", "extension: replay"
     lines = ["# Benchmark results", "",
              f"Generated by `bench/run.sh` ({args.seconds} s per run, {args.rounds} alternating rounds, medians). "
-             "Release build, PostgreSQL 15, default settings but `shared_buffers = 256MB` (fsync and "
+             f"Release build, PostgreSQL {report['version']}, default settings but `shared_buffers = 256MB` (fsync and "
              "synchronous_commit on), pgbench `-M prepared`, on a shared 2-core machine: read the ratios, "
              "not the absolute numbers. Whole runs differ by up to about 15% from one another on this "
              "machine, so a ratio that close to its threshold is not settled by one run. The reads (primary-key "
              "SELECT, replay, mismatch) run first, for every client count, while the floor's table and the "
              "extension's hold the same rows; then the writes.", "",
+             f"Server: PostgreSQL {report['version']}; run on {time.strftime('%Y-%m-%d', time.gmtime())}"
+             + (" without the Redis comparisons" if not redis else "")
+             + (" and without the scale comparison" if scale is None else "") + ".", "",
              "## Throughput (transactions/s) and p99 latency (ms) by client count", "",
              "| comparison | " + " | ".join(f"{c} clients tps | p99" for c in CLIENTS) + " |",
              "|---|" + "---|---|" * len(CLIENTS)]
@@ -415,9 +440,10 @@ def write_results(args, report, pg, redis, scale, sweep, hashes):
     for c in CLIENTS:
         r = pg[(replay, c)][0] / pg[(sel, c)][0]
         target(f"replay ≥ 0.80 × primary-key SELECT at {c} clients", f"{r:.2f}", r >= 0.80)
-    (n_small, (t_small, _)), (n_big, (t_big, _)) = scale["small"], scale["big"]
-    r = t_big / t_small
-    target(f"claim+complete at {n_big:,} rows ≥ 0.80 × at {n_small:,} rows (4 clients)", f"{r:.2f}", r >= 0.80)
+    if scale:
+        (n_small, (t_small, _)), (n_big, (t_big, _)) = scale["small"], scale["big"]
+        r = t_big / t_small
+        target(f"claim+complete at {n_big:,} rows ≥ 0.80 × at {n_small:,} rows (4 clients)", f"{r:.2f}", r >= 0.80)
     target("sweep ≥ 100,000 rows/s (1M expired rows, background sweeper)", fmt(sweep["rows_per_second"]),
            sweep["rows_per_second"] >= 100_000)
     r = sweep["p99_during"] / sweep["p99_without"]
@@ -431,8 +457,11 @@ def write_results(args, report, pg, redis, scale, sweep, hashes):
     for label, row in hashes.items():
         lines.append(f"| {label} | {row['canonical_hash']:.1f} | {row['sha256(doc::text)']:.1f} | "
                      f"{row['PL/pgSQL canonicalizer']:.1f} |")
-    lines += ["", "## Scale, sweep and WAL", "",
-              f"- claim+complete, 4 clients: {t_small:,.0f} tps at {n_small:,} rows, {t_big:,.0f} tps at {n_big:,} rows.",
+    lines += ["", "## Scale, sweep and WAL", ""]
+    if scale:
+        lines.append(f"- claim+complete, 4 clients: {t_small:,.0f} tps at {n_small:,} rows, "
+                     f"{t_big:,.0f} tps at {n_big:,} rows.")
+    lines += [
               f"- background sweeper (default settings): {sweep['rows_per_second']:,.0f} rows/s on 1,000,000 "
               f"expired rows with nothing else running. 8 claiming sessions, {sweep['rounds']} rounds (medians), "
               f"each on a table holding a million expired rows: {sweep['tps_without']:,.0f} tps / p99 "
@@ -449,6 +478,68 @@ def write_results(args, report, pg, redis, scale, sweep, hashes):
         f.write("\n".join(lines))
     chart(pg, redis, png)
     print("\n".join(lines))
+
+
+# The targets every supported version is held to (issue: PostgreSQL 16-18), as they are named in
+# a report's Targets table; the per-version table in RESULTS.md shows them side by side.
+SUMMARY_TARGETS = [
+    ("claim+complete ≥ 0.90 × floor at 4 clients", "claim+complete / floor, 4 clients (≥ 0.90)"),
+    ("claim+complete ≥ 0.90 × floor at 16 clients", "claim+complete / floor, 16 clients (≥ 0.90)"),
+    ("replay ≥ 0.80 × primary-key SELECT at 1 clients", "replay / primary-key SELECT, 1 client (≥ 0.80)"),
+    ("replay ≥ 0.80 × primary-key SELECT at 4 clients", "replay / primary-key SELECT, 4 clients (≥ 0.80)"),
+    ("replay ≥ 0.80 × primary-key SELECT at 16 clients", "replay / primary-key SELECT, 16 clients (≥ 0.80)"),
+    ("sweep ≥ 100,000 rows/s", "sweep, rows/s on an idle server (≥ 100,000)"),
+    ("claim p99 during the sweep ≤ 1.25 × without", "claim p99 during a sweep / without (≤ 1.25)"),
+]
+BEGIN, END = "<!-- per-version table: bench.py --summary -->", "<!-- end of per-version table -->"
+
+
+def read_report(path):
+    """The server version and the Targets rows (description -> (measured, met)) of a report."""
+    version, rows = None, {}
+    with open(path) as f:
+        for line in f:
+            if line.startswith("Server: PostgreSQL "):
+                version = line[len("Server: PostgreSQL "):].split(";")[0].strip()
+            cells = [c.strip() for c in line.strip().strip("|").split("|")]
+            if len(cells) == 3 and cells[2] in ("yes", "**no**"):
+                rows[cells[0]] = (cells[1], cells[2] == "yes")
+    return version, rows
+
+
+def write_summary():
+    """Rewrites the per-version table in RESULTS.md from RESULTS.md and RESULTS-pgNN.md."""
+    reports = []
+    for name in sorted(os.listdir(HERE)):
+        if name == "RESULTS.md" or (name.startswith("RESULTS-pg") and name.endswith(".md")):
+            version, rows = read_report(os.path.join(HERE, name))
+            if version:
+                reports.append((int(version.split(".")[0]), version, name, rows))
+    reports.sort()
+    main = os.path.join(HERE, "RESULTS.md")
+    if not reports or not os.path.exists(main):
+        return
+    table = [BEGIN, "", "## Targets on every supported version", "",
+             "The target ratios from the latest report of each version (`bench/run.sh --pg NN`; "
+             "the full report of each is linked). A ratio that misses its target is in bold.", "",
+             "| target | " + " | ".join(f"[{v}]({n})" for _, v, n, _ in reports) + " |",
+             "|---|" + "---|" * len(reports)]
+    for prefix, label in SUMMARY_TARGETS:
+        cells = []
+        for _, _, _, rows in reports:
+            hit = next(((m, ok) for d, (m, ok) in rows.items() if d.startswith(prefix)), None)
+            cells.append("" if hit is None else (hit[0].split(" (")[0] if hit[1] else f"**{hit[0].split(' (')[0]}**"))
+        table.append(f"| {label} | " + " | ".join(cells) + " |")
+    table += ["", END]
+    with open(main) as f:
+        text = f.read()
+    if BEGIN in text and END in text:
+        text = text[:text.index(BEGIN)] + "\n".join(table) + text[text.index(END) + len(END):]
+    else:
+        at = text.find("\n## Throughput")
+        text = (text[:at + 1] + "\n".join(table) + "\n" + text[at:]) if at >= 0 else text + "\n" + "\n".join(table) + "\n"
+    with open(main, "w") as f:
+        f.write(text)
 
 
 def chart(pg, redis, png):

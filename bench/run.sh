@@ -4,7 +4,8 @@
 # which starts its own cluster and Redis servers and writes bench/RESULTS.md and the chart.
 # Takes about 20 minutes with the defaults; pass --quick for a smoke run of the harness.
 # --pg NN benchmarks PostgreSQL NN (15, the default, 16, 17, 18: scripts/pg-server.sh) and
-# writes bench/RESULTS-pgNN.md instead.
+# writes bench/RESULTS-pgNN.md instead; the per-version runs of bench/RESULTS.md's table pass
+# --no-redis --no-scale too (docs/benchmarks.md). Other options go to bench/bench.py.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 pg=15
