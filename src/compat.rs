@@ -207,7 +207,7 @@ pub unsafe fn index_beginscan(
 }
 
 /// The same server functions declared directly, without pgrx's per-call error boundary, for
-/// `ffi.rs`, which makes its calls inside one boundary of its own.
+/// `store/heap`, which makes its calls inside one boundary of its own.
 pub mod raw {
     use pgrx::pg_sys;
     use std::ffi::c_int;
@@ -235,7 +235,7 @@ pub mod raw {
     }
 
     /// `index_beginscan` without a boundary: call only inside `pg_guard_ffi_boundary`, from
-    /// plain old frames (see ffi.rs).
+    /// plain old frames (see store/heap).
     ///
     /// # Safety
     /// As `index_beginscan`, and the above.

@@ -4,8 +4,8 @@
 //! - `canonical`, `keys`, `state`, `signing`: pure logic (RFC 8785, argument rules, key
 //!   derivation, the claim state machine, signed and hashed keys), tested with plain `cargo test`;
 //! - `jsonb`: reads a jsonb datum into the canonical tree;
-//! - `store`: the SQL the extension runs against its table (claim, sweep);
-//! - `ffi`: the replay path's primary-key look-up as one call into PostgreSQL;
+//! - `store`: everything that reads or writes the extension's table (claim, completion, sweep),
+//!   in layers (see its module comment);
 //! - `api`: the SQL-callable functions, declared in `sql/idempotency.sql`;
 //! - `worker`: the background sweeper (launcher and per-database sweepers);
 //! - `stats`: counters in shared memory;
@@ -18,7 +18,6 @@ pub mod canonical;
 pub mod compat;
 pub mod encoding;
 pub mod error;
-pub mod ffi;
 pub mod guc;
 pub mod jsonb;
 pub mod keys;

@@ -3,7 +3,9 @@
 
 use crate::error::raise;
 use crate::state::{self, Decision, Stored};
-use crate::{encoding, ffi, guc, keys, stats};
+use crate::{encoding, guc, keys, stats};
+
+pub mod heap;
 use pgrx::datum::{Interval, TimestampWithTimeZone};
 use pgrx::pg_sys;
 use pgrx::prelude::*;
@@ -344,7 +346,7 @@ enum Probe {
     /// The newest committed version (or our own transaction's).
     Committed(Row),
     /// The row changed between the index scan and the heap fetch (an update of an indexed
-    /// column committed in between, see [`ffi::look_up`]): look again.
+    /// column committed in between, see [`heap::look_up`]): look again.
     Changed,
 }
 
@@ -375,7 +377,7 @@ struct Mismatch {
 }
 
 /// The look-up's columns, in the order of `Layout::att`, with the types whose datums
-/// `ffi::look_up` copies and `row_from_version` reads (as bytea, int8, jsonb, int4, text and
+/// `heap::look_up` copies and `row_from_version` reads (as bytea, int8, jsonb, int4, text and
 /// timestamptz).
 const LOOKUP_COLUMNS: [(&std::ffi::CStr, pg_sys::Oid, &str); 7] = [
     (c"request_hash", pg_sys::BYTEAOID, "bytea"),
@@ -428,7 +430,7 @@ unsafe fn attribute<'a>(
 
 /// Finds the columns the look-up reads (their attribute numbers into `att`, from the opened
 /// relation, so with every pending invalidation applied) and checks them against the types it
-/// reads them as, and the primary key against the scan it makes (`ffi::look_up`: texteq on
+/// reads them as, and the primary key against the scan it makes (`heap::look_up`: texteq on
 /// index columns 1 and 2, collation "C").
 /// Once per layout, so once per relcache invalidation of the table.
 ///
@@ -720,7 +722,7 @@ fn layout() -> Layout {
 fn check_access() {
     let l = layout();
     check_layout(&l);
-    let role = ffi::current_role();
+    let role = heap::current_role();
     if l.checked_for == role {
         return;
     }
@@ -745,12 +747,12 @@ fn check_access() {
     });
 }
 
-/// The row as [`ffi::look_up`] read it: the columns of `Layout::att`, variable-length ones
+/// The row as [`heap::look_up`] read it: the columns of `Layout::att`, variable-length ones
 /// already copied out of the table, judged at `now()`.
-fn row_from_version(v: &ffi::Version) -> Row {
+fn row_from_version(v: &heap::Version) -> Row {
     let [hash, token, response, status, recovery, expires, locked] =
         std::array::from_fn(|i| v.get(i));
-    let now = ffi::transaction_start();
+    let now = heap::transaction_start();
     let expires_at = expires.map_or(0, |d| d.value() as i64);
     let locked_until = locked.map(|d| d.value() as i64);
     unsafe {
@@ -795,7 +797,7 @@ fn probe(scope: &str, key: &str, confirm_miss: bool) -> Probe {
     // positive attribute numbers of `att` against the catalog (`check_layout` refuses a table
     // that differs before any probe).
     let v = unsafe {
-        ffi::look_up(
+        heap::look_up(
             l.relid,
             l.idxid,
             &scope,
@@ -823,7 +825,7 @@ fn probe(scope: &str, key: &str, confirm_miss: bool) -> Probe {
 ///
 /// Returns false when the dirty scan saw no version at all but an MVCC snapshot taken after it
 /// sees the key: an update of an indexed column committed between the index scan and the heap
-/// fetch (see [`ffi::look_up`]), so the caller must look again.
+/// fetch (see [`heap::look_up`]), so the caller must look again.
 unsafe fn scan_key_dirty(
     heap: pg_sys::Relation,
     index: pg_sys::Relation,
@@ -864,7 +866,7 @@ unsafe fn scan_key_dirty(
                 break;
             }
         }
-        // A miss may be a race with an update of an indexed column (see `ffi::look_up`):
+        // A miss may be a race with an update of an indexed column (see `heap::look_up`):
         // confirm it with a snapshot taken now, which cannot miss a committed version.
         let raced = !found_any && {
             let fresh = pg_sys::RegisterSnapshot(pg_sys::GetLatestSnapshot());
@@ -1154,7 +1156,7 @@ fn insert_direct(d: &DirectLayout, req: &ClaimRequest<'_>) -> ClaimResult {
             values[i] = v;
             nulls[i] = false;
         };
-        let now = pg_sys::Datum::from(ffi::transaction_start());
+        let now = pg_sys::Datum::from(heap::transaction_start());
         let plus = |interval: pg_sys::Datum| {
             pg_sys::DirectFunctionCall2Coll(
                 Some(timestamptz_pl_interval),
@@ -1276,7 +1278,7 @@ impl Drop for KeyInsertLock {
 }
 
 fn seconds_left(locked_until: Option<pg_sys::TimestampTz>) -> Interval {
-    let now = ffi::transaction_start();
+    let now = heap::transaction_start();
     let left = locked_until.map(|t| t.saturating_sub(now)).unwrap_or(0);
     Interval::new(0, 0, left.max(1_000_000))
         .unwrap_or_else(|_| Interval::new(0, 0, 1_000_000).unwrap())
@@ -1296,7 +1298,7 @@ fn busy_result() -> ClaimResult {
 /// (what `pg_catalog.now() + interval` gives the statements).
 pub fn now_plus(interval: &Interval) -> pg_sys::TimestampTz {
     use pgrx::IntoDatum;
-    let now = pg_sys::Datum::from(ffi::transaction_start());
+    let now = pg_sys::Datum::from(heap::transaction_start());
     let Some(i) = interval.into_datum() else {
         internal("an interval could not be converted");
     };
@@ -1814,7 +1816,7 @@ fn complete_direct(d: &DirectLayout, req: &CompleteRequest<'_>) -> Option<Comple
             close();
             table_changed("completion");
         }
-        let now = ffi::transaction_start();
+        let now = heap::transaction_start();
         for _ in 0..MAX_ROUNDS {
             let old = match newest_version(rel, index, req.scope, req.key) {
                 Newest::Absent => {
