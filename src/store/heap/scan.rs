@@ -1,5 +1,4 @@
-//! The replay path's look at the primary key, as one call into PostgreSQL; and two server
-//! functions that cannot fail, called without a boundary.
+//! The replay path's look at the primary key, as one call into PostgreSQL.
 //!
 //! pgrx wraps every `pg_sys` function in its own error boundary (a `sigsetjmp` and a thread
 //! check per call). A claim that replays makes some twenty such calls to open the table, scan
@@ -13,7 +12,13 @@
 //! frame. [`look_up`] and its callees hold raw pointers and `Copy` values only, nothing with a
 //! destructor, and never panic, so a `longjmp` out of a C call skips nothing that had to run.
 
+use super::super::catalog::layout;
+use super::super::{OwnedJsonb, Row};
+use super::transaction_start;
+use crate::{encoding, guc};
+use pgrx::datum::TimestampWithTimeZone;
 use pgrx::pg_sys;
+use pgrx::prelude::*;
 use std::ffi::{c_char, c_int};
 
 unsafe extern "C-unwind" {
@@ -67,24 +72,6 @@ unsafe extern "C-unwind" {
     fn datumCopy(value: pg_sys::Datum, typbyval: bool, typlen: c_int) -> pg_sys::Datum;
     fn ExecDropSingleTupleTableSlot(slot: *mut pg_sys::TupleTableSlot);
     fn index_endscan(scan: pg_sys::IndexScanDesc);
-}
-
-// Two that read backend state and cannot raise an error: called directly, no boundary needed.
-unsafe extern "C-unwind" {
-    fn GetCurrentTransactionStartTimestamp() -> pg_sys::TimestampTz;
-    fn GetUserId() -> pg_sys::Oid;
-}
-
-/// The start of the current transaction (what `now()` returns).
-pub fn transaction_start() -> pg_sys::TimestampTz {
-    // SAFETY: reads a backend variable; never raises an error.
-    unsafe { GetCurrentTransactionStartTimestamp() }
-}
-
-/// The current role (under SECURITY DEFINER, the function's owner).
-pub fn current_role() -> pg_sys::Oid {
-    // SAFETY: reads a backend variable; never raises an error.
-    unsafe { GetUserId() }
 }
 
 /// Columns read from the row, in the order of `store::Layout::att`.
@@ -293,5 +280,239 @@ unsafe fn scan(
         index_close(index, pg_sys::NoLock as pg_sys::LOCKMODE);
         table_close(heap, pg_sys::NoLock as pg_sys::LOCKMODE);
         found
+    }
+}
+
+/// What a dirty-snapshot look at the primary key found.
+pub(crate) enum Probe {
+    /// No version of the row exists, committed or not.
+    Absent,
+    /// Another open transaction is inserting, updating or deleting the row.
+    Busy,
+    /// The newest committed version (or our own transaction's).
+    Committed(Row),
+    /// The row changed between the index scan and the heap fetch (an update of an indexed
+    /// column committed in between, see [`look_up`]): look again.
+    Changed,
+}
+
+/// The row as [`look_up`] read it: the columns of `Layout::att`, variable-length ones
+/// already copied out of the table, judged at `now()`.
+pub(crate) fn row_from_version(v: &Version) -> Row {
+    let [hash, token, response, status, recovery, expires, locked] =
+        std::array::from_fn(|i| v.get(i));
+    let now = transaction_start();
+    let expires_at = expires.map_or(0, |d| d.value() as i64);
+    let locked_until = locked.map(|d| d.value() as i64);
+    unsafe {
+        Row {
+            // The table's CHECK constraint ties "completed" to locked_until IS NULL.
+            completed: locked_until.is_none(),
+            request_hash: hash.map(|d| {
+                let p = d.cast_mut_ptr::<pg_sys::varlena>();
+                std::slice::from_raw_parts(
+                    pgrx::varlena::vardata_any(p).cast::<u8>(),
+                    pgrx::varlena::varsize_any_exhdr(p),
+                )
+                .to_vec()
+            }),
+            token: token.map(|d| d.value() as i64),
+            // Copies in the function's memory context already: no second copy.
+            response: response.map(OwnedJsonb),
+            response_status: status.map(|d| d.value() as i32),
+            recovery_point: recovery.map(|d| encoding::text_of(d, "recovery_point").into_owned()),
+            expires_at: expires.and_then(|d| TimestampWithTimeZone::from_datum(d, false)),
+            expired: expires_at <= now,
+            lease_over: locked_until.is_some_and(|l| l <= now),
+            retry_after: Some(super::seconds_left(locked_until)),
+        }
+    }
+}
+
+/// Looks the key up in the primary key with a dirty snapshot, as PostgreSQL's own unique
+/// checks do: it sees committed rows and learns, without waiting, whether another open
+/// transaction is inserting, changing or deleting the key.
+///
+/// `confirm_miss`: a miss is confirmed with a fresh MVCC snapshot and answered `Changed` when
+/// that sees the key (a concurrent update raced the look). Callers that act on `Absent` (by
+/// inserting) confirm; callers that only look again on `Absent` need not.
+pub(crate) fn probe(scope: &str, key: &str, confirm_miss: bool) -> Probe {
+    let l = layout();
+    let (scope, key) = (
+        encoding::server_bytes(scope, "scope"),
+        encoding::server_bytes(key, "key"),
+    );
+    // SAFETY: `layout` checked the OIDs, the key columns (text COLLATE "C") and the types and
+    // positive attribute numbers of `att` against the catalog (`check_layout` refuses a table
+    // that differs before any probe).
+    let v = unsafe {
+        look_up(
+            l.relid,
+            l.idxid,
+            &scope,
+            &key,
+            &l.att,
+            confirm_miss,
+            guc::debug_probe_pause(),
+        )
+    };
+    if v.raced {
+        Probe::Changed
+    } else if !v.exists {
+        Probe::Absent
+    } else if v.xmin != pg_sys::InvalidTransactionId || v.xmax != pg_sys::InvalidTransactionId {
+        Probe::Busy
+    } else {
+        Probe::Committed(row_from_version(&v))
+    }
+}
+
+/// Walks the versions of (scope, key) that a dirty snapshot sees through the primary key, as
+/// PostgreSQL's own unique checks do, until `visit` returns true. `visit` gets each version's
+/// slot and the dirty snapshot's verdict on it: the open transaction that inserted it (xmin) or
+/// is changing, deleting or locking it for an update (xmax), each invalid when there is none.
+///
+/// Returns false when the dirty scan saw no version at all but an MVCC snapshot taken after it
+/// sees the key: an update of an indexed column committed between the index scan and the heap
+/// fetch (see [`look_up`]), so the caller must look again.
+pub(crate) unsafe fn scan_key_dirty(
+    heap: pg_sys::Relation,
+    index: pg_sys::Relation,
+    scope: &str,
+    key: &str,
+    mut visit: impl FnMut(
+        *mut pg_sys::TupleTableSlot,
+        pg_sys::TransactionId,
+        pg_sys::TransactionId,
+    ) -> bool,
+) -> bool {
+    // SAFETY: `heap` and `index` are open (the caller's contract); the snapshots live on this
+    // frame (dirty) or are registered (fresh) for as long as the scans that use them.
+    unsafe {
+        let mut snapshot: pg_sys::SnapshotData = std::mem::zeroed();
+        snapshot.snapshot_type = pg_sys::SnapshotType::SNAPSHOT_DIRTY;
+        let mut keys: [pg_sys::ScanKeyData; 2] = std::mem::zeroed();
+        // The key columns are COLLATE "C", which is what ScanKeyInit assumes.
+        let scope_text = encoding::text_datum(scope, "scope");
+        let key_text = encoding::text_datum(key, "key");
+        for (i, d) in [scope_text, key_text].into_iter().enumerate() {
+            pg_sys::ScanKeyInit(
+                &mut keys[i],
+                (i + 1) as pg_sys::AttrNumber,
+                pg_sys::BTEqualStrategyNumber as u16,
+                pg_sys::Oid::from(pg_sys::F_TEXTEQ),
+                d,
+            );
+        }
+        let scan = crate::compat::index_beginscan(heap, index, &mut snapshot, 2);
+        pg_sys::index_rescan(scan, keys.as_mut_ptr(), 2, std::ptr::null_mut(), 0);
+        let slot = pg_sys::table_slot_create(heap, std::ptr::null_mut());
+        let pause = guc::debug_probe_pause();
+        let mut found_any = false;
+        while next_version_guarded(scan, slot, pause) {
+            found_any = true;
+            if visit(slot, snapshot.xmin, snapshot.xmax) {
+                break;
+            }
+        }
+        // A miss may be a race with an update of an indexed column (see `look_up`):
+        // confirm it with a snapshot taken now, which cannot miss a committed version.
+        let raced = !found_any && {
+            let fresh = pg_sys::RegisterSnapshot(pg_sys::GetLatestSnapshot());
+            let confirm = crate::compat::index_beginscan(heap, index, fresh, 2);
+            // index_rescan copies the keys: the same array serves both scans.
+            pg_sys::index_rescan(confirm, keys.as_mut_ptr(), 2, std::ptr::null_mut(), 0);
+            let seen = pg_sys::index_getnext_slot(
+                confirm,
+                pg_sys::ScanDirection::ForwardScanDirection,
+                slot,
+            );
+            pg_sys::index_endscan(confirm);
+            pg_sys::UnregisterSnapshot(fresh);
+            seen
+        };
+        pg_sys::ExecDropSingleTupleTableSlot(slot);
+        pg_sys::index_endscan(scan);
+        !raced
+    }
+}
+
+/// `index_getnext_slot`, which is these two calls, with the test pause of
+/// `idempotency.debug_probe_pause` (debug builds only) between the index and the heap.
+///
+/// # Safety
+/// `scan` is an open index scan over the table of `slot`.
+pub(crate) unsafe fn next_version_guarded(
+    scan: pg_sys::IndexScanDesc,
+    slot: *mut pg_sys::TupleTableSlot,
+    pause_ms: i32,
+) -> bool {
+    // SAFETY: see the function's contract; the calls are index_getnext_slot's own body.
+    unsafe {
+        loop {
+            // A non-MVCC snapshot may see more than one member of a HOT chain: the heap fetch
+            // then continues on the same index entry.
+            if !(*scan).xs_heap_continue {
+                if pg_sys::index_getnext_tid(scan, pg_sys::ScanDirection::ForwardScanDirection)
+                    .is_null()
+                {
+                    return false;
+                }
+                if cfg!(debug_assertions) && pause_ms > 0 {
+                    pg_sys::WaitLatch(
+                        pg_sys::MyLatch,
+                        (pg_sys::WL_LATCH_SET | pg_sys::WL_TIMEOUT | pg_sys::WL_EXIT_ON_PM_DEATH)
+                            as i32,
+                        pause_ms as std::ffi::c_long,
+                        pg_sys::PG_WAIT_EXTENSION,
+                    );
+                    pg_sys::ResetLatch(pg_sys::MyLatch);
+                }
+            }
+            if pg_sys::index_fetch_heap(scan, slot) {
+                return true;
+            }
+        }
+    }
+}
+
+/// The newest version of a key's row, as a completion must see it.
+pub(crate) enum Newest {
+    /// No row, or only one that another open transaction is inserting (an UPDATE statement
+    /// would not see it either).
+    Absent,
+    /// Another open transaction is changing, deleting or locking the row: wait for it.
+    Wait(pg_sys::TransactionId),
+    /// The newest committed version (or this transaction's own), copied.
+    Row(pg_sys::HeapTuple),
+    /// The scan raced an update of the row (see [`scan_key_dirty`]): look again.
+    Changed,
+}
+
+pub(crate) unsafe fn newest_version(
+    rel: pg_sys::Relation,
+    index: pg_sys::Relation,
+    scope: &str,
+    key: &str,
+) -> Newest {
+    let mut found = Newest::Absent;
+    // SAFETY: `rel` and `index` are the open table and its primary key (the caller's contract).
+    let whole = unsafe {
+        scan_key_dirty(rel, index, scope, key, |slot, xmin, xmax| {
+            if xmax != pg_sys::InvalidTransactionId {
+                found = Newest::Wait(xmax);
+                return true;
+            }
+            if xmin != pg_sys::InvalidTransactionId {
+                return false; // another transaction's uncommitted insert (or new version)
+            }
+            found = Newest::Row(pg_sys::ExecCopySlotHeapTuple(slot));
+            true
+        })
+    };
+    if whole {
+        found
+    } else {
+        Newest::Changed
     }
 }

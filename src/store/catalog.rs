@@ -1,0 +1,605 @@
+//! Facts about the store table read from the catalog, cached per backend: its OIDs and column
+//! positions, whether its columns are of the types the below-SQL access reads and writes,
+//! whether direct writes are allowed, the access checks and the key storage mode. And the
+//! search-path pin the statements run under.
+
+use super::heap;
+use crate::error::raise;
+use crate::keys;
+use pgrx::pg_sys;
+use pgrx::prelude::*;
+use pgrx::PgSqlErrorCode;
+use sha2::Digest;
+use std::cell::Cell;
+
+/// Pins the search path to `pg_catalog` while the extension runs its own statements, whatever
+/// the caller's `search_path`: what a pinning `SET search_path` clause would give, without its
+/// per-call cost where the server allows (see [`crate::compat::SearchPathPin`]). Every
+/// statement is schema-qualified as well.
+pub use crate::compat::SearchPathPin as PinnedSearchPath;
+
+/// Per-backend cache of the table's OIDs and column numbers, checked against the catalog's
+/// current OIDs on every use (they change when the extension is reinstalled).
+#[derive(Clone, Copy)]
+pub(crate) struct Layout {
+    pub(crate) relid: pg_sys::Oid,
+    pub(crate) idxid: pg_sys::Oid,
+    /// request_hash, token, response, response_status, recovery_point, expires_at, locked_until
+    pub(crate) att: [i32; 7],
+    /// The role whose table privileges were checked for this layout (see `check_access`).
+    pub(crate) checked_for: pg_sys::Oid,
+    /// A column that the look-up reads (`att`, or scope and key, which it compares in the
+    /// index) whose type is not the one it interprets the column's datums as: claim and
+    /// complete refuse the table (`check_layout`) rather than misread or miswrite it.
+    pub(crate) mismatch: Option<Mismatch>,
+}
+
+/// A column whose type differs from the extension's table.
+#[derive(Clone, Copy)]
+pub(crate) struct Mismatch {
+    pub(crate) column: &'static str,
+    pub(crate) expected: &'static str,
+    /// The column's type and typmod (InvalidOid: the column is missing).
+    pub(crate) found: pg_sys::Oid,
+    pub(crate) typmod: i32,
+}
+
+/// The look-up's columns, in the order of `Layout::att`, with the types whose datums
+/// `heap::look_up` copies and `row_from_version` reads (as bytea, int8, jsonb, int4, text and
+/// timestamptz).
+pub(crate) const LOOKUP_COLUMNS: [(&std::ffi::CStr, pg_sys::Oid, &str); 7] = [
+    (c"request_hash", pg_sys::BYTEAOID, "bytea"),
+    (c"token", pg_sys::INT8OID, "bigint"),
+    (c"response", pg_sys::JSONBOID, "jsonb"),
+    (c"response_status", pg_sys::INT4OID, "integer"),
+    (c"recovery_point", pg_sys::TEXTOID, "text"),
+    (
+        c"expires_at",
+        pg_sys::TIMESTAMPTZOID,
+        "timestamp with time zone",
+    ),
+    (
+        c"locked_until",
+        pg_sys::TIMESTAMPTZOID,
+        "timestamp with time zone",
+    ),
+];
+
+/// Whether attribute `a` is a live column of type `typid` with no typmod, stored as that
+/// type is (length, by value, alignment): what a datum of `typid` built or read in Rust needs.
+/// A typmod (`timestamptz(0)`, `varchar(n)`) would also need the value coerced, which only SQL
+/// does.
+pub(crate) fn column_is(a: &pg_sys::FormData_pg_attribute, typid: pg_sys::Oid) -> bool {
+    let (mut len, mut byval, mut align) = (0i16, false, 0 as std::ffi::c_char);
+    // SAFETY: a syscache look-up of a built-in or existing type; raises an ERROR only for a
+    // type that does not exist, which the first comparison rules out before it runs.
+    a.atttypid == typid && !a.attisdropped && a.atttypmod == -1 && {
+        unsafe { pg_sys::get_typlenbyvalalign(typid, &mut len, &mut byval, &mut align) };
+        a.attlen == len && a.attbyval == byval && a.attalign == align
+    }
+}
+
+/// The live attribute `name` of the open relation `rel`, if any.
+///
+/// # Safety
+/// `rel` is an open relation.
+pub(crate) unsafe fn attribute<'a>(
+    rel: pg_sys::Relation,
+    name: &std::ffi::CStr,
+) -> Option<&'a pg_sys::FormData_pg_attribute> {
+    // SAFETY: the caller's contract; the slice is the relation's own descriptor.
+    unsafe {
+        let desc = (*rel).rd_att;
+        (0..(*desc).natts as usize)
+            .map(|i| &*crate::compat::attribute(desc, i))
+            .find(|a| !a.attisdropped && std::ffi::CStr::from_ptr(a.attname.data.as_ptr()) == name)
+    }
+}
+
+/// Finds the columns the look-up reads (their attribute numbers into `att`, from the opened
+/// relation, so with every pending invalidation applied) and checks them against the types it
+/// reads them as, and the primary key against the scan it makes (`heap::look_up`: texteq on
+/// index columns 1 and 2, collation "C").
+/// Once per layout, so once per relcache invalidation of the table.
+///
+/// # Safety
+/// `relid` and `idxid` are the table and its primary key.
+pub(crate) unsafe fn check_lookup_columns(
+    relid: pg_sys::Oid,
+    idxid: pg_sys::Oid,
+    att: &mut [i32; 7],
+) -> Option<Mismatch> {
+    // SAFETY: opens and closes relations by OID (AccessShareLock, kept to the end of the
+    // transaction as every reader's); every pointer read is the relcache's.
+    unsafe {
+        let lock = pg_sys::AccessShareLock as pg_sys::LOCKMODE;
+        let rel = pg_sys::table_open(relid, lock);
+        let mut mismatch = None;
+        let mut note = |name: &'static std::ffi::CStr,
+                        expected: &'static str,
+                        a: Option<&pg_sys::FormData_pg_attribute>| {
+            if mismatch.is_none() {
+                mismatch = Some(Mismatch {
+                    column: name.to_str().unwrap_or("?"),
+                    expected,
+                    found: a.map_or(pg_sys::InvalidOid, |a| a.atttypid),
+                    typmod: a.map_or(-1, |a| a.atttypmod),
+                });
+            }
+        };
+        for (i, (name, typid, expected)) in LOOKUP_COLUMNS.iter().enumerate() {
+            let a = attribute(rel, name);
+            att[i] = a.map_or(0, |a| a.attnum as i32);
+            if !a.is_some_and(|a| column_is(a, *typid)) {
+                note(name, expected, a);
+            }
+        }
+        let mut key_columns = [0i16; 2];
+        for (i, name) in [c"scope", c"key"].into_iter().enumerate() {
+            let a = attribute(rel, name);
+            match a {
+                Some(a)
+                    if column_is(a, pg_sys::TEXTOID)
+                        && a.attcollation == pg_sys::C_COLLATION_OID =>
+                {
+                    key_columns[i] = a.attnum
+                }
+                _ => note(name, "text COLLATE \"C\"", a),
+            }
+        }
+        pg_sys::table_close(rel, pg_sys::NoLock as pg_sys::LOCKMODE);
+        let index = pg_sys::index_open(idxid, lock);
+        let form = (*index).rd_index;
+        let ok = !form.is_null()
+            && (*form).indisunique
+            && (*form).indnatts == 2
+            && (*form).indnkeyatts == 2
+            && (*(*index).rd_rel).relam == pg_sys::BTREE_AM_OID
+            && (*form).indkey.values.as_slice(2) == key_columns;
+        pg_sys::index_close(index, pg_sys::NoLock as pg_sys::LOCKMODE);
+        if !ok {
+            note(
+                c"idempotency_keys_pkey",
+                "a btree primary key on (scope, key)",
+                None,
+            );
+        }
+        mismatch
+    }
+}
+
+/// Refuses a table whose look-up columns were altered (see `Layout::mismatch`): claim and
+/// complete read and write those columns below SQL and cannot work on other types.
+pub(crate) fn check_layout(l: &Layout) {
+    let Some(m) = l.mismatch else {
+        return;
+    };
+    let found = if m.found == pg_sys::InvalidOid {
+        "missing or not as created".to_string()
+    } else {
+        // SAFETY: formats an existing type's name (palloc'd in the current context).
+        unsafe {
+            let name = pg_sys::format_type_with_typemod(m.found, m.typmod);
+            std::ffi::CStr::from_ptr(name)
+                .to_string_lossy()
+                .into_owned()
+        }
+    };
+    raise(
+        PgSqlErrorCode::ERRCODE_OBJECT_NOT_IN_PREREQUISITE_STATE,
+        format!(
+            "idempotency: idempotency.idempotency_keys.{} is {found}, but the extension needs {}",
+            m.column, m.expected
+        ),
+        Some(
+            "the table was altered by hand: alter it back, or reinstall the extension \
+             (DROP EXTENSION idempotency; CREATE EXTENSION idempotency;)",
+        ),
+    );
+}
+
+pub(crate) static LAYOUT: crate::local::BackendLocal<Cell<Option<Layout>>> =
+    crate::local::BackendLocal::new(Cell::new(None));
+
+/// Forgets the cached layout when the relation cache is invalidated (the table may have been
+/// dropped, e.g. by DROP EXTENSION).
+#[pg_guard]
+unsafe extern "C-unwind" fn forget_layout(_arg: pg_sys::Datum, relid: pg_sys::Oid) {
+    LAYOUT.with(|c| {
+        if c.get()
+            .is_some_and(|l| relid == pg_sys::InvalidOid || l.relid == relid || l.idxid == relid)
+        {
+            c.set(None);
+            HASHED.with(|h| h.set(None));
+            DIRECT.with(|d| d.set(None));
+        }
+    });
+}
+
+/// How the store keeps keys (`idempotency.config`, changed by `set_key_storage`).
+#[derive(Clone, Copy)]
+pub(crate) enum KeyStorage {
+    Plain,
+    /// HMAC-SHA256 under this secret of the key's SHA-256 ([`crate::signing::hashed_key`]).
+    Keyed([u8; 32]),
+    /// Release 0.2.0's plain SHA-256: a store not yet updated to 0.3.0 (no secret column).
+    Sha256,
+}
+
+/// The key storage, read once per layout.
+pub(crate) static HASHED: crate::local::BackendLocal<Cell<Option<KeyStorage>>> =
+    crate::local::BackendLocal::new(Cell::new(None));
+
+/// Locks the store against a concurrent switch of the key storage (which takes an ACCESS
+/// EXCLUSIVE lock and invalidates the layout when it commits), then tells how keys are
+/// stored. Taking the lock first processes any pending invalidation, so the answer holds
+/// until the end of the transaction.
+pub(crate) fn key_storage() -> KeyStorage {
+    let l = layout();
+    unsafe { pg_sys::LockRelationOid(l.relid, pg_sys::AccessShareLock as pg_sys::LOCKMODE) };
+    let l = layout();
+    if let Some(h) = HASHED.with(Cell::get) {
+        return h;
+    }
+    // SAFETY: catalog look-ups inside the calling transaction.
+    let config = unsafe {
+        let nsp = pg_sys::get_namespace_oid(c"idempotency".as_ptr(), false);
+        pg_sys::get_relname_relid(c"config".as_ptr(), nsp)
+    };
+    let storage = if config == pg_sys::InvalidOid {
+        KeyStorage::Plain
+    } else {
+        // SAFETY: as above.
+        let has_secret = unsafe { pg_sys::get_attnum(config, c"key_secret".as_ptr()) } > 0;
+        let query = if has_secret {
+            "SELECT c.key_storage OPERATOR(pg_catalog.=) 'sha256', c.key_secret \
+               FROM idempotency.config AS c"
+        } else {
+            "SELECT c.key_storage OPERATOR(pg_catalog.=) 'sha256', NULL::pg_catalog.bytea \
+               FROM idempotency.config AS c"
+        };
+        let _path = PinnedSearchPath::pin();
+        // A read-only SPI query (select, not update): it must work on a hot standby, where
+        // assigning a transaction id is an error.
+        let row = Spi::connect(|client| {
+            let t = client.select(query, None, &[])?;
+            if t.is_empty() {
+                return Ok((false, None));
+            }
+            let row = t.first();
+            Ok::<_, pgrx::spi::Error>((
+                row.get::<bool>(1)?.unwrap_or(false),
+                row.get::<Vec<u8>>(2)?,
+            ))
+        })
+        .unwrap_or_else(|e| {
+            raise(
+                PgSqlErrorCode::ERRCODE_INTERNAL_ERROR,
+                format!("idempotency: reading idempotency.config: {e}"),
+                None,
+            )
+        });
+        match row {
+            (false, _) => KeyStorage::Plain,
+            (true, None) if !has_secret => KeyStorage::Sha256,
+            (true, secret) => match secret.as_deref().map(<[u8; 32]>::try_from) {
+                Some(Ok(s)) => KeyStorage::Keyed(s),
+                _ => raise(
+                    PgSqlErrorCode::ERRCODE_DATA_CORRUPTED,
+                    "idempotency.config keeps keys hashed but has no 32-byte key_secret".into(),
+                    Some("the secret was changed by hand: restore it, or forget the hashed keys and call set_key_storage again"),
+                ),
+            },
+        }
+    };
+    // Only cache what belongs to the current layout (an invalidation may have come in).
+    if LAYOUT.with(Cell::get).is_some_and(|c| c.relid == l.relid) {
+        HASHED.with(|h| h.set(Some(storage)));
+    }
+    storage
+}
+
+/// Whether the store keeps keys hashed (as far as this transaction has looked).
+pub(crate) fn keys_hashed() -> bool {
+    !matches!(HASHED.with(Cell::get), None | Some(KeyStorage::Plain))
+}
+
+/// The form in which `key` is stored: itself, or its keyed hash in hex when the store keeps
+/// keys hashed (`idempotency.set_key_storage`).
+pub fn stored_key(key: String) -> String {
+    match key_storage() {
+        KeyStorage::Plain => key,
+        KeyStorage::Keyed(secret) => crate::signing::hashed_key(&key, &secret),
+        KeyStorage::Sha256 => keys::hex(&sha2::Sha256::digest(key.as_bytes())),
+    }
+}
+
+/// How messages name a stored key: quoted, or only a prefix of its hash.
+pub fn key_label(stored: &str) -> String {
+    if keys_hashed() {
+        crate::signing::hash_label(stored)
+    } else {
+        format!("{stored:?}")
+    }
+}
+
+pub(crate) static CALLBACK_REGISTERED: crate::local::BackendLocal<Cell<bool>> =
+    crate::local::BackendLocal::new(Cell::new(false));
+
+pub(crate) fn layout() -> Layout {
+    if let Some(l) = LAYOUT.with(Cell::get) {
+        return l;
+    }
+    if !CALLBACK_REGISTERED.with(Cell::get) {
+        // SAFETY: registers a callback that only clears backend-local caches; once per backend.
+        unsafe {
+            pg_sys::CacheRegisterRelcacheCallback(Some(forget_layout), pg_sys::Datum::from(0usize))
+        };
+        CALLBACK_REGISTERED.with(|c| c.set(true));
+    }
+    // SAFETY: catalog look-ups by name; the OIDs passed on are checked to exist first.
+    unsafe {
+        let nsp = pg_sys::get_namespace_oid(c"idempotency".as_ptr(), false);
+        let relid = pg_sys::get_relname_relid(c"idempotency_keys".as_ptr(), nsp);
+        let idxid = pg_sys::get_relname_relid(c"idempotency_keys_pkey".as_ptr(), nsp);
+        if relid == pg_sys::InvalidOid || idxid == pg_sys::InvalidOid {
+            raise(
+                PgSqlErrorCode::ERRCODE_UNDEFINED_TABLE,
+                "idempotency.idempotency_keys or its primary key is missing".to_string(),
+                Some("reinstall the extension: DROP EXTENSION idempotency; CREATE EXTENSION idempotency;"),
+            );
+        }
+        let mut att = [0i32; 7];
+        let mismatch = check_lookup_columns(relid, idxid, &mut att);
+        let l = Layout {
+            relid,
+            idxid,
+            att,
+            checked_for: pg_sys::InvalidOid,
+            mismatch,
+        };
+        LAYOUT.with(|c| c.set(Some(l)));
+        l
+    }
+}
+
+/// The probe reads the table below SQL, where PostgreSQL checks no privileges: so claim checks
+/// that the current role may SELECT, INSERT and UPDATE the table, as its SQL would need.
+/// The result is cached with the layout: GRANT and REVOKE invalidate it (relcache), and a
+/// different role (SET ROLE, SECURITY DEFINER callers) is checked again.
+pub(crate) fn check_access() {
+    let l = layout();
+    check_layout(&l);
+    let role = heap::current_role();
+    if l.checked_for == role {
+        return;
+    }
+    // pg_class_aclcheck accepts any one of the bits it is given: check them one by one.
+    for mode in [pg_sys::ACL_SELECT, pg_sys::ACL_INSERT, pg_sys::ACL_UPDATE] {
+        unsafe {
+            let result = pg_sys::pg_class_aclcheck(l.relid, role, mode as pg_sys::AclMode);
+            if result != pg_sys::AclResult::ACLCHECK_OK {
+                pg_sys::aclcheck_error(
+                    result,
+                    pg_sys::ObjectType::OBJECT_TABLE,
+                    c"idempotency_keys".as_ptr(),
+                );
+            }
+        }
+    }
+    LAYOUT.with(|c| {
+        c.set(Some(Layout {
+            checked_for: role,
+            ..l
+        }))
+    });
+}
+
+/// What direct writes (a fresh claim's insert, a completion's update) need: the table's column
+/// positions (0-based), the token sequence and the values of the status labels. Cached with
+/// the layout.
+#[derive(Clone, Copy)]
+pub(crate) struct DirectLayout {
+    pub(crate) relid: pg_sys::Oid,
+    pub(crate) idxid: pg_sys::Oid,
+    pub(crate) natts: usize,
+    pub(crate) response: usize,
+    pub(crate) response_status: usize,
+    pub(crate) completed_at: usize,
+    pub(crate) completed: pg_sys::Datum,
+    pub(crate) scope: usize,
+    pub(crate) key: usize,
+    pub(crate) request_hash: usize,
+    pub(crate) status: usize,
+    pub(crate) token: usize,
+    pub(crate) created_at: usize,
+    pub(crate) locked_until: usize,
+    pub(crate) expires_at: usize,
+    pub(crate) ttl: usize,
+    pub(crate) token_seq: pg_sys::Oid,
+    pub(crate) in_progress: pg_sys::Datum,
+}
+
+/// Some(None): the table is not as the extension made it; claims insert through SQL.
+pub(crate) static DIRECT: crate::local::BackendLocal<Cell<Option<Option<DirectLayout>>>> =
+    crate::local::BackendLocal::new(Cell::new(None));
+
+/// Every column of the extension's table with the type its datums have in the direct writes
+/// (InvalidOid: the enum `idempotency.key_status`), and whether a fresh claim leaves it NULL.
+pub(crate) const OWN_COLUMNS: [(&std::ffi::CStr, pg_sys::Oid, bool); 13] = [
+    (c"scope", pg_sys::TEXTOID, false),
+    (c"key", pg_sys::TEXTOID, false),
+    (c"request_hash", pg_sys::BYTEAOID, false),
+    (c"status", pg_sys::InvalidOid, false),
+    (c"token", pg_sys::INT8OID, false),
+    (c"response", pg_sys::JSONBOID, true),
+    (c"response_status", pg_sys::INT4OID, true),
+    (c"recovery_point", pg_sys::TEXTOID, true),
+    (c"created_at", pg_sys::TIMESTAMPTZOID, false),
+    (c"completed_at", pg_sys::TIMESTAMPTZOID, true),
+    (c"locked_until", pg_sys::TIMESTAMPTZOID, false),
+    (c"expires_at", pg_sys::TIMESTAMPTZOID, false),
+    (c"ttl", pg_sys::INTERVALOID, false),
+];
+
+/// The table's constraints as the extension creates them (sql/idempotency.sql), one line each:
+/// type, name and `pg_get_constraintdef` (under the pinned search path), ordered by name. The
+/// direct writes build rows that satisfy exactly these; any other set (one dropped, replaced
+/// or added, NOT VALID, a foreign key, an exclusion or a unique constraint) goes through SQL,
+/// where the executor checks it. NOT NULL constraints (catalogued here from PostgreSQL 18 on,
+/// contype 'n') are left out: the layout compares each column's `attnotnull` instead, on every
+/// version.
+pub(crate) const OWN_CONSTRAINTS: &str = "c idempotency_keys_lease_check CHECK (((status = 'in_progress'::idempotency.key_status) = (locked_until IS NOT NULL)))\n\
+p idempotency_keys_pkey PRIMARY KEY (scope, key)\n\
+c idempotency_keys_request_hash_check CHECK (((request_hash IS NULL) OR (length(request_hash) = 32)))\n\
+c idempotency_keys_response_status_check CHECK (((response_status IS NULL) OR ((response_status >= 100) AND (response_status <= 599))))";
+
+pub(crate) const CONSTRAINTS_SQL: &str = "SELECT pg_catalog.string_agg(c.contype::pg_catalog.text \
+       OPERATOR(pg_catalog.||) ' ' OPERATOR(pg_catalog.||) c.conname::pg_catalog.text \
+       OPERATOR(pg_catalog.||) ' ' OPERATOR(pg_catalog.||) pg_catalog.pg_get_constraintdef(c.oid), \
+       E'\\n' ORDER BY c.conname) \
+     FROM pg_catalog.pg_constraint AS c WHERE c.conrelid OPERATOR(pg_catalog.=) $1 \
+      AND c.contype OPERATOR(pg_catalog.<>) 'n'";
+
+/// The direct-write layout, or None when the table differs from the extension's own; then the
+/// INSERT and UPDATE statements run, with everything PostgreSQL would do for them. Checked
+/// once per relcache invalidation of the table (ALTER TABLE, constraints, rules, triggers,
+/// publications all send one), never per call:
+/// - a plain table (not partitioned), no triggers, no rules (a rewrite rule replaces or adds
+///   to the statement), no row-level security;
+/// - exactly the extension's columns, each of the type (typmod, length, by-value, alignment)
+///   whose datums the writes build, and the ones a fresh claim leaves NULL nullable;
+/// - exactly the extension's constraints, by name and definition ([`OWN_CONSTRAINTS`]);
+/// - not in any publication: the executor checks a published table's replica identity and
+///   the publications' row filters and column lists on UPDATE (`CheckCmdReplicaIdentity`),
+///   which the direct update would bypass.
+pub(crate) fn direct_layout() -> Option<DirectLayout> {
+    let l = layout();
+    if let Some(d) = DIRECT.with(Cell::get) {
+        if d.is_none_or(|d| d.relid == l.relid) {
+            return d;
+        }
+    }
+    // SAFETY: the OIDs are the layout's, just read from the catalog.
+    let d = unsafe { build_direct_layout(l.relid, l.idxid) };
+    if LAYOUT.with(Cell::get).is_some_and(|c| c.relid == l.relid) {
+        DIRECT.with(|c| c.set(Some(d)));
+    }
+    d
+}
+
+/// [`direct_layout`] with the table locked for writing first: taking the lock applies the
+/// invalidations of DDL that committed since the layout was read, so the layout describes the
+/// table as the write will find it (as the executor's lock at the start of a statement does).
+pub(crate) fn direct_layout_for_write() -> Option<DirectLayout> {
+    let l = layout();
+    // SAFETY: locks an existing relation by OID; held to the end of the transaction, as a
+    // write's lock is.
+    unsafe { pg_sys::LockRelationOid(l.relid, pg_sys::RowExclusiveLock as pg_sys::LOCKMODE) };
+    direct_layout()
+}
+
+/// # Safety
+/// `relid` and `idxid` are the store table and its primary key.
+pub(crate) unsafe fn build_direct_layout(
+    relid: pg_sys::Oid,
+    idxid: pg_sys::Oid,
+) -> Option<DirectLayout> {
+    let _path = PinnedSearchPath::pin();
+    // SAFETY: the caller's contract; the relation stays open (AccessShareLock) while its
+    // descriptor, rules and publication description are read.
+    unsafe {
+        let status_type = Spi::get_one::<pg_sys::Oid>(
+            "SELECT 'idempotency.key_status'::pg_catalog.regtype::pg_catalog.oid",
+        )
+        .ok()
+        .flatten()?;
+        let rel = pg_sys::table_open(relid, pg_sys::AccessShareLock as pg_sys::LOCKMODE);
+        let desc = (*rel).rd_att;
+        let natts = (*desc).natts as usize;
+        let form = (*rel).rd_rel;
+        let mut publication: pg_sys::PublicationDesc = Default::default();
+        pg_sys::RelationBuildPublicationDesc(rel, &mut publication);
+        let actions = publication.pubactions;
+        let published =
+            actions.pubinsert || actions.pubupdate || actions.pubdelete || actions.pubtruncate;
+        let plain = (*form).relkind == pg_sys::RELKIND_RELATION as std::ffi::c_char
+            && (*rel).trigdesc.is_null()
+            && (*rel).rd_rules.is_null()
+            && !(*form).relhasrules
+            && !(*form).relrowsecurity
+            && !published;
+        let ours = (0..natts)
+            .map(|i| &*crate::compat::attribute(desc, i))
+            .filter(|a| !a.attisdropped)
+            .all(|a| {
+                let name = std::ffi::CStr::from_ptr(a.attname.data.as_ptr());
+                OWN_COLUMNS.iter().any(|&(own, typid, nullable)| {
+                    own == name
+                        && column_is(
+                            a,
+                            if typid == pg_sys::InvalidOid {
+                                status_type
+                            } else {
+                                typid
+                            },
+                        )
+                        && (!nullable || !a.attnotnull)
+                })
+            });
+        let all = OWN_COLUMNS
+            .iter()
+            .all(|&(own, _, _)| attribute(rel, own).is_some());
+        pg_sys::table_close(rel, pg_sys::AccessShareLock as pg_sys::LOCKMODE);
+        if !(plain && ours && all) {
+            return None;
+        }
+        let constraints = Spi::get_one_with_args::<String>(CONSTRAINTS_SQL, &[relid.into()])
+            .ok()
+            .flatten()?;
+        if constraints != OWN_CONSTRAINTS {
+            return None;
+        }
+        let position = |name: &std::ffi::CStr| {
+            let n = pg_sys::get_attnum(relid, name.as_ptr());
+            (n > 0).then(|| n as usize - 1)
+        };
+        let nsp = pg_sys::get_namespace_oid(c"idempotency".as_ptr(), false);
+        let token_seq = pg_sys::get_relname_relid(c"token_seq".as_ptr(), nsp);
+        let label = |name: &str| {
+            Spi::get_one_with_args::<pg_sys::Oid>(
+                "SELECT e.oid FROM pg_catalog.pg_enum AS e \
+                  WHERE e.enumtypid OPERATOR(pg_catalog.=) 'idempotency.key_status'::pg_catalog.regtype \
+                    AND e.enumlabel OPERATOR(pg_catalog.=) $1",
+                &[name.into()],
+            )
+            .ok()
+            .flatten()
+        };
+        let in_progress = label("in_progress")?;
+        let completed = label("completed")?;
+        if token_seq == pg_sys::InvalidOid {
+            return None;
+        }
+        Some(DirectLayout {
+            relid,
+            idxid,
+            natts,
+            response: position(c"response")?,
+            response_status: position(c"response_status")?,
+            completed_at: position(c"completed_at")?,
+            completed: pg_sys::Datum::from(completed),
+            scope: position(c"scope")?,
+            key: position(c"key")?,
+            request_hash: position(c"request_hash")?,
+            status: position(c"status")?,
+            token: position(c"token")?,
+            created_at: position(c"created_at")?,
+            locked_until: position(c"locked_until")?,
+            expires_at: position(c"expires_at")?,
+            ttl: position(c"ttl")?,
+            token_seq,
+            in_progress: pg_sys::Datum::from(in_progress),
+        })
+    }
+}
