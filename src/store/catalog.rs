@@ -24,8 +24,8 @@ pub use crate::compat::SearchPathPin as PinnedSearchPath;
 pub(crate) struct Layout {
     pub(crate) relid: pg_sys::Oid,
     pub(crate) idxid: pg_sys::Oid,
-    /// request_hash, token, response, response_status, recovery_point, expires_at, locked_until
-    pub(crate) att: [i32; 7],
+    /// The attribute numbers of [`LOOKED_UP`].
+    pub(crate) att: [i32; LOOKED_UP_COUNT],
     /// The role whose table privileges were checked for this layout (see `check_access`).
     pub(crate) checked_for: pg_sys::Oid,
     /// A column that the look-up reads (`att`, or scope and key, which it compares in the
@@ -44,26 +44,107 @@ pub(crate) struct Mismatch {
     pub(crate) typmod: i32,
 }
 
-/// The look-up's columns, in the order of `Layout::att`, with the types whose datums
-/// `heap::look_up` copies and `row_from_version` reads (as bytea, int8, jsonb, int4, text and
-/// timestamptz).
-pub(crate) const LOOKUP_COLUMNS: [(&std::ffi::CStr, pg_sys::Oid, &str); 7] = [
-    (c"request_hash", pg_sys::BYTEAOID, "bytea"),
-    (c"token", pg_sys::INT8OID, "bigint"),
-    (c"response", pg_sys::JSONBOID, "jsonb"),
-    (c"response_status", pg_sys::INT4OID, "integer"),
-    (c"recovery_point", pg_sys::TEXTOID, "text"),
-    (
-        c"expires_at",
-        pg_sys::TIMESTAMPTZOID,
-        "timestamp with time zone",
+/// The columns of the store table as the extension creates them (sql/idempotency.sql), in
+/// the order of [`COLUMNS`]: the one definition of the table that the look-up's attribute
+/// numbers ([`Layout::att`]), the columns it reads ([`LOOKED_UP`]) and the direct writes'
+/// positions ([`DirectLayout`]) derive from.
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+pub(crate) enum Column {
+    Scope,
+    Key,
+    RequestHash,
+    Status,
+    Token,
+    Response,
+    ResponseStatus,
+    RecoveryPoint,
+    CreatedAt,
+    CompletedAt,
+    LockedUntil,
+    ExpiresAt,
+    Ttl,
+}
+
+/// One column of the store table.
+pub(crate) struct ColumnDef {
+    pub(crate) name: &'static std::ffi::CStr,
+    /// The type whose datums the look-up reads and the direct writes build (InvalidOid: the
+    /// enum `idempotency.key_status`, whose OID is the installation's).
+    pub(crate) typid: pg_sys::Oid,
+    /// The type as messages name it.
+    pub(crate) type_name: &'static str,
+    /// Whether a fresh claim leaves it NULL (so it must be nullable).
+    pub(crate) fresh_null: bool,
+}
+
+const fn def(
+    name: &'static std::ffi::CStr,
+    typid: pg_sys::Oid,
+    type_name: &'static str,
+    fresh_null: bool,
+) -> ColumnDef {
+    ColumnDef {
+        name,
+        typid,
+        type_name,
+        fresh_null,
+    }
+}
+
+const TIMESTAMPTZ: &str = "timestamp with time zone";
+
+/// Every column of the store table, in the order of [`Column`] (`Column::X as usize` is its
+/// index here).
+pub(crate) const COLUMNS: [ColumnDef; 13] = [
+    def(c"scope", pg_sys::TEXTOID, "text", false),
+    def(c"key", pg_sys::TEXTOID, "text", false),
+    def(c"request_hash", pg_sys::BYTEAOID, "bytea", false),
+    def(
+        c"status",
+        pg_sys::InvalidOid,
+        "idempotency.key_status",
+        false,
     ),
-    (
-        c"locked_until",
-        pg_sys::TIMESTAMPTZOID,
-        "timestamp with time zone",
-    ),
+    def(c"token", pg_sys::INT8OID, "bigint", false),
+    def(c"response", pg_sys::JSONBOID, "jsonb", true),
+    def(c"response_status", pg_sys::INT4OID, "integer", true),
+    def(c"recovery_point", pg_sys::TEXTOID, "text", true),
+    def(c"created_at", pg_sys::TIMESTAMPTZOID, TIMESTAMPTZ, false),
+    def(c"completed_at", pg_sys::TIMESTAMPTZOID, TIMESTAMPTZ, true),
+    def(c"locked_until", pg_sys::TIMESTAMPTZOID, TIMESTAMPTZ, false),
+    def(c"expires_at", pg_sys::TIMESTAMPTZOID, TIMESTAMPTZ, false),
+    def(c"ttl", pg_sys::INTERVALOID, "interval", false),
 ];
+
+impl Column {
+    pub(crate) const fn def(self) -> &'static ColumnDef {
+        &COLUMNS[self as usize]
+    }
+}
+
+/// The columns the look-up reads from the row (`heap::look_up` copies their datums and
+/// `row_from_version` reads them as the types of [`COLUMNS`]), in the order of
+/// [`Layout::att`]. The key columns it compares in the index are checked apart.
+/// How many columns the look-up reads.
+pub(crate) const LOOKED_UP_COUNT: usize = 7;
+
+pub(crate) const LOOKED_UP: [Column; LOOKED_UP_COUNT] = [
+    Column::RequestHash,
+    Column::Token,
+    Column::Response,
+    Column::ResponseStatus,
+    Column::RecoveryPoint,
+    Column::ExpiresAt,
+    Column::LockedUntil,
+];
+
+/// The place of `c` in [`LOOKED_UP`] (a column the look-up does not read: a bug, caught by
+/// the tests in debug builds; reads the first column in release builds).
+pub(crate) fn looked_up_index(c: Column) -> usize {
+    let i = LOOKED_UP.iter().position(|&l| l == c);
+    debug_assert!(i.is_some(), "{c:?} is not read by the look-up");
+    i.unwrap_or(0)
+}
 
 /// Whether attribute `a` is a live column of type `typid` with no typmod, stored as that
 /// type is (length, by value, alignment): what a datum of `typid` built or read in Rust needs.
@@ -107,7 +188,7 @@ pub(crate) unsafe fn attribute<'a>(
 pub(crate) unsafe fn check_lookup_columns(
     relid: pg_sys::Oid,
     idxid: pg_sys::Oid,
-    att: &mut [i32; 7],
+    att: &mut [i32; LOOKED_UP_COUNT],
 ) -> Option<Mismatch> {
     // SAFETY: opens and closes relations by OID (AccessShareLock, kept to the end of the
     // transaction as every reader's); every pointer read is the relcache's.
@@ -127,11 +208,12 @@ pub(crate) unsafe fn check_lookup_columns(
                 });
             }
         };
-        for (i, (name, typid, expected)) in LOOKUP_COLUMNS.iter().enumerate() {
-            let a = attribute(rel, name);
+        for (i, c) in LOOKED_UP.iter().enumerate() {
+            let c = c.def();
+            let a = attribute(rel, c.name);
             att[i] = a.map_or(0, |a| a.attnum as i32);
-            if !a.is_some_and(|a| column_is(a, *typid)) {
-                note(name, expected, a);
+            if !a.is_some_and(|a| column_is(a, c.typid)) {
+                note(c.name, c.type_name, a);
             }
         }
         let mut key_columns = [0i16; 2];
@@ -349,7 +431,7 @@ pub(crate) fn layout() -> Layout {
                 Some("reinstall the extension: DROP EXTENSION idempotency; CREATE EXTENSION idempotency;"),
             );
         }
-        let mut att = [0i32; 7];
+        let mut att = [0i32; LOOKED_UP_COUNT];
         let mismatch = check_lookup_columns(relid, idxid, &mut att);
         let l = Layout {
             relid,
@@ -387,12 +469,9 @@ pub(crate) fn check_access() {
             }
         }
     }
-    LAYOUT.with(|c| {
-        c.set(Some(Layout {
-            checked_for: role,
-            ..l
-        }))
-    });
+    let mut checked = l;
+    checked.checked_for = role;
+    LAYOUT.with(|c| c.set(Some(checked)));
 }
 
 /// What direct writes (a fresh claim's insert, a completion's update) need: the table's column
@@ -403,44 +482,24 @@ pub(crate) struct DirectLayout {
     pub(crate) relid: pg_sys::Oid,
     pub(crate) idxid: pg_sys::Oid,
     pub(crate) natts: usize,
-    pub(crate) response: usize,
-    pub(crate) response_status: usize,
-    pub(crate) completed_at: usize,
-    pub(crate) completed: pg_sys::Datum,
-    pub(crate) scope: usize,
-    pub(crate) key: usize,
-    pub(crate) request_hash: usize,
-    pub(crate) status: usize,
-    pub(crate) token: usize,
-    pub(crate) created_at: usize,
-    pub(crate) locked_until: usize,
-    pub(crate) expires_at: usize,
-    pub(crate) ttl: usize,
+    /// The 0-based position of each column of [`COLUMNS`] in the table's rows (`d[column]`).
+    position: [usize; COLUMNS.len()],
     pub(crate) token_seq: pg_sys::Oid,
+    /// The values of the status labels.
     pub(crate) in_progress: pg_sys::Datum,
+    pub(crate) completed: pg_sys::Datum,
+}
+
+impl std::ops::Index<Column> for DirectLayout {
+    type Output = usize;
+    fn index(&self, c: Column) -> &usize {
+        &self.position[c as usize]
+    }
 }
 
 /// Some(None): the table is not as the extension made it; claims insert through SQL.
 pub(crate) static DIRECT: crate::local::BackendLocal<Cell<Option<Option<DirectLayout>>>> =
     crate::local::BackendLocal::new(Cell::new(None));
-
-/// Every column of the extension's table with the type its datums have in the direct writes
-/// (InvalidOid: the enum `idempotency.key_status`), and whether a fresh claim leaves it NULL.
-pub(crate) const OWN_COLUMNS: [(&std::ffi::CStr, pg_sys::Oid, bool); 13] = [
-    (c"scope", pg_sys::TEXTOID, false),
-    (c"key", pg_sys::TEXTOID, false),
-    (c"request_hash", pg_sys::BYTEAOID, false),
-    (c"status", pg_sys::InvalidOid, false),
-    (c"token", pg_sys::INT8OID, false),
-    (c"response", pg_sys::JSONBOID, true),
-    (c"response_status", pg_sys::INT4OID, true),
-    (c"recovery_point", pg_sys::TEXTOID, true),
-    (c"created_at", pg_sys::TIMESTAMPTZOID, false),
-    (c"completed_at", pg_sys::TIMESTAMPTZOID, true),
-    (c"locked_until", pg_sys::TIMESTAMPTZOID, false),
-    (c"expires_at", pg_sys::TIMESTAMPTZOID, false),
-    (c"ttl", pg_sys::INTERVALOID, false),
-];
 
 /// The table's constraints as the extension creates them (sql/idempotency.sql), one line each:
 /// type, name and `pg_get_constraintdef` (under the pinned search path), ordered by name. The
@@ -534,8 +593,9 @@ pub(crate) unsafe fn build_direct_layout(
             .filter(|a| !a.attisdropped)
             .all(|a| {
                 let name = std::ffi::CStr::from_ptr(a.attname.data.as_ptr());
-                OWN_COLUMNS.iter().any(|&(own, typid, nullable)| {
-                    own == name
+                COLUMNS.iter().any(|c| {
+                    let (typid, nullable) = (c.typid, c.fresh_null);
+                    c.name == name
                         && column_is(
                             a,
                             if typid == pg_sys::InvalidOid {
@@ -547,9 +607,7 @@ pub(crate) unsafe fn build_direct_layout(
                         && (!nullable || !a.attnotnull)
                 })
             });
-        let all = OWN_COLUMNS
-            .iter()
-            .all(|&(own, _, _)| attribute(rel, own).is_some());
+        let all = COLUMNS.iter().all(|c| attribute(rel, c.name).is_some());
         pg_sys::table_close(rel, pg_sys::AccessShareLock as pg_sys::LOCKMODE);
         if !(plain && ours && all) {
             return None;
@@ -581,25 +639,18 @@ pub(crate) unsafe fn build_direct_layout(
         if token_seq == pg_sys::InvalidOid {
             return None;
         }
+        let mut positions = [0usize; COLUMNS.len()];
+        for (p, c) in positions.iter_mut().zip(COLUMNS.iter()) {
+            *p = position(c.name)?;
+        }
         Some(DirectLayout {
             relid,
             idxid,
             natts,
-            response: position(c"response")?,
-            response_status: position(c"response_status")?,
-            completed_at: position(c"completed_at")?,
-            completed: pg_sys::Datum::from(completed),
-            scope: position(c"scope")?,
-            key: position(c"key")?,
-            request_hash: position(c"request_hash")?,
-            status: position(c"status")?,
-            token: position(c"token")?,
-            created_at: position(c"created_at")?,
-            locked_until: position(c"locked_until")?,
-            expires_at: position(c"expires_at")?,
-            ttl: position(c"ttl")?,
+            position: positions,
             token_seq,
             in_progress: pg_sys::Datum::from(in_progress),
+            completed: pg_sys::Datum::from(completed),
         })
     }
 }

@@ -12,7 +12,7 @@
 //! frame. [`look_up`] and its callees hold raw pointers and `Copy` values only, nothing with a
 //! destructor, and never panic, so a `longjmp` out of a C call skips nothing that had to run.
 
-use super::super::catalog::layout;
+use super::super::catalog::{layout, looked_up_index, Column, LOOKED_UP_COUNT};
 use super::super::{OwnedJsonb, Row};
 use super::transaction_start;
 use crate::{encoding, guc};
@@ -71,75 +71,136 @@ unsafe extern "C-unwind" {
     fn pg_detoast_datum_copy(datum: *mut pg_sys::varlena) -> *mut pg_sys::varlena;
     fn datumCopy(value: pg_sys::Datum, typbyval: bool, typlen: c_int) -> pg_sys::Datum;
     fn ExecDropSingleTupleTableSlot(slot: *mut pg_sys::TupleTableSlot);
+    fn ExecFetchSlotHeapTuple(
+        slot: *mut pg_sys::TupleTableSlot,
+        materialize: bool,
+        should_free: *mut bool,
+    ) -> pg_sys::HeapTuple;
+    fn heap_copytuple(tuple: pg_sys::HeapTuple) -> pg_sys::HeapTuple;
     fn index_endscan(scan: pg_sys::IndexScanDesc);
 }
 
-/// Columns read from the row, in the order of `store::Layout::att`.
-pub const COLUMNS: usize = 7;
+/// The columns the look-up reads, in the order of `catalog::LOOKED_UP`.
+const N: usize = LOOKED_UP_COUNT;
 
 /// What the dirty-snapshot look found: the first version of the key it sees.
 #[derive(Clone, Copy)]
-pub struct Version {
+pub(crate) struct Version {
     /// False: no version of the key exists, committed or not.
-    pub exists: bool,
+    pub(crate) exists: bool,
     /// The dirty look found nothing, but a fresh MVCC snapshot taken after it sees the key: a
     /// transaction updated an indexed column of the row and committed while the look was
-    /// between the index and the heap (see [`look_up`]). Look again.
-    pub raced: bool,
+    /// between the index and the heap (see [`scan_key`]). Look again.
+    pub(crate) raced: bool,
     /// The open transaction that inserted the version, or is changing, deleting or locking it
     /// for an update (invalid when none).
-    pub xmin: pg_sys::TransactionId,
-    pub xmax: pg_sys::TransactionId,
-    /// The columns of `att` (1-based attribute numbers, all positive), by value; variable-length
-    /// ones are detoasted copies in the caller's memory context, as they must outlive the scan.
-    pub values: [pg_sys::Datum; COLUMNS],
-    pub nulls: [bool; COLUMNS],
+    pub(crate) xmin: pg_sys::TransactionId,
+    pub(crate) xmax: pg_sys::TransactionId,
+    /// The columns of `catalog::LOOKED_UP`, by value; variable-length ones are detoasted copies in
+    /// the caller's memory context, as they must outlive the scan.
+    values: [pg_sys::Datum; N],
+    nulls: [bool; N],
 }
 
 impl Version {
-    /// Column `i` of `att`, None when NULL.
-    pub fn get(&self, i: usize) -> Option<pg_sys::Datum> {
+    /// Column `c` (one of `catalog::LOOKED_UP`), None when NULL.
+    pub(crate) fn get(&self, c: Column) -> Option<pg_sys::Datum> {
+        let i = looked_up_index(c);
         (!self.nulls[i]).then_some(self.values[i])
     }
 }
 
-/// Looks (scope, key) (text in the database encoding) up through the primary key `index` of `heap` with a dirty snapshot, as
-/// PostgreSQL's own unique checks do, and reads the columns `att` of the first version seen.
+/// Looks (scope, key) (text in the database encoding) up through the primary key `index` of
+/// `heap` with a dirty snapshot ([`scan_key`]) and reads the columns `att` (the attribute
+/// numbers of `catalog::LOOKED_UP`) of the first version seen.
 ///
 /// A dirty snapshot sees at most one version of a key that no open transaction is changing:
 /// the unique index admits no second live one. So the first version answers: either it is
 /// committed and untouched, or an open transaction is on it.
 ///
-/// A miss is not proof of absence: the btree scan collects the key's index entries first and
-/// reads the heap after, so an UPDATE of an indexed column (`expires_at`) that commits in
-/// between leaves the scan with only the dead old version, the new version's index entry
-/// unseen. With `confirm_miss`, a miss is checked with an MVCC snapshot taken after it
-/// (`GetLatestSnapshot`): such an updater inserted its new index entry before it committed,
-/// so that scan cannot miss the row; if it finds the key, the answer is `raced` (the caller
-/// looks again). Without it a miss is returned as it is (for callers that look again anyway).
-///
-/// `pause_ms` (debug builds only, `idempotency.debug_probe_pause`) waits that long between
-/// the index scan and each heap fetch of the dirty look, so that tests can commit an update
-/// in that window.
-///
 /// # Safety
 /// Call from the backend's main thread with valid OIDs of a table and its (scope, key) btree
 /// index whose key columns are `text COLLATE "C"`, and `att` positive attribute numbers of
 /// that table.
-pub unsafe fn look_up(
+pub(crate) unsafe fn look_up(
     heap: pg_sys::Oid,
     index: pg_sys::Oid,
     scope: &[u8],
     key: &[u8],
-    att: &[i32; COLUMNS],
+    att: &[i32; N],
     confirm_miss: bool,
     pause_ms: i32,
 ) -> Version {
-    // SAFETY: `scan` has only plain old frames (see the module comment).
+    // SAFETY: the closure and everything it calls hold raw pointers and `Copy` values only and
+    // never panic (see the module comment), so an ERROR's longjmp out of a C call skips no
+    // destructor; the OIDs and attribute numbers are valid (the caller's contract).
     unsafe {
         pg_sys::ffi::pg_guard_ffi_boundary(|| {
-            scan(heap, index, scope, key, att, confirm_miss, pause_ms)
+            let lock = pg_sys::AccessShareLock as pg_sys::LOCKMODE;
+            let heap = table_open(heap, lock);
+            let index = index_open(index, lock);
+            let mut found = Version {
+                exists: false,
+                raced: false,
+                xmin: pg_sys::InvalidTransactionId,
+                xmax: pg_sys::InvalidTransactionId,
+                values: [pg_sys::Datum::from(0usize); N],
+                nulls: [true; N],
+            };
+            found.raced = scan_key(
+                heap,
+                index,
+                scope,
+                key,
+                confirm_miss,
+                pause_ms,
+                |slot, xmin, xmax| {
+                    found.exists = true;
+                    found.xmin = xmin;
+                    found.xmax = xmax;
+                    copy_columns(slot, att, &mut found);
+                    true
+                },
+            );
+            index_close(index, pg_sys::NoLock as pg_sys::LOCKMODE);
+            table_close(heap, pg_sys::NoLock as pg_sys::LOCKMODE);
+            found
         })
+    }
+}
+
+/// Copies the columns `att` of the version in `slot` into `found`.
+///
+/// # Safety
+/// `slot` holds a version of the table whose attribute numbers `att` are; called inside the
+/// boundary.
+unsafe fn copy_columns(slot: *mut pg_sys::TupleTableSlot, att: &[i32; N], found: &mut Version) {
+    // SAFETY: the caller's contract: `slot` is a filled slot of the table, `att` are positive
+    // attribute numbers; an attribute past the tuple descriptor is skipped, not read.
+    unsafe {
+        let last = att.iter().copied().max().unwrap_or(0);
+        if ((*slot).tts_nvalid as i32) < last {
+            slot_getsomeattrs_int(slot, last);
+        }
+        let desc = (*slot).tts_tupleDescriptor;
+        let natts = (*desc).natts as usize;
+        for (i, &n) in att.iter().enumerate() {
+            let at = (n - 1) as usize;
+            if at >= natts {
+                continue;
+            }
+            let column = &*crate::compat::attribute(desc, at);
+            let null = *(*slot).tts_isnull.add(at);
+            let value = *(*slot).tts_values.add(at);
+            found.nulls[i] = null;
+            found.values[i] = if null || column.attbyval {
+                value
+            } else if column.attlen == -1 {
+                pg_sys::Datum::from(pg_detoast_datum_copy(value.cast_mut_ptr()))
+            } else {
+                datumCopy(value, false, column.attlen as c_int)
+            };
+        }
     }
 }
 
@@ -166,8 +227,7 @@ unsafe fn pause(ms: i32) {
 unsafe fn pause(_ms: i32) {}
 
 /// The next version the index scan finds, as `index_getnext_slot` does it (which is these
-/// two calls), with the test pause between the index and the heap. (store.rs has the same
-/// loop with pgrx's guarded calls, for its scans outside this module's boundary.)
+/// two calls), with the test pause between the index and the heap.
 ///
 /// # Safety
 /// `scan` is an open index scan over the table of `slot`; called inside the boundary.
@@ -194,21 +254,47 @@ unsafe fn next_version(
     }
 }
 
-unsafe fn scan(
-    heap_oid: pg_sys::Oid,
-    index_oid: pg_sys::Oid,
+/// The one dirty-snapshot scan of a key: walks the versions of (scope, key) (text in the
+/// database encoding) that a dirty snapshot sees through the primary key `index` of `heap`, as
+/// PostgreSQL's own unique checks do, until `visit` returns true. `visit` gets each version's
+/// slot and the dirty snapshot's verdict on it: the open transaction that inserted it (xmin)
+/// or is changing, deleting or locking it for an update (xmax), each invalid when there is
+/// none. The slot is dropped when the scan ends: `visit` copies what it keeps.
+///
+/// A miss is not proof of absence: the btree scan collects the key's index entries first and
+/// reads the heap after, so an UPDATE of an indexed column (`expires_at`) that commits in
+/// between leaves the scan with only the dead old version, the new version's index entry
+/// unseen. With `confirm_miss`, a miss (no version seen at all) is checked with an MVCC
+/// snapshot taken after it (`GetLatestSnapshot`): such an updater inserted its new index entry
+/// before it committed, so that scan cannot miss the row; if it finds the key, the scan
+/// returns true (raced: the caller looks again). Without it a miss is returned as it is (for
+/// callers that look again anyway).
+///
+/// `pause_ms` (debug builds only, `idempotency.debug_probe_pause`) waits that long between
+/// the index scan and each heap fetch of the dirty look, so that tests can commit an update
+/// in that window.
+///
+/// # Safety
+/// Inside a [`pg_sys::ffi::pg_guard_ffi_boundary`], from plain old frames (`visit` included:
+/// it must not panic nor own anything with a destructor); `heap` and `index` open, the index
+/// on (scope, key) with `text COLLATE "C"` key columns.
+unsafe fn scan_key(
+    heap: pg_sys::Relation,
+    index: pg_sys::Relation,
     scope: &[u8],
     key: &[u8],
-    att: &[i32; COLUMNS],
     confirm_miss: bool,
     pause_ms: i32,
-) -> Version {
-    // SAFETY: the caller's contract (`look_up`): valid OIDs of the table and its (scope, key)
-    // index and positive attribute numbers; every pointer used is one the server returned.
+    mut visit: impl FnMut(
+        *mut pg_sys::TupleTableSlot,
+        pg_sys::TransactionId,
+        pg_sys::TransactionId,
+    ) -> bool,
+) -> bool {
+    // SAFETY: the caller's contract; every pointer used is one the server returned, the dirty
+    // snapshot lives on this frame for the scan's duration and the fresh one is registered
+    // for its scan's.
     unsafe {
-        let lock = pg_sys::AccessShareLock as pg_sys::LOCKMODE;
-        let heap = table_open(heap_oid, lock);
-        let index = index_open(index_oid, lock);
         let mut snapshot: pg_sys::SnapshotData = std::mem::zeroed();
         snapshot.snapshot_type = pg_sys::SnapshotType::SNAPSHOT_DIRTY;
         let mut keys: [pg_sys::ScanKeyData; 2] = std::mem::zeroed();
@@ -228,58 +314,30 @@ unsafe fn scan(
         let scan = crate::compat::raw::index_beginscan(heap, index, &mut snapshot, 2);
         index_rescan(scan, keys.as_mut_ptr(), 2, std::ptr::null_mut(), 0);
         let slot = table_slot_create(heap, std::ptr::null_mut());
-        let mut found = Version {
-            exists: false,
-            raced: false,
-            xmin: pg_sys::InvalidTransactionId,
-            xmax: pg_sys::InvalidTransactionId,
-            values: [pg_sys::Datum::from(0usize); COLUMNS],
-            nulls: [true; COLUMNS],
-        };
-        if next_version(scan, slot, pause_ms) {
-            found.exists = true;
-            found.xmin = snapshot.xmin;
-            found.xmax = snapshot.xmax;
-            let last = att.iter().copied().max().unwrap_or(0);
-            if ((*slot).tts_nvalid as i32) < last {
-                slot_getsomeattrs_int(slot, last);
+        let mut found_any = false;
+        while next_version(scan, slot, pause_ms) {
+            found_any = true;
+            // The dirty snapshot's visibility check of this version set xmin and xmax.
+            if visit(slot, snapshot.xmin, snapshot.xmax) {
+                break;
             }
-            let desc = (*slot).tts_tupleDescriptor;
-            let natts = (*desc).natts as usize;
-            for (i, &n) in att.iter().enumerate() {
-                let at = (n - 1) as usize;
-                if at >= natts {
-                    continue;
-                }
-                let column = &*crate::compat::attribute(desc, at);
-                let null = *(*slot).tts_isnull.add(at);
-                let value = *(*slot).tts_values.add(at);
-                found.nulls[i] = null;
-                found.values[i] = if null || column.attbyval {
-                    value
-                } else if column.attlen == -1 {
-                    pg_sys::Datum::from(pg_detoast_datum_copy(value.cast_mut_ptr()))
-                } else {
-                    datumCopy(value, false, column.attlen as c_int)
-                };
-            }
-        } else if confirm_miss {
+        }
+        let raced = !found_any && confirm_miss && {
             // A snapshot taken now sees every version committed before now through its own
-            // index entry (see `look_up`). Registered for the scan's duration.
+            // index entry. Registered for the scan's duration.
             let fresh = RegisterSnapshot(GetLatestSnapshot());
             let confirm = crate::compat::raw::index_beginscan(heap, index, fresh, 2);
             // index_rescan copies the keys: the same array serves both scans.
             index_rescan(confirm, keys.as_mut_ptr(), 2, std::ptr::null_mut(), 0);
-            found.raced =
+            let seen =
                 index_getnext_slot(confirm, pg_sys::ScanDirection::ForwardScanDirection, slot);
             index_endscan(confirm);
             UnregisterSnapshot(fresh);
-        }
+            seen
+        };
         ExecDropSingleTupleTableSlot(slot);
         index_endscan(scan);
-        index_close(index, pg_sys::NoLock as pg_sys::LOCKMODE);
-        table_close(heap, pg_sys::NoLock as pg_sys::LOCKMODE);
-        found
+        raced
     }
 }
 
@@ -292,15 +350,20 @@ pub(crate) enum Probe {
     /// The newest committed version (or our own transaction's).
     Committed(Row),
     /// The row changed between the index scan and the heap fetch (an update of an indexed
-    /// column committed in between, see [`look_up`]): look again.
+    /// column committed in between, see [`scan_key`]): look again.
     Changed,
 }
 
-/// The row as [`look_up`] read it: the columns of `Layout::att`, variable-length ones
+/// The row as [`look_up`] read it: the columns of `catalog::LOOKED_UP`, variable-length ones
 /// already copied out of the table, judged at `now()`.
 pub(crate) fn row_from_version(v: &Version) -> Row {
-    let [hash, token, response, status, recovery, expires, locked] =
-        std::array::from_fn(|i| v.get(i));
+    let hash = v.get(Column::RequestHash);
+    let token = v.get(Column::Token);
+    let response = v.get(Column::Response);
+    let status = v.get(Column::ResponseStatus);
+    let recovery = v.get(Column::RecoveryPoint);
+    let expires = v.get(Column::ExpiresAt);
+    let locked = v.get(Column::LockedUntil);
     let now = transaction_start();
     let expires_at = expires.map_or(0, |d| d.value() as i64);
     let locked_until = locked.map(|d| d.value() as i64);
@@ -367,115 +430,6 @@ pub(crate) fn probe(scope: &str, key: &str, confirm_miss: bool) -> Probe {
     }
 }
 
-/// Walks the versions of (scope, key) that a dirty snapshot sees through the primary key, as
-/// PostgreSQL's own unique checks do, until `visit` returns true. `visit` gets each version's
-/// slot and the dirty snapshot's verdict on it: the open transaction that inserted it (xmin) or
-/// is changing, deleting or locking it for an update (xmax), each invalid when there is none.
-///
-/// Returns false when the dirty scan saw no version at all but an MVCC snapshot taken after it
-/// sees the key: an update of an indexed column committed between the index scan and the heap
-/// fetch (see [`look_up`]), so the caller must look again.
-pub(crate) unsafe fn scan_key_dirty(
-    heap: pg_sys::Relation,
-    index: pg_sys::Relation,
-    scope: &str,
-    key: &str,
-    mut visit: impl FnMut(
-        *mut pg_sys::TupleTableSlot,
-        pg_sys::TransactionId,
-        pg_sys::TransactionId,
-    ) -> bool,
-) -> bool {
-    // SAFETY: `heap` and `index` are open (the caller's contract); the snapshots live on this
-    // frame (dirty) or are registered (fresh) for as long as the scans that use them.
-    unsafe {
-        let mut snapshot: pg_sys::SnapshotData = std::mem::zeroed();
-        snapshot.snapshot_type = pg_sys::SnapshotType::SNAPSHOT_DIRTY;
-        let mut keys: [pg_sys::ScanKeyData; 2] = std::mem::zeroed();
-        // The key columns are COLLATE "C", which is what ScanKeyInit assumes.
-        let scope_text = encoding::text_datum(scope, "scope");
-        let key_text = encoding::text_datum(key, "key");
-        for (i, d) in [scope_text, key_text].into_iter().enumerate() {
-            pg_sys::ScanKeyInit(
-                &mut keys[i],
-                (i + 1) as pg_sys::AttrNumber,
-                pg_sys::BTEqualStrategyNumber as u16,
-                pg_sys::Oid::from(pg_sys::F_TEXTEQ),
-                d,
-            );
-        }
-        let scan = crate::compat::index_beginscan(heap, index, &mut snapshot, 2);
-        pg_sys::index_rescan(scan, keys.as_mut_ptr(), 2, std::ptr::null_mut(), 0);
-        let slot = pg_sys::table_slot_create(heap, std::ptr::null_mut());
-        let pause = guc::debug_probe_pause();
-        let mut found_any = false;
-        while next_version_guarded(scan, slot, pause) {
-            found_any = true;
-            if visit(slot, snapshot.xmin, snapshot.xmax) {
-                break;
-            }
-        }
-        // A miss may be a race with an update of an indexed column (see `look_up`):
-        // confirm it with a snapshot taken now, which cannot miss a committed version.
-        let raced = !found_any && {
-            let fresh = pg_sys::RegisterSnapshot(pg_sys::GetLatestSnapshot());
-            let confirm = crate::compat::index_beginscan(heap, index, fresh, 2);
-            // index_rescan copies the keys: the same array serves both scans.
-            pg_sys::index_rescan(confirm, keys.as_mut_ptr(), 2, std::ptr::null_mut(), 0);
-            let seen = pg_sys::index_getnext_slot(
-                confirm,
-                pg_sys::ScanDirection::ForwardScanDirection,
-                slot,
-            );
-            pg_sys::index_endscan(confirm);
-            pg_sys::UnregisterSnapshot(fresh);
-            seen
-        };
-        pg_sys::ExecDropSingleTupleTableSlot(slot);
-        pg_sys::index_endscan(scan);
-        !raced
-    }
-}
-
-/// `index_getnext_slot`, which is these two calls, with the test pause of
-/// `idempotency.debug_probe_pause` (debug builds only) between the index and the heap.
-///
-/// # Safety
-/// `scan` is an open index scan over the table of `slot`.
-pub(crate) unsafe fn next_version_guarded(
-    scan: pg_sys::IndexScanDesc,
-    slot: *mut pg_sys::TupleTableSlot,
-    pause_ms: i32,
-) -> bool {
-    // SAFETY: see the function's contract; the calls are index_getnext_slot's own body.
-    unsafe {
-        loop {
-            // A non-MVCC snapshot may see more than one member of a HOT chain: the heap fetch
-            // then continues on the same index entry.
-            if !(*scan).xs_heap_continue {
-                if pg_sys::index_getnext_tid(scan, pg_sys::ScanDirection::ForwardScanDirection)
-                    .is_null()
-                {
-                    return false;
-                }
-                if cfg!(debug_assertions) && pause_ms > 0 {
-                    pg_sys::WaitLatch(
-                        pg_sys::MyLatch,
-                        (pg_sys::WL_LATCH_SET | pg_sys::WL_TIMEOUT | pg_sys::WL_EXIT_ON_PM_DEATH)
-                            as i32,
-                        pause_ms as std::ffi::c_long,
-                        pg_sys::PG_WAIT_EXTENSION,
-                    );
-                    pg_sys::ResetLatch(pg_sys::MyLatch);
-                }
-            }
-            if pg_sys::index_fetch_heap(scan, slot) {
-                return true;
-            }
-        }
-    }
-}
-
 /// The newest version of a key's row, as a completion must see it.
 pub(crate) enum Newest {
     /// No row, or only one that another open transaction is inserting (an UPDATE statement
@@ -485,34 +439,58 @@ pub(crate) enum Newest {
     Wait(pg_sys::TransactionId),
     /// The newest committed version (or this transaction's own), copied.
     Row(pg_sys::HeapTuple),
-    /// The scan raced an update of the row (see [`scan_key_dirty`]): look again.
+    /// The scan raced an update of the row (see [`scan_key`]): look again.
     Changed,
 }
 
+/// The newest version of (scope, key) (text in the database encoding) through the dirty scan.
+///
+/// # Safety
+/// `rel` and `index` are the open store table and its primary key, checked by the layout.
 pub(crate) unsafe fn newest_version(
     rel: pg_sys::Relation,
     index: pg_sys::Relation,
-    scope: &str,
-    key: &str,
+    scope: &[u8],
+    key: &[u8],
 ) -> Newest {
-    let mut found = Newest::Absent;
-    // SAFETY: `rel` and `index` are the open table and its primary key (the caller's contract).
-    let whole = unsafe {
-        scan_key_dirty(rel, index, scope, key, |slot, xmin, xmax| {
-            if xmax != pg_sys::InvalidTransactionId {
-                found = Newest::Wait(xmax);
-                return true;
+    let pause_ms = guc::debug_probe_pause();
+    // SAFETY: the caller's contract; the closure holds `Copy` values and raw pointers only and
+    // never panics (the tuple copy is two plain C calls), so an ERROR's longjmp skips nothing.
+    unsafe {
+        pg_sys::ffi::pg_guard_ffi_boundary(|| {
+            let mut found = Newest::Absent;
+            let raced = scan_key(
+                rel,
+                index,
+                scope,
+                key,
+                true,
+                pause_ms,
+                |slot, xmin, xmax| {
+                    if xmax != pg_sys::InvalidTransactionId {
+                        found = Newest::Wait(xmax);
+                        return true;
+                    }
+                    if xmin != pg_sys::InvalidTransactionId {
+                        return false; // another transaction's uncommitted insert (or new version)
+                    }
+                    // ExecCopySlotHeapTuple, which is a static inline function: the slot's
+                    // tuple (a copy already when the slot had to form one), copied.
+                    let mut should_free = false;
+                    let tuple = ExecFetchSlotHeapTuple(slot, false, &mut should_free);
+                    found = Newest::Row(if should_free {
+                        tuple
+                    } else {
+                        heap_copytuple(tuple)
+                    });
+                    true
+                },
+            );
+            if raced {
+                Newest::Changed
+            } else {
+                found
             }
-            if xmin != pg_sys::InvalidTransactionId {
-                return false; // another transaction's uncommitted insert (or new version)
-            }
-            found = Newest::Row(pg_sys::ExecCopySlotHeapTuple(slot));
-            true
         })
-    };
-    if whole {
-        found
-    } else {
-        Newest::Changed
     }
 }

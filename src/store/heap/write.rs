@@ -1,7 +1,7 @@
 //! The direct writes: a fresh claim's insert and a completion's update, straight into the heap
 //! and its indexes, as the INSERT and UPDATE statements would make them.
 
-use super::super::catalog::{key_label, DirectLayout};
+use super::super::catalog::{key_label, Column, DirectLayout};
 use super::super::{
     internal, table_changed, ClaimRequest, ClaimResult, CompleteRequest, Completed, Outcome,
     MAX_ROUNDS,
@@ -61,17 +61,17 @@ pub(crate) fn insert_direct(d: &DirectLayout, req: &ClaimRequest<'_>) -> ClaimRe
             pg_sys::Datum::from(d.token_seq),
         );
         let expires_at = plus(ttl);
-        set(d.scope, scope);
-        set(d.key, key);
+        set(d[Column::Scope], scope);
+        set(d[Column::Key], key);
         if let Some(hash) = req.hash.and_then(|h| h.to_vec().into_datum()) {
-            set(d.request_hash, hash);
+            set(d[Column::RequestHash], hash);
         }
-        set(d.status, d.in_progress);
-        set(d.token, token);
-        set(d.created_at, now);
-        set(d.locked_until, plus(lease));
-        set(d.expires_at, expires_at);
-        set(d.ttl, ttl);
+        set(d[Column::Status], d.in_progress);
+        set(d[Column::Token], token);
+        set(d[Column::CreatedAt], now);
+        set(d[Column::LockedUntil], plus(lease));
+        set(d[Column::ExpiresAt], expires_at);
+        set(d[Column::Ttl], ttl);
         let tuple = pg_sys::heap_form_tuple(desc, values.as_mut_ptr(), nulls.as_mut_ptr());
 
         let slot = pg_sys::MakeSingleTupleTableSlot(desc, &pg_sys::TTSOpsHeapTuple);
@@ -104,6 +104,10 @@ pub(crate) fn insert_direct(d: &DirectLayout, req: &ClaimRequest<'_>) -> ClaimRe
 /// not HOT.
 pub(crate) fn complete_direct(d: &DirectLayout, req: &CompleteRequest<'_>) -> Option<Completed> {
     use pgrx::IntoDatum;
+    let (scope, key) = (
+        encoding::server_bytes(req.scope, "scope"),
+        encoding::server_bytes(req.key, "key"),
+    );
     unsafe {
         // What this transaction's earlier statements (the claim) wrote must be visible.
         pg_sys::CommandCounterIncrement();
@@ -121,7 +125,7 @@ pub(crate) fn complete_direct(d: &DirectLayout, req: &CompleteRequest<'_>) -> Op
         }
         let now = transaction_start();
         for _ in 0..MAX_ROUNDS {
-            let old = match newest_version(rel, index, req.scope, req.key) {
+            let old = match newest_version(rel, index, &scope, &key) {
                 Newest::Absent => {
                     close();
                     return None;
@@ -142,22 +146,25 @@ pub(crate) fn complete_direct(d: &DirectLayout, req: &CompleteRequest<'_>) -> Op
             let mut values = vec![pg_sys::Datum::from(0usize); d.natts];
             let mut nulls = vec![true; d.natts];
             pg_sys::heap_deform_tuple(old, desc, values.as_mut_ptr(), nulls.as_mut_ptr());
-            let live_claim = !nulls[d.status]
-                && values[d.status] == d.in_progress
-                && !nulls[d.expires_at]
-                && (values[d.expires_at].value() as i64) > now
-                && req
-                    .token
-                    .is_none_or(|t| !nulls[d.token] && values[d.token].value() as i64 == t);
+            let live_claim = !nulls[d[Column::Status]]
+                && values[d[Column::Status]] == d.in_progress
+                && !nulls[d[Column::ExpiresAt]]
+                && (values[d[Column::ExpiresAt]].value() as i64) > now
+                && req.token.is_none_or(|t| {
+                    !nulls[d[Column::Token]] && values[d[Column::Token]].value() as i64 == t
+                });
             if !live_claim {
                 close();
                 return None;
             }
-            let request_hash = Vec::<u8>::from_datum(values[d.request_hash], nulls[d.request_hash]);
-            let token = values[d.token].value() as i64;
+            let request_hash = Vec::<u8>::from_datum(
+                values[d[Column::RequestHash]],
+                nulls[d[Column::RequestHash]],
+            );
+            let token = values[d[Column::Token]].value() as i64;
             let ttl = match req.ttl.and_then(|t| t.into_datum()) {
                 Some(t) => t,
-                None => values[d.ttl],
+                None => values[d[Column::Ttl]],
             };
             let expires_at = pg_sys::DirectFunctionCall2Coll(
                 Some(timestamptz_pl_interval),
@@ -169,16 +176,16 @@ pub(crate) fn complete_direct(d: &DirectLayout, req: &CompleteRequest<'_>) -> Op
                 nulls[i] = v.is_none();
                 values[i] = v.unwrap_or(pg_sys::Datum::from(0usize));
             };
-            set(d.status, Some(d.completed));
-            set(d.response, req.response);
+            set(d[Column::Status], Some(d.completed));
+            set(d[Column::Response], req.response);
             set(
-                d.response_status,
+                d[Column::ResponseStatus],
                 Some(pg_sys::Datum::from(req.response_status)),
             );
-            set(d.completed_at, Some(pg_sys::Datum::from(now)));
-            set(d.locked_until, None);
-            set(d.expires_at, Some(expires_at));
-            set(d.ttl, Some(ttl));
+            set(d[Column::CompletedAt], Some(pg_sys::Datum::from(now)));
+            set(d[Column::LockedUntil], None);
+            set(d[Column::ExpiresAt], Some(expires_at));
+            set(d[Column::Ttl], Some(ttl));
             let new = pg_sys::heap_form_tuple(desc, values.as_mut_ptr(), nulls.as_mut_ptr());
             let slot = pg_sys::MakeSingleTupleTableSlot(desc, &pg_sys::TTSOpsHeapTuple);
             pg_sys::ExecStoreHeapTuple(new, slot, false);
