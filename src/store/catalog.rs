@@ -280,20 +280,68 @@ pub(crate) fn check_layout(l: &Layout) {
     );
 }
 
-pub(crate) static LAYOUT: crate::local::BackendLocal<Cell<Option<Layout>>> =
-    crate::local::BackendLocal::new(Cell::new(None));
+/// Whether claims and completions may write below SQL, as far as this backend has looked.
+#[derive(Clone, Copy)]
+enum Direct {
+    /// Not looked at since the layout was read.
+    Unknown,
+    /// The table is not as the extension made it: claims and completions write through SQL.
+    Sql,
+    /// The direct writes may run, with these column positions.
+    Allowed(DirectLayout),
+}
 
-/// Forgets the cached layout when the relation cache is invalidated (the table may have been
-/// dropped, e.g. by DROP EXTENSION).
+/// What this backend knows of the store table, read from the catalog on first use and
+/// forgotten all together when the table's relation cache entry is invalidated
+/// ([`forget`]): DDL, GRANT and REVOKE, a reinstall of the extension, a switch of the key
+/// storage all send one.
+#[derive(Clone, Copy)]
+struct Cache {
+    layout: Option<Layout>,
+    /// Read once per layout (see [`key_storage`]).
+    key_storage: Option<KeyStorage>,
+    direct: Direct,
+    /// Whether [`forget`] is registered (once per backend; it cannot be unregistered).
+    callback_registered: bool,
+}
+
+static CACHE: crate::local::BackendLocal<Cell<Cache>> =
+    crate::local::BackendLocal::new(Cell::new(Cache {
+        layout: None,
+        key_storage: None,
+        direct: Direct::Unknown,
+        callback_registered: false,
+    }));
+
+fn cache() -> Cache {
+    CACHE.with(Cell::get)
+}
+
+fn update_cache(f: impl FnOnce(&mut Cache)) {
+    CACHE.with(|c| {
+        let mut cache = c.get();
+        f(&mut cache);
+        c.set(cache);
+    });
+}
+
+/// Whether the cached layout is still the one of `relid` (an invalidation may have come in
+/// while a fact about it was being read): only then is the fact cached.
+fn layout_is(relid: pg_sys::Oid) -> bool {
+    cache().layout.is_some_and(|c| c.relid == relid)
+}
+
+/// Forgets what the cache knows of the table when its relation cache entry (or every entry)
+/// is invalidated: the table may have been altered or dropped, e.g. by DROP EXTENSION.
 #[pg_guard]
-unsafe extern "C-unwind" fn forget_layout(_arg: pg_sys::Datum, relid: pg_sys::Oid) {
-    LAYOUT.with(|c| {
-        if c.get()
+unsafe extern "C-unwind" fn forget(_arg: pg_sys::Datum, relid: pg_sys::Oid) {
+    update_cache(|c| {
+        if c.layout
             .is_some_and(|l| relid == pg_sys::InvalidOid || l.relid == relid || l.idxid == relid)
         {
-            c.set(None);
-            HASHED.with(|h| h.set(None));
-            DIRECT.with(|d| d.set(None));
+            c.layout = None;
+            c.key_storage = None;
+            c.direct = Direct::Unknown;
         }
     });
 }
@@ -308,10 +356,6 @@ pub(crate) enum KeyStorage {
     Sha256,
 }
 
-/// The key storage, read once per layout.
-pub(crate) static HASHED: crate::local::BackendLocal<Cell<Option<KeyStorage>>> =
-    crate::local::BackendLocal::new(Cell::new(None));
-
 /// Locks the store against a concurrent switch of the key storage (which takes an ACCESS
 /// EXCLUSIVE lock and invalidates the layout when it commits), then tells how keys are
 /// stored. Taking the lock first processes any pending invalidation, so the answer holds
@@ -320,7 +364,7 @@ pub(crate) fn key_storage() -> KeyStorage {
     let l = layout();
     unsafe { pg_sys::LockRelationOid(l.relid, pg_sys::AccessShareLock as pg_sys::LOCKMODE) };
     let l = layout();
-    if let Some(h) = HASHED.with(Cell::get) {
+    if let Some(h) = cache().key_storage {
         return h;
     }
     // SAFETY: catalog look-ups inside the calling transaction.
@@ -375,15 +419,15 @@ pub(crate) fn key_storage() -> KeyStorage {
         }
     };
     // Only cache what belongs to the current layout (an invalidation may have come in).
-    if LAYOUT.with(Cell::get).is_some_and(|c| c.relid == l.relid) {
-        HASHED.with(|h| h.set(Some(storage)));
+    if layout_is(l.relid) {
+        update_cache(|c| c.key_storage = Some(storage));
     }
     storage
 }
 
 /// Whether the store keeps keys hashed (as far as this transaction has looked).
 pub(crate) fn keys_hashed() -> bool {
-    !matches!(HASHED.with(Cell::get), None | Some(KeyStorage::Plain))
+    !matches!(cache().key_storage, None | Some(KeyStorage::Plain))
 }
 
 /// The form in which `key` is stored: itself, or its keyed hash in hex when the store keeps
@@ -405,19 +449,17 @@ pub fn key_label(stored: &str) -> String {
     }
 }
 
-pub(crate) static CALLBACK_REGISTERED: crate::local::BackendLocal<Cell<bool>> =
-    crate::local::BackendLocal::new(Cell::new(false));
-
 pub(crate) fn layout() -> Layout {
-    if let Some(l) = LAYOUT.with(Cell::get) {
+    let known = cache();
+    if let Some(l) = known.layout {
         return l;
     }
-    if !CALLBACK_REGISTERED.with(Cell::get) {
-        // SAFETY: registers a callback that only clears backend-local caches; once per backend.
-        unsafe {
-            pg_sys::CacheRegisterRelcacheCallback(Some(forget_layout), pg_sys::Datum::from(0usize))
-        };
-        CALLBACK_REGISTERED.with(|c| c.set(true));
+    if !known.callback_registered {
+        // SAFETY: registers a callback that only clears this backend's cache (it calls no
+        // server function, so it is safe at any point an invalidation is processed); once per
+        // backend, as the callback table is fixed-size and entries cannot be removed.
+        unsafe { pg_sys::CacheRegisterRelcacheCallback(Some(forget), pg_sys::Datum::from(0usize)) };
+        update_cache(|c| c.callback_registered = true);
     }
     // SAFETY: catalog look-ups by name; the OIDs passed on are checked to exist first.
     unsafe {
@@ -440,7 +482,7 @@ pub(crate) fn layout() -> Layout {
             checked_for: pg_sys::InvalidOid,
             mismatch,
         };
-        LAYOUT.with(|c| c.set(Some(l)));
+        update_cache(|c| c.layout = Some(l));
         l
     }
 }
@@ -471,7 +513,7 @@ pub(crate) fn check_access() {
     }
     let mut checked = l;
     checked.checked_for = role;
-    LAYOUT.with(|c| c.set(Some(checked)));
+    update_cache(|c| c.layout = Some(checked));
 }
 
 /// What direct writes (a fresh claim's insert, a completion's update) need: the table's column
@@ -496,10 +538,6 @@ impl std::ops::Index<Column> for DirectLayout {
         &self.position[c as usize]
     }
 }
-
-/// Some(None): the table is not as the extension made it; claims insert through SQL.
-pub(crate) static DIRECT: crate::local::BackendLocal<Cell<Option<Option<DirectLayout>>>> =
-    crate::local::BackendLocal::new(Cell::new(None));
 
 /// The table's constraints as the extension creates them (sql/idempotency.sql), one line each:
 /// type, name and `pg_get_constraintdef` (under the pinned search path), ordered by name. The
@@ -534,15 +572,15 @@ pub(crate) const CONSTRAINTS_SQL: &str = "SELECT pg_catalog.string_agg(c.contype
 ///   which the direct update would bypass.
 pub(crate) fn direct_layout() -> Option<DirectLayout> {
     let l = layout();
-    if let Some(d) = DIRECT.with(Cell::get) {
-        if d.is_none_or(|d| d.relid == l.relid) {
-            return d;
-        }
+    match cache().direct {
+        Direct::Sql => return None,
+        Direct::Allowed(d) if d.relid == l.relid => return Some(d),
+        Direct::Allowed(_) | Direct::Unknown => {}
     }
     // SAFETY: the OIDs are the layout's, just read from the catalog.
     let d = unsafe { build_direct_layout(l.relid, l.idxid) };
-    if LAYOUT.with(Cell::get).is_some_and(|c| c.relid == l.relid) {
-        DIRECT.with(|c| c.set(Some(d)));
+    if layout_is(l.relid) {
+        update_cache(|c| c.direct = d.map_or(Direct::Sql, Direct::Allowed));
     }
     d
 }
