@@ -412,7 +412,19 @@ pub fn init() {
         GucContext::Userset,
         GucFlags::UNIT_MS,
     );
+    GucRegistry::define_bool_guc(
+        c"idempotency.force_sql_path",
+        c"Claims and completions write through their INSERT and UPDATE statements.",
+        c"For diagnosis: turns off the direct heap and index writes, as a trigger on the table \
+          does; the answers are the same either way.",
+        &FORCE_SQL_PATH,
+        GucContext::Userset,
+        GucFlags::default(),
+    );
 }
+
+/// `idempotency.force_sql_path`: only turns an optimisation off, so any role may set it.
+pub static FORCE_SQL_PATH: GucSetting<bool> = GucSetting::<bool>::new(false);
 
 /// Debug builds only: milliseconds the key look-ups pause between index and heap.
 #[cfg(debug_assertions)]

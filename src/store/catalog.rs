@@ -588,11 +588,16 @@ pub(crate) fn direct_layout() -> Option<DirectLayout> {
 /// [`direct_layout`] with the table locked for writing first: taking the lock applies the
 /// invalidations of DDL that committed since the layout was read, so the layout describes the
 /// table as the write will find it (as the executor's lock at the start of a statement does).
+/// None under `idempotency.force_sql_path`, which sends the writes through SQL as a trigger on
+/// the table would.
 pub(crate) fn direct_layout_for_write() -> Option<DirectLayout> {
     let l = layout();
     // SAFETY: locks an existing relation by OID; held to the end of the transaction, as a
     // write's lock is.
     unsafe { pg_sys::LockRelationOid(l.relid, pg_sys::RowExclusiveLock as pg_sys::LOCKMODE) };
+    if crate::guc::FORCE_SQL_PATH.get() {
+        return None;
+    }
     direct_layout()
 }
 
