@@ -18,6 +18,17 @@ use std::cell::Cell;
 /// statement is schema-qualified as well.
 pub use crate::compat::SearchPathPin as PinnedSearchPath;
 
+/// The OID of the relation `name` in the extension's schema, InvalidOid when there is none.
+pub(crate) fn relation_oid(name: &std::ffi::CStr) -> pg_sys::Oid {
+    // SAFETY: two catalog look-ups by name with NUL-terminated names, in the calling
+    // transaction: a missing schema is a clean ERROR (missing_ok = false), a missing relation
+    // InvalidOid.
+    unsafe {
+        let nsp = pg_sys::get_namespace_oid(c"idempotency".as_ptr(), false);
+        pg_sys::get_relname_relid(name.as_ptr(), nsp)
+    }
+}
+
 /// Per-backend cache of the table's OIDs and column numbers, checked against the catalog's
 /// current OIDs on every use (they change when the extension is reinstalled).
 #[derive(Clone, Copy)]
@@ -367,11 +378,7 @@ pub(crate) fn key_storage() -> KeyStorage {
     if let Some(h) = cache().key_storage {
         return h;
     }
-    // SAFETY: catalog look-ups inside the calling transaction.
-    let config = unsafe {
-        let nsp = pg_sys::get_namespace_oid(c"idempotency".as_ptr(), false);
-        pg_sys::get_relname_relid(c"config".as_ptr(), nsp)
-    };
+    let config = relation_oid(c"config");
     let storage = if config == pg_sys::InvalidOid {
         KeyStorage::Plain
     } else {
@@ -398,13 +405,7 @@ pub(crate) fn key_storage() -> KeyStorage {
                 row.get::<Vec<u8>>(2)?,
             ))
         })
-        .unwrap_or_else(|e| {
-            raise(
-                PgSqlErrorCode::ERRCODE_INTERNAL_ERROR,
-                format!("idempotency: reading idempotency.config: {e}"),
-                None,
-            )
-        });
+        .unwrap_or_else(|e| super::internal(&format!("reading idempotency.config: {e}")));
         match row {
             (false, _) => KeyStorage::Plain,
             (true, None) if !has_secret => KeyStorage::Sha256,
@@ -461,11 +462,11 @@ pub(crate) fn layout() -> Layout {
         unsafe { pg_sys::CacheRegisterRelcacheCallback(Some(forget), pg_sys::Datum::from(0usize)) };
         update_cache(|c| c.callback_registered = true);
     }
-    // SAFETY: catalog look-ups by name; the OIDs passed on are checked to exist first.
+    let relid = relation_oid(c"idempotency_keys");
+    let idxid = relation_oid(c"idempotency_keys_pkey");
+    // SAFETY: `check_lookup_columns` opens the table and the index by OID, which exist: both
+    // were just found in the catalog, and raise() returns nowhere when either is missing.
     unsafe {
-        let nsp = pg_sys::get_namespace_oid(c"idempotency".as_ptr(), false);
-        let relid = pg_sys::get_relname_relid(c"idempotency_keys".as_ptr(), nsp);
-        let idxid = pg_sys::get_relname_relid(c"idempotency_keys_pkey".as_ptr(), nsp);
         if relid == pg_sys::InvalidOid || idxid == pg_sys::InvalidOid {
             raise(
                 PgSqlErrorCode::ERRCODE_UNDEFINED_TABLE,
@@ -665,8 +666,7 @@ pub(crate) unsafe fn build_direct_layout(
             let n = pg_sys::get_attnum(relid, name.as_ptr());
             (n > 0).then(|| n as usize - 1)
         };
-        let nsp = pg_sys::get_namespace_oid(c"idempotency".as_ptr(), false);
-        let token_seq = pg_sys::get_relname_relid(c"token_seq".as_ptr(), nsp);
+        let token_seq = relation_oid(c"token_seq");
         let label = |name: &str| {
             Spi::get_one_with_args::<pg_sys::Oid>(
                 "SELECT e.oid FROM pg_catalog.pg_enum AS e \

@@ -4,7 +4,7 @@
 use super::catalog::{check_access, direct_layout_for_write, key_label};
 use super::heap::{self, probe, KeyInsertLock, Probe};
 use super::sql::{read_row, with_spi, write_claim, Write};
-use super::{ClaimRequest, ClaimResult, Outcome, Row, MAX_ROUNDS};
+use super::{spi_failed, ClaimRequest, ClaimResult, Outcome, Row, MAX_ROUNDS};
 use crate::error::raise;
 use crate::state::{self, Decision, Stored};
 use crate::{encoding, guc};
@@ -129,11 +129,7 @@ pub fn claim(req: &ClaimRequest<'_>) -> ClaimResult {
             }
             // Only rounds where the row changed under us count; waiting does not.
             Ok(Step::Again) => rounds += 1,
-            Err(e) => raise(
-                PgSqlErrorCode::ERRCODE_INTERNAL_ERROR,
-                format!("idempotency.claim: {e}"),
-                None,
-            ),
+            Err(e) => spi_failed("claim", e),
         }
     }
     raise(

@@ -149,6 +149,16 @@ pub fn refuse_read_only(function: &str) {
     }
 }
 
+/// A statement run for the SQL function `function` failed in SPI: XX000, naming the function.
+pub(crate) fn spi_failed(function: &str, e: pgrx::spi::Error) -> ! {
+    raise(
+        PgSqlErrorCode::ERRCODE_INTERNAL_ERROR,
+        format!("idempotency.{function}: {e}"),
+        None,
+    )
+}
+
+/// An error the caller cannot act on (XX000), as `idempotency: {what}`.
 pub(crate) fn internal(what: &str) -> ! {
     raise(
         PgSqlErrorCode::ERRCODE_INTERNAL_ERROR,

@@ -1,7 +1,8 @@
 //! The statements the store runs, each prepared once per backend, and the calls that run them
 //! through SPI.
 
-use super::catalog::{keys_hashed, PinnedSearchPath};
+use super::catalog::{keys_hashed, relation_oid, PinnedSearchPath};
+use super::spi_failed;
 use super::{ClaimRequest, ClaimResult, CompleteRequest, Completed, Outcome, OwnedJsonb, Row};
 use crate::encoding;
 use crate::error::raise;
@@ -273,10 +274,7 @@ pub(crate) fn audit_plans(client: &SpiClient<'_>) -> Result<&'static AuditPlans,
     if let Some(p) = AUDIT_PLANS.with(Cell::get) {
         return Ok(p);
     }
-    let exists = unsafe {
-        let nsp = pg_sys::get_namespace_oid(c"idempotency".as_ptr(), false);
-        pg_sys::get_relname_relid(c"audit".as_ptr(), nsp) != pg_sys::InvalidOid
-    };
+    let exists = relation_oid(c"audit") != pg_sys::InvalidOid;
     if !exists {
         raise(
             PgSqlErrorCode::ERRCODE_UNDEFINED_TABLE,
@@ -329,14 +327,6 @@ pub(crate) fn completing_role<'a>() -> pgrx::datum::DatumWithOid<'a> {
     }
 }
 
-pub(crate) fn spi_failed(e: pgrx::spi::Error) -> ! {
-    raise(
-        PgSqlErrorCode::ERRCODE_INTERNAL_ERROR,
-        format!("idempotency.complete: {e}"),
-        None,
-    )
-}
-
 pub(crate) fn complete_sql(req: &CompleteRequest<'_>) -> Option<Completed> {
     let response = req
         .response
@@ -369,7 +359,7 @@ pub(crate) fn complete_sql(req: &CompleteRequest<'_>) -> Option<Completed> {
             token: row.get::<i64>(3)?,
         }))
     })
-    .unwrap_or_else(|e| spi_failed(e))
+    .unwrap_or_else(|e| spi_failed("complete", e))
 }
 
 /// Appends the audit row of a completion, in the completing transaction.
@@ -391,7 +381,7 @@ pub(crate) fn audit(req: &CompleteRequest<'_>, done: &Completed) {
         )?;
         Ok(())
     })
-    .unwrap_or_else(|e| spi_failed(e))
+    .unwrap_or_else(|e| spi_failed("complete", e))
 }
 
 /// Deletes up to $1 expired rows whose scope starts with $2 ('' for all).

@@ -1,12 +1,11 @@
 //! The sweep: expired rows (and old audit rows) deleted in batches, through the statements.
 
 use super::catalog::PinnedSearchPath;
+use super::spi_failed;
 use super::sql::{audit_plans, plan, Plan};
-use crate::error::raise;
 use crate::{encoding, stats};
 use pgrx::pg_sys;
 use pgrx::prelude::*;
-use pgrx::PgSqlErrorCode;
 
 /// How many rows still in the table expired after `since` (and by now()): the inflow the
 /// sweeper must keep up with while it yields to the application. An index range scan over the
@@ -43,13 +42,7 @@ pub fn sweep_batch(batch: i64, prefix: &str) -> i64 {
             )
             .map(|t| t.len() as i64)
     })
-    .unwrap_or_else(|e| {
-        raise(
-            PgSqlErrorCode::ERRCODE_INTERNAL_ERROR,
-            format!("idempotency.sweep: {e}"),
-            None,
-        )
-    });
+    .unwrap_or_else(|e| spi_failed("sweep", e));
     stats::count(stats::Event::Swept, deleted as u64);
     deleted
 }
@@ -72,11 +65,5 @@ pub fn sweep_audit_batch(retention_secs: f64, batch: i64, prefix: &str) -> i64 {
             )
             .map(|t| t.len() as i64)
     })
-    .unwrap_or_else(|e| {
-        raise(
-            PgSqlErrorCode::ERRCODE_INTERNAL_ERROR,
-            format!("idempotency.sweep_audit: {e}"),
-            None,
-        )
-    })
+    .unwrap_or_else(|e| spi_failed("sweep_audit", e))
 }
