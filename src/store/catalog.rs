@@ -163,9 +163,10 @@ pub(crate) fn looked_up_index(c: Column) -> usize {
 /// does.
 pub(crate) fn column_is(a: &pg_sys::FormData_pg_attribute, typid: pg_sys::Oid) -> bool {
     let (mut len, mut byval, mut align) = (0i16, false, 0 as std::ffi::c_char);
-    // SAFETY: a syscache look-up of a built-in or existing type; raises an ERROR only for a
-    // type that does not exist, which the first comparison rules out before it runs.
     a.atttypid == typid && !a.attisdropped && a.atttypmod == -1 && {
+        // SAFETY: a syscache look-up of a built-in or existing type into three locals; raises
+        // an ERROR only for a type that does not exist, which the comparison with the live
+        // column's type rules out before it runs.
         unsafe { pg_sys::get_typlenbyvalalign(typid, &mut len, &mut byval, &mut align) };
         a.attlen == len && a.attbyval == byval && a.attalign == align
     }
@@ -373,6 +374,8 @@ pub(crate) enum KeyStorage {
 /// until the end of the transaction.
 pub(crate) fn key_storage() -> KeyStorage {
     let l = layout();
+    // SAFETY: locks a relation by an OID the catalog just gave (a relation dropped meanwhile is
+    // a clean ERROR); the lock is held to the end of the transaction, as a reader's is.
     unsafe { pg_sys::LockRelationOid(l.relid, pg_sys::AccessShareLock as pg_sys::LOCKMODE) };
     let l = layout();
     if let Some(h) = cache().key_storage {
@@ -501,6 +504,9 @@ pub(crate) fn check_access() {
     }
     // pg_class_aclcheck accepts any one of the bits it is given: check them one by one.
     for mode in [pg_sys::ACL_SELECT, pg_sys::ACL_INSERT, pg_sys::ACL_UPDATE] {
+        // SAFETY: a privilege check of an existing relation (the layout's) for an existing role
+        // (the current one); `aclcheck_error` raises the ERROR a statement would, with a
+        // NUL-terminated name.
         unsafe {
             let result = pg_sys::pg_class_aclcheck(l.relid, role, mode as pg_sys::AclMode);
             if result != pg_sys::AclResult::ACLCHECK_OK {

@@ -34,6 +34,8 @@ pub(crate) fn busy_result() -> ClaimResult {
 }
 
 pub(crate) fn sleep_a_little() {
+    // SAFETY: waits on this backend's own latch from its main thread; WaitLatch raises no
+    // ERROR with these flags (it exits the process on postmaster death).
     unsafe {
         pg_sys::WaitLatch(
             pg_sys::MyLatch,
@@ -73,6 +75,7 @@ pub fn claim(req: &ClaimRequest<'_>) -> ClaimResult {
     let wait = Duration::from_millis(guc::int(&guc::CLAIM_WAIT).max(0) as u64);
     // Only a wait for a busy key needs the clock.
     let mut started = None;
+    // SAFETY: reads a backend variable, set for the transaction.
     let snapshot_reads = unsafe { pg_sys::XactIsoLevel } >= pg_sys::XACT_REPEATABLE_READ as i32;
     let mut rounds = 0;
     while rounds < MAX_ROUNDS {

@@ -20,6 +20,7 @@ pub fn complete(req: &CompleteRequest<'_>) -> Option<TimestampWithTimeZone> {
     let _path = PinnedSearchPath::pin();
     // Both paths read the completed row's columns as the extension's types.
     check_layout(&layout());
+    // SAFETY: reads a backend variable, set for the transaction.
     let read_committed = unsafe { pg_sys::XactIsoLevel } < pg_sys::XACT_REPEATABLE_READ as i32;
     let direct = if read_committed {
         direct_layout_for_write()

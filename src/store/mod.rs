@@ -48,6 +48,7 @@ impl FromDatum for OwnedJsonb {
             None
         } else {
             // pgrx calls this inside the parent memory context: the copy outlives SPI.
+            // SAFETY: `datum` is a non-null jsonb (a varlena) of the SPI row being read.
             let copy = unsafe { pg_sys::pg_detoast_datum_copy(datum.cast_mut_ptr()) };
             Some(OwnedJsonb(pg_sys::Datum::from(copy)))
         }
@@ -132,7 +133,9 @@ pub(crate) struct Row {
 /// Claims, completions and sweeps write: refuse them at once, clearly, on a standby or in a
 /// read-only transaction (a replay could otherwise be answered from the index alone).
 pub fn refuse_read_only(function: &str) {
+    // SAFETY: reads a backend variable, set for the transaction.
     if unsafe { pg_sys::XactReadOnly } {
+        // SAFETY: reads shared memory state; raises no ERROR.
         let standby = unsafe { pg_sys::RecoveryInProgress() };
         raise(
             PgSqlErrorCode::ERRCODE_READ_ONLY_SQL_TRANSACTION,

@@ -330,6 +330,7 @@ pub(crate) fn completing_role<'a>() -> pgrx::datum::DatumWithOid<'a> {
 pub(crate) fn complete_sql(req: &CompleteRequest<'_>) -> Option<Completed> {
     let response = req
         .response
+        // SAFETY: the response is a jsonb datum (the SQL function's argument, checked by it).
         .map(|d| unsafe { pgrx::datum::DatumWithOid::new(d, pg_sys::JSONBOID) });
     Spi::connect_mut(|client| {
         let complete = plan(client, Plan::Complete)?;

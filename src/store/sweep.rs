@@ -12,6 +12,7 @@ use pgrx::prelude::*;
 /// newest expiries only.
 pub fn expired_since(since: pg_sys::TimestampTz) -> i64 {
     let _path = PinnedSearchPath::pin();
+    // SAFETY: a timestamptz is passed by value, declared as timestamptz.
     let since = unsafe {
         pgrx::datum::DatumWithOid::new(pg_sys::Datum::from(since), pg_sys::TIMESTAMPTZOID)
     };

@@ -52,14 +52,19 @@ impl KeyInsertLock {
         for b in scope.bytes().chain([0xff]).chain(key.bytes()) {
             hash = (hash ^ b as u64).wrapping_mul(0x0100_0000_01b3);
         }
+        // SAFETY: reads a backend variable, set at connection.
+        let database = unsafe { pg_sys::MyDatabaseId };
         let tag = pg_sys::LOCKTAG {
-            locktag_field1: unsafe { pg_sys::MyDatabaseId }.to_u32(),
+            locktag_field1: database.to_u32(),
             locktag_field2: (hash >> 32) as u32,
             locktag_field3: hash as u32,
             locktag_field4: LOCK_CLASS,
             locktag_type: pg_sys::LockTagType::LOCKTAG_ADVISORY as u8,
             locktag_lockmethodid: pg_sys::USER_LOCKMETHOD as u8,
         };
+        // SAFETY: a session-level advisory lock on a tag built here (the lock manager copies
+        // it); waits for the holder, interruptibly. Released by `drop`, which runs on success
+        // and while an ERROR unwinds alike.
         unsafe {
             pg_sys::LockAcquire(&tag, pg_sys::ExclusiveLock as pg_sys::LOCKMODE, true, false)
         };
@@ -70,6 +75,8 @@ impl KeyInsertLock {
 impl Drop for KeyInsertLock {
     /// Runs on success and while an ERROR unwinds through claim alike.
     fn drop(&mut self) {
+        // SAFETY: releases the session lock `acquire` took, with the same tag and mode (a lock
+        // not held would be a WARNING, not an ERROR).
         unsafe { pg_sys::LockRelease(&self.0, pg_sys::ExclusiveLock as pg_sys::LOCKMODE, true) };
     }
 }

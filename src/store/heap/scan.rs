@@ -367,6 +367,9 @@ pub(crate) fn row_from_version(v: &Version) -> Row {
     let now = transaction_start();
     let expires_at = expires.map_or(0, |d| d.value() as i64);
     let locked_until = locked.map(|d| d.value() as i64);
+    // SAFETY: the datums are the look-up's copies of columns the layout checked to be of the
+    // types read here (bytea and text: detoasted varlenas in this memory context; jsonb: a
+    // detoasted copy; timestamptz by value), alive until the function's context is reset.
     unsafe {
         Row {
             // The table's CHECK constraint ties "completed" to locked_until IS NULL.

@@ -22,6 +22,11 @@ use pgrx::PgSqlErrorCode;
 /// meanwhile is a unique violation, as with the INSERT).
 pub(crate) fn insert_direct(d: &DirectLayout, req: &ClaimRequest<'_>) -> ClaimResult {
     use pgrx::IntoDatum;
+    // SAFETY: `d` is the layout of the table as the catalog describes it under the write lock
+    // (`direct_layout_for_write`), and the open relation is checked against it (attribute
+    // count, no trigger) before anything is written: every position is a column of the type
+    // whose datum is built for it, so `heap_form_tuple` gets a row matching the descriptor.
+    // Every call goes through pgrx's boundary; the relation is closed (lock kept) on each path.
     unsafe {
         let rel = pg_sys::table_open(d.relid, pg_sys::RowExclusiveLock as pg_sys::LOCKMODE);
         let desc = (*rel).rd_att;
@@ -108,6 +113,10 @@ pub(crate) fn complete_direct(d: &DirectLayout, req: &CompleteRequest<'_>) -> Op
         encoding::server_bytes(req.scope, "scope"),
         encoding::server_bytes(req.key, "key"),
     );
+    // SAFETY: as in `insert_direct`: the layout matches the open, write-locked relation
+    // (checked again here), so the deformed old row and the formed new one have its columns
+    // and types. The old tuple is a palloc'd copy; the update is on its TID, and a concurrent
+    // change of that version is reported by `table_tuple_update`, not assumed away.
     unsafe {
         // What this transaction's earlier statements (the claim) wrote must be visible.
         pg_sys::CommandCounterIncrement();
@@ -252,6 +261,9 @@ pub(crate) unsafe fn insert_index_entries(
     slot: *mut pg_sys::TupleTableSlot,
     only_summarizing: bool,
 ) {
+    // SAFETY: the caller's contract (`rel` open and write-locked, `slot` holding the row just
+    // written with its TID); the executor state and result relation are built and freed here,
+    // as `ExecInsertIndexTuples` expects them.
     unsafe {
         let estate = pg_sys::CreateExecutorState();
         let rri = pg_sys::palloc0(std::mem::size_of::<pg_sys::ResultRelInfo>())
