@@ -14,8 +14,8 @@ use pgrx::pg_sys;
 ///
 /// Under READ COMMITTED the row is updated directly ([`heap::complete_direct`]); under REPEATABLE
 /// READ and SERIALIZABLE (whose snapshot and predicate-lock rules the executor applies) and on
-/// a table that is not as the extension made it ([`super::catalog::direct_layout`]: changed by hand, with
-/// rules, or published), through the UPDATE statement.
+/// a table that is not as the extension made it (`catalog::direct_layout`: changed by hand,
+/// with rules, or published), through the UPDATE statement.
 pub fn complete(req: &CompleteRequest<'_>) -> Option<TimestampWithTimeZone> {
     let _path = PinnedSearchPath::pin();
     // Both paths read the completed row's columns as the extension's types.

@@ -25,7 +25,7 @@ use pgrx::PgSqlErrorCode;
 mod catalog;
 mod claim;
 mod complete;
-pub mod heap;
+mod heap;
 mod sql;
 mod sweep;
 

@@ -11,22 +11,15 @@ mod write;
 pub(crate) use scan::{newest_version, probe, Newest, Probe};
 pub(crate) use write::{complete_direct, insert_direct};
 
-// Two that read backend state and cannot raise an error: called directly, no boundary needed.
+// One that reads backend state and cannot raise an error: called directly, no boundary needed.
 unsafe extern "C-unwind" {
     fn GetCurrentTransactionStartTimestamp() -> pg_sys::TimestampTz;
-    fn GetUserId() -> pg_sys::Oid;
 }
 
 /// The start of the current transaction (what `now()` returns).
 pub fn transaction_start() -> pg_sys::TimestampTz {
     // SAFETY: reads a backend variable; never raises an error.
     unsafe { GetCurrentTransactionStartTimestamp() }
-}
-
-/// The current role (under SECURITY DEFINER, the function's owner).
-pub fn current_role() -> pg_sys::Oid {
-    // SAFETY: reads a backend variable; never raises an error.
-    unsafe { GetUserId() }
 }
 
 // The V1 functions themselves, for DirectFunctionCall (which calls them from C): pgrx's
