@@ -12,9 +12,10 @@
 //!   columns and their positions, the access checks, the key storage mode, whether direct
 //!   writes are allowed) and the search-path pin.
 //!
-//! Calls flow one way: algorithm -> SQL or heap -> catalog, never back up (the catalog calls
-//! neither `sql` nor `heap`, and `sql` and `heap` call no algorithm). The types shared across the
-//! layers (requests, results, the row as claim reads it) are defined here.
+//! Calls flow one way: algorithm -> SQL or heap -> catalog, never back up. The catalog calls
+//! neither `sql` nor `heap` (it reads the catalog with queries of its own), `sql` and `heap`
+//! call no algorithm and not each other. The types shared across the layers (requests,
+//! results, the row as claim reads it) and the error helpers are defined here.
 
 use crate::error::raise;
 use pgrx::datum::{Interval, TimestampWithTimeZone};
