@@ -81,7 +81,7 @@ impl Column {
     }
 }
 
-/// The columns the look-up reads from the row (`heap::look_up` copies their datums and
+/// The columns the look-up reads from the row (`heap::scan::look_up` copies their datums and
 /// `row_from_version` reads them as the types of [`COLUMNS`]), in the order of
 /// [`Layout::att`]. The key columns it compares in the index are checked apart.
 /// How many columns the look-up reads.

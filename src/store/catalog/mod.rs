@@ -109,7 +109,7 @@ pub(crate) unsafe fn attribute<'a>(
 
 /// Finds the columns the look-up reads (their attribute numbers into `att`, from the opened
 /// relation, so with every pending invalidation applied) and checks them against the types it
-/// reads them as, and the primary key against the scan it makes (`heap::look_up`: texteq on
+/// reads them as, and the primary key against the scan it makes (`heap::scan::look_up`: texteq on
 /// index columns 1 and 2, collation "C").
 /// Once per layout, so once per relcache invalidation of the table.
 ///

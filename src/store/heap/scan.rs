@@ -1,4 +1,6 @@
-//! The replay path's look at the primary key, as one call into PostgreSQL.
+//! The one dirty-snapshot scan of a key through the primary key ([`scan_key`]), for the
+//! claim's look-up ([`look_up`], [`probe`]) and the completion's newest version
+//! ([`newest_version`]), each one call into PostgreSQL.
 //!
 //! pgrx wraps every `pg_sys` function in its own error boundary (a `sigsetjmp` and a thread
 //! check per call). A claim that replays makes some twenty such calls to open the table, scan
@@ -9,7 +11,7 @@
 //! calling function, as with the wrapped calls.
 //!
 //! What makes that sound: everything between the boundary and the C functions is a plain old
-//! frame. [`look_up`] and its callees hold raw pointers and `Copy` values only, nothing with a
+//! frame. [`look_up`], [`newest_version`] and their callees hold raw pointers and `Copy` values only, nothing with a
 //! destructor, and never panic, so a `longjmp` out of a C call skips nothing that had to run.
 
 use super::super::catalog::{layout, looked_up_index, Column, LOOKED_UP_COUNT};
