@@ -112,7 +112,7 @@ fn duration(name: &'static str, value: Interval) -> Duration {
     let (m, d, us) = interval_parts(&value);
     check(keys::check_duration(name, m, d, us));
     let ends = store::now_plus(&value);
-    let now = crate::ffi::transaction_start();
+    let now = crate::store::transaction_start();
     if ends <= now {
         arg_error(ArgError::invalid(format!(
             "{name} must end in the future: now() + {name} is not after now() ({})",

@@ -184,30 +184,8 @@ pub unsafe fn insert_index_tuples(
     }
 }
 
-/// `index_beginscan` (through pgrx's error boundary); 18 added an instrumentation argument.
-///
-/// # Safety
-/// As `index_beginscan`: open relations, a valid snapshot.
-pub unsafe fn index_beginscan(
-    heap: pg_sys::Relation,
-    index: pg_sys::Relation,
-    snapshot: pg_sys::Snapshot,
-    nkeys: std::ffi::c_int,
-) -> pg_sys::IndexScanDesc {
-    #[cfg(not(feature = "pg18"))]
-    // SAFETY: the caller's guarantees.
-    unsafe {
-        pg_sys::index_beginscan(heap, index, snapshot, nkeys, 0)
-    }
-    #[cfg(feature = "pg18")]
-    // SAFETY: the caller's guarantees; no instrumentation.
-    unsafe {
-        pg_sys::index_beginscan(heap, index, snapshot, std::ptr::null_mut(), nkeys, 0)
-    }
-}
-
-/// The same server functions declared directly, without pgrx's per-call error boundary, for
-/// `ffi.rs`, which makes its calls inside one boundary of its own.
+/// Server functions declared directly, without pgrx's per-call error boundary, for
+/// `store/heap`, which makes its calls inside one boundary of its own.
 pub mod raw {
     use pgrx::pg_sys;
     use std::ffi::c_int;
@@ -235,7 +213,7 @@ pub mod raw {
     }
 
     /// `index_beginscan` without a boundary: call only inside `pg_guard_ffi_boundary`, from
-    /// plain old frames (see ffi.rs).
+    /// plain old frames (see store/heap).
     ///
     /// # Safety
     /// As `index_beginscan`, and the above.

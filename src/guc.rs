@@ -397,6 +397,15 @@ pub fn init() {
         GucContext::Suset,
         GucFlags::UNIT_KB,
     );
+    GucRegistry::define_bool_guc(
+        c"idempotency.force_sql_path",
+        c"Claims and completions write through their INSERT and UPDATE statements.",
+        c"For diagnosis: turns off the direct heap and index writes, as a trigger on the table \
+          does; the answers are the same either way.",
+        &FORCE_SQL_PATH,
+        GucContext::Userset,
+        GucFlags::default(),
+    );
     unsafe { pgrx::pg_sys::MarkGUCPrefixReserved(c"idempotency".as_ptr()) };
 
     // Test hooks, debug builds only (`cargo pgrx install`/`test` build the dev profile; release
@@ -413,6 +422,9 @@ pub fn init() {
         GucFlags::UNIT_MS,
     );
 }
+
+/// `idempotency.force_sql_path`: only turns an optimisation off, so any role may set it.
+pub static FORCE_SQL_PATH: GucSetting<bool> = GucSetting::<bool>::new(false);
 
 /// Debug builds only: milliseconds the key look-ups pause between index and heap.
 #[cfg(debug_assertions)]

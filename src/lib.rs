@@ -6,8 +6,8 @@
 //!   `idempotency-core` (crates/idempotency-core), which has no pgrx: `cargo test -p
 //!   idempotency-core` runs its tests without PostgreSQL;
 //! - `jsonb`: reads a jsonb datum into the canonical tree;
-//! - `store`: the SQL the extension runs against its table (claim, sweep);
-//! - `ffi`: the replay path's primary-key look-up as one call into PostgreSQL;
+//! - `store`: everything that reads or writes the extension's table (claim, completion, sweep),
+//!   in layers (see its module comment);
 //! - `api`: the SQL-callable functions, declared in `sql/idempotency.sql`;
 //! - `worker`: the background sweeper (launcher and per-database sweepers);
 //! - `stats`: counters in shared memory;
@@ -20,7 +20,6 @@ pub use idempotency_core::{canonical, keys, signing, state};
 pub mod compat;
 pub mod encoding;
 pub mod error;
-pub mod ffi;
 pub mod guc;
 pub mod jsonb;
 pub mod local;

@@ -179,3 +179,47 @@ def test_replays_return_stored_responses_of_every_size_and_storage(connect):
         with b.transaction():
             b.execute("SET TRANSACTION ISOLATION LEVEL REPEATABLE READ")
             assert claim(b, f"size-{name}", {"n": name})[2] == response, name
+
+
+# The store's write statements. A statement runs through SPI only once its plan is prepared
+# (once per backend, on first use) and kept in a "CachedPlanSource" memory context named by its
+# text; the direct writes prepare none. So the contexts of a session tell which way it wrote.
+SQL_WRITES = ("INSERT INTO idempotency.idempotency_keys",
+              "UPDATE idempotency.idempotency_keys AS k SET status = 'completed'")
+
+
+def prepared_writes(conn):
+    idents = [r[0] for r in conn.execute(
+        "SELECT ident FROM pg_backend_memory_contexts "
+        "WHERE name = 'CachedPlanSource' AND ident IS NOT NULL")]
+    return {s for s in SQL_WRITES if any(i.startswith(s) for i in idents)}
+
+
+def test_force_sql_path_sends_writes_through_the_statements(connect):
+    """With idempotency.force_sql_path on, a fresh claim's insert and a completion's update run
+    as the INSERT and UPDATE statements (as a trigger on the table makes them, without one),
+    and leave the same rows and answers as the direct writes do."""
+    direct, forced = connect(), connect()
+    forced.execute("SET idempotency.force_sql_path = on")
+    for conn, key in ((direct, "fsp-direct"), (forced, "fsp-sql")):
+        with conn.transaction():
+            assert claim(conn, key, None)[0] == "new"
+            complete(conn, key, {"ok": True}, response_status=201)
+        replay = claim(conn, key, None)
+        assert replay[0] == "replay", replay
+    assert prepared_writes(direct) == set()
+    assert prepared_writes(forced) == set(SQL_WRITES)
+    rows = direct.execute(
+        """SELECT key, status::text, response, response_status, locked_until IS NULL,
+                  completed_at = created_at, expires_at - completed_at, request_hash IS NULL
+             FROM idempotency.idempotency_keys WHERE key IN ('fsp-direct', 'fsp-sql')
+            ORDER BY key""").fetchall()
+    assert len(rows) == 2 and rows[0][1:] == rows[1][1:], rows
+    # Off again, the same session writes directly (no statement prepared for it meanwhile).
+    plain = connect()
+    plain.execute("SET idempotency.force_sql_path = on")
+    plain.execute("RESET idempotency.force_sql_path")
+    with plain.transaction():
+        assert claim(plain, "fsp-reset", None)[0] == "new"
+        complete(plain, "fsp-reset", {"ok": True})
+    assert prepared_writes(plain) == set()

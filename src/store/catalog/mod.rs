@@ -1,0 +1,347 @@
+//! Facts about the store table read from the catalog, cached per backend: its OIDs and column
+//! positions ([`columns`]: the one definition of its columns), whether its columns are of the
+//! types the below-SQL access reads and writes, the access checks, the key storage mode
+//! ([`key_storage`]) and whether direct writes are allowed ([`direct`]). And the search-path
+//! pin the statements run under.
+//!
+//! The bottom layer of the store: it calls neither `sql` nor `heap`.
+
+use crate::error::raise;
+use pgrx::pg_sys;
+use pgrx::prelude::*;
+use pgrx::PgSqlErrorCode;
+use std::cell::Cell;
+
+mod columns;
+mod direct;
+mod key_storage;
+
+pub(crate) use columns::{looked_up_index, Column, COLUMNS, LOOKED_UP, LOOKED_UP_COUNT};
+pub(crate) use direct::{direct_layout_for_write, DirectLayout};
+pub use key_storage::{key_label, stored_key};
+pub(crate) use key_storage::{keys_hashed, KeyStorage};
+
+/// Pins the search path to `pg_catalog` while the extension runs its own statements, whatever
+/// the caller's `search_path`: what a pinning `SET search_path` clause would give, without its
+/// per-call cost where the server allows (see [`crate::compat::SearchPathPin`]). Every
+/// statement is schema-qualified as well.
+pub use crate::compat::SearchPathPin as PinnedSearchPath;
+
+// Reads backend state and cannot raise an error: called directly, no boundary needed.
+unsafe extern "C-unwind" {
+    fn GetUserId() -> pg_sys::Oid;
+}
+
+/// The current role (under SECURITY DEFINER, the function's owner).
+fn current_role() -> pg_sys::Oid {
+    // SAFETY: reads a backend variable; never raises an error.
+    unsafe { GetUserId() }
+}
+
+/// The OID of the relation `name` in the extension's schema, InvalidOid when there is none.
+pub(crate) fn relation_oid(name: &std::ffi::CStr) -> pg_sys::Oid {
+    // SAFETY: two catalog look-ups by name with NUL-terminated names, in the calling
+    // transaction: a missing schema is a clean ERROR (missing_ok = false), a missing relation
+    // InvalidOid.
+    unsafe {
+        let nsp = pg_sys::get_namespace_oid(c"idempotency".as_ptr(), false);
+        pg_sys::get_relname_relid(name.as_ptr(), nsp)
+    }
+}
+
+/// Per-backend cache of the table's OIDs and column numbers, checked against the catalog's
+/// current OIDs on every use (they change when the extension is reinstalled).
+#[derive(Clone, Copy)]
+pub(crate) struct Layout {
+    pub(crate) relid: pg_sys::Oid,
+    pub(crate) idxid: pg_sys::Oid,
+    /// The attribute numbers of [`LOOKED_UP`].
+    pub(crate) att: [i32; LOOKED_UP_COUNT],
+    /// The role whose table privileges were checked for this layout (see `check_access`).
+    pub(crate) checked_for: pg_sys::Oid,
+    /// A column that the look-up reads (`att`, or scope and key, which it compares in the
+    /// index) whose type is not the one it interprets the column's datums as: claim and
+    /// complete refuse the table (`check_layout`) rather than misread or miswrite it.
+    pub(crate) mismatch: Option<Mismatch>,
+}
+
+/// A column whose type differs from the extension's table.
+#[derive(Clone, Copy)]
+pub(crate) struct Mismatch {
+    pub(crate) column: &'static str,
+    pub(crate) expected: &'static str,
+    /// The column's type and typmod (InvalidOid: the column is missing).
+    pub(crate) found: pg_sys::Oid,
+    pub(crate) typmod: i32,
+}
+
+/// Whether attribute `a` is a live column of type `typid` with no typmod, stored as that
+/// type is (length, by value, alignment): what a datum of `typid` built or read in Rust needs.
+/// A typmod (`timestamptz(0)`, `varchar(n)`) would also need the value coerced, which only SQL
+/// does.
+pub(crate) fn column_is(a: &pg_sys::FormData_pg_attribute, typid: pg_sys::Oid) -> bool {
+    let (mut len, mut byval, mut align) = (0i16, false, 0 as std::ffi::c_char);
+    a.atttypid == typid && !a.attisdropped && a.atttypmod == -1 && {
+        // SAFETY: a syscache look-up of a built-in or existing type into three locals; raises
+        // an ERROR only for a type that does not exist, which the comparison with the live
+        // column's type rules out before it runs.
+        unsafe { pg_sys::get_typlenbyvalalign(typid, &mut len, &mut byval, &mut align) };
+        a.attlen == len && a.attbyval == byval && a.attalign == align
+    }
+}
+
+/// The live attribute `name` of the open relation `rel`, if any.
+///
+/// # Safety
+/// `rel` is an open relation.
+pub(crate) unsafe fn attribute<'a>(
+    rel: pg_sys::Relation,
+    name: &std::ffi::CStr,
+) -> Option<&'a pg_sys::FormData_pg_attribute> {
+    // SAFETY: the caller's contract; the slice is the relation's own descriptor.
+    unsafe {
+        let desc = (*rel).rd_att;
+        (0..(*desc).natts as usize)
+            .map(|i| &*crate::compat::attribute(desc, i))
+            .find(|a| !a.attisdropped && std::ffi::CStr::from_ptr(a.attname.data.as_ptr()) == name)
+    }
+}
+
+/// Finds the columns the look-up reads (their attribute numbers into `att`, from the opened
+/// relation, so with every pending invalidation applied) and checks them against the types it
+/// reads them as, and the primary key against the scan it makes (`heap::scan::look_up`: texteq on
+/// index columns 1 and 2, collation "C").
+/// Once per layout, so once per relcache invalidation of the table.
+///
+/// # Safety
+/// `relid` and `idxid` are the table and its primary key.
+pub(crate) unsafe fn check_lookup_columns(
+    relid: pg_sys::Oid,
+    idxid: pg_sys::Oid,
+    att: &mut [i32; LOOKED_UP_COUNT],
+) -> Option<Mismatch> {
+    // SAFETY: opens and closes relations by OID (AccessShareLock, kept to the end of the
+    // transaction as every reader's); every pointer read is the relcache's.
+    unsafe {
+        let lock = pg_sys::AccessShareLock as pg_sys::LOCKMODE;
+        let rel = pg_sys::table_open(relid, lock);
+        let mut mismatch = None;
+        let mut note = |name: &'static std::ffi::CStr,
+                        expected: &'static str,
+                        a: Option<&pg_sys::FormData_pg_attribute>| {
+            if mismatch.is_none() {
+                mismatch = Some(Mismatch {
+                    column: name.to_str().unwrap_or("?"),
+                    expected,
+                    found: a.map_or(pg_sys::InvalidOid, |a| a.atttypid),
+                    typmod: a.map_or(-1, |a| a.atttypmod),
+                });
+            }
+        };
+        for (i, c) in LOOKED_UP.iter().enumerate() {
+            let c = c.def();
+            let a = attribute(rel, c.name);
+            att[i] = a.map_or(0, |a| a.attnum as i32);
+            if !a.is_some_and(|a| column_is(a, c.typid)) {
+                note(c.name, c.type_name, a);
+            }
+        }
+        let mut key_columns = [0i16; 2];
+        for (i, name) in [c"scope", c"key"].into_iter().enumerate() {
+            let a = attribute(rel, name);
+            match a {
+                Some(a)
+                    if column_is(a, pg_sys::TEXTOID)
+                        && a.attcollation == pg_sys::C_COLLATION_OID =>
+                {
+                    key_columns[i] = a.attnum
+                }
+                _ => note(name, "text COLLATE \"C\"", a),
+            }
+        }
+        pg_sys::table_close(rel, pg_sys::NoLock as pg_sys::LOCKMODE);
+        let index = pg_sys::index_open(idxid, lock);
+        let form = (*index).rd_index;
+        let ok = !form.is_null()
+            && (*form).indisunique
+            && (*form).indnatts == 2
+            && (*form).indnkeyatts == 2
+            && (*(*index).rd_rel).relam == pg_sys::BTREE_AM_OID
+            && (*form).indkey.values.as_slice(2) == key_columns;
+        pg_sys::index_close(index, pg_sys::NoLock as pg_sys::LOCKMODE);
+        if !ok {
+            note(
+                c"idempotency_keys_pkey",
+                "a btree primary key on (scope, key)",
+                None,
+            );
+        }
+        mismatch
+    }
+}
+
+/// Refuses a table whose look-up columns were altered (see `Layout::mismatch`): claim and
+/// complete read and write those columns below SQL and cannot work on other types.
+pub(crate) fn check_layout(l: &Layout) {
+    let Some(m) = l.mismatch else {
+        return;
+    };
+    let found = if m.found == pg_sys::InvalidOid {
+        "missing or not as created".to_string()
+    } else {
+        // SAFETY: formats an existing type's name (palloc'd in the current context).
+        unsafe {
+            let name = pg_sys::format_type_with_typemod(m.found, m.typmod);
+            std::ffi::CStr::from_ptr(name)
+                .to_string_lossy()
+                .into_owned()
+        }
+    };
+    raise(
+        PgSqlErrorCode::ERRCODE_OBJECT_NOT_IN_PREREQUISITE_STATE,
+        format!(
+            "idempotency: idempotency.idempotency_keys.{} is {found}, but the extension needs {}",
+            m.column, m.expected
+        ),
+        Some(
+            "the table was altered by hand: alter it back, or reinstall the extension \
+             (DROP EXTENSION idempotency; CREATE EXTENSION idempotency;)",
+        ),
+    );
+}
+
+/// Whether claims and completions may write below SQL, as far as this backend has looked.
+#[derive(Clone, Copy)]
+enum Direct {
+    /// Not looked at since the layout was read.
+    Unknown,
+    /// The table is not as the extension made it: claims and completions write through SQL.
+    Sql,
+    /// The direct writes may run, with these column positions.
+    Allowed(DirectLayout),
+}
+
+/// What this backend knows of the store table, read from the catalog on first use and
+/// forgotten all together when the table's relation cache entry is invalidated
+/// ([`forget`]): DDL, GRANT and REVOKE, a reinstall of the extension, a switch of the key
+/// storage all send one.
+#[derive(Clone, Copy)]
+struct Cache {
+    layout: Option<Layout>,
+    /// Read once per layout (see [`key_storage`]).
+    key_storage: Option<KeyStorage>,
+    direct: Direct,
+    /// Whether [`forget`] is registered (once per backend; it cannot be unregistered).
+    callback_registered: bool,
+}
+
+static CACHE: crate::local::BackendLocal<Cell<Cache>> =
+    crate::local::BackendLocal::new(Cell::new(Cache {
+        layout: None,
+        key_storage: None,
+        direct: Direct::Unknown,
+        callback_registered: false,
+    }));
+
+fn cache() -> Cache {
+    CACHE.with(Cell::get)
+}
+
+fn update_cache(f: impl FnOnce(&mut Cache)) {
+    CACHE.with(|c| {
+        let mut cache = c.get();
+        f(&mut cache);
+        c.set(cache);
+    });
+}
+
+/// Whether the cached layout is still the one of `relid` (an invalidation may have come in
+/// while a fact about it was being read): only then is the fact cached.
+fn layout_is(relid: pg_sys::Oid) -> bool {
+    cache().layout.is_some_and(|c| c.relid == relid)
+}
+
+/// Forgets what the cache knows of the table when its relation cache entry (or every entry)
+/// is invalidated: the table may have been altered or dropped, e.g. by DROP EXTENSION.
+#[pg_guard]
+unsafe extern "C-unwind" fn forget(_arg: pg_sys::Datum, relid: pg_sys::Oid) {
+    update_cache(|c| {
+        if c.layout
+            .is_some_and(|l| relid == pg_sys::InvalidOid || l.relid == relid || l.idxid == relid)
+        {
+            c.layout = None;
+            c.key_storage = None;
+            c.direct = Direct::Unknown;
+        }
+    });
+}
+
+pub(crate) fn layout() -> Layout {
+    let known = cache();
+    if let Some(l) = known.layout {
+        return l;
+    }
+    if !known.callback_registered {
+        // SAFETY: registers a callback that only clears this backend's cache (it calls no
+        // server function, so it is safe at any point an invalidation is processed); once per
+        // backend, as the callback table is fixed-size and entries cannot be removed.
+        unsafe { pg_sys::CacheRegisterRelcacheCallback(Some(forget), pg_sys::Datum::from(0usize)) };
+        update_cache(|c| c.callback_registered = true);
+    }
+    let relid = relation_oid(c"idempotency_keys");
+    let idxid = relation_oid(c"idempotency_keys_pkey");
+    // SAFETY: `check_lookup_columns` opens the table and the index by OID, which exist: both
+    // were just found in the catalog, and raise() returns nowhere when either is missing.
+    unsafe {
+        if relid == pg_sys::InvalidOid || idxid == pg_sys::InvalidOid {
+            raise(
+                PgSqlErrorCode::ERRCODE_UNDEFINED_TABLE,
+                "idempotency.idempotency_keys or its primary key is missing".to_string(),
+                Some("reinstall the extension: DROP EXTENSION idempotency; CREATE EXTENSION idempotency;"),
+            );
+        }
+        let mut att = [0i32; LOOKED_UP_COUNT];
+        let mismatch = check_lookup_columns(relid, idxid, &mut att);
+        let l = Layout {
+            relid,
+            idxid,
+            att,
+            checked_for: pg_sys::InvalidOid,
+            mismatch,
+        };
+        update_cache(|c| c.layout = Some(l));
+        l
+    }
+}
+
+/// The probe reads the table below SQL, where PostgreSQL checks no privileges: so claim checks
+/// that the current role may SELECT, INSERT and UPDATE the table, as its SQL would need.
+/// The result is cached with the layout: GRANT and REVOKE invalidate it (relcache), and a
+/// different role (SET ROLE, SECURITY DEFINER callers) is checked again.
+pub(crate) fn check_access() {
+    let l = layout();
+    check_layout(&l);
+    let role = current_role();
+    if l.checked_for == role {
+        return;
+    }
+    // pg_class_aclcheck accepts any one of the bits it is given: check them one by one.
+    for mode in [pg_sys::ACL_SELECT, pg_sys::ACL_INSERT, pg_sys::ACL_UPDATE] {
+        // SAFETY: a privilege check of an existing relation (the layout's) for an existing role
+        // (the current one); `aclcheck_error` raises the ERROR a statement would, with a
+        // NUL-terminated name.
+        unsafe {
+            let result = pg_sys::pg_class_aclcheck(l.relid, role, mode as pg_sys::AclMode);
+            if result != pg_sys::AclResult::ACLCHECK_OK {
+                pg_sys::aclcheck_error(
+                    result,
+                    pg_sys::ObjectType::OBJECT_TABLE,
+                    c"idempotency_keys".as_ptr(),
+                );
+            }
+        }
+    }
+    let mut checked = l;
+    checked.checked_for = role;
+    update_cache(|c| c.layout = Some(checked));
+}

@@ -1,0 +1,257 @@
+//! The claim algorithm: the outcome table ([`crate::state`]) applied to the key's row, read
+//! below SQL where it can be ([`heap`]) and through the statements ([`sql`]) where it must.
+
+use super::catalog::{check_access, direct_layout_for_write, key_label};
+use super::heap::{self, probe, KeyInsertLock, Probe};
+use super::sql::{read_row, with_spi, write_claim, Write};
+use super::{spi_failed, ClaimRequest, ClaimResult, Outcome, Row, MAX_ROUNDS};
+use crate::error::raise;
+use crate::state::{self, Decision, Stored};
+use crate::{encoding, guc};
+use pgrx::datum::Interval;
+use pgrx::pg_sys;
+use pgrx::spi::SpiClient;
+use pgrx::PgSqlErrorCode;
+use std::time::{Duration, Instant};
+
+pub(crate) fn stored(r: &Row) -> Stored<'_> {
+    Stored {
+        completed: r.completed,
+        request_hash: r.request_hash.as_deref(),
+        expired: r.expired,
+        lease_over: r.lease_over,
+    }
+}
+
+/// The answer to a claim that meets another open transaction's claim (or change) of the key:
+/// in progress, come back after `idempotency.busy_retry_after` (that transaction usually ends
+/// in milliseconds: its lease says nothing about when). `expires_at` stays NULL: the row is not
+/// committed and may never be.
+pub(crate) fn busy_result() -> ClaimResult {
+    let mut r = ClaimResult::new(Outcome::InProgress);
+    r.retry_after = Interval::new(0, 0, guc::int(&guc::BUSY_RETRY_AFTER).max(1) as i64 * 1000).ok();
+    r
+}
+
+pub(crate) fn sleep_a_little() {
+    // SAFETY: waits on this backend's own latch from its main thread; WaitLatch raises no
+    // ERROR with these flags (it exits the process on postmaster death).
+    unsafe {
+        pg_sys::WaitLatch(
+            pg_sys::MyLatch,
+            (pg_sys::WL_LATCH_SET | pg_sys::WL_TIMEOUT | pg_sys::WL_EXIT_ON_PM_DEATH) as i32,
+            5,
+            pg_sys::PG_WAIT_EXTENSION,
+        );
+        pg_sys::ResetLatch(pg_sys::MyLatch);
+    }
+    pgrx::check_for_interrupts!();
+}
+
+pub(crate) fn log_mismatch(req: &ClaimRequest<'_>, stored: Option<&[u8]>) {
+    let prefix = |h: Option<&[u8]>| {
+        h.map(|h| crate::keys::hex(&h[..h.len().min(6)]))
+            .unwrap_or_default()
+    };
+    let message = format!(
+        "idempotency: key reused with a different request: scope={:?} key={} stored_hash={} request_hash={}",
+        req.scope,
+        key_label(req.key),
+        prefix(stored),
+        prefix(req.hash.as_ref().map(|h| &h[..]))
+    );
+    pgrx::warning!("{}", encoding::for_message(message));
+}
+
+/// The claim algorithm. Never waits on another transaction's claim of the same key beyond
+/// `idempotency.claim_wait`: uncommitted inserts and changes are seen through a dirty-snapshot
+/// probe and locked rows are skipped, both answered `in_progress`.
+///
+/// Under READ COMMITTED (where every statement sees the newest committed data anyway) the
+/// probe's row is the answer: replays, mismatches and in-progress answers touch no SQL at all.
+/// Under REPEATABLE READ and SERIALIZABLE the row is read through the transaction's snapshot.
+pub fn claim(req: &ClaimRequest<'_>) -> ClaimResult {
+    check_access();
+    let wait = Duration::from_millis(guc::int(&guc::CLAIM_WAIT).max(0) as u64);
+    // Only a wait for a busy key needs the clock.
+    let mut started = None;
+    // SAFETY: reads a backend variable, set for the transaction.
+    let snapshot_reads = unsafe { pg_sys::XactIsoLevel } >= pg_sys::XACT_REPEATABLE_READ as i32;
+    let mut rounds = 0;
+    while rounds < MAX_ROUNDS {
+        let step = if snapshot_reads {
+            with_spi(|client| match read_row(client, false, req)? {
+                Some(row) => decide(client, req, row),
+                None => match probe_or_insert(req, || insert(client, req)) {
+                    Looked::Inserted(step) => step,
+                    Looked::Found(Probe::Busy) => Ok(Step::Busy),
+                    // Committed, but not in this REPEATABLE READ snapshot: the insert fails with
+                    // a serialization error, as it should.
+                    Looked::Found(Probe::Committed(_)) => insert(client, req),
+                    Looked::Found(Probe::Absent | Probe::Changed) => Ok(Step::Again),
+                },
+            })
+        } else {
+            // First a look without the insert lock: a key that exists (the replay, mismatch and
+            // in-progress answers) needs no lock at all. Only an absent key is looked at again
+            // under the lock and inserted.
+            // Unconfirmed: a miss is looked at again, confirmed, under the insert lock.
+            let found = match probe(req.scope, req.key, false) {
+                Probe::Absent => probe_or_insert(req, || match direct_layout_for_write() {
+                    Some(d) => Ok(Step::Done(heap::insert_direct(&d, req))),
+                    None => with_spi(|client| {
+                        Ok(write_claim(client, Write::InsertFresh, req)?
+                            .map_or(Step::Again, Step::Done))
+                    }),
+                }),
+                found => Looked::Found(found),
+            };
+            match found {
+                Looked::Inserted(step) => step,
+                Looked::Found(Probe::Busy) => Ok(Step::Busy),
+                Looked::Found(Probe::Committed(row)) => {
+                    match state::decide(stored(&row), given(req)) {
+                        d @ (Decision::Replay | Decision::Mismatch | Decision::InProgress) => {
+                            Ok(Step::Done(answer(req, d, row)))
+                        }
+                        Decision::Restart | Decision::TakeOver => {
+                            with_spi(|client| decide(client, req, row))
+                        }
+                    }
+                }
+                Looked::Found(Probe::Absent | Probe::Changed) => Ok(Step::Again),
+            }
+        };
+        match step {
+            Ok(Step::Done(result)) => return result,
+            Ok(Step::Busy) => {
+                if started.get_or_insert_with(Instant::now).elapsed() >= wait {
+                    return busy_result();
+                }
+                sleep_a_little();
+            }
+            // Only rounds where the row changed under us count; waiting does not.
+            Ok(Step::Again) => rounds += 1,
+            Err(e) => spi_failed("claim", e),
+        }
+    }
+    raise(
+        PgSqlErrorCode::ERRCODE_T_R_SERIALIZATION_FAILURE,
+        format!(
+            "idempotency.claim: key {} kept changing under concurrent claims",
+            key_label(req.key)
+        ),
+        Some("retry the transaction"),
+    )
+}
+
+pub(crate) enum Looked {
+    Inserted(Result<Step, pgrx::spi::Error>),
+    Found(Probe),
+}
+
+/// One look at the key under its insert lock: an absent key is inserted at once (by `insert`);
+/// anything else is returned after the lock is released. The lock serializes probe+insert of
+/// a key across backends for a moment, so an insert never meets another claimer's
+/// half-finished insert of the same key (which would wait for that transaction to end). Under
+/// READ COMMITTED a key that exists was already answered by a look without the lock.
+pub(crate) fn probe_or_insert(
+    req: &ClaimRequest<'_>,
+    insert: impl FnOnce() -> Result<Step, pgrx::spi::Error>,
+) -> Looked {
+    let _insert_lock = KeyInsertLock::acquire(req.scope, req.key);
+    // Under READ COMMITTED an absent key is inserted without ON CONFLICT: a miss that raced a
+    // concurrent update must not pass for absence (it would be a unique violation, where the
+    // row should have been answered). Under REPEATABLE READ the insert's ON CONFLICT DO
+    // NOTHING handles that race (the executor re-checks), and a fresh snapshot outside the
+    // transaction's own would only confuse SERIALIZABLE's conflict checks.
+    // SAFETY: reads a backend variable.
+    let read_committed = unsafe { pg_sys::XactIsoLevel } < pg_sys::XACT_REPEATABLE_READ as i32;
+    match probe(req.scope, req.key, read_committed) {
+        Probe::Absent => Looked::Inserted(insert()),
+        found => Looked::Found(found),
+    }
+}
+
+pub(crate) fn given<'a>(req: &'a ClaimRequest<'_>) -> Option<&'a [u8]> {
+    req.hash.as_ref().map(|h| &h[..])
+}
+
+/// Inserts the claim; `Again` when another claimer's row got there first.
+pub(crate) fn insert(
+    client: &mut SpiClient<'_>,
+    req: &ClaimRequest<'_>,
+) -> Result<Step, pgrx::spi::Error> {
+    Ok(write_claim(client, Write::Insert, req)?.map_or(Step::Again, Step::Done))
+}
+
+/// The answers that write nothing: replay, mismatch and in_progress.
+pub(crate) fn answer(req: &ClaimRequest<'_>, decision: Decision, row: Row) -> ClaimResult {
+    match decision {
+        Decision::Replay => replay(row),
+        Decision::Mismatch => {
+            log_mismatch(req, row.request_hash.as_deref());
+            let mut r = ClaimResult::new(Outcome::Mismatch);
+            r.expires_at = row.expires_at;
+            r
+        }
+        _ => in_progress(row),
+    }
+}
+
+/// Applies the outcome table to a row that exists.
+pub(crate) fn decide(
+    client: &mut SpiClient<'_>,
+    req: &ClaimRequest<'_>,
+    row: Row,
+) -> Result<Step, pgrx::spi::Error> {
+    match state::decide(stored(&row), given(req)) {
+        d @ (Decision::Replay | Decision::Mismatch | Decision::InProgress) => {
+            Ok(Step::Done(answer(req, d, row)))
+        }
+        Decision::Restart | Decision::TakeOver => {
+            // Lock the newest version without waiting, then decide again on it.
+            let Some(locked) = read_row(client, true, req)? else {
+                return Ok(match probe(req.scope, req.key, false) {
+                    Probe::Busy => Step::Busy,
+                    // Still there, so another claimer holds its row lock while it decides on a
+                    // takeover: the key is busy (spinning here would only burn rounds).
+                    Probe::Committed(_) => Step::Busy,
+                    Probe::Absent | Probe::Changed => Step::Again,
+                });
+            };
+            match state::decide(stored(&locked), given(req)) {
+                Decision::Restart => {
+                    Ok(write_claim(client, Write::Restart, req)?.map_or(Step::Again, Step::Done))
+                }
+                Decision::TakeOver => {
+                    Ok(write_claim(client, Write::TakeOver, req)?.map_or(Step::Again, Step::Done))
+                }
+                d => Ok(Step::Done(answer(req, d, locked))),
+            }
+        }
+    }
+}
+
+pub(crate) enum Step {
+    Done(ClaimResult),
+    Busy,
+    Again,
+}
+
+pub(crate) fn replay(row: Row) -> ClaimResult {
+    let mut r = ClaimResult::new(Outcome::Replay);
+    r.token = row.token;
+    r.response = row.response;
+    r.response_status = row.response_status;
+    r.expires_at = row.expires_at;
+    r
+}
+
+pub(crate) fn in_progress(row: Row) -> ClaimResult {
+    let mut r = ClaimResult::new(Outcome::InProgress);
+    r.retry_after = row.retry_after;
+    r.expires_at = row.expires_at;
+    r.recovery_point = row.recovery_point;
+    r
+}

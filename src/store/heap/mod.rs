@@ -1,0 +1,98 @@
+//! The access below SQL: the primary-key look-up with a dirty snapshot ([`scan`]), the direct
+//! heap and index writes ([`write`]), the per-key insert lock, and server functions called
+//! directly.
+
+use pgrx::datum::Interval;
+use pgrx::pg_sys;
+
+mod scan;
+mod write;
+
+pub(crate) use scan::{newest_version, probe, Newest, Probe};
+pub(crate) use write::{complete_direct, insert_direct};
+
+// One that reads backend state and cannot raise an error: called directly, no boundary needed.
+unsafe extern "C-unwind" {
+    fn GetCurrentTransactionStartTimestamp() -> pg_sys::TimestampTz;
+}
+
+/// The start of the current transaction (what `now()` returns).
+pub fn transaction_start() -> pg_sys::TimestampTz {
+    // SAFETY: reads a backend variable; never raises an error.
+    unsafe { GetCurrentTransactionStartTimestamp() }
+}
+
+// The V1 functions themselves, for DirectFunctionCall (which calls them from C): pgrx's
+// `pg_sys` wrappers are Rust functions.
+unsafe extern "C-unwind" {
+    pub(crate) fn timestamptz_pl_interval(fcinfo: pg_sys::FunctionCallInfo) -> pg_sys::Datum;
+    pub(crate) fn nextval_oid(fcinfo: pg_sys::FunctionCallInfo) -> pg_sys::Datum;
+}
+
+/// `locktag_field4` of the extension's advisory locks; the SQL advisory lock functions use 1
+/// and 2, so these never collide with an application's own advisory locks.
+pub(crate) const LOCK_CLASS: u16 = 0x1de7;
+
+/// A session-level lock on hash(scope, key), held only while one claim probes and inserts the
+/// key: microseconds, never until commit, so a transaction can claim any number of keys.
+pub(crate) struct KeyInsertLock(pg_sys::LOCKTAG);
+
+impl KeyInsertLock {
+    pub(crate) fn acquire(scope: &str, key: &str) -> KeyInsertLock {
+        // FNV-1a: stable across builds, so backends running different builds of the library
+        // (during an upgrade) still agree on the lock of a key.
+        let mut hash: u64 = 0xcbf2_9ce4_8422_2325;
+        for b in scope.bytes().chain([0xff]).chain(key.bytes()) {
+            hash = (hash ^ b as u64).wrapping_mul(0x0100_0000_01b3);
+        }
+        // SAFETY: reads a backend variable, set at connection.
+        let database = unsafe { pg_sys::MyDatabaseId };
+        let tag = pg_sys::LOCKTAG {
+            locktag_field1: database.to_u32(),
+            locktag_field2: (hash >> 32) as u32,
+            locktag_field3: hash as u32,
+            locktag_field4: LOCK_CLASS,
+            locktag_type: pg_sys::LockTagType::LOCKTAG_ADVISORY as u8,
+            locktag_lockmethodid: pg_sys::USER_LOCKMETHOD as u8,
+        };
+        // SAFETY: a session-level advisory lock on a tag built here (the lock manager copies
+        // it); waits for the holder, interruptibly. Released by `drop`, which runs on success
+        // and while an ERROR unwinds alike.
+        unsafe {
+            pg_sys::LockAcquire(&tag, pg_sys::ExclusiveLock as pg_sys::LOCKMODE, true, false)
+        };
+        KeyInsertLock(tag)
+    }
+}
+
+impl Drop for KeyInsertLock {
+    /// Runs on success and while an ERROR unwinds through claim alike.
+    fn drop(&mut self) {
+        // SAFETY: releases the session lock `acquire` took, with the same tag and mode (a lock
+        // not held would be a WARNING, not an ERROR).
+        unsafe { pg_sys::LockRelease(&self.0, pg_sys::ExclusiveLock as pg_sys::LOCKMODE, true) };
+    }
+}
+
+pub(crate) fn seconds_left(locked_until: Option<pg_sys::TimestampTz>) -> Interval {
+    let now = transaction_start();
+    let left = locked_until.map(|t| t.saturating_sub(now)).unwrap_or(0);
+    Interval::new(0, 0, left.max(1_000_000))
+        .unwrap_or_else(|_| Interval::new(0, 0, 1_000_000).unwrap())
+}
+
+/// `now()` plus an interval, with PostgreSQL's calendar arithmetic in the session's time zone
+/// (what `pg_catalog.now() + interval` gives the statements).
+pub fn now_plus(interval: &Interval) -> pg_sys::TimestampTz {
+    use pgrx::IntoDatum;
+    let now = pg_sys::Datum::from(transaction_start());
+    let Some(i) = interval.into_datum() else {
+        super::internal("an interval could not be converted");
+    };
+    // SAFETY: timestamptz_pl_interval takes a timestamptz and an interval datum; it raises a
+    // clear error (22008) when the result is out of range.
+    unsafe {
+        pg_sys::DirectFunctionCall2Coll(Some(timestamptz_pl_interval), pg_sys::InvalidOid, now, i)
+    }
+    .value() as pg_sys::TimestampTz
+}

@@ -1,0 +1,394 @@
+//! The statements the store runs, each prepared once per backend, and the calls that run them
+//! through SPI.
+
+use super::catalog::{keys_hashed, relation_oid, PinnedSearchPath};
+use super::spi_failed;
+use super::{ClaimRequest, ClaimResult, CompleteRequest, Completed, Outcome, OwnedJsonb, Row};
+use crate::encoding;
+use crate::error::raise;
+use pgrx::datum::{Interval, TimestampWithTimeZone};
+use pgrx::pg_sys;
+use pgrx::prelude::*;
+use pgrx::spi::{OwnedPreparedStatement, SpiClient};
+use pgrx::PgOid;
+use pgrx::PgSqlErrorCode;
+use std::cell::Cell;
+
+pub(crate) const ROW_COLUMNS: &str = "k.status OPERATOR(pg_catalog.=) 'completed'::idempotency.key_status, \
+     k.request_hash, k.token, k.response, k.response_status, k.recovery_point, k.expires_at, \
+     k.expires_at OPERATOR(pg_catalog.<=) pg_catalog.now(), \
+     k.locked_until OPERATOR(pg_catalog.<=) pg_catalog.now(), \
+     GREATEST(k.locked_until OPERATOR(pg_catalog.-) pg_catalog.now(), '1 second'::pg_catalog.interval)";
+
+pub(crate) fn select_sql(lock: bool) -> String {
+    format!(
+        "SELECT {ROW_COLUMNS} FROM idempotency.idempotency_keys k \
+         WHERE k.scope OPERATOR(pg_catalog.=) $1 AND k.key OPERATOR(pg_catalog.=) $2{}",
+        if lock { " FOR UPDATE SKIP LOCKED" } else { "" }
+    )
+}
+
+pub(crate) const INSERT_SQL: &str = "INSERT INTO idempotency.idempotency_keys AS k \
+       (scope, key, request_hash, status, token, created_at, locked_until, expires_at, ttl) \
+     VALUES ($1, $2, $3, 'in_progress', pg_catalog.nextval('idempotency.token_seq'), pg_catalog.now(), \
+       pg_catalog.now() OPERATOR(pg_catalog.+) $4, pg_catalog.now() OPERATOR(pg_catalog.+) $5, $5) \
+     ON CONFLICT (scope, key) DO NOTHING \
+     RETURNING k.token, k.expires_at";
+
+/// The insert of a key that the probe, under the key's insert lock, found absent: no other
+/// claimer can insert it meanwhile, so no ON CONFLICT arbiter (its extra index check and
+/// speculative-insertion record) is needed. Under REPEATABLE READ the ON CONFLICT form is kept:
+/// it turns a row committed after the snapshot into the serialization error it must be.
+pub(crate) const INSERT_FRESH_SQL: &str = "INSERT INTO idempotency.idempotency_keys AS k \
+       (scope, key, request_hash, status, token, created_at, locked_until, expires_at, ttl) \
+     VALUES ($1, $2, $3, 'in_progress', pg_catalog.nextval('idempotency.token_seq'), pg_catalog.now(), \
+       pg_catalog.now() OPERATOR(pg_catalog.+) $4, pg_catalog.now() OPERATOR(pg_catalog.+) $5, $5) \
+     RETURNING k.token, k.expires_at";
+
+/// Rewrites an expired row as a fresh claim (it counted as absent).
+pub(crate) const RESTART_SQL: &str = "UPDATE idempotency.idempotency_keys AS k SET \
+       request_hash = $3, status = 'in_progress', token = pg_catalog.nextval('idempotency.token_seq'), \
+       response = NULL, response_status = NULL, recovery_point = NULL, \
+       created_at = pg_catalog.now(), completed_at = NULL, \
+       locked_until = pg_catalog.now() OPERATOR(pg_catalog.+) $4, \
+       expires_at = pg_catalog.now() OPERATOR(pg_catalog.+) $5, ttl = $5 \
+     WHERE k.scope OPERATOR(pg_catalog.=) $1 AND k.key OPERATOR(pg_catalog.=) $2 \
+     RETURNING k.token, k.expires_at, k.recovery_point";
+
+/// Takes over an in-progress row whose lease ran out; keeps its recovery point.
+pub(crate) const TAKEOVER_SQL: &str = "UPDATE idempotency.idempotency_keys AS k SET \
+       request_hash = COALESCE(k.request_hash, $3), token = pg_catalog.nextval('idempotency.token_seq'), \
+       locked_until = pg_catalog.now() OPERATOR(pg_catalog.+) $4, \
+       expires_at = pg_catalog.now() OPERATOR(pg_catalog.+) $5, ttl = $5 \
+     WHERE k.scope OPERATOR(pg_catalog.=) $1 AND k.key OPERATOR(pg_catalog.=) $2 \
+     RETURNING k.token, k.expires_at, k.recovery_point";
+
+/// The statements claim and sweep run, each prepared once per backend (SPI_keepplan) when it
+/// is first needed, so a claim pays for execution only. PostgreSQL's plan cache re-plans them
+/// after DDL on the table, re-resolving names, so they survive even DROP and CREATE EXTENSION
+/// in one session. Prepared one by one, not all at once: a statement that cannot be planned
+/// on the table as it is (an INSERT ... ON CONFLICT on a table with rules, which PostgreSQL
+/// refuses) fails only where it is used, not every statement with it.
+#[derive(Clone, Copy)]
+pub(crate) enum Plan {
+    Select,
+    SelectLocked,
+    Insert,
+    InsertFresh,
+    Restart,
+    TakeOver,
+    Complete,
+    Sweep,
+}
+
+pub(crate) const PLAN_COUNT: usize = 8;
+
+pub(crate) static PLANS: crate::local::BackendLocal<
+    [Cell<Option<&'static OwnedPreparedStatement>>; PLAN_COUNT],
+> = crate::local::BackendLocal::new([const { Cell::new(None) }; PLAN_COUNT]);
+
+pub(crate) fn plan(
+    client: &SpiClient<'_>,
+    which: Plan,
+) -> Result<&'static OwnedPreparedStatement, pgrx::spi::Error> {
+    if let Some(p) = PLANS.with(|c| c[which as usize].get()) {
+        return Ok(p);
+    }
+    let text = PgOid::from(pg_sys::TEXTOID);
+    let key_args = [text, text];
+    let claim_args = [
+        text,
+        text,
+        PgOid::from(pg_sys::BYTEAOID),
+        PgOid::from(pg_sys::INTERVALOID),
+        PgOid::from(pg_sys::INTERVALOID),
+    ];
+    let prepared = match which {
+        Plan::Select => client
+            .prepare(select_sql(false).as_str(), &key_args)?
+            .keep(),
+        Plan::SelectLocked => client
+            .prepare_mut(select_sql(true).as_str(), &key_args)?
+            .keep(),
+        Plan::Insert => client.prepare_mut(INSERT_SQL, &claim_args)?.keep(),
+        Plan::InsertFresh => client.prepare_mut(INSERT_FRESH_SQL, &claim_args)?.keep(),
+        Plan::Restart => client.prepare_mut(RESTART_SQL, &claim_args)?.keep(),
+        Plan::TakeOver => client.prepare_mut(TAKEOVER_SQL, &claim_args)?.keep(),
+        Plan::Complete => client
+            .prepare_mut(
+                COMPLETE_SQL,
+                &[
+                    text,
+                    text,
+                    PgOid::from(pg_sys::JSONBOID),
+                    PgOid::from(pg_sys::INT4OID),
+                    PgOid::from(pg_sys::INT8OID),
+                    PgOid::from(pg_sys::INTERVALOID),
+                ],
+            )?
+            .keep(),
+        Plan::Sweep => client
+            .prepare_mut(SWEEP_SQL, &[PgOid::from(pg_sys::INT8OID), text])?
+            .keep(),
+    };
+    let p: &'static OwnedPreparedStatement = Box::leak(Box::new(prepared));
+    PLANS.with(|c| c[which as usize].set(Some(p)));
+    Ok(p)
+}
+
+pub(crate) fn read_row(
+    client: &mut SpiClient<'_>,
+    lock: bool,
+    req: &ClaimRequest<'_>,
+) -> Result<Option<Row>, pgrx::spi::Error> {
+    let args = [
+        encoding::spi_text(req.scope, "scope"),
+        encoding::spi_text(req.key, "key"),
+    ];
+    let table = if lock {
+        // Row locks need a read-write SPI call.
+        client.update(plan(client, Plan::SelectLocked)?, Some(1), &args)?
+    } else {
+        client.select(plan(client, Plan::Select)?, Some(1), &args)?
+    };
+    if table.is_empty() {
+        return Ok(None);
+    }
+    let t = table.first();
+    Ok(Some(Row {
+        completed: t.get::<bool>(1)?.unwrap_or(false),
+        request_hash: t.get::<Vec<u8>>(2)?,
+        token: t.get::<i64>(3)?,
+        response: t.get::<OwnedJsonb>(4)?,
+        response_status: t.get::<i32>(5)?,
+        recovery_point: recovery_point(&t, 6)?,
+        expires_at: t.get::<TimestampWithTimeZone>(7)?,
+        expired: t.get::<bool>(8)?.unwrap_or(true),
+        lease_over: t.get::<bool>(9)?.unwrap_or(false),
+        retry_after: t.get::<Interval>(10)?,
+    }))
+}
+
+/// The recovery point in column `n` of an SPI row, as UTF-8.
+pub(crate) fn recovery_point(
+    t: &pgrx::spi::SpiTupleTable<'_>,
+    n: usize,
+) -> Result<Option<String>, pgrx::spi::Error> {
+    let datum = t.get_datum_by_ordinal(n)?;
+    // SAFETY: the column is text; its value lives until the SPI call ends, after this copy.
+    Ok(datum.map(|d| unsafe { encoding::text_of(d, "recovery_point") }.into_owned()))
+}
+
+#[derive(Clone, Copy)]
+pub(crate) enum Write {
+    Insert,
+    InsertFresh,
+    Restart,
+    TakeOver,
+}
+
+pub(crate) fn write_claim(
+    client: &mut SpiClient<'_>,
+    write: Write,
+    req: &ClaimRequest<'_>,
+) -> Result<Option<ClaimResult>, pgrx::spi::Error> {
+    let hash = req.hash.map(|h| h.to_vec());
+    let stmt = plan(
+        client,
+        match write {
+            Write::Insert => Plan::Insert,
+            Write::InsertFresh => Plan::InsertFresh,
+            Write::Restart => Plan::Restart,
+            Write::TakeOver => Plan::TakeOver,
+        },
+    )?;
+    let table = client.update(
+        stmt,
+        None,
+        &[
+            encoding::spi_text(req.scope, "scope"),
+            encoding::spi_text(req.key, "key"),
+            hash.into(),
+            req.lease.into(),
+            req.ttl.into(),
+        ],
+    )?;
+    if table.is_empty() {
+        return Ok(None);
+    }
+    let t = table.first();
+    let mut result = ClaimResult::new(Outcome::New);
+    result.token = t.get::<i64>(1)?;
+    result.expires_at = t.get::<TimestampWithTimeZone>(2)?;
+    if t.columns()? >= 3 {
+        result.recovery_point = recovery_point(&t, 3)?;
+    }
+    Ok(Some(result))
+}
+
+/// Runs statements through SPI with the search path pinned (see [`PinnedSearchPath`]). Only
+/// the paths that run SQL pin it: the look-up and the direct writes resolve no names.
+pub(crate) fn with_spi<R>(f: impl FnOnce(&mut SpiClient<'_>) -> R) -> R {
+    let _path = PinnedSearchPath::pin();
+    Spi::connect_mut(f)
+}
+
+/// Stores the response on the live in-progress claim (with the right token, when given).
+pub(crate) const COMPLETE_SQL: &str = "UPDATE idempotency.idempotency_keys AS k SET \
+       status = 'completed'::idempotency.key_status, response = $3, response_status = $4, \
+       completed_at = pg_catalog.now(), locked_until = NULL, \
+       expires_at = pg_catalog.now() OPERATOR(pg_catalog.+) COALESCE($6, k.ttl), \
+       ttl = COALESCE($6, k.ttl) \
+     WHERE k.scope OPERATOR(pg_catalog.=) $1 AND k.key OPERATOR(pg_catalog.=) $2 \
+       AND k.status OPERATOR(pg_catalog.=) 'in_progress'::idempotency.key_status \
+       AND k.expires_at OPERATOR(pg_catalog.>) pg_catalog.now() \
+       AND ($5 IS NULL OR k.token OPERATOR(pg_catalog.=) $5) \
+     RETURNING k.expires_at, k.request_hash, k.token";
+
+/// One audit row per completion (`idempotency.audit = on`), in the completing transaction.
+pub(crate) const AUDIT_SQL: &str = "INSERT INTO idempotency.audit \
+       (scope, key, key_is_hash, request_hash, token, response_status, completed_at, completed_by) \
+     VALUES ($1, $2, $3, $4, $5, $6, pg_catalog.now(), $7)";
+
+/// Deletes up to $2 audit rows older than $1 seconds whose scope starts with $3 ('' for all),
+/// skipping rows other transactions hold.
+pub(crate) const AUDIT_SWEEP_SQL: &str = "DELETE FROM idempotency.audit AS a \
+     WHERE a.ctid OPERATOR(pg_catalog.=) ANY (ARRAY( \
+       SELECT s.ctid FROM idempotency.audit AS s \
+        WHERE s.completed_at OPERATOR(pg_catalog.<) (pg_catalog.now() \
+              OPERATOR(pg_catalog.-) pg_catalog.make_interval(secs => $1)) \
+          AND pg_catalog.starts_with(s.scope, $3) \
+        LIMIT $2 FOR UPDATE SKIP LOCKED))";
+
+/// The audit statements, prepared on first use (a store created by release 0.1.0 and not yet
+/// updated has no audit table).
+pub(crate) struct AuditPlans {
+    pub(crate) insert: OwnedPreparedStatement,
+    pub(crate) sweep: OwnedPreparedStatement,
+}
+
+pub(crate) static AUDIT_PLANS: crate::local::BackendLocal<Cell<Option<&'static AuditPlans>>> =
+    crate::local::BackendLocal::new(Cell::new(None));
+
+pub(crate) fn audit_plans(client: &SpiClient<'_>) -> Result<&'static AuditPlans, pgrx::spi::Error> {
+    if let Some(p) = AUDIT_PLANS.with(Cell::get) {
+        return Ok(p);
+    }
+    let exists = relation_oid(c"audit") != pg_sys::InvalidOid;
+    if !exists {
+        raise(
+            PgSqlErrorCode::ERRCODE_UNDEFINED_TABLE,
+            "idempotency.audit does not exist".into(),
+            Some("update the extension: ALTER EXTENSION idempotency UPDATE"),
+        );
+    }
+    let oid = |o| PgOid::from(o);
+    let p: &'static AuditPlans = Box::leak(Box::new(AuditPlans {
+        insert: client
+            .prepare_mut(
+                AUDIT_SQL,
+                &[
+                    oid(pg_sys::TEXTOID),
+                    oid(pg_sys::TEXTOID),
+                    oid(pg_sys::BOOLOID),
+                    oid(pg_sys::BYTEAOID),
+                    oid(pg_sys::INT8OID),
+                    oid(pg_sys::INT4OID),
+                    oid(pg_sys::TEXTOID),
+                ],
+            )?
+            .keep(),
+        sweep: client
+            .prepare_mut(
+                AUDIT_SWEEP_SQL,
+                &[
+                    oid(pg_sys::FLOAT8OID),
+                    oid(pg_sys::INT8OID),
+                    oid(pg_sys::TEXTOID),
+                ],
+            )?
+            .keep(),
+    }));
+    AUDIT_PLANS.with(|c| c.set(Some(p)));
+    Ok(p)
+}
+
+/// The role that completes: the session's current role (SET ROLE), not the owner of the
+/// SECURITY DEFINER function that runs the statement. Its name's bytes as the catalog holds
+/// them, not through a UTF-8 string (as `current_user` gives it, in any database encoding).
+pub(crate) fn completing_role<'a>() -> pgrx::datum::DatumWithOid<'a> {
+    // SAFETY: GetUserNameFromId returns a palloc'd, NUL-terminated name (it raises an ERROR
+    // for a role that does not exist); the text datum is a copy of its bytes.
+    unsafe {
+        let name = pg_sys::GetUserNameFromId(pg_sys::GetOuterUserId(), false);
+        let len = std::ffi::CStr::from_ptr(name).to_bytes().len();
+        let text = pg_sys::cstring_to_text_with_len(name, len as i32);
+        pgrx::datum::DatumWithOid::new(pg_sys::Datum::from(text), pg_sys::TEXTOID)
+    }
+}
+
+pub(crate) fn complete_sql(req: &CompleteRequest<'_>) -> Option<Completed> {
+    let response = req
+        .response
+        // SAFETY: the response is a jsonb datum (the SQL function's argument, checked by it).
+        .map(|d| unsafe { pgrx::datum::DatumWithOid::new(d, pg_sys::JSONBOID) });
+    Spi::connect_mut(|client| {
+        let complete = plan(client, Plan::Complete)?;
+        let response = match response {
+            Some(d) => d,
+            None => pgrx::datum::DatumWithOid::null_oid(pg_sys::JSONBOID),
+        };
+        let table = client.update(
+            complete,
+            None,
+            &[
+                encoding::spi_text(req.scope, "scope"),
+                encoding::spi_text(req.key, "key"),
+                response,
+                req.response_status.into(),
+                req.token.into(),
+                req.ttl.into(),
+            ],
+        )?;
+        if table.is_empty() {
+            return Ok(None);
+        }
+        let row = table.first();
+        Ok(Some(Completed {
+            expires_at: row.get::<TimestampWithTimeZone>(1)?,
+            request_hash: row.get::<Vec<u8>>(2)?,
+            token: row.get::<i64>(3)?,
+        }))
+    })
+    .unwrap_or_else(|e| spi_failed("complete", e))
+}
+
+/// Appends the audit row of a completion, in the completing transaction.
+pub(crate) fn audit(req: &CompleteRequest<'_>, done: &Completed) {
+    Spi::connect_mut(|client| {
+        let audit = audit_plans(client)?;
+        client.update(
+            &audit.insert,
+            None,
+            &[
+                encoding::spi_text(req.scope, "scope"),
+                encoding::spi_text(req.key, "key"),
+                keys_hashed().into(),
+                done.request_hash.clone().into(),
+                done.token.into(),
+                req.response_status.into(),
+                completing_role(),
+            ],
+        )?;
+        Ok(())
+    })
+    .unwrap_or_else(|e| spi_failed("complete", e))
+}
+
+/// Deletes up to $1 expired rows whose scope starts with $2 ('' for all).
+pub(crate) const SWEEP_SQL: &str = "DELETE FROM idempotency.idempotency_keys AS k \
+     WHERE k.ctid OPERATOR(pg_catalog.=) ANY (ARRAY( \
+       SELECT s.ctid FROM idempotency.idempotency_keys AS s \
+        WHERE s.expires_at OPERATOR(pg_catalog.<=) pg_catalog.now() \
+          AND pg_catalog.starts_with(s.scope, $2) \
+        LIMIT $1 FOR UPDATE SKIP LOCKED))";
