@@ -174,7 +174,8 @@ fn current_database() -> u32 {
     unsafe { pg_sys::MyDatabaseId }.to_u32()
 }
 
-/// Counts `n` events of `kind` for the current database.
+/// Counts `n` events of `kind` for the current database. Events are counted in one layer, the
+/// SQL-facing one (`api`), once the store has done them; the store counts nothing.
 pub fn count(kind: Event, n: u64) {
     if !enabled() {
         return;

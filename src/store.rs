@@ -3,7 +3,7 @@
 
 use crate::error::raise;
 use crate::state::{self, Decision, Stored};
-use crate::{encoding, ffi, guc, keys, stats};
+use crate::{encoding, ffi, guc, keys};
 use pgrx::datum::{Interval, TimestampWithTimeZone};
 use pgrx::pg_sys;
 use pgrx::prelude::*;
@@ -1681,7 +1681,6 @@ pub fn complete(req: &CompleteRequest<'_>) -> Option<TimestampWithTimeZone> {
     if guc::audit() {
         audit(req, &done);
     }
-    stats::count(stats::Event::Completion, 1);
     done.expires_at
 }
 
@@ -2007,7 +2006,6 @@ pub fn sweep_batch(batch: i64, prefix: &str) -> i64 {
             None,
         )
     });
-    stats::count(stats::Event::Swept, deleted as u64);
     deleted
 }
 

@@ -241,7 +241,7 @@ pub extern "C-unwind" fn idempotency_sweeper_main(arg: pg_sys::Datum) {
     compress_full_page_images();
     lower_priority(guc::SWEEP_NICE.get());
     let total = sweep_in_batches(
-        |batch| Some(store::sweep_batch(batch, "")),
+        |batch| Some(crate::api::sweep_batch(batch, "")),
         Some(store::expired_since),
     );
     stats::sweep_finished(total);
