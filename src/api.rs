@@ -4,10 +4,9 @@
 //!
 //! `claim` and `complete`, the calls on every request's path, are raw fmgr functions that read
 //! their arguments by position from the call and build their results themselves (`claim`
-//! caches its result type's descriptor and outcome labels per backend), as is `_shared_stats`,
-//! which builds its row from the call's declared OUT parameters. Every other function is
-//! written with typed arguments (`functions`, `#[pg_extern(sql = false)]`), exported under the
-//! name the SQL declarations give it ([`export_as`]).
+//! caches its result type's descriptor and outcome labels per backend). Every other function
+//! is written with typed arguments (`functions`, `#[pg_extern(sql = false)]`), exported under
+//! the name the SQL declarations give it ([`export_as`]).
 //!
 //! The counters (`stats`) are counted here, and only here: each event once the store has done
 //! it (the background sweeper sweeps through [`sweep_batch`] too).
@@ -15,7 +14,7 @@
 mod args;
 mod functions;
 
-pub use args::{DbText, Jsonb, Text, TextArray};
+pub use args::{DbText, Jsonb, Row, Text, TextArray};
 
 use crate::canonical::NumberMode;
 use crate::error::{arg_error, canon_error, check, raise};
@@ -148,6 +147,11 @@ export_as!(
     idempotency_rekey,
     pg_finfo_idempotency_rekey,
     functions::idempotency_rekey_wrapper
+);
+export_as!(
+    idempotency_shared_stats,
+    pg_finfo_idempotency_shared_stats,
+    functions::idempotency_shared_stats_wrapper
 );
 export_as!(
     idempotency_check_recovery_point,
@@ -517,69 +521,6 @@ unsafe fn tuple_datum(
         }
         let tuple = pg_sys::heap_form_tuple(tupdesc, values.as_mut_ptr(), nulls.as_mut_ptr());
         pg_sys::HeapTupleHeaderGetDatum((*tuple).t_data)
-    }
-}
-
-v1!(pg_finfo_idempotency_shared_stats);
-/// `idempotency._shared_stats()`: this database's counters since server start (NULL when the
-/// library is not preloaded).
-#[pg_guard]
-#[unsafe(no_mangle)]
-pub extern "C-unwind" fn idempotency_shared_stats(
-    fcinfo: pg_sys::FunctionCallInfo,
-) -> pg_sys::Datum {
-    // SAFETY: `fcinfo` is the server's call (no arguments); the row is formed from the call's
-    // declared OUT parameters, each field a datum of its type (bool, bigint, timestamptz).
-    unsafe {
-        refuse_stats_to_tenants();
-        let slot = stats::snapshot();
-        let counter = |e: Event| slot.map(|s| s.counters[e as usize] as i64).into_datum();
-        let last_at = slot
-            .filter(|s| s.last_sweep_at != 0)
-            .map(|s| pg_sys::Datum::from(s.last_sweep_at));
-        let last_rows = slot
-            .filter(|s| s.last_sweep_at != 0)
-            .map(|s| s.last_sweep_rows)
-            .into_datum();
-        form_tuple(
-            fcinfo,
-            &[
-                Some(pg_sys::Datum::from(stats::enabled())),
-                counter(Event::ClaimNew),
-                counter(Event::ClaimReplay),
-                counter(Event::ClaimInProgress),
-                counter(Event::ClaimMismatch),
-                counter(Event::Completion),
-                counter(Event::Release),
-                counter(Event::Swept),
-                last_at,
-                last_rows,
-            ],
-        )
-    }
-}
-
-/// The counters are the whole database's: only for roles that may read `idempotency.stats`
-/// (its owner, superusers, roles granted SELECT on it, e.g. a monitoring role), not for
-/// every tenant that has USAGE on the schema.
-fn refuse_stats_to_tenants() {
-    // SAFETY: catalog look-ups inside the calling transaction; `_shared_stats` is not SECURITY
-    // DEFINER (it is also called from the view), so GetUserId() is the role asking.
-    let allowed = unsafe {
-        let role = pg_sys::GetUserId();
-        let nsp = pg_sys::get_namespace_oid(c"idempotency".as_ptr(), false);
-        let view = pg_sys::get_relname_relid(c"stats".as_ptr(), nsp);
-        pg_sys::superuser_arg(role)
-            || (view != pg_sys::InvalidOid
-                && pg_sys::pg_class_aclcheck(view, role, pg_sys::ACL_SELECT as pg_sys::AclMode)
-                    == pg_sys::AclResult::ACLCHECK_OK)
-    };
-    if !allowed {
-        raise(
-            PgSqlErrorCode::ERRCODE_INSUFFICIENT_PRIVILEGE,
-            "idempotency._shared_stats: the database-wide counters are for roles that may read idempotency.stats".into(),
-            Some("GRANT SELECT ON idempotency.stats TO <role>; (see the README's Privileges and tenants)"),
-        );
     }
 }
 

@@ -142,3 +142,22 @@ unsafe impl BoxRet for DbText {
 }
 
 pgrx::impl_sql_translatable!(DbText, "text");
+
+/// A row of the call's declared result type (its OUT parameters), formed as it is returned:
+/// each field a datum of its column's type, NULL where None or missing.
+pub struct Row(pub Vec<Option<pg_sys::Datum>>);
+
+// SAFETY: the row is formed from the current call's declared result type by `form_tuple`,
+// which checks that it is a composite of at least as many columns, in the call's memory
+// context, and returned as the call's result.
+unsafe impl BoxRet for Row {
+    unsafe fn box_into<'fcx>(self, fcinfo: &mut FcInfo<'fcx>) -> pgrx::datum::Datum<'fcx> {
+        // SAFETY: as above; `fcinfo` is the current call.
+        unsafe {
+            let row = super::form_tuple(fcinfo.as_mut_ptr(), &self.0);
+            fcinfo.return_raw_datum(row)
+        }
+    }
+}
+
+pgrx::impl_sql_translatable!(Row, "record");

@@ -2,7 +2,7 @@
 //! arguments; their SQL is hand-written in `sql/idempotency.sql`, which names them by the
 //! symbols `api.rs` exports for them). Each is named after its SQL function.
 
-use super::args::{DbText, Jsonb, Text, TextArray};
+use super::args::{DbText, Jsonb, Row, Text, TextArray};
 use super::{check_size, checked_key_and_scope, hash_arg, key_and_scope, optional_ttl};
 use crate::canonical::{self, NumberMode, Value};
 use crate::error::{arg_error, canon_error, check, raise};
@@ -384,5 +384,57 @@ fn idempotency_check_recovery_point(recovery_point: Option<Text<'_>>) {
                 &guc::MAX_RECOVERY_POINT_SIZE,
             )
         };
+    }
+}
+
+/// `idempotency._shared_stats()`: this database's counters since server start (NULL when the
+/// library is not preloaded), as the row of its OUT parameters.
+#[pg_extern(sql = false)]
+fn idempotency_shared_stats() -> Row {
+    refuse_stats_to_tenants();
+    let slot = stats::snapshot();
+    let counter = |e: Event| slot.map(|s| s.counters[e as usize] as i64).into_datum();
+    let last_at = slot
+        .filter(|s| s.last_sweep_at != 0)
+        .map(|s| pg_sys::Datum::from(s.last_sweep_at));
+    let last_rows = slot
+        .filter(|s| s.last_sweep_at != 0)
+        .map(|s| s.last_sweep_rows)
+        .into_datum();
+    Row(vec![
+        Some(pg_sys::Datum::from(stats::enabled())),
+        counter(Event::ClaimNew),
+        counter(Event::ClaimReplay),
+        counter(Event::ClaimInProgress),
+        counter(Event::ClaimMismatch),
+        counter(Event::Completion),
+        counter(Event::Release),
+        counter(Event::Swept),
+        last_at,
+        last_rows,
+    ])
+}
+
+/// The counters are the whole database's: only for roles that may read `idempotency.stats`
+/// (its owner, superusers, roles granted SELECT on it, e.g. a monitoring role), not for
+/// every tenant that has USAGE on the schema.
+fn refuse_stats_to_tenants() {
+    // SAFETY: catalog look-ups inside the calling transaction; `_shared_stats` is not SECURITY
+    // DEFINER (it is also called from the view), so GetUserId() is the role asking.
+    let allowed = unsafe {
+        let role = pg_sys::GetUserId();
+        let nsp = pg_sys::get_namespace_oid(c"idempotency".as_ptr(), false);
+        let view = pg_sys::get_relname_relid(c"stats".as_ptr(), nsp);
+        pg_sys::superuser_arg(role)
+            || (view != pg_sys::InvalidOid
+                && pg_sys::pg_class_aclcheck(view, role, pg_sys::ACL_SELECT as pg_sys::AclMode)
+                    == pg_sys::AclResult::ACLCHECK_OK)
+    };
+    if !allowed {
+        raise(
+            PgSqlErrorCode::ERRCODE_INSUFFICIENT_PRIVILEGE,
+            "idempotency._shared_stats: the database-wide counters are for roles that may read idempotency.stats".into(),
+            Some("GRANT SELECT ON idempotency.stats TO <role>; (see the README's Privileges and tenants)"),
+        );
     }
 }
