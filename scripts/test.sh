@@ -45,10 +45,10 @@ for v in "${VERSIONS[@]}"; do
     # initdb refuses root: the test cluster runs as postgres, in a fresh directory.
     pgdata=$(mktemp -u /tmp/idempotency-pgrx-XXXXXX)
     pgdata_dirs+=("$pgdata")
-    # One test at a time: the tests share keys ('k'), each in a transaction it rolls back, and
-    # a claim meeting another session's uncommitted claim of the same key answers in_progress
-    # at once (by design): run side by side, two tests could see each other's keys.
-    RUST_TEST_THREADS=1 cargo pgrx test "pg$v" --runas postgres --pgdata "$pgdata"
+    # The tests run side by side, each in a transaction it rolls back; each claims keys of its
+    # own (a claim meeting another session's uncommitted claim of the same key answers
+    # in_progress at once, by design).
+    cargo pgrx test "pg$v" --runas postgres --pgdata "$pgdata"
 
     echo "== PostgreSQL $v: integration tests (pytest, real sessions against throwaway clusters)"
     cargo pgrx install --pg-config "$pg_config" >/dev/null

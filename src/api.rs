@@ -1,19 +1,32 @@
 //! The SQL-callable functions written in Rust. Their SQL declarations (names, argument names,
-//! defaults, volatility, pinned search_path) are hand-written in `sql/idempotency.sql`; each
-//! function here reads its arguments by position from the call.
+//! defaults, volatility, pinned search_path) are hand-written in `sql/idempotency.sql`, which
+//! names each by the C symbol this library exports for it.
+//!
+//! `claim` and `complete`, the calls on every request's path, are raw fmgr functions that read
+//! their arguments by position from the call and build their results themselves (`claim`
+//! caches its result type's descriptor and outcome labels per backend). Every other function
+//! is written with typed arguments (`functions`, `#[pg_extern(sql = false)]`), exported under
+//! the name the SQL declarations give it ([`export_as`]).
+//!
+//! The counters (`stats`) are counted here, and only here: each event once the store has done
+//! it (the background sweeper sweeps through [`sweep_batch`] too).
 
-use crate::canonical::{self, NumberMode, Value};
+mod args;
+mod functions;
+
+pub use args::{DbText, Jsonb, Row, Text, TextArray};
+
+use crate::canonical::NumberMode;
 use crate::error::{arg_error, canon_error, check, raise};
 use crate::keys::{self, ArgError};
 use crate::stats::{self, Event};
 use crate::store::{self, ClaimRequest, ClaimResult, Outcome};
 use crate::{encoding, guc, jsonb};
-use pgrx::datum::{Interval, TimestampWithTimeZone};
-use pgrx::fcinfo::{pg_arg_is_null, pg_getarg, pg_getarg_datum_raw, pg_return_null};
+use pgrx::datum::Interval;
+use pgrx::fcinfo::{pg_getarg, pg_return_null};
 use pgrx::prelude::*;
 use pgrx::{pg_sys, PgSqlErrorCode};
 use sha2::{Digest, Sha256};
-use std::borrow::Cow;
 
 /// Declares the V1 calling-convention record PostgreSQL looks up for `$name`.
 macro_rules! v1 {
@@ -27,59 +40,124 @@ macro_rules! v1 {
     };
 }
 
-unsafe fn jsonb_arg(fcinfo: pg_sys::FunctionCallInfo, n: usize) -> Option<pg_sys::Datum> {
-    unsafe {
-        if pg_arg_is_null(fcinfo, n) {
-            None
-        } else {
-            Some(pg_getarg_datum_raw(fcinfo, n))
+/// Exports a typed function under `$symbol`, the name `sql/idempotency.sql` and every released
+/// script (`sql/releases/`, the upgrade scripts) declare it with: a V1 function that hands the
+/// call to pgrx's wrapper of the typed function (`<function>_wrapper`, which pgrx exports too),
+/// so installs made by any release keep working with this library.
+macro_rules! export_as {
+    ($symbol:ident, $finfo:ident, $wrapper:path) => {
+        v1!($finfo);
+        #[unsafe(no_mangle)]
+        #[doc(hidden)]
+        pub unsafe extern "C-unwind" fn $symbol(fcinfo: pg_sys::FunctionCallInfo) -> pg_sys::Datum {
+            // SAFETY: the server calls the symbol as the SQL declaration says, with the
+            // arguments the typed function takes (the same in every release); the wrapper
+            // guards the call like any pgrx function.
+            unsafe { $wrapper(fcinfo) }
         }
-    }
+    };
 }
 
-/// A text argument as UTF-8; every text argument is read through here. Read in place when it
-/// is neither compressed nor out of line (a key or a scope always is) and the database is UTF-8
-/// (PostgreSQL has verified the text); converted from the database encoding in any other
-/// (`encoding`), raising 22P05 naming `arg` for a character without a Unicode equivalent.
-unsafe fn text_arg<'a>(
-    fcinfo: pg_sys::FunctionCallInfo,
-    n: usize,
-    arg: &str,
-) -> Option<Cow<'a, str>> {
-    unsafe {
-        if pg_arg_is_null(fcinfo, n) {
-            return None;
-        }
-        Some(encoding::text_of(pg_getarg_datum_raw(fcinfo, n), arg))
-    }
-}
-
-/// A `text[]` argument's elements as UTF-8 (NULL elements as None).
-unsafe fn text_array_arg(
-    fcinfo: pg_sys::FunctionCallInfo,
-    n: usize,
-    arg: &str,
-) -> Option<Vec<Option<String>>> {
-    unsafe {
-        if pg_arg_is_null(fcinfo, n) {
-            return None;
-        }
-        let array = pg_getarg::<pgrx::Array<'_, pg_sys::Datum>>(fcinfo, n)?;
-        Some(
-            array
-                .iter()
-                .map(|d| d.map(|d| encoding::text_of(d, arg).into_owned()))
-                .collect(),
-        )
-    }
-}
-
-/// Reads a jsonb argument into a canonical tree, raising a clear error naming `arg`.
-unsafe fn value_arg(fcinfo: pg_sys::FunctionCallInfo, n: usize, arg: &str) -> Option<Value> {
-    unsafe {
-        jsonb_arg(fcinfo, n).map(|d| jsonb::to_value(d).unwrap_or_else(|e| canon_error(arg, e)))
-    }
-}
+export_as!(
+    idempotency_check_args,
+    pg_finfo_idempotency_check_args,
+    functions::idempotency_check_args_wrapper
+);
+export_as!(
+    idempotency_canonical_json,
+    pg_finfo_idempotency_canonical_json,
+    functions::idempotency_canonical_json_wrapper
+);
+export_as!(
+    idempotency_canonical_hash,
+    pg_finfo_idempotency_canonical_hash,
+    functions::idempotency_canonical_hash_wrapper
+);
+export_as!(
+    idempotency_derive_key,
+    pg_finfo_idempotency_derive_key,
+    functions::idempotency_derive_key_wrapper
+);
+export_as!(
+    idempotency_cron_key,
+    pg_finfo_idempotency_cron_key,
+    functions::idempotency_cron_key_wrapper
+);
+export_as!(
+    idempotency_request_fingerprint,
+    pg_finfo_idempotency_request_fingerprint,
+    functions::idempotency_request_fingerprint_wrapper
+);
+export_as!(
+    idempotency_sweep,
+    pg_finfo_idempotency_sweep,
+    functions::idempotency_sweep_wrapper
+);
+export_as!(
+    idempotency_count,
+    pg_finfo_idempotency_count,
+    functions::idempotency_count_wrapper
+);
+export_as!(
+    idempotency_sweeper_preloaded,
+    pg_finfo_idempotency_sweeper_preloaded,
+    functions::idempotency_sweeper_preloaded_wrapper
+);
+export_as!(
+    idempotency_announce,
+    pg_finfo_idempotency_announce,
+    functions::idempotency_announce_wrapper
+);
+export_as!(
+    idempotency_key,
+    pg_finfo_idempotency_key,
+    functions::idempotency_key_wrapper
+);
+export_as!(
+    idempotency_store_changed,
+    pg_finfo_idempotency_store_changed,
+    functions::idempotency_store_changed_wrapper
+);
+export_as!(
+    idempotency_sign,
+    pg_finfo_idempotency_sign,
+    functions::idempotency_sign_wrapper
+);
+export_as!(
+    idempotency_signed_kid,
+    pg_finfo_idempotency_signed_kid,
+    functions::idempotency_signed_kid_wrapper
+);
+export_as!(
+    idempotency_verify,
+    pg_finfo_idempotency_verify,
+    functions::idempotency_verify_wrapper
+);
+export_as!(
+    idempotency_random_secret,
+    pg_finfo_idempotency_random_secret,
+    functions::idempotency_random_secret_wrapper
+);
+export_as!(
+    idempotency_sweep_audit,
+    pg_finfo_idempotency_sweep_audit,
+    functions::idempotency_sweep_audit_wrapper
+);
+export_as!(
+    idempotency_rekey,
+    pg_finfo_idempotency_rekey,
+    functions::idempotency_rekey_wrapper
+);
+export_as!(
+    idempotency_shared_stats,
+    pg_finfo_idempotency_shared_stats,
+    functions::idempotency_shared_stats_wrapper
+);
+export_as!(
+    idempotency_check_recovery_point,
+    pg_finfo_idempotency_check_recovery_point,
+    functions::idempotency_check_recovery_point_wrapper
+);
 
 fn interval_parts(i: &Interval) -> (i32, i32, i64) {
     (i.months(), i.days(), i.micros())
@@ -176,8 +254,12 @@ fn ttl_and_lease(ttl: Option<Interval>, lease: Option<Interval>) -> (Duration, D
 }
 
 /// SHA-256 of the exact canonical form of a jsonb argument, written straight from the jsonb.
+///
+/// # Safety
+/// `datum` is a non-NULL jsonb datum of the current call.
 unsafe fn hash_arg(datum: pg_sys::Datum, arg: &str) -> [u8; 32] {
     with_scratch(|text| {
+        // SAFETY: the caller's guarantee; the writer only reads the datum.
         unsafe { jsonb::write_canonical(datum, NumberMode::Exact, text) }
             .unwrap_or_else(|e| canon_error(arg, e));
         Sha256::digest(text.as_bytes()).into()
@@ -206,64 +288,58 @@ fn with_scratch<R>(f: impl FnOnce(&mut String) -> R) -> R {
     })
 }
 
-/// A text result in the database encoding; `what` names it in a 22P05 error.
-fn text_datum(s: &str, what: &str) -> pg_sys::Datum {
-    encoding::text_datum(s, what)
-}
-
-fn bytea_datum(b: &[u8]) -> pg_sys::Datum {
-    b.into_datum().unwrap_or_else(|| {
-        raise(
-            PgSqlErrorCode::ERRCODE_INTERNAL_ERROR,
-            "bytea conversion".into(),
-            None,
-        )
-    })
-}
-
-/// The `key` and `scope` arguments at positions `k` and `s`, checked by the shared rules and
-/// against the session's `idempotency.scope_prefix`.
-unsafe fn checked_key_and_scope(
-    fcinfo: pg_sys::FunctionCallInfo,
-    k: usize,
-    s: usize,
-) -> (String, String) {
-    unsafe {
-        let key = text_arg(fcinfo, k, "key");
-        let scope = text_arg(fcinfo, s, "scope");
-        check(keys::check_key("key", key.as_deref(), false));
-        check(keys::check_key("scope", scope.as_deref(), true));
-        // Both were checked to be non-NULL above.
-        let (key, scope) = (key.unwrap_or_default(), scope.unwrap_or_default());
-        check(guc::with_scope_prefix(|prefix| {
-            keys::check_scope_allowed(&scope, prefix)
-        }));
-        (key.into_owned(), scope.into_owned())
-    }
+/// The `key` and `scope` arguments, checked by the shared rules and against the session's
+/// `idempotency.scope_prefix`.
+fn checked_key_and_scope(key: Option<Text<'_>>, scope: Option<Text<'_>>) -> (String, String) {
+    let key = key.map(|t| t.utf8("key"));
+    let scope = scope.map(|t| t.utf8("scope"));
+    check(keys::check_key("key", key.as_deref(), false));
+    check(keys::check_key("scope", scope.as_deref(), true));
+    // Both were checked to be non-NULL above.
+    let (key, scope) = (key.unwrap_or_default(), scope.unwrap_or_default());
+    check(guc::with_scope_prefix(|prefix| {
+        keys::check_scope_allowed(&scope, prefix)
+    }));
+    (key.into_owned(), scope.into_owned())
 }
 
 /// Like `checked_key_and_scope`, with the key in the form the store keeps it (hashed when the
 /// store keeps keys hashed).
-unsafe fn key_and_scope(fcinfo: pg_sys::FunctionCallInfo, k: usize, s: usize) -> (String, String) {
-    let (key, scope) = unsafe { checked_key_and_scope(fcinfo, k, s) };
+fn key_and_scope(key: Option<Text<'_>>, scope: Option<Text<'_>>) -> (String, String) {
+    let (key, scope) = checked_key_and_scope(key, scope);
     (store::stored_key(key), scope)
 }
 
 /// An optional `ttl` argument (NULL: the caller's default applies), checked when given.
-unsafe fn optional_ttl(fcinfo: pg_sys::FunctionCallInfo, n: usize) -> Option<Interval> {
-    unsafe { pg_getarg::<Interval>(fcinfo, n) }.map(|t| duration("ttl", t).value)
+fn optional_ttl(ttl: Option<Interval>) -> Option<Interval> {
+    ttl.map(|t| duration("ttl", t).value)
+}
+
+/// Deletes up to `batch` expired rows whose scope starts with `prefix` ("": every row) and
+/// counts them: `idempotency.sweep` and the background sweeper sweep through here.
+pub fn sweep_batch(batch: i64, prefix: &str) -> i64 {
+    let deleted = store::sweep_batch(batch, prefix);
+    stats::count(Event::Swept, deleted as u64);
+    deleted
 }
 
 v1!(pg_finfo_idempotency_claim);
 /// `idempotency.claim(key, request, scope, ttl, lease) RETURNS idempotency.claim_result`
+///
+/// A raw fmgr function: it is on every request's path, and builds its row from a descriptor and
+/// outcome labels cached per backend ([`result_type`]) instead of looking them up per call.
 #[pg_guard]
 #[unsafe(no_mangle)]
 pub extern "C-unwind" fn idempotency_claim(fcinfo: pg_sys::FunctionCallInfo) -> pg_sys::Datum {
+    // SAFETY: `fcinfo` is the server's call of the function as `sql/idempotency.sql` declares
+    // it (in every release): five arguments, of types text, jsonb, text, interval, interval,
+    // any of them NULL (the function is not STRICT: each is read as an Option). Their datums
+    // and the result are used within the call, in its memory context.
     unsafe {
-        let (key, scope) = key_and_scope(fcinfo, 0, 2);
+        let (key, scope) = key_and_scope(Text::arg(fcinfo, 0), Text::arg(fcinfo, 2));
         let (ttl, lease) = ttl_and_lease(pg_getarg(fcinfo, 3), pg_getarg(fcinfo, 4));
         let (ttl, lease) = (ttl.value, lease.value);
-        let hash = jsonb_arg(fcinfo, 1).map(|d| hash_arg(d, "request"));
+        let hash = Jsonb::arg(fcinfo, 1).map(|d| hash_arg(d.datum(), "request"));
         store::refuse_read_only("claim");
         let result = store::claim(&ClaimRequest {
             scope: &scope,
@@ -284,10 +360,16 @@ pub extern "C-unwind" fn idempotency_claim(fcinfo: pg_sys::FunctionCallInfo) -> 
 }
 
 /// Builds the function's composite result (its declared row type or OUT parameters).
+///
+/// # Safety
+/// `fcinfo` is the current call; `fields` are datums of the result's column types.
 unsafe fn form_tuple(
     fcinfo: pg_sys::FunctionCallInfo,
     fields: &[Option<pg_sys::Datum>],
 ) -> pg_sys::Datum {
+    // SAFETY: the caller's guarantees. The descriptor comes from the call's declared result
+    // (checked to be a composite of at least `fields.len()` columns) and is blessed before the
+    // tuple is formed in the call's memory context.
     unsafe {
         let mut tupdesc: pg_sys::TupleDesc = std::ptr::null_mut();
         let class = pg_sys::get_call_result_type(fcinfo, std::ptr::null_mut(), &mut tupdesc);
@@ -318,7 +400,13 @@ struct ResultType {
 static RESULT_TYPE: crate::local::BackendLocal<std::cell::Cell<Option<ResultType>>> =
     crate::local::BackendLocal::new(std::cell::Cell::new(None));
 
+/// # Safety
+/// `fcinfo` is the current call of `claim`.
 unsafe fn result_type(fcinfo: pg_sys::FunctionCallInfo) -> ResultType {
+    // SAFETY: the call's flinfo names the declared result type. The blessed copy of its
+    // descriptor is made in TopMemoryContext, so it outlives the call, as the per-backend cache
+    // needs (a recreated type has a new OID and gets a descriptor of its own); the enum labels'
+    // OIDs are plain values. `compat::attribute(tupdesc, 0)` is in range: natts >= 7 is checked.
     unsafe {
         let typid = pg_sys::get_fn_expr_rettype((*fcinfo).flinfo);
         if let Some(t) = RESULT_TYPE
@@ -373,7 +461,11 @@ unsafe fn result_type(fcinfo: pg_sys::FunctionCallInfo) -> ResultType {
     }
 }
 
+/// # Safety
+/// `fcinfo` is the current call of `claim`.
 unsafe fn claim_tuple(fcinfo: pg_sys::FunctionCallInfo, r: ClaimResult) -> pg_sys::Datum {
+    // SAFETY: the caller's guarantee; every field is a datum of its column's type in the
+    // `claim_result` descriptor (checked to have 7 columns), allocated in the call's context.
     unsafe {
         let t = result_type(fcinfo);
         let outcome = match r.outcome {
@@ -391,19 +483,24 @@ unsafe fn claim_tuple(fcinfo: pg_sys::FunctionCallInfo, r: ClaimResult) -> pg_sy
             r.expires_at.into_datum(),
             r.recovery_point
                 .as_deref()
-                .map(|p| text_datum(p, "recovery_point")),
+                .map(|p| encoding::text_datum(p, "recovery_point")),
         ];
         tuple_datum(t.tupdesc, &fields)
     }
 }
 
 /// A composite datum of `tupdesc` with `fields` (NULL where None or missing).
+///
+/// # Safety
+/// `tupdesc` is a valid, blessed descriptor; `fields` are datums of its column types.
 unsafe fn tuple_datum(
     tupdesc: pg_sys::TupleDesc,
     fields: &[Option<pg_sys::Datum>],
 ) -> pg_sys::Datum {
     // The result types have a handful of columns: on the stack, unless one was widened a lot.
     const ON_STACK: usize = 16;
+    // SAFETY: the caller's guarantees; `values` and `nulls` hold exactly `natts` entries, as
+    // heap_form_tuple reads, and the tuple is formed in the current (the call's) context.
     unsafe {
         let natts = (*tupdesc).natts as usize;
         let (mut stack_values, mut stack_nulls) =
@@ -427,324 +524,6 @@ unsafe fn tuple_datum(
     }
 }
 
-v1!(pg_finfo_idempotency_check_args);
-/// `idempotency._check_args(key, scope, ttl)`: the argument rules the SQL-language functions
-/// of release 0.1.0 share with `claim` (0.2.0 uses `_key`); kept so a 0.1.0 schema keeps
-/// working with this library until `ALTER EXTENSION idempotency UPDATE`.
-#[pg_guard]
-#[unsafe(no_mangle)]
-pub extern "C-unwind" fn idempotency_check_args(fcinfo: pg_sys::FunctionCallInfo) -> pg_sys::Datum {
-    unsafe {
-        checked_key_and_scope(fcinfo, 0, 1);
-        optional_ttl(fcinfo, 2);
-        pgrx::fcinfo::pg_return_void()
-    }
-}
-
-v1!(pg_finfo_idempotency_canonical_json);
-/// `idempotency.canonical_json(doc jsonb, numbers text DEFAULT 'exact') RETURNS text`
-#[pg_guard]
-#[unsafe(no_mangle)]
-pub extern "C-unwind" fn idempotency_canonical_json(
-    fcinfo: pg_sys::FunctionCallInfo,
-) -> pg_sys::Datum {
-    unsafe {
-        let mode = text_arg(fcinfo, 1, "numbers");
-        let mode = match mode.as_deref() {
-            None => arg_error(ArgError::null("numbers")),
-            Some(m) => NumberMode::parse(m).unwrap_or_else(|| {
-                raise(
-                    PgSqlErrorCode::ERRCODE_INVALID_PARAMETER_VALUE,
-                    format!(
-                        "numbers must be 'exact' or 'rfc8785' (got {})",
-                        keys::abbreviate(m)
-                    ),
-                    None,
-                )
-            }),
-        };
-        let Some(doc) = jsonb_arg(fcinfo, 0) else {
-            return pg_return_null(fcinfo);
-        };
-        let mut text = String::new();
-        jsonb::write_canonical(doc, mode, &mut text).unwrap_or_else(|e| canon_error("doc", e));
-        text_datum(&text, "canonical_json result")
-    }
-}
-
-v1!(pg_finfo_idempotency_canonical_hash);
-/// `idempotency.canonical_hash(doc jsonb, exclude text[] DEFAULT '{}') RETURNS bytea`
-#[pg_guard]
-#[unsafe(no_mangle)]
-pub extern "C-unwind" fn idempotency_canonical_hash(
-    fcinfo: pg_sys::FunctionCallInfo,
-) -> pg_sys::Datum {
-    unsafe {
-        let exclude = text_array_arg(fcinfo, 1, "exclude");
-        let Some(exclude) = exclude else {
-            arg_error(ArgError::null("exclude"));
-        };
-        let Some(datum) = jsonb_arg(fcinfo, 0) else {
-            return pg_return_null(fcinfo);
-        };
-        if exclude.is_empty() {
-            return bytea_datum(&hash_arg(datum, "doc"));
-        }
-        // Exclusions edit a tree of the document, then hash that.
-        let mut doc = jsonb::to_value(datum).unwrap_or_else(|e| canon_error("doc", e));
-        for entry in &exclude {
-            let Some(entry) = entry else {
-                arg_error(ArgError::null("exclude element"));
-            };
-            canonical::exclude(&mut doc, entry).unwrap_or_else(|e| canon_error("exclude", e));
-        }
-        let mut text = String::new();
-        canonical::write_canonical(&doc, NumberMode::Exact, &mut text)
-            .unwrap_or_else(|e| canon_error("doc", e));
-        bytea_datum(&Sha256::digest(text.as_bytes()))
-    }
-}
-
-v1!(pg_finfo_idempotency_derive_key);
-/// `idempotency.derive_key(parent text, step text, params jsonb DEFAULT NULL) RETURNS text`
-#[pg_guard]
-#[unsafe(no_mangle)]
-pub extern "C-unwind" fn idempotency_derive_key(fcinfo: pg_sys::FunctionCallInfo) -> pg_sys::Datum {
-    unsafe {
-        let parent = text_arg(fcinfo, 0, "parent");
-        let step = text_arg(fcinfo, 1, "step");
-        let params = value_arg(fcinfo, 2, "params");
-        let key = check(keys::derive_key(
-            parent.as_deref(),
-            step.as_deref(),
-            params.as_ref(),
-        ));
-        text_datum(&key, "derived key")
-    }
-}
-
-v1!(pg_finfo_idempotency_cron_key);
-/// `idempotency.cron_key(job text, scheduled_at timestamptz, slot interval) RETURNS text`
-#[pg_guard]
-#[unsafe(no_mangle)]
-pub extern "C-unwind" fn idempotency_cron_key(fcinfo: pg_sys::FunctionCallInfo) -> pg_sys::Datum {
-    unsafe {
-        let job = text_arg(fcinfo, 0, "job");
-        let at: Option<TimestampWithTimeZone> = pg_getarg(fcinfo, 1);
-        let slot: Option<Interval> = pg_getarg(fcinfo, 2);
-        let at = at.map(pg_sys::TimestampTz::from);
-        let key = check(keys::cron_key(
-            job.as_deref(),
-            at,
-            slot.as_ref().map(interval_parts),
-        ));
-        text_datum(&key, "cron key")
-    }
-}
-
-v1!(pg_finfo_idempotency_request_fingerprint);
-/// `idempotency.request_fingerprint(method, path, query jsonb, body jsonb) RETURNS bytea`
-#[pg_guard]
-#[unsafe(no_mangle)]
-pub extern "C-unwind" fn idempotency_request_fingerprint(
-    fcinfo: pg_sys::FunctionCallInfo,
-) -> pg_sys::Datum {
-    unsafe {
-        let method = text_arg(fcinfo, 0, "method");
-        let path = text_arg(fcinfo, 1, "path");
-        let query = value_arg(fcinfo, 2, "query");
-        if let Some(q) = &query {
-            if !matches!(q, Value::Object(_)) {
-                raise(
-                    PgSqlErrorCode::ERRCODE_INVALID_PARAMETER_VALUE,
-                    "query must be a JSON object of parameter names to values".into(),
-                    None,
-                );
-            }
-        }
-        let body = value_arg(fcinfo, 3, "body");
-        let doc = check(keys::fingerprint_document(
-            method.as_deref(),
-            path.as_deref(),
-            query,
-            body,
-        ));
-        let digest = keys::hash_value(&doc).unwrap_or_else(|e| canon_error("body", e));
-        bytea_datum(&digest)
-    }
-}
-
-v1!(pg_finfo_idempotency_sweep);
-/// `idempotency.sweep(batch_size int DEFAULT NULL) RETURNS bigint`: deletes expired rows in
-/// batches until a batch comes back short, skipping rows that other transactions hold.
-#[pg_guard]
-#[unsafe(no_mangle)]
-pub extern "C-unwind" fn idempotency_sweep(fcinfo: pg_sys::FunctionCallInfo) -> pg_sys::Datum {
-    let batch = unsafe { batch_size_arg(fcinfo) };
-    store::refuse_read_only("sweep");
-    let prefix = sweep_prefix("sweep");
-    let total = in_batches(batch, |b| store::sweep_batch(b, &prefix));
-    stats::sweep_finished(total);
-    pg_sys::Datum::from(total)
-}
-
-/// Which rows a sweep may touch: every row for the extension's owner and superusers (and
-/// members of the owner's role); for a session with a scope prefix, the rows under its prefix;
-/// otherwise none: a tenant must neither delete another tenant's rows nor, inside an open
-/// transaction, hold their row locks (which makes their claims answer in_progress).
-fn sweep_prefix(function: &str) -> String {
-    // SAFETY: reads backend state. The caller is the session's current role: inside these
-    // SECURITY DEFINER functions GetUserId() is the owner.
-    let caller = unsafe { pg_sys::GetOuterUserId() };
-    // SAFETY: catalog look-ups in the calling transaction.
-    if unsafe {
-        pg_sys::superuser_arg(caller) || pg_sys::has_privs_of_role(caller, extension_owner())
-    } {
-        return String::new();
-    }
-    let prefix = guc::with_scope_prefix(str::to_owned);
-    if prefix.is_empty() {
-        raise(
-            PgSqlErrorCode::ERRCODE_INSUFFICIENT_PRIVILEGE,
-            format!("idempotency.{function} of the whole store is for the extension's owner and superusers"),
-            Some("run it as the owner (the background sweeper or pg_cron do), or give this role a scope prefix (ALTER ROLE ... SET idempotency.scope_prefix) to sweep only its own scopes"),
-        );
-    }
-    prefix
-}
-
-/// The owner of the extension.
-fn extension_owner() -> pg_sys::Oid {
-    Spi::get_one::<pg_sys::Oid>(
-        "SELECT e.extowner FROM pg_catalog.pg_extension AS e \
-          WHERE e.extname OPERATOR(pg_catalog.=) 'idempotency'",
-    )
-    .ok()
-    .flatten()
-    .unwrap_or(pg_sys::InvalidOid)
-}
-
-/// The `batch_size` argument of the sweep functions (NULL: `idempotency.sweep_batch_size`).
-unsafe fn batch_size_arg(fcinfo: pg_sys::FunctionCallInfo) -> i64 {
-    let batch =
-        unsafe { pg_getarg::<i32>(fcinfo, 0) }.unwrap_or_else(|| guc::SWEEP_BATCH_SIZE.get());
-    if batch < 1 {
-        raise(
-            PgSqlErrorCode::ERRCODE_INVALID_PARAMETER_VALUE,
-            format!("batch_size must be positive (got {batch})"),
-            None,
-        );
-    }
-    batch as i64
-}
-
-/// Runs `delete_batch` until a batch comes back short; returns the rows deleted in all.
-fn in_batches(batch: i64, mut delete_batch: impl FnMut(i64) -> i64) -> i64 {
-    let mut total = 0;
-    loop {
-        let n = delete_batch(batch);
-        total += n;
-        if n < batch {
-            return total;
-        }
-        pgrx::check_for_interrupts!();
-    }
-}
-
-v1!(pg_finfo_idempotency_count);
-/// `idempotency._count(event text)`: counts an event of a PL/pgSQL function (`release`;
-/// the C functions count their own).
-#[pg_guard]
-#[unsafe(no_mangle)]
-pub extern "C-unwind" fn idempotency_count(fcinfo: pg_sys::FunctionCallInfo) -> pg_sys::Datum {
-    unsafe {
-        match text_arg(fcinfo, 0, "event").as_deref() {
-            Some("release") => stats::count(Event::Release, 1),
-            other => raise(
-                PgSqlErrorCode::ERRCODE_INVALID_PARAMETER_VALUE,
-                format!(
-                    "event must be 'release' (got {})",
-                    keys::abbreviate(other.unwrap_or("NULL"))
-                ),
-                None,
-            ),
-        }
-        pgrx::fcinfo::pg_return_void()
-    }
-}
-
-v1!(pg_finfo_idempotency_sweeper_preloaded);
-/// `idempotency._sweeper_preloaded()`: whether the library was loaded at server start, so the
-/// background sweeper runs and counters are kept.
-#[pg_guard]
-#[unsafe(no_mangle)]
-pub extern "C-unwind" fn idempotency_sweeper_preloaded(
-    _fcinfo: pg_sys::FunctionCallInfo,
-) -> pg_sys::Datum {
-    pg_sys::Datum::from(stats::enabled())
-}
-
-v1!(pg_finfo_idempotency_shared_stats);
-/// `idempotency._shared_stats()`: this database's counters since server start (NULL when the
-/// library is not preloaded).
-#[pg_guard]
-#[unsafe(no_mangle)]
-pub extern "C-unwind" fn idempotency_shared_stats(
-    fcinfo: pg_sys::FunctionCallInfo,
-) -> pg_sys::Datum {
-    unsafe {
-        refuse_stats_to_tenants();
-        let slot = stats::snapshot();
-        let counter = |e: Event| slot.map(|s| s.counters[e as usize] as i64).into_datum();
-        let last_at = slot
-            .filter(|s| s.last_sweep_at != 0)
-            .map(|s| pg_sys::Datum::from(s.last_sweep_at));
-        let last_rows = slot
-            .filter(|s| s.last_sweep_at != 0)
-            .map(|s| s.last_sweep_rows)
-            .into_datum();
-        form_tuple(
-            fcinfo,
-            &[
-                Some(pg_sys::Datum::from(stats::enabled())),
-                counter(Event::ClaimNew),
-                counter(Event::ClaimReplay),
-                counter(Event::ClaimInProgress),
-                counter(Event::ClaimMismatch),
-                counter(Event::Completion),
-                counter(Event::Release),
-                counter(Event::Swept),
-                last_at,
-                last_rows,
-            ],
-        )
-    }
-}
-
-/// The counters are the whole database's: only for roles that may read `idempotency.stats`
-/// (its owner, superusers, roles granted SELECT on it, e.g. a monitoring role), not for
-/// every tenant that has USAGE on the schema.
-fn refuse_stats_to_tenants() {
-    // SAFETY: catalog look-ups inside the calling transaction; `_shared_stats` is not SECURITY
-    // DEFINER (it is also called from the view), so GetUserId() is the role asking.
-    let allowed = unsafe {
-        let role = pg_sys::GetUserId();
-        let nsp = pg_sys::get_namespace_oid(c"idempotency".as_ptr(), false);
-        let view = pg_sys::get_relname_relid(c"stats".as_ptr(), nsp);
-        pg_sys::superuser_arg(role)
-            || (view != pg_sys::InvalidOid
-                && pg_sys::pg_class_aclcheck(view, role, pg_sys::ACL_SELECT as pg_sys::AclMode)
-                    == pg_sys::AclResult::ACLCHECK_OK)
-    };
-    if !allowed {
-        raise(
-            PgSqlErrorCode::ERRCODE_INSUFFICIENT_PRIVILEGE,
-            "idempotency._shared_stats: the database-wide counters are for roles that may read idempotency.stats".into(),
-            Some("GRANT SELECT ON idempotency.stats TO <role>; (see the README's Privileges and tenants)"),
-        );
-    }
-}
-
 v1!(pg_finfo_idempotency_complete);
 /// `idempotency._complete(key, response, response_status, scope, token, ttl)`: the work of
 /// `idempotency.complete`; NULL when there is no live claim to complete, which the SQL wrapper
@@ -752,11 +531,16 @@ v1!(pg_finfo_idempotency_complete);
 #[pg_guard]
 #[unsafe(no_mangle)]
 pub extern "C-unwind" fn idempotency_complete(fcinfo: pg_sys::FunctionCallInfo) -> pg_sys::Datum {
+    // SAFETY: `fcinfo` is the server's call of `_complete` as every release declares it: six
+    // arguments (text, jsonb, integer, text, bigint, interval), any of them NULL (not STRICT:
+    // each is read as an Option). The response datum is used within the call (the store copies
+    // it into the row it writes).
     unsafe {
-        let (key, scope) = key_and_scope(fcinfo, 0, 3);
+        let (key, scope) = key_and_scope(Text::arg(fcinfo, 0), Text::arg(fcinfo, 3));
         let response_status = check(keys::check_status(pg_getarg::<i32>(fcinfo, 2)));
-        let ttl = optional_ttl(fcinfo, 5);
-        if let Some(response) = jsonb_arg(fcinfo, 1) {
+        let ttl = optional_ttl(pg_getarg(fcinfo, 5));
+        let response = Jsonb::arg(fcinfo, 1).map(Jsonb::datum);
+        if let Some(response) = response {
             check_size(
                 "response",
                 response,
@@ -768,206 +552,26 @@ pub extern "C-unwind" fn idempotency_complete(fcinfo: pg_sys::FunctionCallInfo) 
         let request = store::CompleteRequest {
             scope: &scope,
             key: &key,
-            response: jsonb_arg(fcinfo, 1),
+            response,
             response_status,
             token: pg_getarg::<i64>(fcinfo, 4),
             ttl,
         };
         match store::complete(&request) {
-            Some(expires_at) => pg_sys::Datum::from(pg_sys::TimestampTz::from(expires_at)),
-            None => pg_return_null(fcinfo),
-        }
-    }
-}
-
-v1!(pg_finfo_idempotency_announce);
-/// `idempotency._announce()`: tells the background sweeper that this database now has the
-/// extension (run by CREATE EXTENSION), so it is swept from the next round on.
-#[pg_guard]
-#[unsafe(no_mangle)]
-pub extern "C-unwind" fn idempotency_announce(_fcinfo: pg_sys::FunctionCallInfo) -> pg_sys::Datum {
-    stats::announce();
-    pgrx::fcinfo::pg_return_void()
-}
-
-v1!(pg_finfo_idempotency_key);
-/// `idempotency._key(key, scope) RETURNS text`: checks key and scope like every function does
-/// and returns the key in the form the store keeps it; used by the PL/pgSQL functions.
-#[pg_guard]
-#[unsafe(no_mangle)]
-pub extern "C-unwind" fn idempotency_key(fcinfo: pg_sys::FunctionCallInfo) -> pg_sys::Datum {
-    unsafe {
-        let (key, _scope) = key_and_scope(fcinfo, 0, 1);
-        text_datum(&key, "key")
-    }
-}
-
-v1!(pg_finfo_idempotency_store_changed);
-/// `idempotency._store_changed()`: makes every backend re-read how the store keeps keys once
-/// this transaction commits (run by `set_key_storage`).
-#[pg_guard]
-#[unsafe(no_mangle)]
-pub extern "C-unwind" fn idempotency_store_changed(
-    _fcinfo: pg_sys::FunctionCallInfo,
-) -> pg_sys::Datum {
-    unsafe {
-        let nsp = pg_sys::get_namespace_oid(c"idempotency".as_ptr(), false);
-        let relid = pg_sys::get_relname_relid(c"idempotency_keys".as_ptr(), nsp);
-        if relid != pg_sys::InvalidOid {
-            pg_sys::CacheInvalidateRelcacheByRelid(relid);
-        }
-        pgrx::fcinfo::pg_return_void()
-    }
-}
-
-/// A secret argument: 16 bytes at least.
-unsafe fn secret_arg(fcinfo: pg_sys::FunctionCallInfo, n: usize) -> Vec<u8> {
-    let secret: Option<Vec<u8>> = unsafe { pg_getarg(fcinfo, n) };
-    match secret {
-        Some(s) if s.len() >= 16 => s,
-        Some(_) => raise(
-            PgSqlErrorCode::ERRCODE_INVALID_PARAMETER_VALUE,
-            "secret must be at least 16 bytes".into(),
-            None,
-        ),
-        None => arg_error(ArgError::null("secret")),
-    }
-}
-
-v1!(pg_finfo_idempotency_sign);
-/// `idempotency._sign(key text, kid int, secret bytea) RETURNS text`: the work of `sign_key`.
-#[pg_guard]
-#[unsafe(no_mangle)]
-pub extern "C-unwind" fn idempotency_sign(fcinfo: pg_sys::FunctionCallInfo) -> pg_sys::Datum {
-    unsafe {
-        let key = text_arg(fcinfo, 0, "key");
-        let key = check(keys::check_key("key", key.as_deref(), false)).to_string();
-        let Some(kid) = pg_getarg::<i32>(fcinfo, 1).filter(|k| *k > 0) else {
-            arg_error(ArgError::invalid("kid must be a positive integer".into()));
-        };
-        let secret = secret_arg(fcinfo, 2);
-        let signed =
-            guc::with_scope_prefix(|prefix| crate::signing::sign(&key, kid, &secret, prefix));
-        text_datum(&signed, "signed key")
-    }
-}
-
-v1!(pg_finfo_idempotency_signed_kid);
-/// `idempotency._signed_kid(signed text) RETURNS int`: the secret id a signed key names, NULL
-/// when the text is not shaped like a signed key.
-#[pg_guard]
-#[unsafe(no_mangle)]
-pub extern "C-unwind" fn idempotency_signed_kid(fcinfo: pg_sys::FunctionCallInfo) -> pg_sys::Datum {
-    unsafe {
-        let signed = text_arg(fcinfo, 0, "signed");
-        match signed.as_deref().and_then(crate::signing::parse) {
-            Some((_, kid, _)) => pg_sys::Datum::from(kid),
-            None => pg_return_null(fcinfo),
-        }
-    }
-}
-
-v1!(pg_finfo_idempotency_verify);
-/// `idempotency._verify(signed text, secret bytea) RETURNS text`: the bare key when the
-/// signature is right, NULL otherwise.
-#[pg_guard]
-#[unsafe(no_mangle)]
-pub extern "C-unwind" fn idempotency_verify(fcinfo: pg_sys::FunctionCallInfo) -> pg_sys::Datum {
-    unsafe {
-        let signed = text_arg(fcinfo, 0, "signed");
-        let secret = secret_arg(fcinfo, 1);
-        match signed.as_deref().and_then(crate::signing::parse) {
-            Some((key, kid, sig))
-                if guc::with_scope_prefix(|prefix| {
-                    crate::signing::verify(key, kid, &sig, &secret, prefix)
-                }) =>
-            {
-                text_datum(key, "key")
+            Some(expires_at) => {
+                stats::count(Event::Completion, 1);
+                pg_sys::Datum::from(pg_sys::TimestampTz::from(expires_at))
             }
-            _ => pg_return_null(fcinfo),
+            None => pg_return_null(fcinfo),
         }
-    }
-}
-
-v1!(pg_finfo_idempotency_random_secret);
-/// `idempotency._random_secret() RETURNS bytea`: 32 bytes from the server's strong random
-/// source, so a new signing secret never appears in any SQL text or log.
-#[pg_guard]
-#[unsafe(no_mangle)]
-pub extern "C-unwind" fn idempotency_random_secret(
-    _fcinfo: pg_sys::FunctionCallInfo,
-) -> pg_sys::Datum {
-    let mut buf = [0u8; 32];
-    if !unsafe { pg_sys::pg_strong_random(buf.as_mut_ptr().cast(), buf.len()) } {
-        raise(
-            PgSqlErrorCode::ERRCODE_INTERNAL_ERROR,
-            "could not generate a random secret".into(),
-            None,
-        );
-    }
-    bytea_datum(&buf)
-}
-
-v1!(pg_finfo_idempotency_sweep_audit);
-/// `idempotency.sweep_audit(batch_size int DEFAULT NULL) RETURNS bigint`: deletes audit rows
-/// older than `idempotency.audit_retention` (none when it is 0) in batches.
-#[pg_guard]
-#[unsafe(no_mangle)]
-pub extern "C-unwind" fn idempotency_sweep_audit(
-    fcinfo: pg_sys::FunctionCallInfo,
-) -> pg_sys::Datum {
-    let batch = unsafe { batch_size_arg(fcinfo) };
-    store::refuse_read_only("sweep_audit");
-    let prefix = sweep_prefix("sweep_audit");
-    let retention = guc::AUDIT_RETENTION.get();
-    if retention <= 0 {
-        return pg_sys::Datum::from(0i64);
-    }
-    pg_sys::Datum::from(in_batches(batch, |b| {
-        store::sweep_audit_batch(retention as f64, b, &prefix)
-    }))
-}
-
-v1!(pg_finfo_idempotency_rekey);
-/// `idempotency._rekey(digest bytea, secret bytea) RETURNS text`: the stored form of a key
-/// whose SHA-256 is `digest` when the store keeps keys hashed under `secret` (used by
-/// `set_key_storage` and the upgrade from 0.2.0, whose stored form was the hex SHA-256).
-#[pg_guard]
-#[unsafe(no_mangle)]
-pub extern "C-unwind" fn idempotency_rekey(fcinfo: pg_sys::FunctionCallInfo) -> pg_sys::Datum {
-    unsafe {
-        let digest: Option<Vec<u8>> = pg_getarg(fcinfo, 0);
-        let Some(digest) = digest.filter(|d| d.len() == 32) else {
-            arg_error(ArgError::invalid("digest must be a 32-byte SHA-256".into()));
-        };
-        let secret = secret_arg(fcinfo, 1);
-        text_datum(&crate::signing::rekeyed(&digest, &secret), "key")
-    }
-}
-
-v1!(pg_finfo_idempotency_check_recovery_point);
-/// `idempotency._check_recovery_point(recovery_point text)`: refuses a recovery point larger
-/// than `idempotency.max_recovery_point_size` (used by `checkpoint`).
-#[pg_guard]
-#[unsafe(no_mangle)]
-pub extern "C-unwind" fn idempotency_check_recovery_point(
-    fcinfo: pg_sys::FunctionCallInfo,
-) -> pg_sys::Datum {
-    unsafe {
-        if !pg_arg_is_null(fcinfo, 0) {
-            check_size(
-                "recovery_point",
-                pg_getarg_datum_raw(fcinfo, 0),
-                "idempotency.max_recovery_point_size",
-                &guc::MAX_RECOVERY_POINT_SIZE,
-            );
-        }
-        pgrx::fcinfo::pg_return_void()
     }
 }
 
 /// Refuses a variable-length argument larger than a size setting (in kB), before anything is
 /// written or copied: its size is read from the header, without detoasting.
+///
+/// # Safety
+/// `value` is a non-NULL varlena argument of the current call.
 unsafe fn check_size(
     arg: &str,
     value: pg_sys::Datum,

@@ -172,11 +172,11 @@ pub fn to_utf8(bytes: &[u8]) -> Result<Cow<'_, str>, String> {
             .map_err(|_| "conversion to UTF-8 gave invalid UTF-8".to_string()),
         Err(at) => {
             let rest = &bytes[at.min(bytes.len())..];
-            // SAFETY: `rest` is non-empty text in the database encoding (the conversion
-            // stopped inside it), so its first character can be measured.
             let len = if rest.is_empty() {
                 0
             } else {
+                // SAFETY: `rest` is non-empty text in the database encoding (the conversion
+                // stopped inside it), so its first character can be measured.
                 unsafe { pg_sys::pg_encoding_mblen(id, rest.as_ptr().cast()) }.max(1) as usize
             };
             let shown: Vec<String> = rest
@@ -235,6 +235,9 @@ pub fn untranslatable(arg: &str, message: String) -> ! {
 /// # Safety
 /// `datum` must be a non-NULL text (or varchar) datum that outlives `'a`.
 pub unsafe fn text_bytes<'a>(datum: pg_sys::Datum) -> &'a [u8] {
+    // SAFETY: the caller's guarantees. A 4-byte-header or short inline varlena is read in
+    // place; anything else (compressed, external) is detoasted into the current memory context,
+    // which lives at least as long as the call that passed the datum.
     unsafe {
         let mut ptr = datum.cast_mut_ptr::<pg_sys::varlena>();
         let in_place = pgrx::varlena::varatt_is_4b_u(ptr)
@@ -254,6 +257,7 @@ pub unsafe fn text_bytes<'a>(datum: pg_sys::Datum) -> &'a [u8] {
 /// # Safety
 /// As for [`text_bytes`].
 pub unsafe fn text_of<'a>(datum: pg_sys::Datum, arg: &str) -> Cow<'a, str> {
+    // SAFETY: the caller's guarantees.
     let bytes = unsafe { text_bytes(datum) };
     to_utf8(bytes).unwrap_or_else(|m| untranslatable(arg, m))
 }

@@ -54,6 +54,8 @@ pub fn with_scope_prefix<R>(f: impl FnOnce(&str) -> R) -> R {
     if raw.is_null() {
         return f("");
     }
+    // SAFETY: non-NULL, so a NUL-terminated string the GUC machinery owns; it is not changed
+    // while `f` runs (no SET can run inside these functions' argument checks).
     let raw = unsafe { std::ffi::CStr::from_ptr(raw) };
     if crate::encoding::utf8_database() {
         // Checked: a value from postgresql.conf is not verified against any encoding.
@@ -406,6 +408,8 @@ pub fn init() {
         GucContext::Userset,
         GucFlags::default(),
     );
+    // SAFETY: a NUL-terminated literal, called from _PG_init after the settings are defined,
+    // as PostgreSQL's own modules do.
     unsafe { pgrx::pg_sys::MarkGUCPrefixReserved(c"idempotency".as_ptr()) };
 
     // Test hooks, debug builds only (`cargo pgrx install`/`test` build the dev profile; release

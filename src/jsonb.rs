@@ -117,6 +117,10 @@ pub unsafe fn write_canonical(
     mode: crate::canonical::NumberMode,
     out: &mut String,
 ) -> Result<(), CanonError> {
+    // SAFETY: `datum` is a non-NULL jsonb (this function's contract): its varlena header is
+    // readable, it is read in place only when neither compressed nor external, otherwise
+    // detoasted into the current memory context, and the slice covers exactly its payload,
+    // which write_container reads with bounds checks.
     unsafe {
         let mut ptr = datum.cast_mut_ptr::<pg_sys::varlena>();
         // Read in place unless compressed or stored out of line.
@@ -264,6 +268,10 @@ fn write_child(
         Child::Null => out.push_str("null"),
         Child::Bool(b) => out.push_str(if b { "true" } else { "false" }),
         Child::String(s) => write_string(&string_of(s, utf8)?, out),
+        // SAFETY: `n` is the bytes of one numeric inside a container whose bounds were checked;
+        // they are copied into an aligned buffer at least `n.len()` long (the stack array, or a
+        // palloc of that size), the numeric's own varlena length is checked to lie within `n`
+        // before anything reads it, and the C string numeric_normalize returns is freed once read.
         Child::Number(n) => unsafe {
             // Read from an aligned copy: a jsonb read in place (a short varlena header) puts
             // its numbers at odd addresses.
@@ -367,6 +375,8 @@ fn write_container(
 /// # Safety
 /// `num` must point to a valid, detoasted `numeric`.
 pub(crate) unsafe fn numeric_text(num: pg_sys::Numeric, buf: &mut [u8; 64]) -> Option<&str> {
+    // SAFETY: `num` is a valid, detoasted numeric (this function's contract); every read below
+    // is at an offset below `len`, the length of its payload, which is checked first.
     unsafe {
         let ptr = num as *const pg_sys::varlena;
         let len = pgrx::varlena::varsize_any_exhdr(ptr);

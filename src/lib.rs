@@ -51,6 +51,7 @@ pub extern "C-unwind" fn _PG_init() {
     guc::init();
     // Shared memory and the background sweeper exist only when the library is preloaded
     // (shared_preload_libraries); loaded later, every SQL function still works.
+    // SAFETY: a flag of the server, read on the process's only thread while it loads us.
     if unsafe { !pg_sys::process_shared_preload_libraries_in_progress } {
         return;
     }

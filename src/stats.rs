@@ -69,8 +69,12 @@ impl Default for Table {
     }
 }
 
+// SAFETY: plain integers and arrays of them (Copy, no pointers), valid at any address in
+// shared memory and in every process.
 unsafe impl PGRXSharedMemory for Table {}
 
+// SAFETY: the lock's name is unique to the extension; `init_shmem` (pg_shmem_init!) sets the
+// lock up while the library is preloaded, and nothing touches TABLE unless `enabled()`.
 static TABLE: PgLwLock<Table> = unsafe { PgLwLock::new(c"idempotency_stats") };
 
 /// Set in the postmaster by `_PG_init` while preloading; inherited by every backend.
@@ -112,6 +116,8 @@ fn my_counters() -> Option<*mut [u64; EVENTS]> {
                 fold(&mut table, i);
                 let mine = &mut table.backends[i];
                 mine.database = db;
+                // SAFETY: registers a callback (run once, at this backend's exit) with a plain
+                // index as its argument; registered once per backend (MY_COUNTERS is set).
                 unsafe { pg_sys::before_shmem_exit(Some(fold_at_exit), pg_sys::Datum::from(i)) };
                 &raw mut mine.counters
             }
@@ -131,6 +137,8 @@ fn fold(table: &mut Table, i: usize) {
     if let Some(d) = slot_index(table, database) {
         for (total, n) in table.slots[d].counters.iter_mut().zip(counters) {
             // Atomic: a backend without a slot of its own adds to these without the lock.
+            // SAFETY: `total` points into shared memory (valid for the server's lifetime) and
+            // is aligned for u64; every access to it is atomic or under the exclusive lock.
             unsafe { AtomicU64::from_ptr(total) }.fetch_add(n, Ordering::Relaxed);
         }
     }
@@ -171,10 +179,12 @@ fn with_slot<R>(database: u32, f: impl FnOnce(&mut Slot) -> R) -> Option<R> {
 }
 
 fn current_database() -> u32 {
+    // SAFETY: reads a backend variable, set once the backend connected.
     unsafe { pg_sys::MyDatabaseId }.to_u32()
 }
 
-/// Counts `n` events of `kind` for the current database.
+/// Counts `n` events of `kind` for the current database. Events are counted in one layer, the
+/// SQL-facing one (`api`), once the store has done them; the store counts nothing.
 pub fn count(kind: Event, n: u64) {
     if !enabled() {
         return;
@@ -190,6 +200,7 @@ pub fn count(kind: Event, n: u64) {
 
 /// Records a finished sweep of the current database.
 pub fn sweep_finished(rows: i64) {
+    // SAFETY: reads the clock; never raises an error.
     let now = unsafe { pg_sys::GetCurrentTimestamp() };
     with_slot(current_database(), |s| {
         s.last_sweep_at = now;

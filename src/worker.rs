@@ -35,11 +35,15 @@ pub fn register() {
 }
 
 fn shutdown_requested() -> bool {
+    // SAFETY: a flag of this process that its SIGTERM handler sets; read on the worker's only
+    // thread.
     unsafe { pg_sys::ShutdownRequestPending != 0 }
 }
 
 fn reload_if_asked() {
     if BackgroundWorker::sighup_received() {
+        // SAFETY: re-reads the configuration file, as PostgreSQL's own workers do on SIGHUP,
+        // outside any transaction, on the worker's only thread.
         unsafe { pg_sys::ProcessConfigFile(pg_sys::GucContext::PGC_SIGHUP) };
     }
 }
@@ -56,6 +60,11 @@ struct Database {
 
 /// Databases that accept connections, read from the shared catalog pg_database.
 fn databases() -> Vec<Database> {
+    // SAFETY: inside a transaction (the launcher is connected to no database, and pg_database
+    // is a shared catalog). Each tuple heap_getnext returns is a pg_database row, valid until
+    // the next call: its fixed-size part (FormData_pg_database, up to datname) is read at
+    // t_hoff, and the name copied out before the next row. The scan and the relation are
+    // closed before the transaction ends.
     BackgroundWorker::transaction(|| unsafe {
         let rel = pg_sys::table_open(
             pg_sys::DatabaseRelationId,
@@ -102,6 +111,7 @@ fn sweep_database(db: &Database) -> bool {
         .set_argument(Some(pg_sys::Datum::from(db.oid)))
         .enable_spi_access()
         .set_restart_time(None)
+        // SAFETY: reads a variable of this process, set at its start.
         .set_notify_pid(unsafe { pg_sys::MyProcPid })
         .load_dynamic();
     let Ok(worker) = started else {
@@ -137,6 +147,8 @@ pub extern "C-unwind" fn idempotency_launcher_main(_arg: pg_sys::Datum) {
     // launcher again after bgw_restart_time (5 s) unless the server is shutting down, so
     // pg_terminate_backend() restarts the sweeper instead of switching it off for good.
     log!("idempotency launcher stopping");
+    // SAFETY: ends the process as a background worker ends, outside any transaction; nothing
+    // of the launcher's needs dropping (it holds no lock and no buffer).
     unsafe { pg_sys::proc_exit(1) };
 }
 
@@ -190,6 +202,7 @@ fn launcher_loop() {
                 return;
             }
             if BackgroundWorker::sighup_received() {
+                // SAFETY: as in `reload_if_asked`.
                 unsafe { pg_sys::ProcessConfigFile(pg_sys::GucContext::PGC_SIGHUP) };
                 break;
             }
@@ -199,6 +212,9 @@ fn launcher_loop() {
 
 /// True while `DROP DATABASE` (or another exclusive operation on this database) waits.
 fn database_wanted_exclusively() -> bool {
+    // SAFETY: a conditional (dontWait) session lock on this database's object tag in the
+    // lowest mode, taken and released at once when granted: it never waits and holds nothing
+    // past the call.
     unsafe {
         let tag = pg_sys::LOCKTAG {
             locktag_field1: 0,
@@ -241,7 +257,7 @@ pub extern "C-unwind" fn idempotency_sweeper_main(arg: pg_sys::Datum) {
     compress_full_page_images();
     lower_priority(guc::SWEEP_NICE.get());
     let total = sweep_in_batches(
-        |batch| Some(store::sweep_batch(batch, "")),
+        |batch| Some(crate::api::sweep_batch(batch, "")),
         Some(store::expired_since),
     );
     stats::sweep_finished(total);
@@ -269,6 +285,8 @@ fn compress_full_page_images() {
 /// Sets a server setting for this sweeper's session only (it runs as the bootstrap superuser,
 /// so superuser-only settings are allowed).
 fn set_for_session(name: &std::ffi::CStr, value: &std::ffi::CStr) {
+    // SAFETY: NUL-terminated name and value that the server copies; an invalid value raises an
+    // ERROR, which ends the sweeper (it is started again next round).
     unsafe {
         pg_sys::SetConfigOption(
             name.as_ptr(),
@@ -299,6 +317,7 @@ fn sweep_in_batches(
     // Until the first pause has shown whether others write, assume they do: a full first batch
     // into a busy server is the one the application would notice.
     let mut busy = true;
+    // SAFETY: reads the clock; never raises an error.
     let mut since = unsafe { pg_sys::GetCurrentTimestamp() };
     loop {
         if shutdown_requested() || database_wanted_exclusively() {
@@ -309,6 +328,7 @@ fn sweep_in_batches(
             // Keep up with what expired since the last look, and take a slice of the backlog.
             let expired = match inflow {
                 Some(count) => {
+                    // SAFETY: as above.
                     let now = unsafe { pg_sys::GetCurrentTimestamp() };
                     let n = BackgroundWorker::transaction(move || count(since));
                     since = now;
@@ -318,6 +338,7 @@ fn sweep_in_batches(
             };
             (yielding_batch(full) + expired).min(full)
         } else {
+            // SAFETY: as above.
             since = unsafe { pg_sys::GetCurrentTimestamp() };
             full
         };
@@ -367,6 +388,8 @@ fn others_wrote(before: u64, after: u64) -> bool {
 }
 
 fn wal_insert_position() -> u64 {
+    // SAFETY: reads the WAL insert position under the server's own spinlock; a connected
+    // worker has attached shared memory.
     unsafe { pg_sys::GetXLogInsertRecPtr() }
 }
 
@@ -379,6 +402,8 @@ unsafe extern "C" {
 /// Each round runs in a new process, so a reloaded value applies from the next round on.
 fn lower_priority(nice: i32) {
     const PRIO_PROCESS: i32 = 0;
+    // SAFETY: setpriority(2) on this process (who = 0) takes no pointers; an error is
+    // returned, not raised.
     if nice > 0 && unsafe { setpriority(PRIO_PROCESS, 0, nice) } != 0 {
         pgrx::log!(
             "idempotency sweeper: could not set niceness {nice}: {}",

@@ -5,7 +5,7 @@ use super::catalog::{
     check_access, check_layout, direct_layout_for_write, layout, PinnedSearchPath,
 };
 use super::{heap, sql, CompleteRequest};
-use crate::{guc, stats};
+use crate::guc;
 use pgrx::datum::TimestampWithTimeZone;
 use pgrx::pg_sys;
 
@@ -38,6 +38,5 @@ pub fn complete(req: &CompleteRequest<'_>) -> Option<TimestampWithTimeZone> {
     if guc::audit() {
         sql::audit(req, &done);
     }
-    stats::count(stats::Event::Completion, 1);
     done.expires_at
 }

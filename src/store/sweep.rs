@@ -3,7 +3,7 @@
 use super::catalog::PinnedSearchPath;
 use super::spi_failed;
 use super::sql::{audit_plans, plan, Plan};
-use crate::{encoding, stats};
+use crate::encoding;
 use pgrx::pg_sys;
 use pgrx::prelude::*;
 
@@ -44,7 +44,6 @@ pub fn sweep_batch(batch: i64, prefix: &str) -> i64 {
             .map(|t| t.len() as i64)
     })
     .unwrap_or_else(|e| spi_failed("sweep", e));
-    stats::count(stats::Event::Swept, deleted as u64);
     deleted
 }
 

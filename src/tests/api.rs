@@ -76,39 +76,39 @@ mod tests {
 
     #[pg_test]
     fn absent_key_is_new_then_completed_key_replays() {
-        let (o, token, resp, _, _) = claim_row("'order-1', '{\"amount\": 100}'");
+        let (o, token, resp, _, _) = claim_row("'replays-order-1', '{\"amount\": 100}'");
         assert_eq!(o, "new");
         assert!(token.is_some());
         assert_eq!(resp, "<NULL>");
         assert_eq!(
-            text("SELECT status::text || ' ' || (locked_until = now() + interval '5 minutes')::text || ' ' || (expires_at = now() + interval '24 hours')::text FROM idempotency.idempotency_keys WHERE key = 'order-1'"),
+            text("SELECT status::text || ' ' || (locked_until = now() + interval '5 minutes')::text || ' ' || (expires_at = now() + interval '24 hours')::text FROM idempotency.idempotency_keys WHERE key = 'replays-order-1'"),
             "in_progress true true"
         );
         let exp = text(
-            "SELECT idempotency.complete('order-1', '{\"id\": 7, \"price\": 1.50}', 201)::text",
+            "SELECT idempotency.complete('replays-order-1', '{\"id\": 7, \"price\": 1.50}', 201)::text",
         );
         assert_eq!(exp, text("SELECT (now() + interval '24 hours')::text"));
         // Same request spelt differently: replay of the stored response, untouched.
-        let (o2, token2, resp2, status2, _) = claim_row("'order-1', '{\"amount\": 100.0}'");
+        let (o2, token2, resp2, status2, _) = claim_row("'replays-order-1', '{\"amount\": 100.0}'");
         assert_eq!(o2, "replay");
         assert_eq!(token2, token);
         assert_eq!(resp2, "{\"id\": 7, \"price\": 1.50}");
         assert_eq!(status2, "201");
         assert_eq!(
-            text("SELECT status::text || ' ' || (locked_until IS NULL)::text FROM idempotency.idempotency_keys WHERE key = 'order-1'"),
+            text("SELECT status::text || ' ' || (locked_until IS NULL)::text FROM idempotency.idempotency_keys WHERE key = 'replays-order-1'"),
             "completed true"
         );
     }
 
     #[pg_test]
     fn different_request_is_a_mismatch_and_writes_nothing() {
-        assert_eq!(claim("'k', '{\"a\": 1}'").0, "new");
+        assert_eq!(claim("'mismatch-k', '{\"a\": 1}'").0, "new");
         let before = text("SELECT row(k.*)::text FROM idempotency.idempotency_keys k");
         // in progress, different request
-        assert_eq!(claim("'k', '{\"a\": 2}'").0, "mismatch");
-        Spi::run("SELECT idempotency.complete('k', '{}')").unwrap();
-        assert_eq!(claim("'k', '{\"a\": 2}'").0, "mismatch");
-        assert_eq!(claim("'k', '{\"a\": 1}'").0, "replay");
+        assert_eq!(claim("'mismatch-k', '{\"a\": 2}'").0, "mismatch");
+        Spi::run("SELECT idempotency.complete('mismatch-k', '{}')").unwrap();
+        assert_eq!(claim("'mismatch-k', '{\"a\": 2}'").0, "mismatch");
+        assert_eq!(claim("'mismatch-k', '{\"a\": 1}'").0, "replay");
         let after = text("SELECT token::text FROM idempotency.idempotency_keys");
         assert!(before.contains(&after), "token unchanged");
         assert_eq!(rows(), 1);
@@ -116,47 +116,47 @@ mod tests {
 
     #[pg_test]
     fn null_request_skips_the_comparison() {
-        assert_eq!(claim("'k'").0, "new");
+        assert_eq!(claim("'null-request-k'").0, "new");
         assert_eq!(
             text("SELECT coalesce(request_hash::text, 'none') FROM idempotency.idempotency_keys"),
             "none"
         );
-        Spi::run("SELECT idempotency.complete('k', '{\"ok\": true}')").unwrap();
+        Spi::run("SELECT idempotency.complete('null-request-k', '{\"ok\": true}')").unwrap();
         // A row stored without a hash matches any request...
-        assert_eq!(claim("'k', '{\"x\": 1}'").0, "replay");
+        assert_eq!(claim("'null-request-k', '{\"x\": 1}'").0, "replay");
         // ...and a claim without a request matches any row.
-        assert_eq!(claim("'k2', '{\"x\": 1}'").0, "new");
-        Spi::run("SELECT idempotency.complete('k2', '{}')").unwrap();
-        assert_eq!(claim("'k2'").0, "replay");
+        assert_eq!(claim("'null-request-k2', '{\"x\": 1}'").0, "new");
+        Spi::run("SELECT idempotency.complete('null-request-k2', '{}')").unwrap();
+        assert_eq!(claim("'null-request-k2'").0, "replay");
     }
 
     #[pg_test]
     fn running_lease_answers_in_progress_with_retry_after() {
-        assert_eq!(claim("'k', lease => '30 seconds'").0, "new");
+        assert_eq!(claim("'lease-k', lease => '30 seconds'").0, "new");
         assert_eq!(
-            text("SELECT outcome::text || ' ' || retry_after::text || ' ' || (token IS NULL)::text FROM idempotency.claim('k')"),
+            text("SELECT outcome::text || ' ' || retry_after::text || ' ' || (token IS NULL)::text FROM idempotency.claim('lease-k')"),
             "in_progress 00:00:30 true"
         );
         // A lease of under a second still asks for at least one second.
-        assert_eq!(claim("'short', lease => '10 milliseconds'").0, "new");
-        Spi::run("UPDATE idempotency.idempotency_keys SET locked_until = now() + interval '1 millisecond' WHERE key = 'short'").unwrap();
+        assert_eq!(claim("'lease-short', lease => '10 milliseconds'").0, "new");
+        Spi::run("UPDATE idempotency.idempotency_keys SET locked_until = now() + interval '1 millisecond' WHERE key = 'lease-short'").unwrap();
         assert_eq!(
-            text("SELECT retry_after::text FROM idempotency.claim('short')"),
+            text("SELECT retry_after::text FROM idempotency.claim('lease-short')"),
             "00:00:01"
         );
     }
 
     #[pg_test]
     fn lease_takeover_has_a_larger_token_and_returns_the_recovery_point() {
-        let (o, t1, _, _, _) = claim_row("'wf', '{\"step\": 1}', lease => '1 minute'");
+        let (o, t1, _, _, _) = claim_row("'takeover-wf', '{\"step\": 1}', lease => '1 minute'");
         assert_eq!(o, "new");
         Spi::run(&format!(
-            "SELECT idempotency.checkpoint('wf', 'charged', token => {})",
+            "SELECT idempotency.checkpoint('takeover-wf', 'charged', token => {})",
             t1.unwrap()
         ))
         .unwrap();
-        expire_lease("wf");
-        let (o2, t2, _, _, rp) = claim_row("'wf', '{\"step\": 1}', lease => '2 minutes'");
+        expire_lease("takeover-wf");
+        let (o2, t2, _, _, rp) = claim_row("'takeover-wf', '{\"step\": 1}', lease => '2 minutes'");
         assert_eq!(o2, "new");
         assert!(t2.unwrap() > t1.unwrap());
         assert_eq!(rp, "charged");
@@ -167,46 +167,46 @@ mod tests {
         // The fenced-off worker can no longer complete, checkpoint or release.
         let stale = t1.unwrap();
         assert!(try_sql(&format!(
-            "SELECT idempotency.complete('wf', '{{}}', token => {stale})"
+            "SELECT idempotency.complete('takeover-wf', '{{}}', token => {stale})"
         ))
         .starts_with("IK003"));
         assert!(try_sql(&format!(
-            "SELECT idempotency.checkpoint('wf', 'x', token => {stale})"
+            "SELECT idempotency.checkpoint('takeover-wf', 'x', token => {stale})"
         ))
         .starts_with("IK003"));
         assert_eq!(
             text(&format!(
-                "SELECT idempotency.release('wf', token => {stale})::text"
+                "SELECT idempotency.release('takeover-wf', token => {stale})::text"
             )),
             "false"
         );
         assert_eq!(rows(), 1);
         // The new holder can.
         assert_eq!(
-            text(&format!("SELECT (idempotency.complete('wf', '{{\"done\": true}}', token => {}) IS NOT NULL)::text", t2.unwrap())),
+            text(&format!("SELECT (idempotency.complete('takeover-wf', '{{\"done\": true}}', token => {}) IS NOT NULL)::text", t2.unwrap())),
             "true"
         );
     }
 
     #[pg_test]
     fn takeover_with_a_different_request_is_a_mismatch() {
-        assert_eq!(claim("'wf', '{\"a\": 1}'").0, "new");
-        expire_lease("wf");
-        assert_eq!(claim("'wf', '{\"a\": 2}'").0, "mismatch");
+        assert_eq!(claim("'takeover-mismatch-wf', '{\"a\": 1}'").0, "new");
+        expire_lease("takeover-mismatch-wf");
+        assert_eq!(claim("'takeover-mismatch-wf', '{\"a\": 2}'").0, "mismatch");
     }
 
     #[pg_test]
     fn expired_rows_count_as_absent_even_unswept() {
-        let (_, t1, _, _, _) = claim_row("'k', '{\"a\": 1}', ttl => '1 hour'");
-        Spi::run("SELECT idempotency.complete('k', '{\"v\": 1}')").unwrap();
+        let (_, t1, _, _, _) = claim_row("'expired-k', '{\"a\": 1}', ttl => '1 hour'");
+        Spi::run("SELECT idempotency.complete('expired-k', '{\"v\": 1}')").unwrap();
         assert_eq!(text("SELECT (expires_at = now() + interval '1 hour')::text FROM idempotency.idempotency_keys"), "true");
-        expire_row("k");
+        expire_row("expired-k");
         assert_eq!(
-            text("SELECT coalesce(idempotency.lookup('k')::text, 'NULL')"),
+            text("SELECT coalesce(idempotency.lookup('expired-k')::text, 'NULL')"),
             "NULL"
         );
         // A different request is not a mismatch: the old key is gone.
-        let (o, t2, resp, _, rp) = claim_row("'k', '{\"a\": 2}'");
+        let (o, t2, resp, _, rp) = claim_row("'expired-k', '{\"a\": 2}'");
         assert_eq!(
             (o.as_str(), resp.as_str(), rp.as_str()),
             ("new", "<NULL>", "<NULL>")
@@ -214,115 +214,124 @@ mod tests {
         assert!(t2.unwrap() > t1.unwrap());
         assert_eq!(rows(), 1);
         // An expired in-progress claim can be neither completed nor checkpointed.
-        expire_row("k");
-        assert!(try_sql("SELECT idempotency.complete('k', '{}')").starts_with("IK001"));
-        assert!(try_sql("SELECT idempotency.checkpoint('k', 'x')").starts_with("IK001"));
-        assert_eq!(text("SELECT idempotency.release('k')::text"), "false");
+        expire_row("expired-k");
+        assert!(try_sql("SELECT idempotency.complete('expired-k', '{}')").starts_with("IK001"));
+        assert!(try_sql("SELECT idempotency.checkpoint('expired-k', 'x')").starts_with("IK001"));
+        assert_eq!(
+            text("SELECT idempotency.release('expired-k')::text"),
+            "false"
+        );
     }
 
     #[pg_test]
     fn complete_and_checkpoint_errors_have_their_own_sqlstates() {
-        let e = try_sql("SELECT idempotency.complete('nope', '{}')");
+        let e = try_sql("SELECT idempotency.complete('errors-nope', '{}')");
         assert!(e.starts_with("IK001") && e.contains("no live claim"), "{e}");
-        assert!(try_sql("SELECT idempotency.checkpoint('nope', 'x')").starts_with("IK001"));
-        claim("'k'");
-        Spi::run("SELECT idempotency.complete('k', '{}')").unwrap();
-        let e = try_sql("SELECT idempotency.complete('k', '{}')");
+        assert!(try_sql("SELECT idempotency.checkpoint('errors-nope', 'x')").starts_with("IK001"));
+        claim("'errors-k'");
+        Spi::run("SELECT idempotency.complete('errors-k', '{}')").unwrap();
+        let e = try_sql("SELECT idempotency.complete('errors-k', '{}')");
         assert!(
             e.starts_with("IK002") && e.contains("already completed"),
             "{e}"
         );
-        assert!(try_sql("SELECT idempotency.checkpoint('k', 'x')").starts_with("IK002"));
-        claim("'j'");
-        let e = try_sql("SELECT idempotency.complete('j', '{}', token => -5)");
+        assert!(try_sql("SELECT idempotency.checkpoint('errors-k', 'x')").starts_with("IK002"));
+        claim("'errors-j'");
+        let e = try_sql("SELECT idempotency.complete('errors-j', '{}', token => -5)");
         assert!(e.starts_with("IK003") && e.contains("stale"), "{e}");
         assert_eq!(
-            text("SELECT status::text FROM idempotency.idempotency_keys WHERE key = 'j'"),
+            text("SELECT status::text FROM idempotency.idempotency_keys WHERE key = 'errors-j'"),
             "in_progress"
         );
     }
 
     #[pg_test]
     fn complete_keeps_the_claim_ttl_or_takes_a_new_one() {
-        claim("'a', ttl => '2 hours'");
+        claim("'complete-ttl-a', ttl => '2 hours'");
         assert_eq!(
-            text("SELECT (idempotency.complete('a', '{}') = now() + interval '2 hours')::text"),
+            text("SELECT (idempotency.complete('complete-ttl-a', '{}') = now() + interval '2 hours')::text"),
             "true"
         );
-        claim("'b', ttl => '2 hours'");
+        claim("'complete-ttl-b', ttl => '2 hours'");
         assert_eq!(
-            text("SELECT (idempotency.complete('b', '{}', ttl => '7 days') = now() + interval '7 days')::text"),
+            text("SELECT (idempotency.complete('complete-ttl-b', '{}', ttl => '7 days') = now() + interval '7 days')::text"),
             "true"
         );
         assert_eq!(
-            text("SELECT (response IS NULL)::text FROM idempotency.claim('c')"),
+            text("SELECT (response IS NULL)::text FROM idempotency.claim('complete-ttl-c')"),
             "true"
         );
-        Spi::run("SELECT idempotency.complete('c', NULL, 204)").unwrap();
+        Spi::run("SELECT idempotency.complete('complete-ttl-c', NULL, 204)").unwrap();
         assert_eq!(
-            text("SELECT outcome::text || ' ' || response_status FROM idempotency.claim('c')"),
+            text("SELECT outcome::text || ' ' || response_status FROM idempotency.claim('complete-ttl-c')"),
             "replay 204"
         );
     }
 
     #[pg_test]
     fn release_frees_an_in_progress_key_but_never_a_completed_one() {
-        let (_, t1, _, _, _) = claim_row("'k'");
+        let (_, t1, _, _, _) = claim_row("'release-k'");
         assert_eq!(
-            text("SELECT idempotency.release('k', token => 0)::text"),
+            text("SELECT idempotency.release('release-k', token => 0)::text"),
             "false"
         );
         assert_eq!(
             text(&format!(
-                "SELECT idempotency.release('k', token => {})::text",
+                "SELECT idempotency.release('release-k', token => {})::text",
                 t1.unwrap()
             )),
             "true"
         );
         assert_eq!(rows(), 0);
-        let (o, t2, _, _, _) = claim_row("'k'");
+        let (o, t2, _, _, _) = claim_row("'release-k'");
         assert_eq!(o, "new");
         assert!(t2.unwrap() > t1.unwrap(), "tokens are never reused");
-        Spi::run("SELECT idempotency.complete('k', '{}')").unwrap();
-        assert_eq!(text("SELECT idempotency.release('k')::text"), "false");
+        Spi::run("SELECT idempotency.complete('release-k', '{}')").unwrap();
+        assert_eq!(
+            text("SELECT idempotency.release('release-k')::text"),
+            "false"
+        );
         assert_eq!(rows(), 1);
-        assert_eq!(text("SELECT idempotency.release('absent')::text"), "false");
+        assert_eq!(
+            text("SELECT idempotency.release('release-absent')::text"),
+            "false"
+        );
     }
 
     #[pg_test]
     fn forget_deletes_whatever_the_state() {
-        claim("'a'");
-        claim("'b'");
-        Spi::run("SELECT idempotency.complete('b', '{}')").unwrap();
-        assert_eq!(text("SELECT idempotency.forget('a')::text"), "true");
-        assert_eq!(text("SELECT idempotency.forget('b')::text"), "true");
-        assert_eq!(text("SELECT idempotency.forget('b')::text"), "false");
+        claim("'forget-a'");
+        claim("'forget-b'");
+        Spi::run("SELECT idempotency.complete('forget-b', '{}')").unwrap();
+        assert_eq!(text("SELECT idempotency.forget('forget-a')::text"), "true");
+        assert_eq!(text("SELECT idempotency.forget('forget-b')::text"), "true");
+        assert_eq!(text("SELECT idempotency.forget('forget-b')::text"), "false");
         assert_eq!(rows(), 0);
-        assert_eq!(claim("'b'").0, "new");
+        assert_eq!(claim("'forget-b'").0, "new");
     }
 
     #[pg_test]
     fn lookup_returns_the_live_row_of_its_scope() {
-        claim("'k', '{\"a\": 1}', scope => 'tenant-1'");
+        claim("'lookup-k', '{\"a\": 1}', scope => 'tenant-1'");
         assert_eq!(
-            text("SELECT (l).status::text || ' ' || (l).scope || ' ' || length((l).request_hash) FROM idempotency.lookup('k', 'tenant-1') l"),
+            text("SELECT (l).status::text || ' ' || (l).scope || ' ' || length((l).request_hash) FROM idempotency.lookup('lookup-k', 'tenant-1') l"),
             "in_progress tenant-1 32"
         );
         assert_eq!(
-            text("SELECT coalesce(idempotency.lookup('k')::text, 'NULL')"),
+            text("SELECT coalesce(idempotency.lookup('lookup-k')::text, 'NULL')"),
             "NULL"
         );
         assert_eq!(
-            text("SELECT coalesce(idempotency.lookup('k', 'tenant-2')::text, 'NULL')"),
+            text("SELECT coalesce(idempotency.lookup('lookup-k', 'tenant-2')::text, 'NULL')"),
             "NULL"
         );
     }
 
     #[pg_test]
     fn scopes_keep_keys_apart() {
-        assert_eq!(claim("'k', '{\"a\": 1}', scope => 'A'").0, "new");
-        assert_eq!(claim("'k', '{\"a\": 2}', scope => 'B'").0, "new");
-        assert_eq!(claim("'k', '{\"a\": 3}'").0, "new");
+        assert_eq!(claim("'scopes-k', '{\"a\": 1}', scope => 'A'").0, "new");
+        assert_eq!(claim("'scopes-k', '{\"a\": 2}', scope => 'B'").0, "new");
+        assert_eq!(claim("'scopes-k', '{\"a\": 3}'").0, "new");
         assert_eq!(rows(), 3);
     }
 
@@ -344,7 +353,7 @@ mod tests {
         assert_eq!(text("SHOW idempotency.sweep_batch_size"), "10000");
         Spi::run("SET LOCAL idempotency.default_ttl = '1h'").unwrap();
         Spi::run("SET LOCAL idempotency.default_lease = '10s'").unwrap();
-        claim("'k'");
+        claim("'settings-k'");
         assert_eq!(
             text("SELECT (expires_at = now() + interval '1 hour' AND locked_until = now() + interval '10 seconds')::text FROM idempotency.idempotency_keys"),
             "true"
@@ -353,9 +362,11 @@ mod tests {
 
     #[pg_test]
     fn sweep_deletes_expired_rows_only() {
-        Spi::run("SELECT idempotency.claim('live-' || i) FROM generate_series(1, 10) i").unwrap();
-        Spi::run("SELECT idempotency.claim('old-' || i) FROM generate_series(1, 25) i").unwrap();
-        Spi::run("UPDATE idempotency.idempotency_keys SET expires_at = now() - interval '1 minute' WHERE key LIKE 'old-%'").unwrap();
+        Spi::run("SELECT idempotency.claim('sweep-live-' || i) FROM generate_series(1, 10) i")
+            .unwrap();
+        Spi::run("SELECT idempotency.claim('sweep-old-' || i) FROM generate_series(1, 25) i")
+            .unwrap();
+        Spi::run("UPDATE idempotency.idempotency_keys SET expires_at = now() - interval '1 minute' WHERE key LIKE 'sweep-old-%'").unwrap();
         assert_eq!(
             one::<i64>("SELECT idempotency.sweep(batch_size => 7)"),
             Some(25)
@@ -381,35 +392,35 @@ mod tests {
                 "22023: key must be at most 255 characters",
             ),
             (
-                "SELECT idempotency.claim('k', scope => NULL)",
+                "SELECT idempotency.claim('bad-args-k', scope => NULL)",
                 "22004: scope must not be NULL",
             ),
             (
-                "SELECT idempotency.claim('k', scope => repeat('s', 256))",
+                "SELECT idempotency.claim('bad-args-k', scope => repeat('s', 256))",
                 "22023: scope must be at most 255",
             ),
             (
-                "SELECT idempotency.claim('k', ttl => '0 seconds')",
+                "SELECT idempotency.claim('bad-args-k', ttl => '0 seconds')",
                 "22023: ttl must be a positive interval",
             ),
             (
-                "SELECT idempotency.claim('k', ttl => '-1 hour')",
+                "SELECT idempotency.claim('bad-args-k', ttl => '-1 hour')",
                 "22023: ttl must be a positive interval",
             ),
             (
-                "SELECT idempotency.claim('k', ttl => '11 years')",
+                "SELECT idempotency.claim('bad-args-k', ttl => '11 years')",
                 "22023: ttl must be at most 10 years",
             ),
             (
-                "SELECT idempotency.claim('k', lease => '0')",
+                "SELECT idempotency.claim('bad-args-k', lease => '0')",
                 "22023: lease must be a positive interval",
             ),
             (
-                "SELECT idempotency.claim('k', lease => '-5 minutes')",
+                "SELECT idempotency.claim('bad-args-k', lease => '-5 minutes')",
                 "22023: lease must be a positive interval",
             ),
             (
-                "SELECT idempotency.claim('k', ttl => '1 minute', lease => '2 minutes')",
+                "SELECT idempotency.claim('bad-args-k', ttl => '1 minute', lease => '2 minutes')",
                 "22023: lease (\"00:02:00\") must not be longer than ttl (\"00:01:00\"): the lease would outlive the key",
             ),
             (
@@ -417,19 +428,19 @@ mod tests {
                 "22004: key must not be NULL",
             ),
             (
-                "SELECT idempotency.complete('k', '{}', 99)",
+                "SELECT idempotency.complete('bad-args-k', '{}', 99)",
                 "22023: response_status must be between 100 and 599",
             ),
             (
-                "SELECT idempotency.complete('k', '{}', 600)",
+                "SELECT idempotency.complete('bad-args-k', '{}', 600)",
                 "22023: response_status must be between 100 and 599",
             ),
             (
-                "SELECT idempotency.complete('k', '{}', NULL)",
+                "SELECT idempotency.complete('bad-args-k', '{}', NULL)",
                 "22004: response_status must not be NULL",
             ),
             (
-                "SELECT idempotency.complete('k', '{}', ttl => '-1 day')",
+                "SELECT idempotency.complete('bad-args-k', '{}', ttl => '-1 day')",
                 "22023: ttl must be a positive interval",
             ),
             (
@@ -516,7 +527,7 @@ mod tests {
             try_sql(&deep).starts_with("54001: doc: document is nested deeper than 1000 levels")
         );
         let deep_claim = format!(
-            "SELECT idempotency.claim('k', '{}1{}')",
+            "SELECT idempotency.claim('deep-k', '{}1{}')",
             "{\"a\":".repeat(1500),
             "}".repeat(1500)
         );
@@ -582,7 +593,7 @@ mod tests {
             "32"
         );
         // claim hashes request with canonical_hash.
-        claim("'k', '{\"z\": 1, \"a\": 2}'");
+        claim("'hash-k', '{\"z\": 1, \"a\": 2}'");
         assert_eq!(
             text("SELECT (request_hash = idempotency.canonical_hash('{\"a\":2,\"z\":1.00}'))::text FROM idempotency.idempotency_keys"),
             "true"
