@@ -16,9 +16,10 @@ mod functions;
 
 pub use args::{DbText, Jsonb, Row, Text, TextArray};
 
+use crate::arguments;
+use crate::arguments::ArgError;
 use crate::canonical::NumberMode;
 use crate::error::{arg_error, canon_error, check, raise};
-use crate::keys::{self, ArgError};
 use crate::stats::{self, Event};
 use crate::store::{self, ClaimRequest, ClaimResult, Outcome};
 use crate::{encoding, guc, jsonb};
@@ -188,7 +189,7 @@ struct Duration {
 /// over ten years.)
 fn duration(name: &'static str, value: Interval) -> Duration {
     let (m, d, us) = interval_parts(&value);
-    check(keys::check_duration(name, m, d, us));
+    check(arguments::check_duration(name, m, d, us));
     let ends = store::now_plus(&value);
     let now = crate::store::transaction_start();
     if ends <= now {
@@ -209,7 +210,7 @@ fn duration(name: &'static str, value: Interval) -> Duration {
 
 /// An interval as PostgreSQL prints it.
 fn interval_text(i: &Interval) -> String {
-    keys::abbreviate(&i.to_string())
+    arguments::abbreviate(&i.to_string())
 }
 
 /// The TTL and lease of a claim: each argument, or its setting when NULL. With no lease given
@@ -293,12 +294,12 @@ fn with_scratch<R>(f: impl FnOnce(&mut String) -> R) -> R {
 fn checked_key_and_scope(key: Option<Text<'_>>, scope: Option<Text<'_>>) -> (String, String) {
     let key = key.map(|t| t.utf8("key"));
     let scope = scope.map(|t| t.utf8("scope"));
-    check(keys::check_key("key", key.as_deref(), false));
-    check(keys::check_key("scope", scope.as_deref(), true));
+    check(arguments::check_key("key", key.as_deref(), false));
+    check(arguments::check_key("scope", scope.as_deref(), true));
     // Both were checked to be non-NULL above.
     let (key, scope) = (key.unwrap_or_default(), scope.unwrap_or_default());
     check(guc::with_scope_prefix(|prefix| {
-        keys::check_scope_allowed(&scope, prefix)
+        arguments::check_scope_allowed(&scope, prefix)
     }));
     (key.into_owned(), scope.into_owned())
 }
@@ -537,7 +538,7 @@ pub extern "C-unwind" fn idempotency_complete(fcinfo: pg_sys::FunctionCallInfo) 
     // it into the row it writes).
     unsafe {
         let (key, scope) = key_and_scope(Text::arg(fcinfo, 0), Text::arg(fcinfo, 3));
-        let response_status = check(keys::check_status(pg_getarg::<i32>(fcinfo, 2)));
+        let response_status = check(arguments::check_status(pg_getarg::<i32>(fcinfo, 2)));
         let ttl = optional_ttl(pg_getarg(fcinfo, 5));
         let response = Jsonb::arg(fcinfo, 1).map(Jsonb::datum);
         if let Some(response) = response {

@@ -3,8 +3,8 @@
 //! Errors raised from Rust carry standard SQLSTATEs (pgrx cannot raise custom ones); the
 //! extension's own `IKxxx` codes are raised by the SQL functions in `sql/idempotency.sql`.
 
+use crate::arguments::{ArgError, ArgErrorKind};
 use crate::canonical::CanonError;
-use crate::keys::{ArgError, ArgErrorKind};
 use pgrx::pg_sys::panic::ErrorReport;
 use pgrx::{PgLogLevel, PgSqlErrorCode};
 

@@ -1,9 +1,9 @@
 //! `idempotency`: retry-safe state-changing operations inside PostgreSQL.
 //!
 //! Module map:
-//! - `canonical`, `keys`, `state`, `signing`: the pure logic (RFC 8785, argument rules, key
-//!   derivation, the claim decision table, signed and hashed keys), from the crate
-//!   `idempotency-core` (crates/idempotency-core), which has no pgrx: `cargo test -p
+//! - `canonical`, `arguments`, `derivation`, `decision`, `signing`: the pure logic (RFC 8785,
+//!   argument rules, key derivation, the claim decision table, signed and hashed keys), from
+//!   the crate `idempotency-core` (crates/idempotency-core), which has no pgrx: `cargo test -p
 //!   idempotency-core` runs its tests without PostgreSQL;
 //! - `jsonb`: reads a jsonb datum into the canonical tree;
 //! - `store`: everything that reads or writes the extension's table (claim, completion, sweep),
@@ -16,7 +16,7 @@
 //! - `local`: per-backend state in plain statics.
 
 pub mod api;
-pub use idempotency_core::{canonical, keys, signing, state};
+pub use idempotency_core::{arguments, canonical, decision, derivation, signing};
 pub mod compat;
 pub mod encoding;
 pub mod error;

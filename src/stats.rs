@@ -22,11 +22,24 @@ pub enum Event {
 
 pub const EVENTS: usize = 7;
 
+/// What the last sweeper visit to a database found.
+#[derive(Clone, Copy, Default, Debug, PartialEq, Eq)]
+#[repr(u8)]
+pub enum ExtensionSeen {
+    /// No sweeper has visited the database yet.
+    #[default]
+    NotVisited,
+    /// The extension is installed there.
+    Installed,
+    /// It is not installed there.
+    Absent,
+}
+
 #[derive(Clone, Copy, Default)]
 pub struct Slot {
     pub database: u32,
-    /// What the last sweeper visit found: 0 not visited, 1 extension installed, 2 not installed.
-    pub extension: u8,
+    /// What the last sweeper visit found.
+    pub extension: ExtensionSeen,
     pub counters: [u64; EVENTS],
     /// Microseconds since 2000-01-01 of the last finished sweep of this database, or 0.
     pub last_sweep_at: i64,
@@ -211,7 +224,11 @@ pub fn sweep_finished(rows: i64) {
 /// Records whether the current database has the extension (called by its sweeper).
 pub fn set_extension_present(present: bool) {
     with_slot(current_database(), |s| {
-        s.extension = if present { 1 } else { 2 }
+        s.extension = if present {
+            ExtensionSeen::Installed
+        } else {
+            ExtensionSeen::Absent
+        }
     });
 }
 
@@ -223,9 +240,9 @@ pub fn extension_present(database: u32) -> Option<bool> {
     let table = TABLE.share();
     let slot = table.slots.iter().find(|s| s.database == database)?;
     match slot.extension {
-        1 => Some(true),
-        2 => Some(false),
-        _ => None,
+        ExtensionSeen::Installed => Some(true),
+        ExtensionSeen::Absent => Some(false),
+        ExtensionSeen::NotVisited => None,
     }
 }
 

@@ -393,18 +393,13 @@ fn wal_insert_position() -> u64 {
     unsafe { pg_sys::GetXLogInsertRecPtr() }
 }
 
-unsafe extern "C" {
-    fn setpriority(which: i32, who: u32, prio: i32) -> i32;
-}
-
 /// Makes this sweeper process nicer (`idempotency.sweep_nice`): when the CPU is saturated the
 /// application's backends get it first; when it is idle the sweeper still runs at full speed.
 /// Each round runs in a new process, so a reloaded value applies from the next round on.
 fn lower_priority(nice: i32) {
-    const PRIO_PROCESS: i32 = 0;
     // SAFETY: setpriority(2) on this process (who = 0) takes no pointers; an error is
     // returned, not raised.
-    if nice > 0 && unsafe { setpriority(PRIO_PROCESS, 0, nice) } != 0 {
+    if nice > 0 && unsafe { libc::setpriority(libc::PRIO_PROCESS, 0, nice) } != 0 {
         pgrx::log!(
             "idempotency sweeper: could not set niceness {nice}: {}",
             std::io::Error::last_os_error()

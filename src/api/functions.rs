@@ -4,9 +4,11 @@
 
 use super::args::{DbText, Jsonb, Row, Text, TextArray};
 use super::{check_size, checked_key_and_scope, hash_arg, key_and_scope, optional_ttl};
+use crate::arguments;
+use crate::arguments::ArgError;
 use crate::canonical::{self, NumberMode, Value};
+use crate::derivation;
 use crate::error::{arg_error, canon_error, check, raise};
-use crate::keys::{self, ArgError};
 use crate::stats::{self, Event};
 use crate::{guc, store};
 use pgrx::datum::{Interval, TimestampWithTimeZone};
@@ -34,7 +36,7 @@ fn idempotency_canonical_json(doc: Option<Jsonb<'_>>, numbers: Option<Text<'_>>)
                 PgSqlErrorCode::ERRCODE_INVALID_PARAMETER_VALUE,
                 format!(
                     "numbers must be 'exact' or 'rfc8785' (got {})",
-                    keys::abbreviate(m)
+                    arguments::abbreviate(m)
                 ),
                 None,
             )
@@ -86,7 +88,7 @@ fn idempotency_derive_key(
     let parent = parent.map(|t| t.utf8("parent"));
     let step = step.map(|t| t.utf8("step"));
     let params = params.map(|j| j.value("params"));
-    let key = check(keys::derive_key(
+    let key = check(derivation::derive_key(
         parent.as_deref(),
         step.as_deref(),
         params.as_ref(),
@@ -103,7 +105,7 @@ fn idempotency_cron_key(
 ) -> DbText {
     let job = job.map(|t| t.utf8("job"));
     let at = scheduled_at.map(pg_sys::TimestampTz::from);
-    let key = check(keys::cron_key(
+    let key = check(derivation::cron_key(
         job.as_deref(),
         at,
         slot.as_ref().map(super::interval_parts),
@@ -132,13 +134,13 @@ fn idempotency_request_fingerprint(
         }
     }
     let body = body.map(|j| j.value("body"));
-    let doc = check(keys::fingerprint_document(
+    let doc = check(derivation::fingerprint_document(
         method.as_deref(),
         path.as_deref(),
         query,
         body,
     ));
-    keys::hash_value(&doc)
+    derivation::hash_value(&doc)
         .unwrap_or_else(|e| canon_error("body", e))
         .to_vec()
 }
@@ -227,7 +229,7 @@ fn idempotency_count(event: Option<Text<'_>>) {
             PgSqlErrorCode::ERRCODE_INVALID_PARAMETER_VALUE,
             format!(
                 "event must be 'release' (got {})",
-                keys::abbreviate(other.unwrap_or("NULL"))
+                arguments::abbreviate(other.unwrap_or("NULL"))
             ),
             None,
         ),
@@ -288,7 +290,7 @@ fn secret_arg(secret: Option<Vec<u8>>) -> Vec<u8> {
 #[pg_extern(sql = false)]
 fn idempotency_sign(key: Option<Text<'_>>, kid: Option<i32>, secret: Option<Vec<u8>>) -> DbText {
     let key = key.map(|t| t.utf8("key"));
-    let key = check(keys::check_key("key", key.as_deref(), false)).to_string();
+    let key = check(arguments::check_key("key", key.as_deref(), false)).to_string();
     let Some(kid) = kid.filter(|k| *k > 0) else {
         arg_error(ArgError::invalid("kid must be a positive integer".into()));
     };

@@ -1,12 +1,12 @@
-//! The claim algorithm: the outcome table ([`crate::state`]) applied to the key's row, read
+//! The claim algorithm: the outcome table ([`crate::decision`]) applied to the key's row, read
 //! below SQL where it can be ([`heap`]) and through the statements ([`sql`]) where it must.
 
 use super::catalog::{check_access, direct_layout_for_write, key_label};
 use super::heap::{self, probe, KeyInsertLock, Probe};
 use super::sql::{read_row, with_spi, write_claim, Write};
 use super::{spi_failed, ClaimRequest, ClaimResult, Outcome, Row, MAX_ROUNDS};
+use crate::decision::{self, Decision, Stored};
 use crate::error::raise;
-use crate::state::{self, Decision, Stored};
 use crate::{encoding, guc};
 use pgrx::datum::Interval;
 use pgrx::pg_sys;
@@ -50,7 +50,7 @@ pub(crate) fn sleep_a_little() {
 
 pub(crate) fn log_mismatch(req: &ClaimRequest<'_>, stored: Option<&[u8]>) {
     let prefix = |h: Option<&[u8]>| {
-        h.map(|h| crate::keys::hex(&h[..h.len().min(6)]))
+        h.map(|h| crate::derivation::hex(&h[..h.len().min(6)]))
             .unwrap_or_default()
     };
     let message = format!(
@@ -110,7 +110,7 @@ pub fn claim(req: &ClaimRequest<'_>) -> ClaimResult {
                 Looked::Inserted(step) => step,
                 Looked::Found(Probe::Busy) => Ok(Step::Busy),
                 Looked::Found(Probe::Committed(row)) => {
-                    match state::decide(stored(&row), given(req)) {
+                    match decision::decide(stored(&row), request_hash(req)) {
                         d @ (Decision::Replay | Decision::Mismatch | Decision::InProgress) => {
                             Ok(Step::Done(answer(req, d, row)))
                         }
@@ -173,7 +173,8 @@ pub(crate) fn probe_or_insert(
     }
 }
 
-pub(crate) fn given<'a>(req: &'a ClaimRequest<'_>) -> Option<&'a [u8]> {
+/// The request hash the caller gave (None: the caller gave no request, so none is compared).
+pub(crate) fn request_hash<'a>(req: &'a ClaimRequest<'_>) -> Option<&'a [u8]> {
     req.hash.as_ref().map(|h| &h[..])
 }
 
@@ -205,7 +206,7 @@ pub(crate) fn decide(
     req: &ClaimRequest<'_>,
     row: Row,
 ) -> Result<Step, pgrx::spi::Error> {
-    match state::decide(stored(&row), given(req)) {
+    match decision::decide(stored(&row), request_hash(req)) {
         d @ (Decision::Replay | Decision::Mismatch | Decision::InProgress) => {
             Ok(Step::Done(answer(req, d, row)))
         }
@@ -220,7 +221,7 @@ pub(crate) fn decide(
                     Probe::Absent | Probe::Changed => Step::Again,
                 });
             };
-            match state::decide(stored(&locked), given(req)) {
+            match decision::decide(stored(&locked), request_hash(req)) {
                 Decision::Restart => {
                     Ok(write_claim(client, Write::Restart, req)?.map_or(Step::Again, Step::Done))
                 }

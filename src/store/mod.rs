@@ -65,7 +65,7 @@ impl IntoDatum for OwnedJsonb {
     }
 }
 
-pub use crate::state::Outcome;
+pub use crate::decision::Outcome;
 
 /// What `claim` returns (the fields of `idempotency.claim_result`).
 pub struct ClaimResult {

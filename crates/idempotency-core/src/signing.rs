@@ -67,7 +67,9 @@ pub fn parse(signed: &str) -> Option<(&str, i32, Vec<u8>)> {
         return None;
     }
     // A key longer than any key can be is refused before any MAC is computed.
-    if key.len() > crate::keys::MAX_KEY_CHARS && key.chars().count() > crate::keys::MAX_KEY_CHARS {
+    if key.len() > crate::arguments::MAX_KEY_CHARS
+        && key.chars().count() > crate::arguments::MAX_KEY_CHARS
+    {
         return None;
     }
     // Only the canonical decimal spelling of a positive id: "07" or "+7" would sign alike.
@@ -191,7 +193,10 @@ mod tests {
         let a = hashed_key("alice@example.com", b"secret one");
         assert_eq!(a.len(), 64);
         assert_ne!(a, hashed_key("alice@example.com", b"secret two"));
-        assert_ne!(a, crate::keys::hex(&Sha256::digest(b"alice@example.com")));
+        assert_ne!(
+            a,
+            crate::derivation::hex(&Sha256::digest(b"alice@example.com"))
+        );
         // Release 0.2.0 stored the plain SHA-256: it is rewritten without the key.
         assert_eq!(
             rekeyed(&Sha256::digest(b"alice@example.com"), b"secret one"),

@@ -6,13 +6,13 @@
 //! are checked and ignored. An Item of another type (a bare token `abc`, an integer `1`, a
 //! boolean `?1`, ...) does not match the declared type, which RFC 9651 makes a malformed field:
 //! it is refused with 400, not taken as a key, so that `abc` and `"abc"` are never two spellings
-//! of one key. The key itself then follows the extension's rule (crates/idempotency-core/src/keys.rs): 1 to 255
+//! of one key. The key itself then follows the extension's rule (crates/idempotency-core/src/arguments.rs): 1 to 255
 //! characters.
 
 use axum::http::{HeaderMap, HeaderValue};
 
 pub const HEADER: &str = "idempotency-key";
-/// The extension's limit for keys and scopes (`MAX_KEY_CHARS` in crates/idempotency-core/src/keys.rs).
+/// The extension's limit for keys and scopes (`MAX_KEY_CHARS` in crates/idempotency-core/src/arguments.rs).
 pub const MAX_KEY_CHARS: usize = 255;
 pub const MAX_CLIENT_CHARS: usize = 64;
 

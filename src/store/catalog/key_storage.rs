@@ -1,8 +1,8 @@
 //! How the store keeps keys: plain, or hashed (`idempotency.set_key_storage`).
 
 use super::{cache, layout, layout_is, relation_oid, update_cache, PinnedSearchPath};
+use crate::derivation;
 use crate::error::raise;
-use crate::keys;
 use pgrx::pg_sys;
 use pgrx::prelude::*;
 use pgrx::PgSqlErrorCode;
@@ -90,7 +90,7 @@ pub fn stored_key(key: String) -> String {
     match key_storage() {
         KeyStorage::Plain => key,
         KeyStorage::Keyed(secret) => crate::signing::hashed_key(&key, &secret),
-        KeyStorage::Sha256 => keys::hex(&sha2::Sha256::digest(key.as_bytes())),
+        KeyStorage::Sha256 => derivation::hex(&sha2::Sha256::digest(key.as_bytes())),
     }
 }
 
