@@ -1,7 +1,6 @@
 //! How the store keeps keys: plain, or hashed (`idempotency.set_key_storage`).
 
 use super::{cache, layout, layout_is, relation_oid, update_cache, PinnedSearchPath};
-use crate::derivation;
 use crate::error::raise;
 use pgrx::pg_sys;
 use pgrx::prelude::*;
@@ -90,7 +89,7 @@ pub fn stored_key(key: String) -> String {
     match key_storage() {
         KeyStorage::Plain => key,
         KeyStorage::Keyed(secret) => crate::signing::hashed_key(&key, &secret),
-        KeyStorage::Sha256 => derivation::hex(&sha2::Sha256::digest(key.as_bytes())),
+        KeyStorage::Sha256 => format!("{:x}", sha2::Sha256::digest(key.as_bytes())),
     }
 }
 
