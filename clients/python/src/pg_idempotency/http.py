@@ -297,8 +297,8 @@ def decode_response(c: ClaimResult) -> Response:
 def finish(resp: Response, key_header: Optional[str], expires: Optional[dt.datetime] = None,
            replayed: bool = False, retry_after: Optional[int] = None) -> Response:
     h = [(k, v) for k, v in resp.headers if k.lower() not in ("idempotency-key", "idempotency-expires")]
-    if key_header is not None:
-        h.append(("idempotency-key", key_header))
+    if key_header is not None and all(0x20 <= ord(ch) <= 0x7E for ch in key_header):
+        h.append(("idempotency-key", key_header))           # echoed as sent (printable ASCII only)
     if expires is not None:
         h.append(("idempotency-expires", http_date(expires)))
     if replayed:
