@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import datetime as dt
 import json
+import logging
 import threading
 import time
 import weakref
@@ -44,6 +45,10 @@ SELECT l.status::text, l.token, l.response::text, l.response_status, l.recovery_
 NOT_CLAIMED, ALREADY_COMPLETED, STALE_TOKEN = "IK001", "IK002", "IK003"
 
 NEW, REPLAY, IN_PROGRESS, MISMATCH = "new", "replay", "in_progress", "mismatch"
+
+DERIVE_KEY_SQL = "SELECT idempotency.derive_key(%(parent)s, %(step)s, %(params)s::text::jsonb)"
+
+log = logging.getLogger("pg_idempotency")
 
 
 class IdempotencyError(Exception):
@@ -176,6 +181,10 @@ class _Calls:
         row = self.execute(LOOKUP_SQL, {"key": key, "scope": scope})
         return None if row is None else Record(*row)
 
+    def derive_key(self, parent: str, step: str, params: Any = None) -> str:
+        """idempotency.derive_key: the key of one downstream side effect of an operation."""
+        return self.execute(DERIVE_KEY_SQL, {"parent": parent, "step": step, "params": to_json(params)})[0]
+
 
 class Store(_Calls):
     """The SQL API on autocommit connections of its own: one per thread, opened on first use from
@@ -216,6 +225,7 @@ class Store(_Calls):
             except psycopg.Error as e:
                 if not _is_transient(e) or time.monotonic() + pause > deadline:
                     raise
+                log.warning("connection lost (%s); reconnecting", str(e).strip())
                 self.close()
                 time.sleep(pause)
                 pause = min(pause * 2, 1.0)
@@ -266,6 +276,7 @@ class AsyncStore(_Calls):
             except psycopg.Error as e:
                 if not _is_transient(e) or time.monotonic() + pause > deadline:
                     raise
+                log.warning("connection lost (%s); reconnecting", str(e).strip())
                 await self.close()
                 await asyncio.sleep(pause)
                 pause = min(pause * 2, 1.0)
@@ -309,3 +320,6 @@ class AsyncStore(_Calls):
     async def lookup(self, key, scope=""):
         row = await self.execute(LOOKUP_SQL, {"key": key, "scope": scope})
         return None if row is None else Record(*row)
+
+    async def derive_key(self, parent, step, params=None) -> str:
+        return (await self.execute(DERIVE_KEY_SQL, {"parent": parent, "step": step, "params": to_json(params)}))[0]
