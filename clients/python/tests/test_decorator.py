@@ -4,7 +4,6 @@ fencing, a database restart mid-function, the async variant."""
 import asyncio
 import datetime as dt
 import json
-import os
 import subprocess
 import sys
 import textwrap

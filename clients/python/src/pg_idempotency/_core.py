@@ -295,7 +295,8 @@ class AsyncStore(_Calls):
 
     # The same calls, awaited.
     async def claim(self, key, request=None, scope="", ttl=None, lease=None) -> ClaimResult:
-        return ClaimResult.from_row(key, scope, await self.execute(CLAIM_SQL, claim_params(key, request, scope, ttl, lease)))
+        row = await self.execute(CLAIM_SQL, claim_params(key, request, scope, ttl, lease))
+        return ClaimResult.from_row(key, scope, row)
 
     async def complete(self, key, response, status=200, scope="", token=None, ttl=None, response_is_json=False):
         params = {"key": key, "response": response if response_is_json else to_json(response),

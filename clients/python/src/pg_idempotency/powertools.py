@@ -34,7 +34,6 @@ How the contract maps onto the SQL API:
 from __future__ import annotations
 
 import datetime as dt
-import json
 import threading
 import time
 from typing import Optional
