@@ -186,3 +186,24 @@ def test_database_restart_between_requests_and_mid_request(cluster, conninfo, ca
         assert results[0].status_code == 201
         assert post(client, '"k-11"', {"item": "B"}).headers["idempotent-replayed"] == "true"
     assert len(calls) == 2
+
+
+def test_fastapi(conninfo):
+    fastapi = pytest.importorskip("fastapi")
+    calls = []
+    app = fastapi.FastAPI()
+
+    @app.post("/payments", status_code=201)
+    async def pay(payment: dict):
+        calls.append(payment)
+        return {"payment_id": len(calls), **payment}
+
+    app.add_middleware(IdempotencyMiddleware, conninfo=conninfo, client=header_client("x-client-id"))
+    with TestClient(app) as client:
+        h = {"idempotency-key": '"pay-1"', "x-client-id": "c9"}
+        r1 = client.post("/payments", json={"amount": 5}, headers=h)
+        r2 = client.post("/payments", json={"amount": 5}, headers=h)
+        r3 = client.post("/payments", json={"amount": 6}, headers=h)
+        r4 = client.post("/payments", json={"amount": 5}, headers={"x-client-id": "c9"})
+    assert (r1.status_code, r2.status_code, r3.status_code, r4.status_code) == (201, 201, 422, 400)
+    assert r2.content == r1.content and r2.headers["idempotent-replayed"] == "true" and len(calls) == 1

@@ -105,18 +105,18 @@ def test_in_progress_then_taken_over_after_the_lambda_timeout(conninfo, db):
         return {"ok": len(calls)}
 
     with pytest.raises(Killed):
-        handler({"id": "e-1", "crash": True}, Context(remaining_ms=1500))      # the lease: 1.5 s
+        handler({"id": "e-1", "crash": True}, Context(remaining_ms=2500))      # the lease: 2.5 s
     assert keys(db)[0][1] == "in_progress"
     with pytest.raises(IdempotencyAlreadyInProgressError):
         handler({"id": "e-1", "crash": True}, Context())
-    time.sleep(1.6)
+    time.sleep(2.6)
     assert handler({"id": "e-1", "crash": True}, Context()) == {"ok": 2}        # taken over
     assert handler({"id": "e-1", "crash": True}, Context()) == {"ok": 2}
     assert len(calls) == 2
 
 
 def test_a_stuck_record_without_a_context_is_taken_over_after_the_layer_lease(conninfo):
-    layer = PostgresPersistenceLayer(conninfo, lease=dt.timedelta(seconds=1))
+    layer = PostgresPersistenceLayer(conninfo, lease=dt.timedelta(seconds=2))
     calls = []
 
     @idempotent_function(data_keyword_argument="msg", persistence_store=layer, config=IdempotencyConfig())
@@ -130,7 +130,7 @@ def test_a_stuck_record_without_a_context_is_taken_over_after_the_layer_lease(co
         consume(msg={"id": 3})
     with pytest.raises(IdempotencyAlreadyInProgressError):
         consume(msg={"id": 3})
-    time.sleep(1.1)
+    time.sleep(2.1)
     assert consume(msg={"id": 3}) == "consumed" and len(calls) == 2
 
 
