@@ -16,6 +16,13 @@ from starlette.testclient import TestClient
 from pg_idempotency.asgi import IdempotencyMiddleware, header_client
 
 
+def wait_for(condition, timeout=20):
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.01)
+
+
 def make_app(conninfo, calls, **kw):
     async def orders(request):
         body = await request.json()
@@ -113,8 +120,7 @@ def test_in_progress_is_409_with_retry_after(conninfo, calls):
     with TestClient(make_app(conninfo, calls)) as client:
         t = threading.Thread(target=post, args=(client, '"k-5"', {"item": "A"}), kwargs={"x-delay": "1"})
         t.start()
-        while not calls:
-            time.sleep(0.01)
+        wait_for(lambda: calls)
         r = post(client, '"k-5"', {"item": "A"})
         assert r.status_code == 409 and 25 <= int(r.headers["retry-after"]) <= 30
         assert r.json()["title"] == "A request is outstanding for this Idempotency-Key"
@@ -178,8 +184,7 @@ def test_database_restart_between_requests_and_mid_request(cluster, conninfo, ca
         t = threading.Thread(target=lambda: results.append(post(client, '"k-11"', {"item": "B"}, **{"x-delay": "1"})))
         results = []
         t.start()
-        while len(calls) < 2:
-            time.sleep(0.01)
+        wait_for(lambda: len(calls) >= 2)
         cluster.stop("fast")                                 # mid-request, after its claim
         cluster.restart()
         t.join()

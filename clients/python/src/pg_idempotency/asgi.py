@@ -88,7 +88,7 @@ class IdempotencyMiddleware:
                 return
             body.append(message.get("body", b""))
             more = message.get("more_body", False)
-        req = Request(scope["method"].upper(), scope.get("root_path", "") + scope["path"],
+        req = Request(scope["method"].upper(), scope["path"],
                       scope.get("query_string", b"").decode("latin-1"), headers, b"".join(body),
                       self.client(scope) or "")
         params = claim_params(req, key, self.policy)
