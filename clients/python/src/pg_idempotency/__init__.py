@@ -1,0 +1,24 @@
+"""pg_idempotency: the PostgreSQL `idempotency` extension from Python.
+
+- `@idempotent(key=..., scope=..., ttl=..., lease=...)`: a function with an external side effect
+  runs once per key; retries get its stored result (leased style).
+- `idempotency_transaction(conn, key, ...)`: claim and complete inside the caller's transaction
+  (one-transaction style).
+- `Store` / `AsyncStore`: the SQL API calls (claim, complete, release, checkpoint, forget, lookup).
+- `pg_idempotency.asgi.IdempotencyMiddleware`, `pg_idempotency.django.IdempotencyMiddleware`:
+  the Idempotency-Key header for Starlette/FastAPI and Django.
+- `pg_idempotency.powertools.PostgresPersistenceLayer`: a store for AWS Lambda Powertools.
+"""
+
+from ._core import (AsyncStore, ClaimResult, Fenced, IdempotencyError, InProgress, Mismatch, Record, Store)
+from .decorator import Attempt, current_attempt, idempotent
+from .transaction import TransactionClaim, aidempotency_transaction, idempotency_transaction
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "idempotent", "current_attempt", "Attempt",
+    "idempotency_transaction", "aidempotency_transaction", "TransactionClaim",
+    "Store", "AsyncStore", "ClaimResult", "Record",
+    "IdempotencyError", "InProgress", "Mismatch", "Fenced",
+]

@@ -1,0 +1,326 @@
+"""The SQL API calls, their results and errors, and the two connection holders (sync and async).
+
+Every statement here is one call of an `idempotency.*` function: the hashing, expiry, lease and
+fencing rules are the extension's. JSON goes to the server as text (`::text::jsonb`) and comes
+back as text, so numbers keep their exact spelling and the same statements run through psycopg
+and through a Django cursor."""
+
+from __future__ import annotations
+
+import asyncio
+import datetime as dt
+import json
+import logging
+import threading
+import time
+import weakref
+from dataclasses import dataclass
+from typing import Any, Callable, Optional
+
+import psycopg
+
+CLAIM_SQL = """
+SELECT c.outcome::text, c.token, c.response::text, c.response_status,
+       extract(epoch FROM c.retry_after)::float8, c.expires_at, c.recovery_point
+  FROM idempotency.claim(%(key)s, request => %(request)s::text::jsonb, scope => %(scope)s,
+                         ttl => %(ttl)s::interval, lease => %(lease)s::interval) c"""
+
+COMPLETE_SQL = """
+SELECT idempotency.complete(%(key)s, %(response)s::text::jsonb, %(status)s::int, scope => %(scope)s,
+                            token => %(token)s::bigint, ttl => %(ttl)s::interval)"""
+
+RELEASE_SQL = "SELECT idempotency.release(%(key)s, scope => %(scope)s, token => %(token)s::bigint)"
+
+CHECKPOINT_SQL = """
+SELECT idempotency.checkpoint(%(key)s, %(point)s, scope => %(scope)s, token => %(token)s::bigint)"""
+
+FORGET_SQL = "SELECT idempotency.forget(%(key)s, scope => %(scope)s)"
+
+LOOKUP_SQL = """
+SELECT l.status::text, l.token, l.response::text, l.response_status, l.recovery_point,
+       l.locked_until, l.expires_at
+  FROM idempotency.lookup(%(key)s, scope => %(scope)s) l WHERE l.key IS NOT NULL"""
+
+# Errors of complete/checkpoint (docs/errors.md of the extension).
+NOT_CLAIMED, ALREADY_COMPLETED, STALE_TOKEN = "IK001", "IK002", "IK003"
+
+NEW, REPLAY, IN_PROGRESS, MISMATCH = "new", "replay", "in_progress", "mismatch"
+
+DERIVE_KEY_SQL = "SELECT idempotency.derive_key(%(parent)s, %(step)s, %(params)s::text::jsonb)"
+
+log = logging.getLogger("pg_idempotency")
+
+
+class IdempotencyError(Exception):
+    """Base class of the errors this package raises."""
+
+
+class InProgress(IdempotencyError):
+    """Another attempt holds the key (its lease runs, or its transaction is open). `retry_after`
+    (a timedelta) is the time the extension says to wait before trying again."""
+
+    def __init__(self, key: str, scope: str, retry_after: dt.timedelta):
+        super().__init__(f"key {key!r} (scope {scope!r}) is in progress; retry after "
+                         f"{retry_after.total_seconds():g} s")
+        self.key, self.scope, self.retry_after = key, scope, retry_after
+
+
+class Mismatch(IdempotencyError):
+    """The key was used for a different request (its request hash differs)."""
+
+    def __init__(self, key: str, scope: str):
+        super().__init__(f"key {key!r} (scope {scope!r}) was used for a different request")
+        self.key, self.scope = key, scope
+
+
+class Fenced(IdempotencyError):
+    """complete/checkpoint refused: the key is completed already (IK002), or another attempt took
+    it over after this one's lease ran out (IK003), or the claim is gone (IK001)."""
+
+    def __init__(self, sqlstate: str, message: str):
+        super().__init__(message)
+        self.sqlstate = sqlstate
+
+
+@dataclass(frozen=True)
+class ClaimResult:
+    """One row of `idempotency.claim`. `response` is the stored JSON decoded (replay only),
+    `response_text` its exact text; `retry_after` a timedelta (in_progress only)."""
+
+    key: str
+    scope: str
+    outcome: str
+    token: Optional[int]
+    response_text: Optional[str]
+    response_status: Optional[int]
+    retry_after: Optional[dt.timedelta]
+    expires_at: Optional[dt.datetime]
+    recovery_point: Optional[str]
+
+    @property
+    def response(self) -> Any:
+        return None if self.response_text is None else json.loads(self.response_text)
+
+    @classmethod
+    def from_row(cls, key: str, scope: str, row) -> "ClaimResult":
+        outcome, token, text, status, retry, expires, point = row
+        return cls(key, scope, outcome, token, text, status,
+                   None if retry is None else dt.timedelta(seconds=retry), expires, point)
+
+
+@dataclass(frozen=True)
+class Record:
+    """The live row of a key (`idempotency.lookup`)."""
+
+    status: str
+    token: int
+    response_text: Optional[str]
+    response_status: Optional[int]
+    recovery_point: Optional[str]
+    locked_until: Optional[dt.datetime]
+    expires_at: dt.datetime
+
+    @property
+    def response(self) -> Any:
+        return None if self.response_text is None else json.loads(self.response_text)
+
+
+def to_json(value: Any) -> Optional[str]:
+    """JSON text for a jsonb argument; None stays NULL."""
+    return None if value is None else json.dumps(value, separators=(",", ":"))
+
+
+def claim_params(key, request, scope, ttl, lease, request_is_json=False):
+    return {"key": key, "request": request if request_is_json else to_json(request), "scope": scope,
+            "ttl": ttl, "lease": lease}
+
+
+def fenced_or_raise(e: Exception):
+    state = getattr(e, "sqlstate", None) or getattr(getattr(e, "__cause__", None), "sqlstate", None)
+    if state in (NOT_CLAIMED, ALREADY_COMPLETED, STALE_TOKEN):
+        diag = getattr(e, "diag", None) or getattr(e.__cause__, "diag", None)
+        raise Fenced(state, getattr(diag, "message_primary", None) or str(e)) from e
+    raise e
+
+
+def _is_transient(e: Exception) -> bool:
+    """A lost connection or a server going down: the statement may be repeated on a new one."""
+    return isinstance(e, (psycopg.OperationalError, psycopg.InterfaceError)) and not isinstance(
+        e, psycopg.errors.QueryCanceled)
+
+
+class _Calls:
+    """The SQL API over `self.execute(sql, params) -> first row`."""
+
+    def claim(self, key: str, request: Any = None, scope: str = "", ttl: Optional[dt.timedelta] = None,
+              lease: Optional[dt.timedelta] = None) -> ClaimResult:
+        return ClaimResult.from_row(key, scope, self.execute(CLAIM_SQL, claim_params(key, request, scope, ttl, lease)))
+
+    def complete(self, key: str, response: Any, status: int = 200, scope: str = "", token: Optional[int] = None,
+                 ttl: Optional[dt.timedelta] = None, response_is_json: bool = False) -> dt.datetime:
+        params = {"key": key, "response": response if response_is_json else to_json(response),
+                  "status": status, "scope": scope, "token": token, "ttl": ttl}
+        try:
+            return self.execute(COMPLETE_SQL, params)[0]
+        except Exception as e:
+            fenced_or_raise(e)
+
+    def release(self, key: str, scope: str = "", token: Optional[int] = None) -> bool:
+        return self.execute(RELEASE_SQL, {"key": key, "scope": scope, "token": token})[0]
+
+    def checkpoint(self, key: str, point: str, scope: str = "", token: Optional[int] = None) -> None:
+        try:
+            self.execute(CHECKPOINT_SQL, {"key": key, "point": point, "scope": scope, "token": token})
+        except Exception as e:
+            fenced_or_raise(e)
+
+    def forget(self, key: str, scope: str = "") -> bool:
+        return self.execute(FORGET_SQL, {"key": key, "scope": scope})[0]
+
+    def lookup(self, key: str, scope: str = "") -> Optional[Record]:
+        row = self.execute(LOOKUP_SQL, {"key": key, "scope": scope})
+        return None if row is None else Record(*row)
+
+    def derive_key(self, parent: str, step: str, params: Any = None) -> str:
+        """idempotency.derive_key: the key of one downstream side effect of an operation."""
+        return self.execute(DERIVE_KEY_SQL, {"parent": parent, "step": step, "params": to_json(params)})[0]
+
+
+class Store(_Calls):
+    """The SQL API on autocommit connections of its own: one per thread, opened on first use from
+    `conninfo` (None or "": the libpq environment variables PGHOST, PGDATABASE, ...).
+
+    A statement that fails because the connection was lost (a server restart, a terminated
+    backend) is repeated on a new connection for up to `reconnect_timeout`: every call is safe to
+    repeat. A repeated claim whose first try had committed finds its own claim in progress (it is
+    taken over after the lease); a repeated complete whose first try had committed raises Fenced
+    (IK002), and the decorator then claims again and gets the replay."""
+
+    def __init__(self, conninfo: Optional[str] = None, *, reconnect_timeout: dt.timedelta = dt.timedelta(seconds=30),
+                 application_name: str = "pg_idempotency", connect: Optional[Callable[[], psycopg.Connection]] = None):
+        self.conninfo = conninfo or ""
+        self.reconnect_timeout = reconnect_timeout.total_seconds()
+        self.application_name = application_name
+        self._connect = connect
+        self._local = threading.local()
+
+    def connection(self) -> psycopg.Connection:
+        conn = getattr(self._local, "conn", None)
+        if conn is None or conn.closed or conn.broken:
+            if self._connect is not None:
+                conn = self._connect()
+            else:
+                conn = psycopg.connect(self.conninfo, autocommit=True, application_name=self.application_name)
+            self._local.conn = conn
+        return conn
+
+    def execute(self, sql: str, params: dict):
+        deadline = time.monotonic() + self.reconnect_timeout
+        pause = 0.05
+        while True:
+            try:
+                return self.connection().execute(sql, params).fetchone()
+            except psycopg.errors.SerializationFailure:
+                time.sleep(0.01)
+            except psycopg.Error as e:
+                if not _is_transient(e) or time.monotonic() + pause > deadline:
+                    raise
+                log.warning("connection lost (%s); reconnecting", str(e).strip())
+                self.close()
+                time.sleep(pause)
+                pause = min(pause * 2, 1.0)
+
+    def close(self) -> None:
+        conn = getattr(self._local, "conn", None)
+        self._local.conn = None
+        if conn is not None:
+            try:
+                conn.close()
+            except Exception:
+                pass
+
+
+class AsyncStore(_Calls):
+    """Store for asyncio: one AsyncConnection per event loop, shared by its tasks (psycopg
+    serialises their statements; each is short). Same reconnect rule as Store."""
+
+    def __init__(self, conninfo: Optional[str] = None, *, reconnect_timeout: dt.timedelta = dt.timedelta(seconds=30),
+                 application_name: str = "pg_idempotency"):
+        self.conninfo = conninfo or ""
+        self.reconnect_timeout = reconnect_timeout.total_seconds()
+        self.application_name = application_name
+        self._conns: "weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, Any]" = weakref.WeakKeyDictionary()
+        self._locks: "weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, asyncio.Lock]" = weakref.WeakKeyDictionary()
+
+    async def connection(self) -> psycopg.AsyncConnection:
+        loop = asyncio.get_running_loop()
+        lock = self._locks.setdefault(loop, asyncio.Lock())
+        async with lock:
+            conn = self._conns.get(loop)
+            if conn is None or conn.closed or conn.broken:
+                conn = await psycopg.AsyncConnection.connect(self.conninfo, autocommit=True,
+                                                             application_name=self.application_name)
+                self._conns[loop] = conn
+            return conn
+
+    async def execute(self, sql: str, params: dict):
+        deadline = time.monotonic() + self.reconnect_timeout
+        pause = 0.05
+        while True:
+            try:
+                conn = await self.connection()
+                cur = await conn.execute(sql, params)
+                return await cur.fetchone()
+            except psycopg.errors.SerializationFailure:
+                await asyncio.sleep(0.01)
+            except psycopg.Error as e:
+                if not _is_transient(e) or time.monotonic() + pause > deadline:
+                    raise
+                log.warning("connection lost (%s); reconnecting", str(e).strip())
+                await self.close()
+                await asyncio.sleep(pause)
+                pause = min(pause * 2, 1.0)
+
+    async def close(self) -> None:
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:
+            return
+        conn = self._conns.pop(loop, None)
+        if conn is not None:
+            try:
+                await conn.close()
+            except Exception:
+                pass
+
+    # The same calls, awaited.
+    async def claim(self, key, request=None, scope="", ttl=None, lease=None) -> ClaimResult:
+        row = await self.execute(CLAIM_SQL, claim_params(key, request, scope, ttl, lease))
+        return ClaimResult.from_row(key, scope, row)
+
+    async def complete(self, key, response, status=200, scope="", token=None, ttl=None, response_is_json=False):
+        params = {"key": key, "response": response if response_is_json else to_json(response),
+                  "status": status, "scope": scope, "token": token, "ttl": ttl}
+        try:
+            return (await self.execute(COMPLETE_SQL, params))[0]
+        except Exception as e:
+            fenced_or_raise(e)
+
+    async def release(self, key, scope="", token=None) -> bool:
+        return (await self.execute(RELEASE_SQL, {"key": key, "scope": scope, "token": token}))[0]
+
+    async def checkpoint(self, key, point, scope="", token=None) -> None:
+        try:
+            await self.execute(CHECKPOINT_SQL, {"key": key, "point": point, "scope": scope, "token": token})
+        except Exception as e:
+            fenced_or_raise(e)
+
+    async def forget(self, key, scope="") -> bool:
+        return (await self.execute(FORGET_SQL, {"key": key, "scope": scope}))[0]
+
+    async def lookup(self, key, scope=""):
+        row = await self.execute(LOOKUP_SQL, {"key": key, "scope": scope})
+        return None if row is None else Record(*row)
+
+    async def derive_key(self, parent, step, params=None) -> str:
+        return (await self.execute(DERIVE_KEY_SQL, {"parent": parent, "step": step, "params": to_json(params)}))[0]

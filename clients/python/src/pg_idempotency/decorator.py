@@ -1,0 +1,201 @@
+"""`@idempotent`: the leased style around a function with an external side effect.
+
+claim (committed at once) -> run the function -> complete with its result (or release when it
+raises). A retry with the same key gets the stored result back without running the function."""
+
+from __future__ import annotations
+
+import asyncio
+import contextvars
+import datetime as dt
+import functools
+import inspect
+import json
+import time
+from typing import Any, Callable, Optional, Union
+
+from ._core import (IN_PROGRESS, MISMATCH, NEW, REPLAY, AsyncStore, ClaimResult, Fenced, InProgress, Mismatch,
+                    Store)
+
+_ARGUMENTS = object()
+_current: contextvars.ContextVar = contextvars.ContextVar("pg_idempotency_attempt", default=None)
+
+
+class Attempt:
+    """The running attempt of an @idempotent function, from `current_attempt()` inside it.
+
+    `recovery_point` is what an earlier attempt recorded with `checkpoint()` before it died (set
+    on a takeover after its lease ran out); `token` the fencing token of this attempt."""
+
+    def __init__(self, store, claim: ClaimResult):
+        self._store, self.key, self.scope = store, claim.key, claim.scope
+        self.token, self.recovery_point = claim.token, claim.recovery_point
+
+    def checkpoint(self, point: str) -> None:
+        """Records progress (idempotency.checkpoint with this attempt's token). Raises Fenced if
+        another attempt took the key over. From a coroutine use `await acheckpoint(point)`."""
+        self._store.checkpoint(self.key, point, self.scope, self.token)
+        self.recovery_point = point
+
+    async def acheckpoint(self, point: str) -> None:
+        await self._store.checkpoint(self.key, point, self.scope, self.token)
+        self.recovery_point = point
+
+
+def current_attempt() -> Optional[Attempt]:
+    """The Attempt of the @idempotent function running in this context, or None."""
+    return _current.get()
+
+
+def idempotent(key: Union[str, Callable[..., str]], *, scope: str = "", ttl: Optional[dt.timedelta] = None,
+               lease: Optional[dt.timedelta] = None, conninfo: Optional[str] = None, store=None,
+               request: Any = _ARGUMENTS, wait: dt.timedelta = dt.timedelta(seconds=30),
+               release_on_error: bool = True):
+    """Makes a function run at most once per key (within the key's TTL), however often it is called.
+
+    key      a string (`"receipt:{order_id}"` is formatted with the call's arguments by name) or a
+             callable taking the function's arguments and returning the key (1-255 characters).
+    scope    the key's namespace (`idempotency.claim`'s scope).
+    ttl      how long the result is kept and replayed (None: the server's idempotency.default_ttl).
+    lease    how long an attempt owns the key; after it another call takes over (None: the
+             server's default_lease, at most the ttl). Make it longer than the function runs.
+    conninfo libpq connection string; None: the PG* environment variables. Or pass `store`
+             (a Store, or an AsyncStore for a coroutine function) to share connections.
+    request  what the key must always come with: by default the call's arguments (bound to the
+             signature, defaults applied), which must then be JSON-serialisable; a callable of
+             the arguments; or None for no check. A different request with the same key raises
+             Mismatch.
+    wait     how long a call waits for another attempt that holds the key (polling) before it
+             raises InProgress with the server's retry_after.
+    release_on_error  on an exception from the function, release the key so the next call runs
+             it again (default). False keeps the claim until its lease ends, so a retry takes it
+             over and sees the recovery point of `current_attempt().checkpoint()`.
+
+    The result must be JSON-serialisable: it is stored as jsonb with status 200. The first call
+    returns the function's own return value, a replay the stored JSON decoded (tuples come back
+    as lists, dict keys as strings)."""
+
+    def decorate(fn):
+        sig = inspect.signature(fn)
+
+        def key_of(args, kwargs):
+            if callable(key):
+                return key(*args, **kwargs)
+            if "{" in key:
+                bound = sig.bind(*args, **kwargs)
+                bound.apply_defaults()
+                return key.format(**bound.arguments)
+            return key
+
+        def request_of(args, kwargs):
+            if request is None:
+                return None
+            if request is _ARGUMENTS:
+                bound = sig.bind(*args, **kwargs)
+                bound.apply_defaults()
+                doc = dict(bound.arguments)
+            else:
+                doc = request(*args, **kwargs)
+            try:
+                json.dumps(doc)
+            except (TypeError, ValueError) as e:
+                raise TypeError(f"@idempotent({fn.__qualname__}): the request is not JSON-serialisable ({e}); "
+                                "pass request=<callable of the arguments> or request=None") from e
+            return doc
+
+        def result_json(result):
+            try:
+                return json.dumps(result, separators=(",", ":"))
+            except (TypeError, ValueError) as e:
+                raise TypeError(f"@idempotent({fn.__qualname__}): the result is not JSON-serialisable ({e}); the "
+                                "claim stays in progress until its lease ends") from e
+
+        if inspect.iscoroutinefunction(fn):
+            astore = store
+
+            @functools.wraps(fn)
+            async def awrapper(*args, **kwargs):
+                nonlocal astore
+                if astore is None:
+                    astore = AsyncStore(conninfo)
+                k, req = key_of(args, kwargs), request_of(args, kwargs)
+                deadline = time.monotonic() + wait.total_seconds()
+                pause = 0.05
+                while True:
+                    c = await astore.claim(k, req, scope, ttl, lease)
+                    if c.outcome == REPLAY:
+                        return c.response
+                    if c.outcome == MISMATCH:
+                        raise Mismatch(k, scope)
+                    if c.outcome == IN_PROGRESS:
+                        left = deadline - time.monotonic()
+                        if left <= 0:
+                            raise InProgress(k, scope, c.retry_after)
+                        await asyncio.sleep(min(pause, left, c.retry_after.total_seconds()))
+                        pause = min(pause * 2, 1.0)
+                        continue
+                    attempt = Attempt(astore, c)
+                    tok = _current.set(attempt)
+                    try:
+                        result = await fn(*args, **kwargs)
+                    except Exception:
+                        if release_on_error:
+                            await astore.release(k, scope, c.token)
+                        raise
+                    finally:
+                        _current.reset(tok)
+                    text = result_json(result)
+                    try:
+                        await astore.complete(k, text, 200, scope, c.token, ttl, response_is_json=True)
+                        return result
+                    except Fenced:
+                        deadline = time.monotonic() + wait.total_seconds()  # claim again: the final answer
+
+            return awrapper
+
+        sstore = store
+
+        @functools.wraps(fn)
+        def wrapper(*args, **kwargs):
+            nonlocal sstore
+            if sstore is None:
+                sstore = Store(conninfo)
+            k, req = key_of(args, kwargs), request_of(args, kwargs)
+            deadline = time.monotonic() + wait.total_seconds()
+            pause = 0.05
+            while True:
+                c = sstore.claim(k, req, scope, ttl, lease)
+                if c.outcome == REPLAY:
+                    return c.response
+                if c.outcome == MISMATCH:
+                    raise Mismatch(k, scope)
+                if c.outcome == IN_PROGRESS:
+                    left = deadline - time.monotonic()
+                    if left <= 0:
+                        raise InProgress(k, scope, c.retry_after)
+                    time.sleep(min(pause, left, c.retry_after.total_seconds()))
+                    pause = min(pause * 2, 1.0)
+                    continue
+                assert c.outcome == NEW
+                attempt = Attempt(sstore, c)
+                tok = _current.set(attempt)
+                try:
+                    result = fn(*args, **kwargs)
+                except Exception:
+                    if release_on_error:
+                        sstore.release(k, scope, c.token)
+                    raise
+                finally:
+                    _current.reset(tok)
+                text = result_json(result)
+                try:
+                    sstore.complete(k, text, 200, scope, c.token, ttl, response_is_json=True)
+                    return result
+                except Fenced:
+                    # Completed meanwhile (our own complete whose answer was lost to a reconnect,
+                    # or a takeover after our lease ran out): claim again for the stored answer.
+                    deadline = time.monotonic() + wait.total_seconds()
+
+        return wrapper
+
+    return decorate

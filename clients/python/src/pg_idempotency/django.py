@@ -1,0 +1,165 @@
+"""Django middleware for the Idempotency-Key header (same rules as the ASGI one).
+
+    MIDDLEWARE = [..., "pg_idempotency.django.IdempotencyMiddleware"]
+    IDEMPOTENCY = {"CLIENT": "myapp.auth.client_id", "TTL": timedelta(hours=24)}
+
+Settings (`settings.IDEMPOTENCY`, all optional): DATABASE (the alias whose database has the
+extension, default "default"; its connection is used in Django's autocommit mode) or CONNINFO
+(a libpq string: a connection of the middleware's own instead), CLIENT (callable or dotted path
+taking the request; default: the authenticated user's pk, else ""), TTL, LEASE, WAIT
+(timedeltas), METHODS (("POST", "PATCH")), REQUIRED (True), STORE_SERVER_ERRORS (False),
+PROBLEM_BASE. With ATOMIC_REQUESTS the view's transaction is not the claim's: the claim commits
+before the view runs and the response is stored after the view's transaction committed.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import time
+
+from django.conf import settings
+from django.db import connections
+from django.db.utils import InterfaceError, OperationalError
+from django.http import HttpResponse
+from django.utils.module_loading import import_string
+
+from ._core import IN_PROGRESS, MISMATCH, NEW, ClaimResult, Fenced, Store, _Calls
+from .http import (CLAIM_HTTP_SQL, EXPIRES_SQL, KeyError400, Policy, Request, Response, claim_error, claim_params,
+                   encode_response, finish, outcome_response, parse_key, problem, should_store)
+
+
+def default_client(request) -> str:
+    user = getattr(request, "user", None)
+    if user is not None and getattr(user, "is_authenticated", False):
+        return str(user.pk)
+    return ""
+
+
+class _DjangoStore(_Calls):
+    """The SQL API over a Django database connection (psycopg 2 or 3 backend). A statement that
+    fails on a lost connection is repeated on a new one, outside atomic blocks."""
+
+    def __init__(self, alias: str, reconnect_timeout: float = 30.0):
+        self.alias, self.reconnect_timeout = alias, reconnect_timeout
+
+    def execute(self, sql, params):
+        deadline = time.monotonic() + self.reconnect_timeout
+        pause = 0.05
+        while True:
+            conn = connections[self.alias]
+            try:
+                with conn.cursor() as cur:
+                    cur.execute(sql, params)
+                    return cur.fetchone()
+            except (OperationalError, InterfaceError):
+                if conn.in_atomic_block or time.monotonic() + pause > deadline:
+                    raise
+                conn.close()
+                time.sleep(pause)
+                pause = min(pause * 2, 1.0)
+
+
+def _to_django(resp: Response) -> HttpResponse:
+    r = HttpResponse(resp.body, status=resp.status)
+    if "Content-Type" in r:
+        del r["Content-Type"]
+    for k, v in resp.headers:
+        r[k] = v
+    return r
+
+
+class IdempotencyMiddleware:
+    def __init__(self, get_response):
+        self.get_response = get_response
+        conf = getattr(settings, "IDEMPOTENCY", {})
+        if conf.get("CONNINFO") is not None:
+            self.store = Store(conf["CONNINFO"], application_name="pg_idempotency_django")
+        else:
+            self.store = _DjangoStore(conf.get("DATABASE", "default"))
+        client = conf.get("CLIENT", default_client)
+        self.client = import_string(client) if isinstance(client, str) else client
+        self.policy = Policy(ttl=conf.get("TTL"), lease=conf.get("LEASE"), wait=conf.get("WAIT", dt.timedelta(0)),
+                             methods=frozenset(m.upper() for m in conf.get("METHODS", ("POST", "PATCH"))),
+                             required=conf.get("REQUIRED", True),
+                             store_server_errors=conf.get("STORE_SERVER_ERRORS", False))
+        if conf.get("PROBLEM_BASE"):
+            self.policy.problem_base = conf["PROBLEM_BASE"]
+
+    def __call__(self, request):
+        method = request.method.upper()
+        if method not in self.policy.methods:
+            return self.get_response(request)
+        raw = request.headers.get("Idempotency-Key")
+        if raw is None and not self.policy.required:
+            return self.get_response(request)
+        values = [] if raw is None else [raw]
+        try:
+            key = parse_key(values)
+        except KeyError400 as e:
+            title = "Idempotency-Key is missing" if raw is None else "Idempotency-Key is malformed"
+            return _to_django(finish(problem(self.policy, 400, "bad-key", title, str(e)), raw))
+        headers = [(k.lower(), v) for k, v in request.headers.items()]
+        req = Request(method, request.path, request.META.get("QUERY_STRING", ""), headers, request.body,
+                      self.client(request) or "")
+        params = claim_params(req, key, self.policy)
+        if isinstance(params, Response):
+            return _to_django(finish(params, raw))
+        c = self._claim(key, params)
+        if isinstance(c, Response):
+            return _to_django(finish(c, raw))
+        if c.outcome != NEW:
+            return _to_django(self._answer(c, raw))
+        try:
+            response = self.get_response(request)
+        except Exception:
+            self.store.release(key, c.scope, c.token)
+            raise
+        body = b"".join(response.streaming_content) if response.streaming else response.content
+        resp = Response(response.status_code, [(k.lower(), v) for k, v in response.items()], body)
+        if not should_store(self.policy, resp):
+            self.store.release(key, c.scope, c.token)
+            return self._with_headers(response, body, finish(resp, raw))
+        text, status = encode_response(resp)
+        try:
+            expires = self.store.complete(key, text, status, c.scope, c.token, self.policy.ttl, response_is_json=True)
+        except Fenced:
+            c2 = self._claim(key, params)
+            if isinstance(c2, ClaimResult) and c2.outcome != NEW:
+                return _to_django(self._answer(c2, raw))
+            expires = None
+        return self._with_headers(response, body, finish(resp, raw, expires))
+
+    @staticmethod
+    def _with_headers(response, body, resp: Response):
+        """The view's own response object (cookies kept) with the idempotency headers added."""
+        if response.streaming:
+            response.streaming_content = [body]
+        for k, v in resp.headers:
+            if k in ("idempotency-key", "idempotency-expires", "idempotent-replayed", "retry-after"):
+                response[k] = v
+        return response
+
+    def _claim(self, key, params):
+        deadline = time.monotonic() + self.policy.wait.total_seconds()
+        pause = 0.05
+        while True:
+            try:
+                row = self.store.execute(CLAIM_HTTP_SQL, params)
+            except Exception as e:
+                r = claim_error(self.policy, e)
+                if r is None:
+                    raise
+                return r
+            c = ClaimResult.from_row(key, params["scope"], row)
+            left = deadline - time.monotonic()
+            if c.outcome != IN_PROGRESS or left <= 0:
+                return c
+            time.sleep(min(pause, left))
+            pause = min(pause * 2, 0.5)
+
+    def _answer(self, c: ClaimResult, echo):
+        expires = None
+        if c.outcome == MISMATCH:
+            row = self.store.execute(EXPIRES_SQL, {"key": c.key, "scope": c.scope})
+            expires = row[0] if row else None
+        return outcome_response(self.policy, c, echo, expires)

@@ -1,0 +1,332 @@
+"""The HTTP behaviour shared by the ASGI and Django middlewares, after the IETF draft
+"The Idempotency-Key HTTP Header Field" (draft-ietf-httpapi-idempotency-key-header):
+
+- `Idempotency-Key` is a Structured Field String (RFC 9651): `"..."`, parameters allowed and
+  ignored; missing or malformed: 400 problem+json.
+- the scope is `<client>:<METHOD> <path>`, so two clients or two routes never share a key;
+- the request fingerprint is `idempotency.request_fingerprint(method, path, query, body)`,
+  computed by the server (a JSON body as jsonb, any other body by its SHA-256);
+- new: the handler runs and its response (status, headers, body) is stored; replay: the stored
+  response with `Idempotent-Replayed: true`; in_progress: 409 with Retry-After; mismatch: 422;
+- every answer about a claimed key carries `Idempotency-Expires` (the key's expires_at as an
+  HTTP date, rounded down) and echoes `Idempotency-Key`.
+"""
+
+from __future__ import annotations
+
+import base64
+import datetime as dt
+import email.utils
+import hashlib
+import json
+import math
+from dataclasses import dataclass, field
+from typing import List, Optional, Tuple
+from urllib.parse import parse_qsl
+
+from ._core import IN_PROGRESS, MISMATCH, NEW, REPLAY, ClaimResult
+
+HEADER = "idempotency-key"
+MAX_KEY = 255
+
+CLAIM_HTTP_SQL = """
+SELECT c.outcome::text, c.token, c.response::text, c.response_status,
+       extract(epoch FROM c.retry_after)::float8, c.expires_at, c.recovery_point
+  FROM idempotency.claim(
+           %(key)s,
+           request => to_jsonb(encode(idempotency.request_fingerprint(
+               %(method)s, %(path)s, %(query)s::text::jsonb,
+               CASE WHEN %(body_json)s::text IS NOT NULL THEN %(body_json)s::text::jsonb
+                    WHEN %(body_bytes)s::bytea IS NOT NULL
+                    THEN jsonb_build_object('sha256', encode(sha256(%(body_bytes)s::bytea), 'hex'))
+               END), 'hex')),
+           scope => %(scope)s, ttl => %(ttl)s::interval, lease => %(lease)s::interval) c"""
+
+EXPIRES_SQL = "SELECT l.expires_at FROM idempotency.lookup(%(key)s, scope => %(scope)s) l WHERE l.key IS NOT NULL"
+
+# Headers of a response that are not stored for a replay (hop-by-hop, per-response, ours).
+NOT_STORED = {"content-length", "date", "server", "set-cookie", "transfer-encoding", "connection", "keep-alive",
+              "idempotency-expires", "idempotency-key", "idempotent-replayed", "retry-after"}
+
+
+class KeyError400(Exception):
+    """A missing or malformed Idempotency-Key; the message is the problem's detail."""
+
+
+# --- RFC 9651 -------------------------------------------------------------------------------
+
+_LCALPHA = set("abcdefghijklmnopqrstuvwxyz")
+_DIGITS = set("0123456789")
+_ALPHA = _LCALPHA | set("ABCDEFGHIJKLMNOPQRSTUVWXYZ")
+_TCHAR = _ALPHA | _DIGITS | set("!#$%&'*+-.^_`|~")
+_B64 = _ALPHA | _DIGITS | set("+/=")
+
+
+class _Parser:
+    def __init__(self, text: str):
+        self.s, self.i = text, 0
+
+    def peek(self):
+        return self.s[self.i] if self.i < len(self.s) else ""
+
+    def fail(self, what: str):
+        raise KeyError400(f"Idempotency-Key is malformed: {what} at position {self.i}")
+
+    def string(self) -> str:
+        self.i += 1  # the opening quote
+        out = []
+        while True:
+            c = self.peek()
+            if c == "":
+                raise KeyError400("Idempotency-Key is malformed: no closing quote")
+            self.i += 1
+            if c == "\\":
+                n = self.peek()
+                if n not in ('"', "\\"):
+                    self.i -= 1
+                    self.fail("a bad escape (only \\\" and \\\\)")
+                self.i += 1
+                out.append(n)
+            elif c == '"':
+                return "".join(out)
+            elif not (0x20 <= ord(c) <= 0x7E):
+                self.i -= 1
+                self.fail(f"a bad character {c!r}")
+            else:
+                out.append(c)
+
+    def bare_item_type(self) -> str:
+        """Skips one bare item (a parameter's value) and returns its type's name."""
+        c = self.peek()
+        if c == '"':
+            self.string()
+            return "a String"
+        if c in _DIGITS or c == "-":
+            self.i += 1
+            while self.peek() in _DIGITS or (self.peek() == "." and self.peek() != ""):
+                self.i += 1
+            return "a number"
+        if c == "?":
+            self.i += 1
+            if self.peek() not in ("0", "1") or self.peek() == "":
+                self.fail("a malformed Boolean")
+            self.i += 1
+            return "a Boolean"
+        if c == ":":
+            self.i += 1
+            while self.peek() in _B64 and self.peek() != "":
+                self.i += 1
+            if self.peek() != ":":
+                self.fail("a malformed Byte Sequence")
+            self.i += 1
+            return "a Byte Sequence"
+        if c == "@":
+            self.i += 1
+            if self.peek() not in _DIGITS and self.peek() != "-":
+                self.fail("a malformed Date")
+            self.bare_item_type()
+            return "a Date"
+        if c == "%":
+            self.i += 1
+            if self.peek() != '"':
+                self.fail("a malformed Display String")
+            self.string()
+            return "a Display String"
+        if c != "" and (c in _ALPHA or c == "*"):
+            self.i += 1
+            while self.peek() != "" and (self.peek() in _TCHAR or self.peek() in ":/"):
+                self.i += 1
+            return "a Token"
+        self.fail("an unexpected character" if c else "a missing value")
+
+    def parameters(self):
+        while self.peek() == ";":
+            self.i += 1
+            while self.peek() == " ":
+                self.i += 1
+            c = self.peek()
+            if c == "" or not (c in _LCALPHA or c == "*"):
+                self.fail("a malformed parameter")
+            while self.peek() != "" and (self.peek() in _LCALPHA or self.peek() in _DIGITS or self.peek() in "_-.*"):
+                self.i += 1
+            if self.peek() == "=":
+                self.i += 1
+                self.bare_item_type()
+
+
+def parse_key(values: List[str]) -> str:
+    """The key from the Idempotency-Key field lines; raises KeyError400 with the detail."""
+    if not values:
+        raise KeyError400("Idempotency-Key is missing: this request requires one")
+    if len(values) > 1:
+        raise KeyError400("Idempotency-Key is sent more than once")
+    p = _Parser(values[0].strip(" \t"))
+    if p.peek() == "":
+        raise KeyError400("Idempotency-Key is empty")
+    if p.peek() != '"':
+        kind = p.bare_item_type()
+        raise KeyError400(f"Idempotency-Key must be a String (\"...\"), not {kind}")
+    key = p.string()
+    p.parameters()
+    if p.i != len(p.s):
+        p.fail("text after the key")
+    if not key:
+        raise KeyError400("Idempotency-Key is empty")
+    if len(key) > MAX_KEY:
+        raise KeyError400(f"Idempotency-Key is too long: {len(key)} characters, at most {MAX_KEY}")
+    return key
+
+
+# --- requests and responses -------------------------------------------------------------------
+
+@dataclass
+class Request:
+    method: str
+    path: str
+    query_string: str
+    headers: List[Tuple[str, str]]  # names lower-case
+    body: bytes
+    client: str = ""
+
+    def header_values(self, name: str) -> List[str]:
+        return [v for k, v in self.headers if k == name]
+
+
+@dataclass
+class Response:
+    status: int
+    headers: List[Tuple[str, str]] = field(default_factory=list)
+    body: bytes = b""
+
+
+@dataclass
+class Policy:
+    """ttl/lease as for claim; wait: how long a duplicate polls for the first request before it
+    answers 409; methods: the methods handled (others pass through); required: whether a request
+    of those methods without the header is refused (400) or passes through untouched."""
+
+    ttl: Optional[dt.timedelta] = None
+    lease: Optional[dt.timedelta] = None
+    wait: dt.timedelta = dt.timedelta(0)
+    methods: frozenset = frozenset({"POST", "PATCH"})
+    required: bool = True
+    store_server_errors: bool = False
+    problem_base: str = "https://developer.example.com/idempotency/"
+
+
+def problem(policy: Policy, status: int, slug: str, title: str, detail: str) -> Response:
+    body = json.dumps({"type": policy.problem_base + slug, "title": title, "status": status, "detail": detail})
+    return Response(status, [("content-type", "application/problem+json")], body.encode())
+
+
+def http_date(t: dt.datetime) -> str:
+    return email.utils.format_datetime(t.astimezone(dt.timezone.utc).replace(microsecond=0), usegmt=True)
+
+
+def scope_of(req: Request) -> str:
+    s = f"{req.client}:{req.method} {req.path}"
+    if len(s) > 255:
+        s = "sha256:" + hashlib.sha256(s.encode()).hexdigest()
+    return s
+
+
+def _is_json(content_type: str) -> bool:
+    media = content_type.split(";")[0].strip().lower()
+    return media == "application/json" or media.endswith("+json")
+
+
+def claim_params(req: Request, key: str, policy: Policy):
+    """The CLAIM_HTTP_SQL parameters, or a 400 Response for a query string the server cannot take."""
+    if "\x00" in req.query_string or "%00" in req.query_string:
+        return problem(policy, 400, "bad-request", "Bad request", "the query string contains a NUL character")
+    query = {}
+    for name, value in parse_qsl(req.query_string, keep_blank_values=True):
+        if name in query:
+            prev = query[name]
+            query[name] = prev + [value] if isinstance(prev, list) else [prev, value]
+        else:
+            query[name] = value
+    body_json = body_bytes = None
+    if req.body:
+        ctype = (req.header_values("content-type") or [""])[0]
+        if _is_json(ctype):
+            try:
+                body_json = req.body.decode("utf-8")
+            except UnicodeDecodeError:
+                return problem(policy, 400, "bad-request", "Bad request", "the JSON body is not UTF-8")
+        else:
+            body_bytes = req.body
+    return {"key": key, "method": req.method, "path": req.path, "query": json.dumps(query),
+            "body_json": body_json, "body_bytes": body_bytes, "scope": scope_of(req),
+            "ttl": policy.ttl, "lease": policy.lease}
+
+
+def claim_error(policy: Policy, e: Exception) -> Optional[Response]:
+    """A database error of the claim that is the request's fault, as a problem response."""
+    state = getattr(e, "sqlstate", None) or getattr(getattr(e, "__cause__", None), "sqlstate", None)
+    detail = str(getattr(getattr(e, "diag", None), "message_primary", None) or e).strip()
+    if state in ("22P02", "22P05", "22003", "54001", "54000", "22021", "22025"):
+        return problem(policy, 400 if state in ("22P02", "22021", "22025") else 422, "bad-body",
+                       "The request body is not acceptable", detail)
+    if state in ("22023", "22004"):
+        return problem(policy, 400, "bad-request", "Bad request", detail)
+    return None
+
+
+def encode_response(resp: Response):
+    """(JSON text, status) stored by complete: the headers to replay and the body, as text when it
+    is UTF-8 without NUL (jsonb cannot hold NUL), else base64."""
+    headers = [[k, v] for k, v in resp.headers if k.lower() not in NOT_STORED]
+    doc = {"headers": headers}
+    try:
+        text = resp.body.decode("utf-8")
+        if "\x00" in text:
+            raise UnicodeDecodeError("utf-8", b"", 0, 1, "NUL")
+        doc["body"] = text
+    except UnicodeDecodeError:
+        doc["body_base64"] = base64.b64encode(resp.body).decode()
+    return json.dumps(doc, separators=(",", ":")), resp.status
+
+
+def decode_response(c: ClaimResult) -> Response:
+    doc = c.response or {}
+    body = base64.b64decode(doc["body_base64"]) if "body_base64" in doc else (doc.get("body") or "").encode()
+    return Response(c.response_status or 200, [(k, v) for k, v in doc.get("headers", [])], body)
+
+
+def finish(resp: Response, key_header: Optional[str], expires: Optional[dt.datetime] = None,
+           replayed: bool = False, retry_after: Optional[int] = None) -> Response:
+    h = [(k, v) for k, v in resp.headers if k.lower() not in ("idempotency-key", "idempotency-expires")]
+    if key_header is not None and all(0x20 <= ord(ch) <= 0x7E for ch in key_header):
+        h.append(("idempotency-key", key_header))           # echoed as sent (printable ASCII only)
+    if expires is not None:
+        h.append(("idempotency-expires", http_date(expires)))
+    if replayed:
+        h.append(("idempotent-replayed", "true"))
+    if retry_after is not None:
+        h.append(("retry-after", str(retry_after)))
+    resp.headers = h
+    return resp
+
+
+def outcome_response(policy: Policy, c: ClaimResult, key_header: str, mismatch_expires=None) -> Response:
+    """The answer for replay, in_progress and mismatch."""
+    if c.outcome == REPLAY:
+        return finish(decode_response(c), key_header, c.expires_at, replayed=True)
+    if c.outcome == IN_PROGRESS:
+        secs = max(1, math.ceil(c.retry_after.total_seconds())) if c.retry_after else 1
+        r = problem(policy, 409, "request-outstanding", "A request is outstanding for this Idempotency-Key",
+                    f"The first request with this key is still being processed; retry in {secs} s")
+        return finish(r, key_header, c.expires_at, retry_after=secs)
+    assert c.outcome == MISMATCH
+    r = problem(policy, 422, "key-reused", "Idempotency-Key is already used",
+                "This key was used for a different request (method, path, query or body); "
+                "use a new key for a new request")
+    return finish(r, key_header, mismatch_expires)
+
+
+def should_store(policy: Policy, resp: Response) -> bool:
+    return resp.status < 500 or policy.store_server_errors
+
+
+__all__ = ["parse_key", "KeyError400", "Request", "Response", "Policy", "NEW", "REPLAY", "IN_PROGRESS", "MISMATCH"]

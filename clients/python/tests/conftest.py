@@ -1,0 +1,51 @@
+"""A throwaway PostgreSQL cluster with the extension for the package's tests.
+
+It reuses the project's tests/integration/cluster.py (a cluster owned by the postgres OS user;
+PG_BIN picks the server, PostgreSQL 15 by default). The extension must be installed into that
+server. The package under test is the installed one (scripts/clients-python.sh installs the
+wheel), not the source tree."""
+
+import os
+import sys
+
+import psycopg
+import pytest
+
+ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "..", ".."))
+sys.path.insert(0, os.path.join(ROOT, "tests", "integration"))
+
+from cluster import Cluster  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def cluster():
+    c = Cluster().start()
+    with psycopg.connect(c.conninfo(), autocommit=True) as conn:
+        conn.execute("CREATE EXTENSION idempotency")
+    yield c
+    c.destroy()
+
+
+@pytest.fixture
+def conninfo(cluster):
+    return cluster.conninfo()
+
+
+@pytest.fixture
+def db(cluster):
+    conn = psycopg.connect(cluster.conninfo(), autocommit=True)
+    yield conn
+    conn.close()
+
+
+@pytest.fixture(autouse=True)
+def clean_table(cluster):
+    with psycopg.connect(cluster.conninfo(), autocommit=True) as conn:
+        conn.execute("DELETE FROM idempotency.idempotency_keys")
+
+
+@pytest.fixture
+def row(db):
+    """row(key, scope) -> (status, response, response_status, recovery_point, token) or None."""
+    return lambda key, scope="": db.execute("SELECT status::text, response, response_status, recovery_point, token "
+                      "FROM idempotency.lookup(%s, %s) WHERE key IS NOT NULL", (key, scope)).fetchone()
