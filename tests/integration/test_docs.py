@@ -12,6 +12,7 @@ ROOT = os.path.normpath(os.path.join(os.path.dirname(__file__), "..", ".."))
 DOCS = sorted(
     ["README.md", "CHANGELOG.md", "examples/http-service/README.md", "bench/RESULTS.md"]
     + [os.path.relpath(p, ROOT) for p in glob.glob(os.path.join(ROOT, "docs", "*.md"))]
+    + [os.path.relpath(p, ROOT) for p in glob.glob(os.path.join(ROOT, "clients", "*", "README.md"))]
 )
 LINK = re.compile(r"\[(?:[^\[\]]|\[[^\]]*\])*\]\(\s*<?([^)\s>]+)>?(?:\s+\"[^\"]*\")?\s*\)")
 
