@@ -45,9 +45,12 @@ pub(crate) const INSERT_FRESH_SQL: &str = "INSERT INTO idempotency.idempotency_k
        pg_catalog.now() OPERATOR(pg_catalog.+) $4, pg_catalog.now() OPERATOR(pg_catalog.+) $5, $5) \
      RETURNING k.token, k.expires_at";
 
-/// Rewrites an expired row as a fresh claim (it counted as absent).
+/// Rewrites an expired row as a fresh claim (it counted as absent). Tokens grow per key even
+/// where the sequence is one per node (Citus: a shard moved to a node whose sequence is behind
+/// the row's token): the new token is above the old one whatever the sequence gives.
 pub(crate) const RESTART_SQL: &str = "UPDATE idempotency.idempotency_keys AS k SET \
-       request_hash = $3, status = 'in_progress', token = pg_catalog.nextval('idempotency.token_seq'), \
+       request_hash = $3, status = 'in_progress', \
+       token = GREATEST(pg_catalog.nextval('idempotency.token_seq'), k.token OPERATOR(pg_catalog.+) 1), \
        response = NULL, response_status = NULL, recovery_point = NULL, \
        created_at = pg_catalog.now(), completed_at = NULL, \
        locked_until = pg_catalog.now() OPERATOR(pg_catalog.+) $4, \
@@ -55,9 +58,11 @@ pub(crate) const RESTART_SQL: &str = "UPDATE idempotency.idempotency_keys AS k S
      WHERE k.scope OPERATOR(pg_catalog.=) $1 AND k.key OPERATOR(pg_catalog.=) $2 \
      RETURNING k.token, k.expires_at, k.recovery_point";
 
-/// Takes over an in-progress row whose lease ran out; keeps its recovery point.
+/// Takes over an in-progress row whose lease ran out; keeps its recovery point. The new token
+/// is above the old one (see [`RESTART_SQL`]).
 pub(crate) const TAKEOVER_SQL: &str = "UPDATE idempotency.idempotency_keys AS k SET \
-       request_hash = COALESCE(k.request_hash, $3), token = pg_catalog.nextval('idempotency.token_seq'), \
+       request_hash = COALESCE(k.request_hash, $3), \
+       token = GREATEST(pg_catalog.nextval('idempotency.token_seq'), k.token OPERATOR(pg_catalog.+) 1), \
        locked_until = pg_catalog.now() OPERATOR(pg_catalog.+) $4, \
        expires_at = pg_catalog.now() OPERATOR(pg_catalog.+) $5, ttl = $5 \
      WHERE k.scope OPERATOR(pg_catalog.=) $1 AND k.key OPERATOR(pg_catalog.=) $2 \
