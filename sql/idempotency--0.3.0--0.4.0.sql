@@ -6,6 +6,27 @@
 
 \echo Use "ALTER EXTENSION idempotency UPDATE TO '0.4.0'" to load this file. \quit
 
+-- forget judges liveness outside RETURNING (Citus refuses now() there).
+CREATE OR REPLACE FUNCTION idempotency.forget(key text, scope text DEFAULT '')
+RETURNS boolean
+LANGUAGE plpgsql VOLATILE SECURITY DEFINER
+SET search_path = pg_catalog, pg_temp
+AS $fn$
+#variable_conflict use_column
+DECLARE
+    v_key text;
+    v_expires_at timestamptz;
+BEGIN
+    v_key := idempotency._key(forget.key, forget.scope);
+    DELETE FROM idempotency.idempotency_keys AS k
+     WHERE k.scope OPERATOR(pg_catalog.=) forget.scope
+       AND k.key OPERATOR(pg_catalog.=) v_key
+    RETURNING k.expires_at INTO v_expires_at;
+    -- Judged here, not in RETURNING: Citus allows only immutable functions there.
+    RETURN COALESCE(v_expires_at OPERATOR(pg_catalog.>) pg_catalog.now(), false);
+END
+$fn$;
+
 -- Citus ---------------------------------------------------------------------------------------
 
 -- On the coordinator of a Citus cluster: distributes the store by scope so that a tenant's keys

@@ -240,14 +240,15 @@ AS $fn$
 #variable_conflict use_column
 DECLARE
     v_key text;
-    v_live boolean;
+    v_expires_at timestamptz;
 BEGIN
     v_key := idempotency._key(forget.key, forget.scope);
     DELETE FROM idempotency.idempotency_keys AS k
      WHERE k.scope OPERATOR(pg_catalog.=) forget.scope
        AND k.key OPERATOR(pg_catalog.=) v_key
-    RETURNING k.expires_at OPERATOR(pg_catalog.>) pg_catalog.now() INTO v_live;
-    RETURN COALESCE(v_live, false);
+    RETURNING k.expires_at INTO v_expires_at;
+    -- Judged here, not in RETURNING: Citus allows only immutable functions there.
+    RETURN COALESCE(v_expires_at OPERATOR(pg_catalog.>) pg_catalog.now(), false);
 END
 $fn$;
 

@@ -1,0 +1,250 @@
+"""The store on a real Citus cluster (coordinator and two workers on this machine, each its own
+PostgreSQL cluster and port): idempotency.distribute(), claims over hundreds of scopes with
+shards on both workers, rows in the shards and never in the shell table, a race on one key,
+claim + colocated business write + complete in one transaction, a takeover after a shard move.
+
+Runs where Citus is built (scripts/citus.sh 18; CITUS_PG_BIN, see citus_cluster.py), else is
+skipped with the reason; marked `citus` (pytest -m citus runs only these)."""
+
+import threading
+import time
+
+import psycopg
+import pytest
+from psycopg import sql
+
+from citus_cluster import CitusCluster, citus_missing
+
+pytestmark = [pytest.mark.citus]
+
+MISSING = citus_missing()
+if MISSING:
+    pytestmark.append(pytest.mark.skip(reason=MISSING))
+
+SHARDS = 8
+
+
+@pytest.fixture(scope="module")
+def citus():
+    c = CitusCluster().start()
+    yield c
+    c.destroy()
+
+
+@pytest.fixture(scope="module")
+def coord(citus):
+    """The coordinator, after idempotency.distribute(); an application table colocated."""
+    with citus.connect() as c:
+        c.execute("SELECT idempotency.distribute(shard_count => %s)", (SHARDS,))
+        c.execute("CREATE SCHEMA shop")
+        c.execute('CREATE TABLE shop.orders (client_id text COLLATE "C" NOT NULL, '
+                  "order_id bigint NOT NULL, amount int, PRIMARY KEY (client_id, order_id))")
+        c.execute("SELECT create_distributed_table('shop.orders', 'client_id', "
+                  "colocate_with => 'idempotency.idempotency_keys')")
+    conn = citus.connect()
+    yield conn
+    conn.close()
+
+
+@pytest.fixture(autouse=True)
+def clean_table():
+    """Overrides conftest's (which starts the single-node cluster)."""
+    yield
+
+
+def claim(conn, key, request=None, scope="", ttl=None, lease=None):
+    """A top-level call with constants, as applications make it: Citus delegates it."""
+    q = sql.SQL("SELECT outcome::text, token, response, response_status, retry_after, recovery_point "
+                "FROM idempotency.claim({}, {}::jsonb, {}, {}::interval, {}::interval)").format(
+        sql.Literal(key), sql.Literal(psycopg.types.json.Jsonb(request) if request is not None else None),
+        sql.Literal(scope), sql.Literal(ttl), sql.Literal(lease))
+    return conn.execute(q).fetchone()
+
+
+def complete(conn, key, response, scope="", token=None, status=200):
+    q = sql.SQL("SELECT idempotency.complete({}, {}::jsonb, {}, {}, {})").format(
+        sql.Literal(key), sql.Literal(psycopg.types.json.Jsonb(response)), sql.Literal(status),
+        sql.Literal(scope), sql.Literal(token))
+    return conn.execute(q).fetchone()[0]
+
+
+def shard_rows(citus, table="idempotency.idempotency_keys"):
+    """{worker port: rows in that worker's shards of `table`}, read on the workers themselves."""
+    with citus.connect() as c:
+        # (citus_shards and citus_tables leave out tables that belong to an extension.)
+        shards = c.execute("SELECT shard_name(s.logicalrelid, s.shardid), p.nodeport FROM pg_dist_shard s "
+                           "JOIN pg_dist_shard_placement p USING (shardid) WHERE s.logicalrelid = %s::regclass",
+                           (table,)).fetchall()
+    rows = {}
+    for name, port in shards:
+        with citus.connect(citus.worker_of_port(port)) as w:
+            n = w.execute(sql.SQL("SELECT count(*) FROM {}").format(sql.Identifier(*name.split(".")))).fetchone()[0]
+        rows[port] = rows.get(port, 0) + n
+    return rows
+
+
+def test_distribute_made_the_store_distributed_and_is_idempotent(citus, coord):
+    parts = dict(coord.execute(
+        "SELECT logicalrelid::text, partmethod::text || coalesce(':' || column_to_column_name(logicalrelid, partkey), '') "
+        "FROM pg_dist_partition WHERE logicalrelid::text LIKE 'idempotency.%'").fetchall())
+    assert parts == {"idempotency.idempotency_keys": "h:scope", "idempotency.audit": "h:scope",
+                     "idempotency.config": "n", "idempotency.signing_secrets": "n"}
+    groups = coord.execute(
+        "SELECT count(DISTINCT colocationid) FROM pg_dist_partition WHERE logicalrelid IN "
+        "('idempotency.idempotency_keys'::regclass, 'idempotency.audit'::regclass, 'shop.orders'::regclass)").fetchone()[0]
+    assert groups == 1
+    delegated = [r[0] for r in coord.execute(
+        "SELECT objid::regprocedure::text FROM pg_dist_object WHERE classid = 'pg_proc'::regclass "
+        "AND distribution_argument_index IS NOT NULL ORDER BY 1").fetchall()]
+    assert delegated == sorted([
+        "idempotency.checkpoint(text,text,text,bigint)", "idempotency.claim(text,jsonb,text,interval,interval)",
+        "idempotency.complete(text,jsonb,integer,text,bigint,interval)", "idempotency.forget(text,text)",
+        "idempotency.lookup(text,text)", "idempotency.release(text,text,bigint)"])
+    assert coord.execute("SELECT count(*) FROM pg_dist_shard WHERE logicalrelid = "
+                         "'idempotency.idempotency_keys'::regclass").fetchone()[0] == SHARDS
+
+    notices = []
+    coord.add_notice_handler(lambda d: notices.append(d.message_primary))
+    coord.execute("SELECT idempotency.distribute()")
+    assert any("distributed already" in n for n in notices), notices
+    # Each node's token sequence has its own range: group id << 48.
+    for i, node in enumerate(citus.nodes):
+        with citus.connect(node) as c:
+            group = c.execute("SELECT groupid FROM pg_dist_local_group").fetchone()[0]
+            last = c.execute("SELECT last_value FROM idempotency.token_seq").fetchone()[0]
+            assert last >= group << 48, (i, group, last)
+
+
+def test_distribute_refuses_off_the_coordinator_and_without_citus(citus, coord):
+    with citus.connect(citus.workers[0]) as w:
+        with pytest.raises(psycopg.Error) as e:
+            w.execute("SELECT idempotency.distribute()")
+        assert e.value.sqlstate == "55000"
+        assert "coordinator" in e.value.diag.message_primary
+        assert "connect to the coordinator" in e.value.diag.message_hint
+    coord.execute("CREATE DATABASE plain")
+    try:
+        with psycopg.connect(citus.conninfo().replace("dbname=idem", "dbname=plain"), autocommit=True) as p:
+            p.execute("CREATE EXTENSION idempotency")
+            with pytest.raises(psycopg.Error) as e:
+                p.execute("SELECT idempotency.distribute()")
+            assert e.value.sqlstate == "0A000"
+            assert "citus" in e.value.diag.message_primary
+            assert "CREATE EXTENSION citus" in e.value.diag.message_hint
+            # Without Citus the store works as on any single node.
+            assert claim(p, "k")[0] == "new"
+    finally:
+        coord.execute("DROP DATABASE plain WITH (FORCE)")
+
+
+def test_claim_complete_replay_mismatch_over_many_scopes(citus, coord):
+    scopes = [f"tenant-{i}" for i in range(300)]
+    tokens = {}
+    for s in scopes:
+        r = claim(coord, "order-1", {"amount": 10}, scope=s)
+        assert r[0] == "new", (s, r)
+        tokens[s] = r[1]
+    for s in scopes:
+        complete(coord, "order-1", {"ok": s}, scope=s, token=tokens[s], status=201)
+    for s in scopes:
+        r = claim(coord, "order-1", {"amount": 10}, scope=s)
+        assert r[:4] == ("replay", tokens[s], {"ok": s}, 201), (s, r)
+        assert claim(coord, "order-1", {"amount": 11}, scope=s)[0] == "mismatch"
+    # Delegated calls ran on the workers: their tokens come from the workers' ranges.
+    assert {t >> 48 for t in tokens.values()} - {0}, "no claim ran on a worker"
+
+    # In the shards on both workers, nowhere else.
+    rows = shard_rows(citus)
+    assert len(rows) == 2 and all(n > 0 for n in rows.values()), rows
+    assert sum(rows.values()) == len(scopes)
+    assert coord.execute("SELECT count(*) FROM idempotency.idempotency_keys WHERE key = 'order-1'").fetchone()[0] == len(scopes)
+    for node in citus.nodes:
+        with citus.connect(node) as c:
+            assert c.execute("SELECT pg_relation_size('idempotency.idempotency_keys')").fetchone()[0] == 0
+
+    # The same calls inside an explicit transaction (not delegated: they run on the coordinator
+    # and reach the shards through SQL) and from a multi-row query.
+    with coord.transaction():
+        assert claim(coord, "order-1", {"amount": 10}, scope="tenant-7")[0] == "replay"
+        assert claim(coord, "tx-key", {"a": 1}, scope="tenant-7")[0] == "new"
+    got = coord.execute(
+        "SELECT s, (idempotency.claim('order-1', '{\"amount\": 10}', s)).outcome::text "
+        "FROM unnest(%s::text[]) AS s", (scopes[:20],)).fetchall()
+    assert {o for _, o in got} == {"replay"}
+    lk = coord.execute("SELECT (idempotency.lookup('order-1', 'tenant-3')).response").fetchone()[0]
+    assert lk == {"ok": "tenant-3"}
+    assert coord.execute("SELECT idempotency.forget('order-1', 'tenant-3')").fetchone()[0] is True
+    assert claim(coord, "order-1", {"amount": 10}, scope="tenant-3")[0] == "new"
+
+
+def test_race_of_16_sessions_on_one_key(citus, coord):
+    barrier = threading.Barrier(16)
+    outcomes = []
+    errors = []
+
+    def run():
+        try:
+            with citus.connect() as c:
+                barrier.wait()
+                outcomes.append(claim(c, "race", {"x": 1}, scope="race-scope", lease="1 minute")[0])
+        except Exception as e:  # pragma: no cover - reported below
+            errors.append(e)
+
+    threads = [threading.Thread(target=run) for _ in range(16)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors
+    assert sorted(outcomes) == ["in_progress"] * 15 + ["new"]
+
+
+def test_claim_order_complete_in_one_transaction(citus, coord):
+    with coord.transaction():
+        r = claim(coord, "buy-1", {"sku": 1}, scope="client-a")
+        assert r[0] == "new"
+        coord.execute("INSERT INTO shop.orders VALUES ('client-a', 1, 100)")
+        complete(coord, "buy-1", {"order_id": 1}, scope="client-a", token=r[1], status=201)
+    assert claim(coord, "buy-1", {"sku": 1}, scope="client-a")[:4] == ("replay", r[1], {"order_id": 1}, 201)
+    assert coord.execute("SELECT count(*) FROM shop.orders WHERE client_id = 'client-a'").fetchone()[0] == 1
+
+    # A failure rolls back the claim with the order: the retry is new.
+    with pytest.raises(RuntimeError):
+        with coord.transaction():
+            assert claim(coord, "buy-2", {"sku": 2}, scope="client-b")[0] == "new"
+            coord.execute("INSERT INTO shop.orders VALUES ('client-b', 2, 200)")
+            raise RuntimeError("payment failed")
+    assert coord.execute("SELECT count(*) FROM shop.orders WHERE client_id = 'client-b'").fetchone()[0] == 0
+    assert claim(coord, "buy-2", {"sku": 2}, scope="client-b")[0] == "new"
+
+
+def test_takeover_after_a_shard_move_gets_a_larger_token(citus, coord):
+    # A scope whose shard is on the worker with the larger group id (the larger token range).
+    groups = dict(coord.execute("SELECT nodeport, groupid FROM pg_dist_node").fetchall())
+    high = max((w.port for w in citus.workers), key=lambda p: groups[p])
+    low = min((w.port for w in citus.workers), key=lambda p: groups[p])
+    scope = None
+    for i in range(100):
+        s = f"mover-{i}"
+        port = coord.execute(
+            "SELECT nodeport FROM pg_dist_shard_placement WHERE shardid = "
+            "get_shard_id_for_distribution_column('idempotency.idempotency_keys', %s::text)", (s,)).fetchone()[0]
+        if port == high:
+            scope = s
+            break
+    assert scope
+    first = claim(coord, "job", {"n": 1}, scope=scope, ttl="1 hour", lease="1 second")
+    assert first[0] == "new" and first[1] >> 48 == groups[high], first
+    shard = coord.execute("SELECT get_shard_id_for_distribution_column('idempotency.idempotency_keys', %s::text)",
+                          (scope,)).fetchone()[0]
+    coord.execute("SELECT citus_move_shard_placement(%s, '127.0.0.1', %s, '127.0.0.1', %s, "
+                  "shard_transfer_mode => 'block_writes')", (shard, high, low))
+    assert coord.execute("SELECT nodeport FROM pg_dist_shard_placement WHERE shardid = %s", (shard,)).fetchone()[0] == low
+    time.sleep(1.2)
+    taken = claim(coord, "job", {"n": 1}, scope=scope, lease="1 minute")
+    assert taken[0] == "new" and taken[1] > first[1], (first, taken)
+    with pytest.raises(psycopg.Error) as e:
+        complete(coord, "job", {"late": True}, scope=scope, token=first[1])
+    assert e.value.sqlstate == "IK003"
+    complete(coord, "job", {"done": True}, scope=scope, token=taken[1])
+    assert claim(coord, "job", {"n": 1}, scope=scope)[0] == "replay"
