@@ -26,7 +26,7 @@ SHARDS = 8
 
 @pytest.fixture(scope="module")
 def citus():
-    c = CitusCluster().start()
+    c = CitusCluster(settings={"idempotency.sweep_interval": "'1s'"}).start()
     yield c
     c.destroy()
 
@@ -248,3 +248,32 @@ def test_takeover_after_a_shard_move_gets_a_larger_token(citus, coord):
     assert e.value.sqlstate == "IK003"
     complete(coord, "job", {"done": True}, scope=scope, token=taken[1])
     assert claim(coord, "job", {"n": 1}, scope=scope)[0] == "replay"
+
+
+def test_expired_keys_are_swept_on_the_workers(citus, coord):
+    """Each node's background sweeper deletes the expired rows of the shards it holds."""
+    coord.execute("SET idempotency.audit = on")
+    scopes = [f"sweep-{i}" for i in range(60)]
+    for s in scopes:
+        t = claim(coord, "short", scope=s, ttl="1 second", lease="1 second")[1]
+        complete(coord, "short", {"ok": True}, scope=s, token=t)
+    coord.execute("RESET idempotency.audit")
+    count = ("SELECT count(*) FROM idempotency.idempotency_keys "
+             "WHERE key = 'short' AND scope LIKE 'sweep-%'")
+    assert coord.execute(count).fetchone()[0] == len(scopes)
+    rows = shard_rows(citus)
+    assert len(rows) == 2 and all(n > 0 for n in rows.values()), rows
+    deadline = time.monotonic() + 30
+    while coord.execute(count).fetchone()[0] and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert coord.execute(count).fetchone()[0] == 0
+    # The audit rows were written on the workers with their keys, and stay.
+    assert coord.execute("SELECT count(*) FROM idempotency.audit WHERE key = 'short'").fetchone()[0] == len(scopes)
+    audit = shard_rows(citus, "idempotency.audit")
+    assert sum(audit.values()) >= len(scopes) and all(n > 0 for n in audit.values()), audit
+    # A manual sweep runs on every node (here: nothing left to delete).
+    got = coord.execute("SELECT success, result FROM run_command_on_all_nodes('SELECT idempotency.sweep()')").fetchall()
+    assert got and all(ok for ok, _ in got), got
+    for node in citus.nodes:
+        log = node.server_log()
+        assert "idempotency.sweep" not in log, log[-2000:]
