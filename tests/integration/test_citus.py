@@ -342,3 +342,56 @@ def test_keys_stored_hashed_on_every_node(citus, coord):
     hashed = coord.execute("SELECT count(*) FROM idempotency.idempotency_keys "
                            "WHERE scope LIKE 'hash-%' AND key ~ '^[0-9a-f]{64}$'").fetchone()[0]
     assert hashed == len(scopes) + 1
+
+
+def test_worker_killed_mid_load_loses_no_acknowledged_completion(citus, coord):
+    """SIGKILL of a worker's postmaster under claim + complete load through the coordinator:
+    calls on its shards fail meanwhile; after its restart every completion that was
+    acknowledged replays its response."""
+    acked = []
+    failures = []
+    stop = threading.Event()
+
+    def load(n):
+        with citus.connect() as c:
+            i = 0
+            while not stop.is_set():
+                i += 1
+                scope, key = f"kill-{i % 40}", f"k-{n}-{i}"
+                try:
+                    r = claim(c, key, {"n": n}, scope=scope)
+                    if r[0] == "new":
+                        complete(c, key, {"n": n, "i": i}, scope=scope, token=r[1])
+                        acked.append((scope, key, {"n": n, "i": i}))
+                except psycopg.Error as e:
+                    failures.append(e)
+                    if c.closed or c.broken:
+                        return
+                    time.sleep(0.05)
+
+    threads = [threading.Thread(target=load, args=(n,)) for n in range(6)]
+    for t in threads:
+        t.start()
+    time.sleep(1.5)
+    victim = citus.workers[1]
+    victim.kill_postmaster()
+    time.sleep(1.0)
+    stop.set()
+    for t in threads:
+        t.join()
+    victim.restart()
+    victim.wait_ready()
+    assert len(acked) > 50, (len(acked), failures[:3])
+    with citus.connect() as c:
+        deadline = time.monotonic() + 30
+        while True:  # the coordinator reconnects to the restarted worker
+            try:
+                c.execute("SELECT count(*) FROM idempotency.idempotency_keys").fetchone()
+                break
+            except psycopg.Error:
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.5)
+        for scope, key, response in acked:
+            r = claim(c, key, {"n": response["n"]}, scope=scope)
+            assert r[0] == "replay" and r[2] == response, (scope, key, r)
