@@ -27,6 +27,70 @@ BEGIN
 END
 $fn$;
 
+-- set_key_storage refuses a store distributed by Citus.
+CREATE OR REPLACE FUNCTION idempotency.set_key_storage(mode text)
+RETURNS bigint
+LANGUAGE plpgsql VOLATILE
+SET search_path = pg_catalog, pg_temp
+AS $fn$
+DECLARE
+    v_current text;
+    v_secret bytea;
+    v_rows bigint := 0;
+BEGIN
+    IF mode IS NULL THEN
+        RAISE EXCEPTION USING ERRCODE = '22004', MESSAGE = 'mode must not be NULL';
+    ELSIF mode OPERATOR(pg_catalog.<>) ALL (ARRAY['plain', 'sha256']::text[]) THEN
+        RAISE EXCEPTION USING ERRCODE = '22023',
+            MESSAGE = pg_catalog.format('mode must be ''plain'' or ''sha256'' (got %L)',
+                                        pg_catalog.left(mode, 40));
+    END IF;
+    -- On Citus the switch would have to reach the backends of every node at once (each caches
+    -- the mode) and Citus refuses the rekeying UPDATE: choose the storage before distributing.
+    -- (Nested: the catalog exists only where Citus is installed.)
+    IF pg_catalog.to_regclass('pg_catalog.pg_dist_partition') IS NOT NULL THEN
+        IF EXISTS (SELECT FROM pg_catalog.pg_dist_partition AS p
+                    WHERE p.logicalrelid OPERATOR(pg_catalog.=) 'idempotency.idempotency_keys'::pg_catalog.regclass) THEN
+            RAISE EXCEPTION USING
+                ERRCODE = 'feature_not_supported',
+                MESSAGE = 'idempotency.set_key_storage cannot change a store distributed by Citus',
+                HINT = 'choose the key storage before idempotency.distribute(); see docs/scaling.md';
+        END IF;
+    END IF;
+    -- Waits for running claims; claims that come later wait here and then see the new mode.
+    LOCK TABLE idempotency.idempotency_keys, idempotency.audit IN ACCESS EXCLUSIVE MODE;
+    SELECT c.key_storage, c.key_secret INTO v_current, v_secret FROM idempotency.config AS c;
+    IF COALESCE(v_current, 'plain') OPERATOR(pg_catalog.=) mode THEN
+        RETURN 0;
+    END IF;
+    IF mode OPERATOR(pg_catalog.=) 'sha256' THEN
+        v_secret := COALESCE(v_secret, idempotency._random_secret());
+        UPDATE idempotency.idempotency_keys AS k
+           SET key = idempotency._rekey(pg_catalog.sha256(pg_catalog.convert_to(k.key, 'UTF8')), v_secret);
+        GET DIAGNOSTICS v_rows = ROW_COUNT;
+        UPDATE idempotency.audit AS a
+           SET key = idempotency._rekey(pg_catalog.sha256(pg_catalog.convert_to(a.key, 'UTF8')), v_secret),
+               key_is_hash = true
+         WHERE NOT a.key_is_hash;
+    ELSE
+        DELETE FROM idempotency.idempotency_keys AS k
+         WHERE k.expires_at OPERATOR(pg_catalog.<=) pg_catalog.now();
+        SELECT pg_catalog.count(*) INTO v_rows FROM idempotency.idempotency_keys;
+        IF v_rows OPERATOR(pg_catalog.>) 0 THEN
+            RAISE EXCEPTION USING
+                ERRCODE = '55000',
+                MESSAGE = pg_catalog.format('cannot set mode to ''plain'': %s live keys are stored hashed and cannot be turned back into keys', v_rows),
+                HINT = 'switch when they have expired (or after forgetting them); until then the store stays sha256';
+        END IF;
+    END IF;
+    INSERT INTO idempotency.config AS c (singleton, key_storage, key_secret) VALUES (true, mode, v_secret)
+        ON CONFLICT (singleton) DO UPDATE
+        SET key_storage = excluded.key_storage, key_secret = COALESCE(c.key_secret, excluded.key_secret);
+    PERFORM idempotency._store_changed();
+    RETURN v_rows;
+END
+$fn$;
+
 -- Citus ---------------------------------------------------------------------------------------
 
 -- On the coordinator of a Citus cluster: distributes the store by scope so that a tenant's keys

@@ -328,6 +328,18 @@ BEGIN
             MESSAGE = pg_catalog.format('mode must be ''plain'' or ''sha256'' (got %L)',
                                         pg_catalog.left(mode, 40));
     END IF;
+    -- On Citus the switch would have to reach the backends of every node at once (each caches
+    -- the mode) and Citus refuses the rekeying UPDATE: choose the storage before distributing.
+    -- (Nested: the catalog exists only where Citus is installed.)
+    IF pg_catalog.to_regclass('pg_catalog.pg_dist_partition') IS NOT NULL THEN
+        IF EXISTS (SELECT FROM pg_catalog.pg_dist_partition AS p
+                    WHERE p.logicalrelid OPERATOR(pg_catalog.=) 'idempotency.idempotency_keys'::pg_catalog.regclass) THEN
+            RAISE EXCEPTION USING
+                ERRCODE = 'feature_not_supported',
+                MESSAGE = 'idempotency.set_key_storage cannot change a store distributed by Citus',
+                HINT = 'choose the key storage before idempotency.distribute(); see docs/scaling.md';
+        END IF;
+    END IF;
     -- Waits for running claims; claims that come later wait here and then see the new mode.
     LOCK TABLE idempotency.idempotency_keys, idempotency.audit IN ACCESS EXCLUSIVE MODE;
     SELECT c.key_storage, c.key_secret INTO v_current, v_secret FROM idempotency.config AS c;

@@ -75,6 +75,22 @@ class CitusCluster:
             raise
         return self
 
+    def add_database(self, name):
+        """Another database made a Citus cluster of its own on the same nodes (Citus keeps its
+        metadata per database); returns a function giving a node's conninfo for it."""
+        def info(node=None):
+            return self.conninfo(node).replace(f"dbname={self.coordinator.dbname}", f"dbname={name}")
+        for n in self.nodes:
+            with psycopg.connect(n.conninfo(), autocommit=True) as c:
+                c.execute(f"CREATE DATABASE {name}")
+            with psycopg.connect(info(n), autocommit=True) as c:
+                c.execute("CREATE EXTENSION citus")
+        with psycopg.connect(info(), autocommit=True) as c:
+            c.execute("SELECT citus_set_coordinator_host('127.0.0.1', %s)", (self.coordinator.port,))
+            for w in self.workers:
+                c.execute("SELECT citus_add_node('127.0.0.1', %s)", (w.port,))
+        return info
+
     def destroy(self):
         for n in self.nodes:
             n.destroy()

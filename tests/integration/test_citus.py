@@ -318,30 +318,42 @@ def test_tenant_prefixes_hold_on_every_node(citus, coord):
                 assert e.value.sqlstate == "42501"
 
 
-@pytest.mark.xfail(strict=True, reason="set_key_storage's rekeying UPDATE calls convert_to (STABLE) on a column, "
-                   "which Citus refuses in an UPDATE of a distributed table: not supported on Citus yet")
-def test_keys_stored_hashed_on_every_node(citus, coord):
-    """set_key_storage('sha256') on the coordinator: keys written afterwards by calls that run on
-    the workers are hashed with the coordinator's secret (config is a reference table), and
-    keys written before are rekeyed in their shards. (Last: the store stays sha256.)"""
-    before = claim(coord, "plain-before", {"v": 1}, scope="hash-0")
-    complete(coord, "plain-before", {"v": 1}, scope="hash-0", token=before[1])
-    assert coord.execute("SELECT idempotency.set_key_storage('sha256')").fetchone()[0] > 0
-    scopes = [f"hash-{i}" for i in range(1, 40)]
-    for s in scopes:
-        t = claim(coord, "secret-key", {"v": 2}, scope=s)
-        assert t[0] == "new", (s, t)
-        complete(coord, "secret-key", {"v": 2}, scope=s, token=t[1])
-    with citus.connect() as fresh:
+def test_keys_stored_hashed_chosen_before_distributing(citus, coord):
+    """set_key_storage('sha256') before distribute(): calls that run on the workers hash keys
+    with the coordinator's secret (config is a reference table), and replays find them from
+    any node. After distribute() the switch is refused (it cannot reach every node's backends
+    at once, and Citus refuses its rekeying UPDATE)."""
+    with pytest.raises(psycopg.Error) as e:
+        coord.execute("SELECT idempotency.set_key_storage('sha256')")
+    assert e.value.sqlstate == "0A000"
+    assert "distributed by Citus" in e.value.diag.message_primary
+    assert "before idempotency.distribute()" in e.value.diag.message_hint
+
+    info = citus.add_database("hashed")
+    with psycopg.connect(info(), autocommit=True) as c:
+        c.execute("CREATE EXTENSION idempotency")
+        before = claim(c, "plain-before", {"v": 1}, scope="hash-0")
+        complete(c, "plain-before", {"v": 1}, scope="hash-0", token=before[1])
+        assert c.execute("SELECT idempotency.set_key_storage('sha256')").fetchone()[0] == 1
+        c.execute("SELECT idempotency.distribute(shard_count => 4)")
+        scopes = [f"hash-{i}" for i in range(1, 40)]
+        tokens = []
         for s in scopes:
-            assert claim(fresh, "secret-key", {"v": 2}, scope=s)[0] == "replay"
-        assert claim(fresh, "plain-before", {"v": 1}, scope="hash-0")[0] == "replay"
-    plain = coord.execute("SELECT count(*) FROM idempotency.idempotency_keys "
-                          "WHERE key IN ('secret-key', 'plain-before')").fetchone()[0]
-    assert plain == 0
-    hashed = coord.execute("SELECT count(*) FROM idempotency.idempotency_keys "
-                           "WHERE scope LIKE 'hash-%' AND key ~ '^[0-9a-f]{64}$'").fetchone()[0]
-    assert hashed == len(scopes) + 1
+            t = claim(c, "secret-key", {"v": 2}, scope=s)
+            assert t[0] == "new", (s, t)
+            tokens.append(t[1])
+            complete(c, "secret-key", {"v": 2}, scope=s, token=t[1])
+        assert {t >> 48 for t in tokens} - {0}, "no claim ran on a worker"
+        # Inside a transaction (run on the coordinator) the same keys are found.
+        with c.transaction():
+            for s in scopes[:10]:
+                assert claim(c, "secret-key", {"v": 2}, scope=s)[0] == "replay"
+        assert claim(c, "plain-before", {"v": 1}, scope="hash-0")[0] == "replay"
+        assert c.execute("SELECT count(*) FROM idempotency.idempotency_keys "
+                         "WHERE key IN ('secret-key', 'plain-before')").fetchone()[0] == 0
+        hashed = c.execute("SELECT count(*) FROM idempotency.idempotency_keys "
+                           "WHERE key ~ '^[0-9a-f]{64}$'").fetchone()[0]
+        assert hashed == len(scopes) + 1
 
 
 def test_worker_killed_mid_load_loses_no_acknowledged_completion(citus, coord):
