@@ -318,6 +318,45 @@ def test_tenant_prefixes_hold_on_every_node(citus, coord):
                 assert e.value.sqlstate == "42501"
 
 
+def test_signed_keys_verify_on_every_node(citus, coord):
+    """Signing secrets are a reference table: a key signed on the coordinator verifies on the
+    workers, and a tampered one is refused there too."""
+    kid = coord.execute("SELECT idempotency.rotate_signing_secret()").fetchone()[0]
+    signed = coord.execute("SELECT idempotency.sign_key('order-77')").fetchone()[0]
+    for node in citus.nodes:
+        with citus.connect(node) as c:
+            assert c.execute("SELECT idempotency.verify_key(%s)", (signed,)).fetchone()[0] == "order-77"
+            with pytest.raises(psycopg.Error) as e:
+                c.execute("SELECT idempotency.verify_key(%s)", (signed[:-2] + ("AA" if signed[-2:] != "AA" else "BB"),))
+            assert e.value.sqlstate == "IK004"
+    assert kid >= 1
+
+
+def test_claim_meeting_an_uncommitted_claim_waits_for_it(citus, coord):
+    """Through SQL (the store on Citus), a claim of a key that another open transaction is
+    inserting waits for that transaction, then answers from its outcome (docs/scaling.md)."""
+    for end, expected in (("COMMIT", "in_progress"), ("ROLLBACK", "new")):
+        key = f"wait-{end}"
+        with citus.connect(autocommit=False) as a:
+            r = claim(a, key, {"w": 1}, scope="wait-scope", lease="1 minute")
+            assert r[0] == "new"
+            got = {}
+
+            def other():
+                with citus.connect() as b:
+                    t0 = time.monotonic()
+                    got["outcome"] = claim(b, key, {"w": 1}, scope="wait-scope")[0]
+                    got["waited"] = time.monotonic() - t0
+
+            t = threading.Thread(target=other)
+            t.start()
+            time.sleep(1.0)
+            a.execute(end)
+            t.join()
+        assert got["outcome"] == expected, (end, got)
+        assert got["waited"] >= 0.9, (end, got)
+
+
 def test_keys_stored_hashed_chosen_before_distributing(citus, coord):
     """set_key_storage('sha256') before distribute(): calls that run on the workers hash keys
     with the coordinator's secret (config is a reference table), and replays find them from
