@@ -60,6 +60,21 @@ for v in "${VERSIONS[@]}"; do
     fi
 done
 
+# Citus (docs/scaling.md): a coordinator and two workers on PostgreSQL 18, Citus 14.0.1 built from
+# its source tarball (scripts/citus.sh; CITUS_TARBALL_DIR, default ../shared/vendor/citus beside
+# the clone). Where the tarballs are absent this is skipped, saying so.
+for v in "${VERSIONS[@]}"; do
+    [ "$v" = 18 ] || continue
+    if [ -f "${CITUS_TARBALL_DIR:-../shared/vendor/citus}/SHA256SUMS" ]; then
+        echo "== Citus 14.0.1 on PostgreSQL 18: a coordinator and two workers"
+        pg_config=$(scripts/citus.sh 18)
+        CITUS_PG_BIN=$(dirname "$pg_config") PG_BIN=$(dirname "$pg_config") \
+            python3 -m pytest -q -m citus tests/integration/test_citus.py
+    else
+        echo "== Citus: skipped (no Citus source tarballs in ${CITUS_TARBALL_DIR:-../shared/vendor/citus})"
+    fi
+done
+
 # pg_upgrade of a cluster with the extension and live keys to the newest version tested (17 or
 # 18), once every server has the extension installed. From 16, not from Debian's 15: its 15.20
 # marks every column with a `pg_attver` attoption that the PyPI builds of 17.11 and 18.6 do not

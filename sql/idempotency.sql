@@ -240,14 +240,15 @@ AS $fn$
 #variable_conflict use_column
 DECLARE
     v_key text;
-    v_live boolean;
+    v_expires_at timestamptz;
 BEGIN
     v_key := idempotency._key(forget.key, forget.scope);
     DELETE FROM idempotency.idempotency_keys AS k
      WHERE k.scope OPERATOR(pg_catalog.=) forget.scope
        AND k.key OPERATOR(pg_catalog.=) v_key
-    RETURNING k.expires_at OPERATOR(pg_catalog.>) pg_catalog.now() INTO v_live;
-    RETURN COALESCE(v_live, false);
+    RETURNING k.expires_at INTO v_expires_at;
+    -- Judged here, not in RETURNING: Citus allows only immutable functions there.
+    RETURN COALESCE(v_expires_at OPERATOR(pg_catalog.>) pg_catalog.now(), false);
 END
 $fn$;
 
@@ -326,6 +327,18 @@ BEGIN
         RAISE EXCEPTION USING ERRCODE = '22023',
             MESSAGE = pg_catalog.format('mode must be ''plain'' or ''sha256'' (got %L)',
                                         pg_catalog.left(mode, 40));
+    END IF;
+    -- On Citus the switch would have to reach the backends of every node at once (each caches
+    -- the mode) and Citus refuses the rekeying UPDATE: choose the storage before distributing.
+    -- (Nested: the catalog exists only where Citus is installed.)
+    IF pg_catalog.to_regclass('pg_catalog.pg_dist_partition') IS NOT NULL THEN
+        IF EXISTS (SELECT FROM pg_catalog.pg_dist_partition AS p
+                    WHERE p.logicalrelid OPERATOR(pg_catalog.=) 'idempotency.idempotency_keys'::pg_catalog.regclass) THEN
+            RAISE EXCEPTION USING
+                ERRCODE = 'feature_not_supported',
+                MESSAGE = 'idempotency.set_key_storage cannot change a store distributed by Citus',
+                HINT = 'choose the key storage before idempotency.distribute(); see docs/scaling.md';
+        END IF;
     END IF;
     -- Waits for running claims; claims that come later wait here and then see the new mode.
     LOCK TABLE idempotency.idempotency_keys, idempotency.audit IN ACCESS EXCLUSIVE MODE;
@@ -558,6 +571,120 @@ CREATE FUNCTION idempotency.request_fingerprint(
 LANGUAGE c IMMUTABLE PARALLEL SAFE
 AS 'MODULE_PATHNAME', 'idempotency_request_fingerprint';
 
+-- Citus ---------------------------------------------------------------------------------------
+
+-- On the coordinator of a Citus cluster: distributes the store by scope so that a tenant's keys
+-- live on the node holding the tenant's rows (docs/scaling.md). Applications colocate their
+-- tables with it: create_distributed_table(..., colocate_with => 'idempotency.idempotency_keys'),
+-- distribution column of type text COLLATE "C". Each step is skipped when it was done before,
+-- so a second call changes nothing (it only raises the token sequences of nodes added since).
+-- - idempotency_keys: hash-distributed by scope, in its own colocation group;
+-- - audit: distributed by scope with the keys (an audit row is written with its key's
+--   completion, on the same node, in the same local transaction); Citus needs the distribution
+--   column in every unique constraint, so its primary key becomes (scope, id);
+-- - config and signing_secrets: reference tables (a copy on every node), so a call that runs on
+--   a worker hashes and verifies keys with the coordinator's secrets;
+-- - claim, complete, checkpoint, release, forget and lookup: delegated by their scope argument
+--   to the node holding the scope's shard;
+-- - token_seq: each node's sequence starts at its group id << 48, so nodes hand out disjoint
+--   tokens (a takeover's token is also above the key's previous one, whatever node runs it).
+CREATE FUNCTION idempotency.distribute(shard_count integer DEFAULT NULL)
+RETURNS void
+LANGUAGE plpgsql VOLATILE
+SET search_path = pg_catalog, pg_temp
+AS $fn$
+DECLARE
+    v_changed boolean := false;
+    v_rel regclass;
+    v_fn regprocedure;
+    v_node record;
+BEGIN
+    IF NOT EXISTS (SELECT FROM pg_catalog.pg_extension AS e WHERE e.extname OPERATOR(pg_catalog.=) 'citus') THEN
+        RAISE EXCEPTION USING
+            ERRCODE = 'feature_not_supported',
+            MESSAGE = 'idempotency.distribute needs Citus: the citus extension is not installed in this database',
+            HINT = 'on a Citus coordinator run CREATE EXTENSION citus first; a single PostgreSQL node needs no distribution';
+    END IF;
+    IF (SELECT g.groupid FROM pg_catalog.pg_dist_local_group AS g) OPERATOR(pg_catalog.<>) 0 THEN
+        RAISE EXCEPTION USING
+            ERRCODE = 'object_not_in_prerequisite_state',
+            MESSAGE = 'idempotency.distribute must run on the Citus coordinator; this node is a worker',
+            HINT = 'connect to the coordinator and call idempotency.distribute() there';
+    END IF;
+
+    IF NOT EXISTS (SELECT FROM pg_catalog.pg_dist_partition AS p
+                    WHERE p.logicalrelid OPERATOR(pg_catalog.=) 'idempotency.idempotency_keys'::pg_catalog.regclass) THEN
+        PERFORM pg_catalog.create_distributed_table('idempotency.idempotency_keys', 'scope',
+                                                    colocate_with => 'none',
+                                                    shard_count => distribute.shard_count);
+        v_changed := true;
+    ELSIF NOT EXISTS (SELECT FROM pg_catalog.pg_dist_partition AS p
+                       WHERE p.logicalrelid OPERATOR(pg_catalog.=) 'idempotency.idempotency_keys'::pg_catalog.regclass
+                         AND p.partmethod OPERATOR(pg_catalog.=) 'h'
+                         AND pg_catalog.column_to_column_name(p.logicalrelid, p.partkey) OPERATOR(pg_catalog.=) 'scope') THEN
+        RAISE EXCEPTION USING
+            ERRCODE = 'object_not_in_prerequisite_state',
+            MESSAGE = 'idempotency.idempotency_keys is a Citus table, but not hash-distributed by scope',
+            HINT = 'undistribute it (SELECT undistribute_table(''idempotency.idempotency_keys'')) and call idempotency.distribute() again';
+    END IF;
+
+    IF NOT EXISTS (SELECT FROM pg_catalog.pg_dist_partition AS p
+                    WHERE p.logicalrelid OPERATOR(pg_catalog.=) 'idempotency.audit'::pg_catalog.regclass) THEN
+        IF NOT EXISTS (SELECT FROM pg_catalog.pg_constraint AS c
+                        WHERE c.conrelid OPERATOR(pg_catalog.=) 'idempotency.audit'::pg_catalog.regclass
+                          AND c.conname OPERATOR(pg_catalog.=) 'audit_pkey'
+                          AND c.conkey OPERATOR(pg_catalog.=) ARRAY[2, 1]::pg_catalog.int2[]) THEN
+            ALTER TABLE idempotency.audit DROP CONSTRAINT audit_pkey,
+                ADD CONSTRAINT audit_pkey PRIMARY KEY (scope, id);
+        END IF;
+        PERFORM pg_catalog.create_distributed_table('idempotency.audit', 'scope',
+                                                    colocate_with => 'idempotency.idempotency_keys');
+        v_changed := true;
+    END IF;
+
+    FOREACH v_rel IN ARRAY ARRAY['idempotency.config', 'idempotency.signing_secrets']::pg_catalog.regclass[] LOOP
+        IF NOT EXISTS (SELECT FROM pg_catalog.pg_dist_partition AS p
+                        WHERE p.logicalrelid OPERATOR(pg_catalog.=) v_rel) THEN
+            PERFORM pg_catalog.create_reference_table(v_rel);
+            v_changed := true;
+        END IF;
+    END LOOP;
+
+    FOREACH v_fn IN ARRAY ARRAY[
+        'idempotency.claim(text, jsonb, text, interval, interval)',
+        'idempotency.complete(text, jsonb, integer, text, bigint, interval)',
+        'idempotency.checkpoint(text, text, text, bigint)',
+        'idempotency.release(text, text, bigint)',
+        'idempotency.forget(text, text)',
+        'idempotency.lookup(text, text)']::pg_catalog.regprocedure[] LOOP
+        IF NOT EXISTS (SELECT FROM pg_catalog.pg_dist_object AS o
+                        WHERE o.classid OPERATOR(pg_catalog.=) 'pg_catalog.pg_proc'::pg_catalog.regclass
+                          AND o.objid OPERATOR(pg_catalog.=) v_fn::pg_catalog.oid
+                          AND o.distribution_argument_index IS NOT NULL) THEN
+            PERFORM pg_catalog.create_distributed_function(v_fn, distribution_arg_name => 'scope',
+                                                           colocate_with => 'idempotency.idempotency_keys');
+            v_changed := true;
+        END IF;
+    END LOOP;
+
+    -- Disjoint token ranges, on every node (nodes added later get theirs at the next call).
+    FOR v_node IN
+        SELECT r.nodeid, r.result FROM pg_catalog.run_command_on_all_nodes(
+            $cmd$SELECT pg_catalog.setval('idempotency.token_seq',
+                       GREATEST(s.last_value, (g.groupid::bigint OPERATOR(pg_catalog.<<) 48) OPERATOR(pg_catalog.+) 1))
+                   FROM idempotency.token_seq AS s, pg_catalog.pg_dist_local_group AS g$cmd$) AS r
+         WHERE NOT r.success
+    LOOP
+        RAISE WARNING 'idempotency.distribute: could not set the token range of node %: %', v_node.nodeid, v_node.result
+            USING HINT = 'call idempotency.distribute() again once every node is reachable';
+    END LOOP;
+
+    IF NOT v_changed THEN
+        RAISE NOTICE 'idempotency.distribute: the store is distributed already; nothing changed';
+    END IF;
+END
+$fn$;
+
 -- Observability -------------------------------------------------------------------------------
 
 CREATE FUNCTION idempotency._sweeper_preloaded()
@@ -634,5 +761,5 @@ $notice$;
 REVOKE EXECUTE ON FUNCTION idempotency.set_key_storage(text), idempotency.rotate_signing_secret(),
     idempotency.retire_signing_secret(integer), idempotency._store_changed(),
     idempotency._random_secret(), idempotency._count(text), idempotency._announce(),
-    idempotency._rekey(bytea, bytea)
+    idempotency._rekey(bytea, bytea), idempotency.distribute(integer)
     FROM PUBLIC;

@@ -1,7 +1,7 @@
 //! The claim algorithm: the outcome table ([`crate::decision`]) applied to the key's row, read
 //! below SQL where it can be ([`heap`]) and through the statements ([`sql`]) where it must.
 
-use super::catalog::{check_access, direct_layout_for_write, key_label};
+use super::catalog::{check_access, direct_layout_for_write, key_label, layout};
 use super::heap::{self, probe, KeyInsertLock, Probe};
 use super::sql::{read_row, with_spi, write_claim, Write};
 use super::{spi_failed, ClaimRequest, ClaimResult, Outcome, Row, MAX_ROUNDS};
@@ -77,9 +77,12 @@ pub fn claim(req: &ClaimRequest<'_>) -> ClaimResult {
     let mut started = None;
     // SAFETY: reads a backend variable, set for the transaction.
     let snapshot_reads = unsafe { pg_sys::XactIsoLevel } >= pg_sys::XACT_REPEATABLE_READ as i32;
+    let sql_only = crate::citus::citus_distributed(layout().relid);
     let mut rounds = 0;
     while rounds < MAX_ROUNDS {
-        let step = if snapshot_reads {
+        let step = if sql_only {
+            with_spi(|client| claim_sql(client, req))
+        } else if snapshot_reads {
             with_spi(|client| match read_row(client, false, req)? {
                 Some(row) => decide(client, req, row),
                 None => match probe_or_insert(req, || insert(client, req)) {
@@ -143,6 +146,17 @@ pub fn claim(req: &ClaimRequest<'_>) -> ClaimResult {
         ),
         Some("retry the transaction"),
     )
+}
+
+/// The claim through SQL alone, for a table whose rows the probe cannot see (a Citus
+/// distributed table, whose own relation is an empty shell): read the row and decide; an
+/// absent key is inserted with ON CONFLICT DO NOTHING, which waits for another transaction
+/// that is inserting the same key (as a unique check does) and then finds its row.
+fn claim_sql(client: &mut SpiClient<'_>, req: &ClaimRequest<'_>) -> Result<Step, pgrx::spi::Error> {
+    match read_row(client, false, req)? {
+        Some(row) => decide(client, req, row),
+        None => insert(client, req),
+    }
 }
 
 pub(crate) enum Looked {
@@ -213,6 +227,13 @@ pub(crate) fn decide(
         Decision::Restart | Decision::TakeOver => {
             // Lock the newest version without waiting, then decide again on it.
             let Some(locked) = read_row(client, true, req)? else {
+                if crate::citus::citus_distributed(layout().relid) {
+                    // Through SQL: still there, so another claimer holds its row lock.
+                    return Ok(match read_row(client, false, req)? {
+                        Some(_) => Step::Busy,
+                        None => Step::Again,
+                    });
+                }
                 return Ok(match probe(req.scope, req.key, false) {
                     Probe::Busy => Step::Busy,
                     // Still there, so another claimer holds its row lock while it decides on a

@@ -45,9 +45,14 @@ pub(crate) const INSERT_FRESH_SQL: &str = "INSERT INTO idempotency.idempotency_k
        pg_catalog.now() OPERATOR(pg_catalog.+) $4, pg_catalog.now() OPERATOR(pg_catalog.+) $5, $5) \
      RETURNING k.token, k.expires_at";
 
-/// Rewrites an expired row as a fresh claim (it counted as absent).
+/// Rewrites an expired row as a fresh claim (it counted as absent). $6 is the next value of the
+/// token sequence, taken by its own statement ([`NEXT_TOKEN_SQL`]): Citus refuses volatile
+/// functions in an UPDATE of a distributed table. Tokens grow per key even where the sequence
+/// is one per node (Citus: a shard moved to a node whose sequence is behind the row's token):
+/// the new token is above the old one whatever the sequence gives.
 pub(crate) const RESTART_SQL: &str = "UPDATE idempotency.idempotency_keys AS k SET \
-       request_hash = $3, status = 'in_progress', token = pg_catalog.nextval('idempotency.token_seq'), \
+       request_hash = $3, status = 'in_progress', \
+       token = GREATEST($6, k.token OPERATOR(pg_catalog.+) 1), \
        response = NULL, response_status = NULL, recovery_point = NULL, \
        created_at = pg_catalog.now(), completed_at = NULL, \
        locked_until = pg_catalog.now() OPERATOR(pg_catalog.+) $4, \
@@ -55,9 +60,14 @@ pub(crate) const RESTART_SQL: &str = "UPDATE idempotency.idempotency_keys AS k S
      WHERE k.scope OPERATOR(pg_catalog.=) $1 AND k.key OPERATOR(pg_catalog.=) $2 \
      RETURNING k.token, k.expires_at, k.recovery_point";
 
-/// Takes over an in-progress row whose lease ran out; keeps its recovery point.
+/// The token of a restart or takeover, before the UPDATE (see [`RESTART_SQL`]).
+pub(crate) const NEXT_TOKEN_SQL: &str = "SELECT pg_catalog.nextval('idempotency.token_seq')";
+
+/// Takes over an in-progress row whose lease ran out; keeps its recovery point. The new token
+/// is above the old one (see [`RESTART_SQL`]).
 pub(crate) const TAKEOVER_SQL: &str = "UPDATE idempotency.idempotency_keys AS k SET \
-       request_hash = COALESCE(k.request_hash, $3), token = pg_catalog.nextval('idempotency.token_seq'), \
+       request_hash = COALESCE(k.request_hash, $3), \
+       token = GREATEST($6, k.token OPERATOR(pg_catalog.+) 1), \
        locked_until = pg_catalog.now() OPERATOR(pg_catalog.+) $4, \
        expires_at = pg_catalog.now() OPERATOR(pg_catalog.+) $5, ttl = $5 \
      WHERE k.scope OPERATOR(pg_catalog.=) $1 AND k.key OPERATOR(pg_catalog.=) $2 \
@@ -79,9 +89,10 @@ pub(crate) enum Plan {
     TakeOver,
     Complete,
     Sweep,
+    NextToken,
 }
 
-pub(crate) const PLAN_COUNT: usize = 8;
+pub(crate) const PLAN_COUNT: usize = 9;
 
 pub(crate) static PLANS: crate::local::BackendLocal<
     [Cell<Option<&'static OwnedPreparedStatement>>; PLAN_COUNT],
@@ -103,6 +114,14 @@ pub(crate) fn plan(
         PgOid::from(pg_sys::INTERVALOID),
         PgOid::from(pg_sys::INTERVALOID),
     ];
+    let token_args = [
+        text,
+        text,
+        PgOid::from(pg_sys::BYTEAOID),
+        PgOid::from(pg_sys::INTERVALOID),
+        PgOid::from(pg_sys::INTERVALOID),
+        PgOid::from(pg_sys::INT8OID),
+    ];
     let prepared = match which {
         Plan::Select => client
             .prepare(select_sql(false).as_str(), &key_args)?
@@ -112,8 +131,9 @@ pub(crate) fn plan(
             .keep(),
         Plan::Insert => client.prepare_mut(INSERT_SQL, &claim_args)?.keep(),
         Plan::InsertFresh => client.prepare_mut(INSERT_FRESH_SQL, &claim_args)?.keep(),
-        Plan::Restart => client.prepare_mut(RESTART_SQL, &claim_args)?.keep(),
-        Plan::TakeOver => client.prepare_mut(TAKEOVER_SQL, &claim_args)?.keep(),
+        Plan::Restart => client.prepare_mut(RESTART_SQL, &token_args)?.keep(),
+        Plan::TakeOver => client.prepare_mut(TAKEOVER_SQL, &token_args)?.keep(),
+        Plan::NextToken => client.prepare_mut(NEXT_TOKEN_SQL, &[])?.keep(),
         Plan::Complete => client
             .prepare_mut(
                 COMPLETE_SQL,
@@ -202,17 +222,21 @@ pub(crate) fn write_claim(
             Write::TakeOver => Plan::TakeOver,
         },
     )?;
-    let table = client.update(
-        stmt,
-        None,
-        &[
-            encoding::spi_text(req.scope, "scope"),
-            encoding::spi_text(req.key, "key"),
-            hash.into(),
-            req.lease.into(),
-            req.ttl.into(),
-        ],
-    )?;
+    let mut args = vec![
+        encoding::spi_text(req.scope, "scope"),
+        encoding::spi_text(req.key, "key"),
+        hash.into(),
+        req.lease.into(),
+        req.ttl.into(),
+    ];
+    if matches!(write, Write::Restart | Write::TakeOver) {
+        let next = client
+            .update(plan(client, Plan::NextToken)?, Some(1), &[])?
+            .first()
+            .get::<i64>(1)?;
+        args.push(next.into());
+    }
+    let table = client.update(stmt, None, &args)?;
     if table.is_empty() {
         return Ok(None);
     }

@@ -62,6 +62,9 @@ pub(crate) const CONSTRAINTS_SQL: &str = "SELECT pg_catalog.string_agg(c.contype
 ///   which the direct update would bypass.
 pub(crate) fn direct_layout() -> Option<DirectLayout> {
     let l = layout();
+    if crate::citus::citus_distributed(l.relid) {
+        return None;
+    }
     match cache().direct {
         Direct::Sql => return None,
         Direct::Allowed(d) if d.relid == l.relid => return Some(d),

@@ -1,0 +1,448 @@
+"""The store on a real Citus cluster (coordinator and two workers on this machine, each its own
+PostgreSQL cluster and port): idempotency.distribute(), claims over hundreds of scopes with
+shards on both workers, rows in the shards and never in the shell table, a race on one key,
+claim + colocated business write + complete in one transaction, a takeover after a shard move.
+
+Runs where Citus is built (scripts/citus.sh 18; CITUS_PG_BIN, see citus_cluster.py), else is
+skipped with the reason; marked `citus` (pytest -m citus runs only these)."""
+
+import threading
+import time
+
+import psycopg
+import pytest
+from psycopg import sql
+
+from citus_cluster import CitusCluster, citus_missing
+
+pytestmark = [pytest.mark.citus]
+
+MISSING = citus_missing()
+if MISSING:
+    pytestmark.append(pytest.mark.skip(reason=MISSING))
+
+SHARDS = 8
+
+
+@pytest.fixture(scope="module")
+def citus():
+    c = CitusCluster(settings={"idempotency.sweep_interval": "'1s'"}).start()
+    yield c
+    c.destroy()
+
+
+@pytest.fixture(scope="module")
+def coord(citus):
+    """The coordinator, after idempotency.distribute(); an application table colocated."""
+    with citus.connect() as c:
+        c.execute("SELECT idempotency.distribute(shard_count => %s)", (SHARDS,))
+        c.execute("CREATE SCHEMA shop")
+        c.execute('CREATE TABLE shop.orders (client_id text COLLATE "C" NOT NULL, '
+                  "order_id bigint NOT NULL, amount int, PRIMARY KEY (client_id, order_id))")
+        c.execute("SELECT create_distributed_table('shop.orders', 'client_id', "
+                  "colocate_with => 'idempotency.idempotency_keys')")
+    conn = citus.connect()
+    yield conn
+    conn.close()
+
+
+@pytest.fixture(autouse=True)
+def clean_table():
+    """Overrides conftest's (which starts the single-node cluster)."""
+    yield
+
+
+def claim(conn, key, request=None, scope="", ttl=None, lease=None):
+    """A top-level call with constants, as applications make it: Citus delegates it."""
+    q = sql.SQL("SELECT outcome::text, token, response, response_status, retry_after, recovery_point "
+                "FROM idempotency.claim({}, {}::jsonb, {}, {}::interval, {}::interval)").format(
+        sql.Literal(key), sql.Literal(psycopg.types.json.Jsonb(request) if request is not None else None),
+        sql.Literal(scope), sql.Literal(ttl), sql.Literal(lease))
+    return conn.execute(q).fetchone()
+
+
+def complete(conn, key, response, scope="", token=None, status=200):
+    q = sql.SQL("SELECT idempotency.complete({}, {}::jsonb, {}, {}, {})").format(
+        sql.Literal(key), sql.Literal(psycopg.types.json.Jsonb(response)), sql.Literal(status),
+        sql.Literal(scope), sql.Literal(token))
+    return conn.execute(q).fetchone()[0]
+
+
+def shard_rows(citus, table="idempotency.idempotency_keys"):
+    """{worker port: rows in that worker's shards of `table`}, read on the workers themselves."""
+    with citus.connect() as c:
+        # (citus_shards and citus_tables leave out tables that belong to an extension.)
+        shards = c.execute("SELECT shard_name(s.logicalrelid, s.shardid), p.nodeport FROM pg_dist_shard s "
+                           "JOIN pg_dist_shard_placement p USING (shardid) WHERE s.logicalrelid = %s::regclass",
+                           (table,)).fetchall()
+    rows = {}
+    for name, port in shards:
+        with citus.connect(citus.worker_of_port(port)) as w:
+            n = w.execute(sql.SQL("SELECT count(*) FROM {}").format(sql.Identifier(*name.split(".")))).fetchone()[0]
+        rows[port] = rows.get(port, 0) + n
+    return rows
+
+
+def test_distribute_made_the_store_distributed_and_is_idempotent(citus, coord):
+    parts = dict(coord.execute(
+        "SELECT logicalrelid::text, partmethod::text || coalesce(':' || column_to_column_name(logicalrelid, partkey), '') "
+        "FROM pg_dist_partition WHERE logicalrelid::text LIKE 'idempotency.%'").fetchall())
+    assert parts == {"idempotency.idempotency_keys": "h:scope", "idempotency.audit": "h:scope",
+                     "idempotency.config": "n", "idempotency.signing_secrets": "n"}
+    groups = coord.execute(
+        "SELECT count(DISTINCT colocationid) FROM pg_dist_partition WHERE logicalrelid IN "
+        "('idempotency.idempotency_keys'::regclass, 'idempotency.audit'::regclass, 'shop.orders'::regclass)").fetchone()[0]
+    assert groups == 1
+    delegated = [r[0] for r in coord.execute(
+        "SELECT objid::regprocedure::text FROM pg_dist_object WHERE classid = 'pg_proc'::regclass "
+        "AND distribution_argument_index IS NOT NULL ORDER BY 1").fetchall()]
+    assert delegated == sorted([
+        "idempotency.checkpoint(text,text,text,bigint)", "idempotency.claim(text,jsonb,text,interval,interval)",
+        "idempotency.complete(text,jsonb,integer,text,bigint,interval)", "idempotency.forget(text,text)",
+        "idempotency.lookup(text,text)", "idempotency.release(text,text,bigint)"])
+    assert coord.execute("SELECT count(*) FROM pg_dist_shard WHERE logicalrelid = "
+                         "'idempotency.idempotency_keys'::regclass").fetchone()[0] == SHARDS
+
+    notices = []
+    coord.add_notice_handler(lambda d: notices.append(d.message_primary))
+    coord.execute("SELECT idempotency.distribute()")
+    assert any("distributed already" in n for n in notices), notices
+    # Each node's token sequence has its own range: group id << 48.
+    for i, node in enumerate(citus.nodes):
+        with citus.connect(node) as c:
+            group = c.execute("SELECT groupid FROM pg_dist_local_group").fetchone()[0]
+            last = c.execute("SELECT last_value FROM idempotency.token_seq").fetchone()[0]
+            assert last >= group << 48, (i, group, last)
+
+
+def test_distribute_refuses_off_the_coordinator_and_without_citus(citus, coord):
+    with citus.connect(citus.workers[0]) as w:
+        with pytest.raises(psycopg.Error) as e:
+            w.execute("SELECT idempotency.distribute()")
+        assert e.value.sqlstate == "55000"
+        assert "coordinator" in e.value.diag.message_primary
+        assert "connect to the coordinator" in e.value.diag.message_hint
+    coord.execute("CREATE DATABASE plain")
+    try:
+        with psycopg.connect(citus.conninfo().replace("dbname=idem", "dbname=plain"), autocommit=True) as p:
+            p.execute("CREATE EXTENSION idempotency")
+            with pytest.raises(psycopg.Error) as e:
+                p.execute("SELECT idempotency.distribute()")
+            assert e.value.sqlstate == "0A000"
+            assert "citus" in e.value.diag.message_primary
+            assert "CREATE EXTENSION citus" in e.value.diag.message_hint
+            # Without Citus the store works as on any single node.
+            assert claim(p, "k")[0] == "new"
+    finally:
+        coord.execute("DROP DATABASE plain WITH (FORCE)")
+
+
+def test_claim_complete_replay_mismatch_over_many_scopes(citus, coord):
+    scopes = [f"tenant-{i}" for i in range(300)]
+    tokens = {}
+    for s in scopes:
+        r = claim(coord, "order-1", {"amount": 10}, scope=s)
+        assert r[0] == "new", (s, r)
+        tokens[s] = r[1]
+    for s in scopes:
+        complete(coord, "order-1", {"ok": s}, scope=s, token=tokens[s], status=201)
+    for s in scopes:
+        r = claim(coord, "order-1", {"amount": 10}, scope=s)
+        assert r[:4] == ("replay", tokens[s], {"ok": s}, 201), (s, r)
+        assert claim(coord, "order-1", {"amount": 11}, scope=s)[0] == "mismatch"
+    # Delegated calls ran on the workers: their tokens come from the workers' ranges.
+    assert {t >> 48 for t in tokens.values()} - {0}, "no claim ran on a worker"
+
+    # In the shards on both workers, nowhere else.
+    rows = shard_rows(citus)
+    assert len(rows) == 2 and all(n > 0 for n in rows.values()), rows
+    assert sum(rows.values()) == len(scopes)
+    assert coord.execute("SELECT count(*) FROM idempotency.idempotency_keys WHERE key = 'order-1'").fetchone()[0] == len(scopes)
+    for node in citus.nodes:
+        with citus.connect(node) as c:
+            assert c.execute("SELECT pg_relation_size('idempotency.idempotency_keys')").fetchone()[0] == 0
+
+    # The same calls inside an explicit transaction (not delegated: they run on the coordinator
+    # and reach the shards through SQL) and from a multi-row query.
+    with coord.transaction():
+        assert claim(coord, "order-1", {"amount": 10}, scope="tenant-7")[0] == "replay"
+        tx = claim(coord, "tx-key", {"a": 1}, scope="tenant-7")
+        assert tx[0] == "new" and tx[1] >> 48 == 0, tx  # not delegated: the coordinator's token
+    got = coord.execute(
+        "SELECT s, (idempotency.claim('order-1', '{\"amount\": 10}', s)).outcome::text "
+        "FROM unnest(%s::text[]) AS s", (scopes[:20],)).fetchall()
+    assert {o for _, o in got} == {"replay"}
+    lk = coord.execute("SELECT (idempotency.lookup('order-1', 'tenant-3')).response").fetchone()[0]
+    assert lk == {"ok": "tenant-3"}
+    assert coord.execute("SELECT idempotency.forget('order-1', 'tenant-3')").fetchone()[0] is True
+    assert claim(coord, "order-1", {"amount": 10}, scope="tenant-3")[0] == "new"
+
+
+def test_race_of_16_sessions_on_one_key(citus, coord):
+    barrier = threading.Barrier(16)
+    outcomes = []
+    errors = []
+
+    def run():
+        try:
+            with citus.connect() as c:
+                barrier.wait()
+                outcomes.append(claim(c, "race", {"x": 1}, scope="race-scope", lease="1 minute")[0])
+        except Exception as e:  # pragma: no cover - reported below
+            errors.append(e)
+
+    threads = [threading.Thread(target=run) for _ in range(16)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors
+    assert sorted(outcomes) == ["in_progress"] * 15 + ["new"]
+
+
+def test_claim_order_complete_in_one_transaction(citus, coord):
+    with coord.transaction():
+        r = claim(coord, "buy-1", {"sku": 1}, scope="client-a")
+        assert r[0] == "new"
+        coord.execute("INSERT INTO shop.orders VALUES ('client-a', 1, 100)")
+        complete(coord, "buy-1", {"order_id": 1}, scope="client-a", token=r[1], status=201)
+    assert claim(coord, "buy-1", {"sku": 1}, scope="client-a")[:4] == ("replay", r[1], {"order_id": 1}, 201)
+    assert coord.execute("SELECT count(*) FROM shop.orders WHERE client_id = 'client-a'").fetchone()[0] == 1
+
+    # A failure rolls back the claim with the order: the retry is new.
+    with pytest.raises(RuntimeError):
+        with coord.transaction():
+            assert claim(coord, "buy-2", {"sku": 2}, scope="client-b")[0] == "new"
+            coord.execute("INSERT INTO shop.orders VALUES ('client-b', 2, 200)")
+            raise RuntimeError("payment failed")
+    assert coord.execute("SELECT count(*) FROM shop.orders WHERE client_id = 'client-b'").fetchone()[0] == 0
+    assert claim(coord, "buy-2", {"sku": 2}, scope="client-b")[0] == "new"
+
+
+def test_takeover_after_a_shard_move_gets_a_larger_token(citus, coord):
+    # A scope whose shard is on the worker with the larger group id (the larger token range).
+    groups = dict(coord.execute("SELECT nodeport, groupid FROM pg_dist_node").fetchall())
+    high = max((w.port for w in citus.workers), key=lambda p: groups[p])
+    low = min((w.port for w in citus.workers), key=lambda p: groups[p])
+    scope = None
+    for i in range(100):
+        s = f"mover-{i}"
+        port = coord.execute(
+            "SELECT nodeport FROM pg_dist_shard_placement WHERE shardid = "
+            "get_shard_id_for_distribution_column('idempotency.idempotency_keys', %s::text)", (s,)).fetchone()[0]
+        if port == high:
+            scope = s
+            break
+    assert scope
+    first = claim(coord, "job", {"n": 1}, scope=scope, ttl="1 hour", lease="1 second")
+    assert first[0] == "new" and first[1] >> 48 == groups[high], first
+    shard = coord.execute("SELECT get_shard_id_for_distribution_column('idempotency.idempotency_keys', %s::text)",
+                          (scope,)).fetchone()[0]
+    coord.execute("SELECT citus_move_shard_placement(%s, '127.0.0.1', %s, '127.0.0.1', %s, "
+                  "shard_transfer_mode => 'block_writes')", (shard, high, low))
+    assert coord.execute("SELECT nodeport FROM pg_dist_shard_placement WHERE shardid = %s", (shard,)).fetchone()[0] == low
+    time.sleep(1.2)
+    taken = claim(coord, "job", {"n": 1}, scope=scope, lease="1 minute")
+    assert taken[0] == "new" and taken[1] > first[1], (first, taken)
+    with pytest.raises(psycopg.Error) as e:
+        complete(coord, "job", {"late": True}, scope=scope, token=first[1])
+    assert e.value.sqlstate == "IK003"
+    complete(coord, "job", {"done": True}, scope=scope, token=taken[1])
+    assert claim(coord, "job", {"n": 1}, scope=scope)[0] == "replay"
+
+
+def test_expired_keys_are_swept_on_the_workers(citus, coord):
+    """Each node's background sweeper deletes the expired rows of the shards it holds."""
+    coord.execute("SET idempotency.audit = on")
+    scopes = [f"sweep-{i}" for i in range(60)]
+    for s in scopes:
+        t = claim(coord, "short", scope=s, ttl="1 second", lease="1 second")[1]
+        complete(coord, "short", {"ok": True}, scope=s, token=t)
+    coord.execute("RESET idempotency.audit")
+    count = ("SELECT count(*) FROM idempotency.idempotency_keys "
+             "WHERE key = 'short' AND scope LIKE 'sweep-%'")
+    assert coord.execute(count).fetchone()[0] == len(scopes)
+    rows = shard_rows(citus)
+    assert len(rows) == 2 and all(n > 0 for n in rows.values()), rows
+    deadline = time.monotonic() + 30
+    while coord.execute(count).fetchone()[0] and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert coord.execute(count).fetchone()[0] == 0
+    # The audit rows were written on the workers with their keys, and stay.
+    assert coord.execute("SELECT count(*) FROM idempotency.audit WHERE key = 'short'").fetchone()[0] == len(scopes)
+    audit = shard_rows(citus, "idempotency.audit")
+    assert sum(audit.values()) >= len(scopes) and all(n > 0 for n in audit.values()), audit
+    # A manual sweep runs on every node (here: nothing left to delete).
+    got = coord.execute("SELECT success, result FROM run_command_on_all_nodes('SELECT idempotency.sweep()')").fetchall()
+    assert got and all(ok for ok, _ in got), got
+    for node in citus.nodes:
+        log = node.server_log()
+        assert "idempotency.sweep" not in log, log[-2000:]
+
+
+def test_tenant_prefixes_hold_on_every_node(citus, coord):
+    """Roles and their scope prefixes, set on the coordinator, bind the calls Citus delegates to
+    the workers too."""
+    for role, prefix in (("shop_a", "a:"), ("shop_b", "b:")):
+        coord.execute(f"CREATE ROLE {role} LOGIN")
+        coord.execute(f"GRANT USAGE ON SCHEMA idempotency TO {role}")
+        coord.execute(f"ALTER ROLE {role} SET idempotency.scope_prefix = '{prefix}'")
+    for node in citus.workers:
+        with citus.connect(node) as w:
+            got = w.execute("SELECT r.rolname, s.setconfig FROM pg_roles r LEFT JOIN pg_db_role_setting s "
+                            "ON s.setrole = r.oid WHERE r.rolname IN ('shop_a', 'shop_b') ORDER BY 1").fetchall()
+            assert got == [("shop_a", ["idempotency.scope_prefix=a:"]),
+                           ("shop_b", ["idempotency.scope_prefix=b:"])], got
+    info = citus.conninfo()
+    with psycopg.connect(info.replace("user=postgres", "user=shop_a"), autocommit=True) as a, \
+            psycopg.connect(info.replace("user=postgres", "user=shop_b"), autocommit=True) as b:
+        scopes = [f"a:client-{i}" for i in range(20)]
+        for s in scopes:
+            t = claim(a, "order-1", {"x": 1}, scope=s)
+            assert t[0] == "new"
+            complete(a, "order-1", {"ok": 1}, scope=s, token=t[1])
+        for s in scopes:
+            with pytest.raises(psycopg.Error) as e:
+                claim(b, "order-1", {"x": 1}, scope=s)
+            assert e.value.sqlstate == "42501", (s, e.value.sqlstate, str(e.value))
+            with pytest.raises(psycopg.Error) as e:
+                b.execute(sql.SQL("SELECT idempotency.forget('order-1', {})").format(sql.Literal(s)))
+            assert e.value.sqlstate == "42501"
+            assert claim(a, "order-1", {"x": 1}, scope=s)[0] == "replay"
+        assert claim(b, "order-1", {"x": 1}, scope="b:client-1")[0] == "new"
+        # The tables stay out of reach, on the workers as on the coordinator.
+        for node in citus.nodes:
+            with psycopg.connect(citus.conninfo(node).replace("user=postgres", "user=shop_b"), autocommit=True) as w:
+                with pytest.raises(psycopg.Error) as e:
+                    w.execute("SELECT count(*) FROM idempotency.idempotency_keys")
+                assert e.value.sqlstate == "42501"
+
+
+def test_signed_keys_verify_on_every_node(citus, coord):
+    """Signing secrets are a reference table: a key signed on the coordinator verifies on the
+    workers, and a tampered one is refused there too."""
+    kid = coord.execute("SELECT idempotency.rotate_signing_secret()").fetchone()[0]
+    signed = coord.execute("SELECT idempotency.sign_key('order-77')").fetchone()[0]
+    for node in citus.nodes:
+        with citus.connect(node) as c:
+            assert c.execute("SELECT idempotency.verify_key(%s)", (signed,)).fetchone()[0] == "order-77"
+            with pytest.raises(psycopg.Error) as e:
+                c.execute("SELECT idempotency.verify_key(%s)", (signed[:-2] + ("AA" if signed[-2:] != "AA" else "BB"),))
+            assert e.value.sqlstate == "IK004"
+    assert kid >= 1
+
+
+def test_claim_meeting_an_uncommitted_claim_waits_for_it(citus, coord):
+    """Through SQL (the store on Citus), a claim of a key that another open transaction is
+    inserting waits for that transaction, then answers from its outcome (docs/scaling.md)."""
+    for end, expected in (("COMMIT", "in_progress"), ("ROLLBACK", "new")):
+        key = f"wait-{end}"
+        with citus.connect(autocommit=False) as a:
+            r = claim(a, key, {"w": 1}, scope="wait-scope", lease="1 minute")
+            assert r[0] == "new"
+            got = {}
+
+            def other():
+                with citus.connect() as b:
+                    t0 = time.monotonic()
+                    got["outcome"] = claim(b, key, {"w": 1}, scope="wait-scope")[0]
+                    got["waited"] = time.monotonic() - t0
+
+            t = threading.Thread(target=other)
+            t.start()
+            time.sleep(1.0)
+            a.execute(end)
+            t.join()
+        assert got["outcome"] == expected, (end, got)
+        assert got["waited"] >= 0.9, (end, got)
+
+
+def test_keys_stored_hashed_chosen_before_distributing(citus, coord):
+    """set_key_storage('sha256') before distribute(): calls that run on the workers hash keys
+    with the coordinator's secret (config is a reference table), and replays find them from
+    any node. After distribute() the switch is refused (it cannot reach every node's backends
+    at once, and Citus refuses its rekeying UPDATE)."""
+    with pytest.raises(psycopg.Error) as e:
+        coord.execute("SELECT idempotency.set_key_storage('sha256')")
+    assert e.value.sqlstate == "0A000"
+    assert "distributed by Citus" in e.value.diag.message_primary
+    assert "before idempotency.distribute()" in e.value.diag.message_hint
+
+    info = citus.add_database("hashed")
+    with psycopg.connect(info(), autocommit=True) as c:
+        c.execute("CREATE EXTENSION idempotency")
+        before = claim(c, "plain-before", {"v": 1}, scope="hash-0")
+        complete(c, "plain-before", {"v": 1}, scope="hash-0", token=before[1])
+        assert c.execute("SELECT idempotency.set_key_storage('sha256')").fetchone()[0] == 1
+        c.execute("SELECT idempotency.distribute(shard_count => 4)")
+        scopes = [f"hash-{i}" for i in range(1, 40)]
+        tokens = []
+        for s in scopes:
+            t = claim(c, "secret-key", {"v": 2}, scope=s)
+            assert t[0] == "new", (s, t)
+            tokens.append(t[1])
+            complete(c, "secret-key", {"v": 2}, scope=s, token=t[1])
+        assert {t >> 48 for t in tokens} - {0}, "no claim ran on a worker"
+        # Inside a transaction (run on the coordinator) the same keys are found.
+        with c.transaction():
+            for s in scopes[:10]:
+                assert claim(c, "secret-key", {"v": 2}, scope=s)[0] == "replay"
+        assert claim(c, "plain-before", {"v": 1}, scope="hash-0")[0] == "replay"
+        assert c.execute("SELECT count(*) FROM idempotency.idempotency_keys "
+                         "WHERE key IN ('secret-key', 'plain-before')").fetchone()[0] == 0
+        hashed = c.execute("SELECT count(*) FROM idempotency.idempotency_keys "
+                           "WHERE key ~ '^[0-9a-f]{64}$'").fetchone()[0]
+        assert hashed == len(scopes) + 1
+
+
+def test_worker_killed_mid_load_loses_no_acknowledged_completion(citus, coord):
+    """SIGKILL of a worker's postmaster under claim + complete load through the coordinator:
+    calls on its shards fail meanwhile; after its restart every completion that was
+    acknowledged replays its response."""
+    acked = []
+    failures = []
+    stop = threading.Event()
+
+    def load(n):
+        with citus.connect() as c:
+            i = 0
+            while not stop.is_set():
+                i += 1
+                scope, key = f"kill-{i % 40}", f"k-{n}-{i}"
+                try:
+                    r = claim(c, key, {"n": n}, scope=scope)
+                    if r[0] == "new":
+                        complete(c, key, {"n": n, "i": i}, scope=scope, token=r[1])
+                        acked.append((scope, key, {"n": n, "i": i}))
+                except psycopg.Error as e:
+                    failures.append(e)
+                    if c.closed or c.broken:
+                        return
+                    time.sleep(0.05)
+
+    threads = [threading.Thread(target=load, args=(n,)) for n in range(6)]
+    for t in threads:
+        t.start()
+    time.sleep(1.5)
+    victim = citus.workers[1]
+    victim.kill_postmaster()
+    time.sleep(1.0)
+    stop.set()
+    for t in threads:
+        t.join()
+    victim.restart()
+    victim.wait_ready()
+    assert len(acked) > 50, (len(acked), failures[:3])
+    with citus.connect() as c:
+        deadline = time.monotonic() + 30
+        while True:  # the coordinator reconnects to the restarted worker
+            try:
+                c.execute("SELECT count(*) FROM idempotency.idempotency_keys").fetchone()
+                break
+            except psycopg.Error:
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.5)
+        for scope, key, response in acked:
+            r = claim(c, key, {"n": response["n"]}, scope=scope)
+            assert r[0] == "replay" and r[2] == response, (scope, key, r)
