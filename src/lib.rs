@@ -6,7 +6,6 @@
 //!   the crate `idempotency-core` (crates/idempotency-core), which has no pgrx: `cargo test -p
 //!   idempotency-core` runs its tests without PostgreSQL;
 //! - `jsonb`: reads a jsonb datum into the canonical tree;
-//! - `citus`: whether the store is a Citus distributed table (then only SQL touches it);
 //! - `store`: everything that reads or writes the extension's table (claim, completion, sweep),
 //!   in layers (see its module comment);
 //! - `api`: the SQL-callable functions, declared in `sql/idempotency.sql`;
@@ -18,7 +17,6 @@
 
 pub mod api;
 pub use idempotency_core::{arguments, canonical, decision, derivation, signing};
-pub mod citus;
 pub mod compat;
 pub mod encoding;
 pub mod error;

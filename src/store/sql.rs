@@ -416,3 +416,45 @@ pub(crate) const SWEEP_SQL: &str = "DELETE FROM idempotency.idempotency_keys AS 
         WHERE s.expires_at OPERATOR(pg_catalog.<=) pg_catalog.now() \
           AND pg_catalog.starts_with(s.scope, $2) \
         LIMIT $1 FOR UPDATE SKIP LOCKED))";
+
+/// This node's shards of `table`: the placements in its group whose relation exists here (a
+/// shard being moved away stays until Citus drops it; one being moved here appears when the
+/// move completes).
+const LOCAL_SHARDS_SQL: &str = "SELECT pg_catalog.shard_name(s.logicalrelid, s.shardid) \
+       FROM pg_catalog.pg_dist_shard AS s \
+       JOIN pg_catalog.pg_dist_placement AS p ON p.shardid OPERATOR(pg_catalog.=) s.shardid \
+      WHERE s.logicalrelid OPERATOR(pg_catalog.=) $1::pg_catalog.regclass \
+        AND p.groupid OPERATOR(pg_catalog.=) (SELECT g.groupid FROM pg_catalog.pg_dist_local_group AS g) \
+        AND pg_catalog.to_regclass(pg_catalog.shard_name(s.logicalrelid, s.shardid)) IS NOT NULL \
+      ORDER BY s.shardid";
+
+/// A sweep on Citus: runs `statement`, a DELETE that names `table` (schema-qualified, as in
+/// the statement), on each of this node's shards of `table` in its place, until `batch` rows
+/// are deleted; `args(left)` gives the statement's arguments for at most `left` more rows.
+/// Each node sweeps the shards it holds (its background sweeper runs this): a DELETE of the
+/// distributed table with a row-locking subquery is no statement Citus runs across shards.
+pub(crate) fn sweep_local_shards<'a>(
+    table: &str,
+    statement: &str,
+    batch: i64,
+    args: impl Fn(i64) -> Vec<pgrx::datum::DatumWithOid<'a>>,
+) -> Result<i64, pgrx::spi::Error> {
+    let _path = super::catalog::PinnedSearchPath::pin();
+    Spi::connect_mut(|client| {
+        let shards: Vec<String> = client
+            .select(LOCAL_SHARDS_SQL, None, &[table.into()])?
+            .filter_map(|r| r.get::<String>(1).ok().flatten())
+            .collect();
+        let mut deleted = 0;
+        for shard in shards {
+            if deleted >= batch {
+                break;
+            }
+            let sql = statement.replace(table, &shard);
+            deleted += client
+                .update(sql.as_str(), None, &args(batch - deleted))?
+                .len() as i64;
+        }
+        Ok(deleted)
+    })
+}

@@ -1,9 +1,9 @@
 //! The sweep: expired rows (and old audit rows) deleted in batches, through the statements.
 
-use super::catalog::layout;
+use super::catalog::citus_table;
 use super::catalog::PinnedSearchPath;
 use super::spi_failed;
-use super::sql::{audit_plans, plan, Plan, AUDIT_SWEEP_SQL, SWEEP_SQL};
+use super::sql::{audit_plans, plan, sweep_local_shards, Plan, AUDIT_SWEEP_SQL, SWEEP_SQL};
 use crate::encoding;
 use pgrx::pg_sys;
 use pgrx::prelude::*;
@@ -32,18 +32,13 @@ pub fn expired_since(since: pg_sys::TimestampTz) -> i64 {
 /// skipping rows other transactions hold; returns how many.
 pub fn sweep_batch(batch: i64, prefix: &str) -> i64 {
     let _path = PinnedSearchPath::pin();
-    if crate::citus::citus_distributed(layout().relid) {
-        return crate::citus::sweep_local_shards(
-            "idempotency.idempotency_keys",
-            SWEEP_SQL,
-            batch,
-            |left| {
-                vec![
-                    left.into(),
-                    encoding::spi_text(prefix, "idempotency.scope_prefix"),
-                ]
-            },
-        )
+    if citus_table() {
+        return sweep_local_shards("idempotency.idempotency_keys", SWEEP_SQL, batch, |left| {
+            vec![
+                left.into(),
+                encoding::spi_text(prefix, "idempotency.scope_prefix"),
+            ]
+        })
         .unwrap_or_else(|e| spi_failed("sweep", e));
     }
     let deleted = Spi::connect_mut(|client| {
@@ -66,20 +61,15 @@ pub fn sweep_batch(batch: i64, prefix: &str) -> i64 {
 /// `prefix` ("": every row); returns how many.
 pub fn sweep_audit_batch(retention_secs: f64, batch: i64, prefix: &str) -> i64 {
     let _path = PinnedSearchPath::pin();
-    if crate::citus::citus_distributed(layout().relid) {
+    if citus_table() {
         // idempotency.distribute() distributes the audit table with the store.
-        return crate::citus::sweep_local_shards(
-            "idempotency.audit",
-            AUDIT_SWEEP_SQL,
-            batch,
-            |left| {
-                vec![
-                    retention_secs.into(),
-                    left.into(),
-                    encoding::spi_text(prefix, "idempotency.scope_prefix"),
-                ]
-            },
-        )
+        return sweep_local_shards("idempotency.audit", AUDIT_SWEEP_SQL, batch, |left| {
+            vec![
+                retention_secs.into(),
+                left.into(),
+                encoding::spi_text(prefix, "idempotency.scope_prefix"),
+            ]
+        })
         .unwrap_or_else(|e| spi_failed("sweep_audit", e));
     }
     Spi::connect_mut(|client| {

@@ -62,7 +62,7 @@ pub(crate) const CONSTRAINTS_SQL: &str = "SELECT pg_catalog.string_agg(c.contype
 ///   which the direct update would bypass.
 pub(crate) fn direct_layout() -> Option<DirectLayout> {
     let l = layout();
-    if crate::citus::citus_distributed(l.relid) {
+    if super::citus_table() {
         return None;
     }
     match cache().direct {

@@ -12,6 +12,7 @@ use pgrx::prelude::*;
 use pgrx::PgSqlErrorCode;
 use std::cell::Cell;
 
+mod citus;
 mod columns;
 mod direct;
 mod key_storage;
@@ -231,6 +232,8 @@ struct Cache {
     /// Read once per layout (see [`key_storage`]).
     key_storage: Option<KeyStorage>,
     direct: Direct,
+    /// Whether the table is a Citus table (read once per layout, see [`citus_table`]).
+    citus: Option<bool>,
     /// Whether [`forget`] is registered (once per backend; it cannot be unregistered).
     callback_registered: bool,
 }
@@ -240,6 +243,7 @@ static CACHE: crate::local::BackendLocal<Cell<Cache>> =
         layout: None,
         key_storage: None,
         direct: Direct::Unknown,
+        citus: None,
         callback_registered: false,
     }));
 
@@ -272,8 +276,23 @@ unsafe extern "C-unwind" fn forget(_arg: pg_sys::Datum, relid: pg_sys::Oid) {
             c.layout = None;
             c.key_storage = None;
             c.direct = Direct::Unknown;
+            c.citus = None;
         }
     });
+}
+
+/// Whether the store is a Citus table: then only SQL touches it (no probe, no direct writes,
+/// each node sweeps its own shards). Read once per layout, like the rest of the cache.
+pub(crate) fn citus_table() -> bool {
+    let l = layout();
+    if let Some(known) = cache().citus {
+        return known;
+    }
+    let citus = citus::is_citus_table(l.relid);
+    if layout_is(l.relid) {
+        update_cache(|c| c.citus = Some(citus));
+    }
+    citus
 }
 
 pub(crate) fn layout() -> Layout {
