@@ -52,6 +52,7 @@ function idempotent(fn, options = {}) {
     const request = db.toJsonText(payload, 'the request');
     const deadline = Date.now() + waitMs;
     const d = conn();
+    let poll = 50; // while waiting: claim again every 50 ms, doubling up to 1 s (at most retry_after)
     for (;;) {
       const c = await db.claim(d, { key, request, scope, ttl, lease });
       if (c.outcome === 'replay') {
@@ -61,7 +62,8 @@ function idempotent(fn, options = {}) {
       if (c.outcome === 'in_progress') {
         const left = deadline - Date.now();
         if (left <= 0) throw new InProgressError({ key, scope, retryAfter: c.retryAfter ?? 1, expiresAt: c.expiresAt });
-        await db.sleep(Math.min((c.retryAfter ?? 1) * 1000, left));
+        await db.sleep(Math.min((c.retryAfter ?? 1) * 1000, left, poll));
+        poll = Math.min(poll * 2, 1000);
         continue;
       }
       // new: a first call, or a takeover after the holder's lease ran out (recoveryPoint set).
