@@ -19,6 +19,8 @@ export interface ConnectionOptions {
   applicationName?: string;
   /** How long (ms) a statement is repeated after lost connections (default 30000). */
   reconnectTimeout?: number;
+  /** Told of every lost connection: a statement about to be repeated, an idle connection of the package's own pool dropped. */
+  onConnectionLost?: (err: Error) => void;
 }
 
 export interface IdempotentOptions<A extends unknown[]> extends ConnectionOptions {

@@ -60,6 +60,7 @@ class Db {
   // patience: how long (ms) a statement is repeated after lost connections.
   constructor(options = {}) {
     this.patience = options.reconnectTimeout ?? 30000;
+    this.onLost = options.onConnectionLost ?? (() => {});
     if (options.pool) {
       this.pool = options.pool;
       this.owned = false;
@@ -72,7 +73,7 @@ class Db {
       });
       // An idle connection that the server drops emits 'error' on the pool: without a listener
       // the process would die. The next statement simply gets a new connection.
-      this.pool.on('error', () => {});
+      this.pool.on('error', (err) => this.onLost(err));
       this.owned = true;
     }
   }
@@ -88,6 +89,7 @@ class Db {
         if (err.code === '40001' || err.code === '40P01') {
           await sleep(20 + Math.random() * 30);
         } else if (connectionLost(err) && Date.now() < deadline) {
+          this.onLost(err);
           await sleep(pause);
           pause = Math.min(pause * 2, 1000);
         } else {

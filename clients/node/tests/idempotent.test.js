@@ -211,7 +211,8 @@ test('a database restart mid-function: complete reconnects, nothing runs twice',
     cluster.stop('fast'); // every connection of the pool is gone
     setTimeout(() => cluster.restart(), 1000); // down for a second
     return 'survived';
-  }, { key: 'restart', pool, lease: 30 });
+  }, { key: 'restart', pool, lease: 30, onConnectionLost: () => { lost += 1; } });
+  let lost = 0;
   const r = await f.detailed();
   assert.equal(r.outcome, 'new');
   assert.equal(r.value, 'survived');
@@ -219,6 +220,7 @@ test('a database restart mid-function: complete reconnects, nothing runs twice',
   assert.equal(again.outcome, 'replay');
   assert.equal(again.value, 'survived');
   assert.equal(runs, 1);
+  assert.ok(lost > 0, 'the repeated statement was reported');
   assert.equal((await row('restart')).status, 'completed');
 });
 
