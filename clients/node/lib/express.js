@@ -51,6 +51,7 @@ function expressIdempotency(options = {}) {
     if (body === null && req.body === undefined && !req.complete) {
       body = await readBody(req, limit);
       req.rawBody = body;
+      req._body = true; // body-parser 1.x (Express 4) skips a request so marked
       if (body.length > 0 && isJsonType(req.headers['content-type'])) {
         try {
           req.body = JSON.parse(body.toString('utf8'));

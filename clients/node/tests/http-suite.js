@@ -7,6 +7,8 @@
 const { test, before, after } = require('node:test');
 const assert = require('node:assert/strict');
 const http = require('node:http');
+const path = require('node:path');
+const { spawn } = require('node:child_process');
 const { startCluster } = require('./cluster');
 
 const sleep = (ms) => new Promise((r) => setTimeout(r, ms));
@@ -219,6 +221,38 @@ function httpSuite(name, serve) {
   test(`${name}: other methods pass through without a key`, async () => {
     const r = await request(srv.url, '/orders', { method: 'GET', headers: { 'x-client-id': 'client-7' } });
     assert.equal(r.status, 200);
+  });
+
+  test(`${name}: a server killed mid-request: 409 until the lease ends, then the retry runs as new`, async () => {
+    const child = spawn(process.execPath, [path.join(__dirname, 'fixtures', 'crash-server.js'), name, '2'],
+      { env: cluster.env(), stdio: ['ignore', 'pipe', 'inherit'] });
+    let out = '';
+    const seen = (what) => new Promise((resolve, reject) => {
+      const check = () => {
+        const m = what.exec(out);
+        if (m) resolve(m);
+      };
+      child.stdout.on('data', (d) => { out += d; check(); });
+      child.on('exit', (code) => reject(new Error(`the server exited (${code})`)));
+      check();
+    });
+    const [, port] = await seen(/listening (\d+)/);
+    const lost = post('/orders', '"k-13"', { amount: 4 }, { server: { url: `http://127.0.0.1:${port}` } }).catch((err) => err);
+    await seen(/handling/);
+    const token = async () => (await pool.query("SELECT token::text FROM idempotency.lookup('k-13', 'client-7:POST /orders')")).rows[0].token;
+    const first = await token();
+    child.kill('SIGKILL');
+    await lost;
+    const dup = await post('/orders', '"k-13"', { amount: 4 });
+    assert.equal(dup.status, 409);
+    const wait = Number(dup.headers['retry-after']);
+    assert.ok(wait >= 1 && wait <= 2, `Retry-After ${wait}`);
+    await sleep(wait * 1000 + 100);
+    const retry = await post('/orders', '"k-13"', { amount: 4 });
+    assert.equal(retry.status, 201);
+    assert.equal(retry.headers['idempotent-replayed'], undefined);
+    assert.ok(BigInt(await token()) > BigInt(first), 'taken over with a larger token');
+    assert.equal(app.count('client-7', '"k-13"'), 1);
   });
 
   test(`${name}: a database restart mid-request: the answer is stored after reconnecting, the retry replays`, async () => {

@@ -206,13 +206,13 @@ test('a stale call whose lease ran out is fenced off and answers the stored resu
 
 test('a database restart mid-function: complete reconnects, nothing runs twice', async () => {
   let runs = 0;
+  let lost = 0;
   const f = idempotent(async () => {
     runs += 1;
     cluster.stop('fast'); // every connection of the pool is gone
     setTimeout(() => cluster.restart(), 1000); // down for a second
     return 'survived';
   }, { key: 'restart', pool, lease: 30, onConnectionLost: () => { lost += 1; } });
-  let lost = 0;
   const r = await f.detailed();
   assert.equal(r.outcome, 'new');
   assert.equal(r.value, 'survived');
