@@ -244,12 +244,14 @@ function message(err) {
 }
 
 // A response as stored in `response` (jsonb): the body's exact bytes, so that a replay is
-// byte-identical, and its content type. response_status holds the status.
+// byte-identical (as text, or base64 when it is not UTF-8 or holds a NUL), and its content type.
+// response_status holds the status.
 function pack({ headers, body }) {
   const buf = body === null || body === undefined ? Buffer.alloc(0) : Buffer.from(body);
   let text = null;
   try {
     text = new TextDecoder('utf-8', { fatal: true }).decode(buf);
+    if (text.includes('\u0000')) text = null; // jsonb strings cannot hold NUL
   } catch {
     // not UTF-8: stored as base64
   }
