@@ -27,6 +27,16 @@ after(async () => {
   cluster.destroy();
 });
 
+// Waits until (scope, key) is claimed: no fixed sleeps that a loaded machine could outrun.
+async function claimed(key, scope = '') {
+  for (let i = 0; i < 200; i += 1) {
+    const r = await row(key, scope);
+    if (r && r.status === 'in_progress') return r;
+    await sleep(25);
+  }
+  throw new Error(`${scope}/${key} never got claimed`);
+}
+
 async function row(key, scope = '') {
   const { rows } = await pool.query(
     'SELECT status::text, token::text, response, response_status, recovery_point FROM idempotency.lookup($1, $2)',
@@ -108,7 +118,7 @@ test('in_progress: waits for the running call and replays its result, or throws 
   let runs = 0;
   const slow = idempotent(async () => { runs += 1; await gate; return 'done'; }, { key: 'slow', pool, lease: 20, wait: 0 });
   const first = slow();
-  await sleep(200);
+  await claimed('slow');
   await assert.rejects(slow(), (err) => {
     assert.ok(err instanceof InProgressError);
     assert.equal(err.code, 'IDEMPOTENCY_IN_PROGRESS');
@@ -129,9 +139,9 @@ test('in_progress: waits for the running call and replays its result, or throws 
 
 test('a waiting call replays the result once the running call completes', async () => {
   let runs = 0;
-  const f = idempotent(async () => { runs += 1; await sleep(1500); return runs; }, { key: 'waiter', pool, lease: 2, wait: 10 });
+  const f = idempotent(async () => { runs += 1; await sleep(1500); return runs; }, { key: 'waiter', pool, lease: 10, wait: 20 });
   const first = f.detailed();
-  await sleep(200);
+  await claimed('waiter');
   const second = await f.detailed();
   assert.equal((await first).outcome, 'new');
   assert.equal(second.outcome, 'replay');
@@ -195,7 +205,7 @@ test('a stale call whose lease ran out is fenced off and answers the stored resu
   const stale = idempotent(async () => { log.push('stale'); await sleep(2500); return 'stale'; }, { key: 'fence', pool, lease: 1, wait: 0 });
   const fresh = idempotent(async () => { log.push('fresh'); return 'fresh'; }, { key: 'fence', pool, lease: 5, wait: 10 });
   const s = stale.detailed();
-  await sleep(100);
+  await claimed('fence');
   const f = await fresh.detailed(); // waits out the 1 s lease, takes over
   assert.equal(f.outcome, 'new');
   const late = await s; // its complete is refused (IK003): it claims again and gets the replay
