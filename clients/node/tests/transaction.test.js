@@ -96,3 +96,26 @@ test('begin: false works inside the caller\'s transaction, which the caller roll
     client.release();
   }
 });
+
+test('a database restart mid-transaction: the work and the claim roll back together, the retry is new and runs once', async () => {
+  const before = await count();
+  const client = await pool.connect();
+  client.on('error', () => {}); // the server goes away under it
+  await assert.rejects(idempotentTransaction(client, { key: 'p-5', request: { amount: 7 }, scope: 'payments' }, async (c) => {
+    await c.query("INSERT INTO payments (account, amount) VALUES ('e', 7)");
+    cluster.stop('fast');
+    cluster.restart();
+    await c.query('SELECT 1'); // the connection is gone: the transaction never commits
+  }));
+  client.release(true);
+  await new Promise((r) => setTimeout(r, 200)); // the pool drops its idle connections that the restart closed
+  const again = await pool.connect();
+  try {
+    const r = await pay(again, 'p-5', { account: 'e', amount: 7 });
+    assert.equal(r.outcome, 'new');
+    assert.equal((await pay(again, 'p-5', { account: 'e', amount: 7 })).outcome, 'replay');
+  } finally {
+    again.release();
+  }
+  assert.equal(await count(), before + 1);
+});
