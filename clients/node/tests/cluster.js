@@ -95,8 +95,15 @@ class Cluster {
   }
 }
 
+// A test process that is stopped (or ends without its after hook) leaves no server running.
+const live = new Set();
+process.on('exit', () => { for (const c of live) c.destroy(); });
+for (const signal of ['SIGINT', 'SIGTERM']) process.once(signal, () => process.exit(130));
+
 async function startCluster() {
-  return new Cluster().start();
+  const c = new Cluster();
+  live.add(c);
+  return c.start();
 }
 
 module.exports = { startCluster, Cluster, PG_BIN };

@@ -4,7 +4,7 @@
 // requests, on a throwaway cluster. `serve(options)` starts a server whose routes call
 // `handler` and returns { url, close }.
 
-const { test, before, after } = require('node:test');
+const { test: nodeTest, before, after } = require('node:test');
 const assert = require('node:assert/strict');
 const http = require('node:http');
 const path = require('node:path');
@@ -31,6 +31,7 @@ function request(base, path, { method = 'POST', headers = {}, body } = {}) {
       });
     });
     req.on('error', reject);
+    req.setTimeout(30000, () => req.destroy(new Error(`no answer to ${method} ${path} in 30 s`)));
     if (data) req.write(data);
     req.end();
   });
@@ -63,6 +64,7 @@ function makeApp(cluster) {
 }
 
 function httpSuite(name, serve) {
+  const test = (title, fn) => nodeTest(title, { timeout: 90000 }, fn);
   let cluster;
   let pool;
   let app;

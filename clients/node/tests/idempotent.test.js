@@ -2,7 +2,9 @@
 // idempotent(): every outcome, a race, a crash taken over after the lease, fencing and a database
 // restart mid-call, against a throwaway cluster (tests/cluster.js).
 
-const { test, before, after } = require('node:test');
+const { test: nodeTest, before, after } = require('node:test');
+
+const test = (title, fn) => nodeTest(title, { timeout: 90000 }, fn); // a hang fails, never blocks
 const assert = require('node:assert/strict');
 const { spawn } = require('node:child_process');
 const fs = require('node:fs');

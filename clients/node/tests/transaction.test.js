@@ -1,7 +1,9 @@
 'use strict';
 // idempotentTransaction(): the one-transaction style on the caller's client.
 
-const { test, before, after } = require('node:test');
+const { test: nodeTest, before, after } = require('node:test');
+
+const test = (title, fn) => nodeTest(title, { timeout: 90000 }, fn); // a hang fails, never blocks
 const assert = require('node:assert/strict');
 const { idempotentTransaction, InProgressError, MismatchError } = require('..');
 const { startCluster } = require('./cluster');
