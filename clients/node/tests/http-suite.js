@@ -66,7 +66,8 @@ function makeApp(cluster) {
 function httpSuite(name, serve) {
   const test = (title, fn) => nodeTest(title, { timeout: 90000 }, fn);
   let cluster;
-  let pool;
+  let pool; // superuser, for the tests' own looks at the store
+  let appPool;
   let app;
   let srv; // wait 0: duplicates get 409 at once
   let waiting; // wait 10 s: duplicates wait and replay
@@ -79,14 +80,18 @@ function httpSuite(name, serve) {
     cluster = await startCluster();
     pool = cluster.pool();
     app = makeApp(cluster);
+    // The servers connect as an application role with the one grant it needs.
+    await pool.query('CREATE ROLE app LOGIN; GRANT USAGE ON SCHEMA idempotency TO app');
+    appPool = cluster.pool({ user: 'app' });
     const client = (req) => req.headers['x-client-id'];
-    srv = await serve({ pool, client, ttl: 3600, lease: 3 }, app.handler);
-    waiting = await serve({ pool, client, ttl: 3600, lease: 10, wait: 10 }, app.handler);
+    srv = await serve({ pool: appPool, client, ttl: 3600, lease: 3 }, app.handler);
+    waiting = await serve({ pool: appPool, client, ttl: 3600, lease: 10, wait: 10 }, app.handler);
   });
 
   after(async () => {
     await srv.close();
     await waiting.close();
+    await appPool.end();
     await pool.end();
     cluster.destroy();
   });

@@ -243,6 +243,26 @@ test('a connection string (or the PG* variables) gives the wrapper a pool of its
   await f.close();
 });
 
+test('an application role with only GRANT USAGE ON SCHEMA idempotency can use every path', async () => {
+  await pool.query('CREATE ROLE app LOGIN; GRANT USAGE ON SCHEMA idempotency TO app');
+  const appPool = cluster.pool({ user: 'app' });
+  try {
+    let runs = 0;
+    const f = idempotent(async (n) => {
+      runs += 1;
+      await currentClaim().checkpoint('half');
+      if (runs === 1) throw new Error('first attempt fails');
+      return n;
+    }, { key: 'as-app', pool: appPool });
+    await assert.rejects(f(1), /first attempt/); // release
+    assert.equal(await f(1), 1); // claim, checkpoint, complete
+    assert.equal((await f.detailed(1)).outcome, 'replay');
+    await assert.rejects(f(2), MismatchError);
+  } finally {
+    await appPool.end();
+  }
+});
+
 test('bad options and bad keys: errors from the extension or TypeErrors, nothing stored', async () => {
   assert.throws(() => idempotent(async () => 1, {}), TypeError);
   assert.throws(() => idempotent(async () => 1, { key: 'x', ttl: {} }), TypeError);
