@@ -8,7 +8,6 @@ const test = (title, fn) => nodeTest(title, { timeout: 90000 }, fn); // a hang f
 const assert = require('node:assert/strict');
 const { spawn } = require('node:child_process');
 const fs = require('node:fs');
-const os = require('node:os');
 const path = require('node:path');
 const {
   idempotent, currentClaim, InProgressError, MismatchError, IdempotencyError,
@@ -166,7 +165,7 @@ test('a race of 12 concurrent identical calls from two pools runs the function o
 });
 
 test('a process killed mid-function: retries get in_progress until the lease ends, then take over at the checkpoint', async () => {
-  const effects = path.join(fs.mkdtempSync(path.join(os.tmpdir(), 'pg-idem-crash-')), 'effects.log');
+  const effects = path.join(cluster.dir, 'effects.log'); // removed with the cluster
   const child = spawn(process.execPath, [path.join(__dirname, 'fixtures', 'crash-child.js'), 'receipt-9', effects, '3'],
     { env: cluster.env(), stdio: ['ignore', 'pipe', 'inherit'] });
   const firstToken = await new Promise((resolve, reject) => {
