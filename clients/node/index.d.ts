@@ -1,0 +1,199 @@
+// Type declarations of pg-idempotency (the package is plain CommonJS; these are checked by
+// `npm run typecheck` against tests/types/usage.ts).
+
+import type { IncomingHttpHeaders, IncomingMessage, ServerResponse } from 'node:http';
+import type { ClientBase, Pool } from 'pg';
+
+/** A number of seconds, or a PostgreSQL interval string such as '5 minutes'. */
+export type Interval = number | string;
+
+/** Where the statements go. Without `pool` and `connectionString`: the PG* environment variables. */
+export interface ConnectionOptions {
+  /** A pg Pool of yours (give it an 'error' listener: a restart drops its idle connections). */
+  pool?: Pool;
+  /** A postgres:// URL or libpq keyword string for a pool of the package's own. */
+  connectionString?: string;
+  /** Size of the package's own pool (default 10). */
+  poolSize?: number;
+  /** application_name of the package's own pool (default 'pg-idempotency'). */
+  applicationName?: string;
+  /** How long (ms) a statement is repeated after lost connections (default 30000). */
+  reconnectTimeout?: number;
+  /** Told of every lost connection: a statement about to be repeated, an idle connection of the package's own pool dropped. */
+  onConnectionLost?: (err: Error) => void;
+}
+
+export interface IdempotentOptions<A extends unknown[]> extends ConnectionOptions {
+  /** The idempotency key: a string, or a function of the call's arguments. */
+  key: string | ((...args: A) => string);
+  /** Keys are unique per scope (default ''). */
+  scope?: string;
+  /** How long the result is remembered (default: the server's idempotency.default_ttl). */
+  ttl?: Interval | null;
+  /** How long a call may run before another may take the key over (default: the server's). */
+  lease?: Interval | null;
+  /** What is compared on a retry (hashed by the extension): default the arguments; null: nothing. */
+  request?: ((...args: A) => unknown) | null;
+  /** Seconds to wait while another call holds the key before throwing InProgressError (default 10). */
+  wait?: number;
+  /** Release the key when the function throws (default true): the next call runs again. */
+  releaseOnError?: boolean | ((err: unknown) => boolean);
+  /** response_status stored with the result (default 200). */
+  status?: number;
+}
+
+export interface CallResult<T> {
+  /** The result: the function's own on 'new', its stored JSON form on 'replay'. */
+  value: T;
+  outcome: 'new' | 'replay';
+  replayed: boolean;
+  /** The fencing token of the claim (a bigint, as a string). */
+  token: string;
+  /** Until when a retry with the same key is recognised. */
+  expiresAt: Date;
+}
+
+export interface IdempotentFunction<A extends unknown[], R> {
+  (...args: A): Promise<R>;
+  /** The same call, with its outcome. */
+  detailed(...args: A): Promise<CallResult<R>>;
+  /** Ends the pool the wrapper made itself (from connectionString or the environment). */
+  close(): Promise<void>;
+}
+
+/** Leased style: claim, run fn, complete with its result (or release when it throws). */
+export function idempotent<A extends unknown[], R>(
+  fn: (...args: A) => R | Promise<R>,
+  options: IdempotentOptions<A>,
+): IdempotentFunction<A, Awaited<R>>;
+
+/** The claim of the running idempotent function. */
+export interface Claim {
+  readonly key: string;
+  readonly scope: string;
+  readonly token: string;
+  /** The last checkpoint: set when this call took the key over from one that died. */
+  readonly recoveryPoint: string | null;
+  readonly expiresAt: Date;
+  /** Records progress; throws FencedError when another call has taken the key over. */
+  checkpoint(point: string): Promise<void>;
+}
+
+/** Inside a function wrapped by idempotent(): its claim; elsewhere undefined. */
+export function currentClaim(): Claim | undefined;
+
+export interface TransactionOptions {
+  key: string;
+  /** The request to compare on retries (any JSON value); null/undefined: nothing compared. */
+  request?: unknown;
+  scope?: string;
+  ttl?: Interval | null;
+  lease?: Interval | null;
+  /** response_status stored with the result (default 200; ctx.status may change it). */
+  status?: number;
+  /** How long the claim may wait for another open transaction's claim of the key. */
+  claimWait?: number | string;
+  /** true (default): BEGIN/COMMIT/ROLLBACK here; false: inside the caller's open transaction. */
+  begin?: boolean;
+}
+
+export interface TransactionContext {
+  readonly key: string;
+  readonly scope: string;
+  readonly token: string;
+  readonly expiresAt: Date;
+  readonly client: ClientBase;
+  status: number;
+}
+
+export interface TransactionResult<T> {
+  value: T;
+  status: number;
+  outcome: 'new' | 'replay';
+  replayed: boolean;
+  expiresAt: Date;
+}
+
+/** One-transaction style on your client: claim, fn, complete, commit; a throw rolls it all back. */
+export function idempotentTransaction<T>(
+  client: ClientBase,
+  options: TransactionOptions,
+  fn: (client: ClientBase, ctx: TransactionContext) => T | Promise<T>,
+): Promise<TransactionResult<Awaited<T>>>;
+
+export interface HttpOptions<Req> extends ConnectionOptions {
+  /** How long answers are remembered (default 86400 s). */
+  ttl?: Interval;
+  /** How long a request may run before a retry may take it over (default 60 s). */
+  lease?: Interval;
+  /** Seconds a duplicate waits for the first request to finish before answering 409 (default 0). */
+  wait?: number;
+  /** Methods that need a key (default ['POST', 'PATCH']). */
+  methods?: string[];
+  /** A request without a key is 400 (default true); false lets it through unprotected. */
+  required?: boolean;
+  /** The authenticated client, part of the scope; a falsy answer is 401. Without it the scope is the route. */
+  client?: (req: Req) => string | null | undefined | Promise<string | null | undefined>;
+  /** Prefix of the problem types (default 'https://developer.example.com/idempotency/'). */
+  problemBase?: string;
+  /** Which answers are stored (default status < 500); for the others the key is released. */
+  storeResponse?: (status: number) => boolean;
+  /** Errors that do not reach the client (default console.error). */
+  onError?: (err: unknown) => void;
+}
+
+export interface ExpressOptions extends HttpOptions<IncomingMessage & { [name: string]: any }> {
+  /** Largest body the middleware reads itself (default 1 MiB). */
+  bodyLimit?: number;
+}
+
+export interface ExpressIdempotency {
+  (req: IncomingMessage, res: ServerResponse, next: (err?: any) => void): void;
+  close(): Promise<void>;
+}
+
+/** Express middleware: app.post('/orders', expressIdempotency({ pool }), handler). */
+export function expressIdempotency(options?: ExpressOptions): ExpressIdempotency;
+
+/** The parts of a Fastify request the `client` option may read. */
+export interface FastifyRequestLike {
+  headers: IncomingHttpHeaders;
+  raw: IncomingMessage;
+  [name: string]: any;
+}
+
+export type FastifyIdempotencyOptions = HttpOptions<FastifyRequestLike>;
+
+/** Fastify plugin: await app.register(fastifyIdempotency, { pool }) before the routes. */
+export function fastifyIdempotency(
+  instance: any,
+  options: FastifyIdempotencyOptions,
+  done: (err?: Error) => void,
+): void;
+
+/** Parses an Idempotency-Key field value (RFC 9651 sf-string); throws with the problem detail. */
+export function parseIdempotencyKey(value: string): string;
+
+/** Writes a key as an RFC 9651 sf-string, for an Idempotency-Key header sent to another service. */
+export function sfString(key: string): string;
+
+export class IdempotencyError extends Error {
+  readonly code: string;
+  readonly key?: string;
+  readonly scope?: string;
+}
+
+export class InProgressError extends IdempotencyError {
+  readonly code: 'IDEMPOTENCY_IN_PROGRESS';
+  /** Seconds until the holder's lease ends (at least 1). */
+  readonly retryAfter: number;
+  readonly expiresAt: Date | null;
+}
+
+export class MismatchError extends IdempotencyError {
+  readonly code: 'IDEMPOTENCY_MISMATCH';
+}
+
+export class FencedError extends IdempotencyError {
+  readonly code: 'IDEMPOTENCY_FENCED';
+}

@@ -1,0 +1,167 @@
+'use strict';
+// The database side: a pg Pool (given, or made from a connection string / the PG* environment
+// variables) and every statement of the SQL API the package sends. Statements of the leased
+// style run on their own (autocommit) and are repeated after a lost connection or a
+// serialization failure; each of them is safe to repeat (see README, "Failures").
+
+const { IdempotencyError, FencedError } = require('./errors');
+
+const LOST_CODES = new Set([
+  '57P01', '57P02', '57P03', // admin shutdown, crash shutdown, cannot connect now (starting up)
+  '08000', '08001', '08003', '08004', '08006', // connection exceptions
+  'ECONNRESET', 'ECONNREFUSED', 'ENOENT', 'EPIPE', 'ETIMEDOUT', 'EHOSTUNREACH', 'ENETUNREACH',
+]);
+
+function connectionLost(err) {
+  return Boolean(err) && (LOST_CODES.has(err.code) ||
+    /Connection terminated|not queryable|Client was closed|Connection ended|timeout exceeded when trying to connect/i
+      .test(String(err.message)));
+}
+
+const sleep = (ms) => new Promise((resolve) => setTimeout(resolve, ms));
+
+// A number of seconds or a PostgreSQL interval string ('5 minutes'); null/undefined: the default.
+function interval(value, name) {
+  if (value === undefined || value === null) return null;
+  if (typeof value === 'number') {
+    if (!Number.isFinite(value)) throw new TypeError(`${name} must be a finite number of seconds`);
+    return `${value.toFixed(6)} seconds`;
+  }
+  if (typeof value === 'string') return value;
+  throw new TypeError(`${name} must be a number of seconds or a PostgreSQL interval string`);
+}
+
+function checkKey(key, what = 'key') {
+  if (typeof key !== 'string') throw new TypeError(`${what} must be a string`);
+  return key;
+}
+
+const CLAIM_COLUMNS = `c.outcome::text AS outcome, c.token::text AS token, c.response, c.response_status,
+       extract(epoch FROM c.retry_after)::float8 AS retry_after, c.expires_at, c.recovery_point`;
+
+// The claim of the leased style and of the one-transaction helper. `request` is JSON text or null.
+const CLAIM_SQL = `SELECT ${CLAIM_COLUMNS}
+  FROM idempotency.claim($1, $2::jsonb, scope => $3, ttl => $4::interval, lease => $5::interval) c`;
+
+function claimRow(row) {
+  return {
+    outcome: row.outcome,
+    token: row.token, // a bigint, kept as text: never through a JavaScript number
+    response: row.response,
+    responseStatus: row.response_status,
+    retryAfter: row.retry_after === null ? null : Math.max(1, Math.ceil(row.retry_after)),
+    expiresAt: row.expires_at,
+    recoveryPoint: row.recovery_point,
+  };
+}
+
+class Db {
+  // options: { pool } or { connectionString } (or neither: the PG* environment variables);
+  // patience: how long (ms) a statement is repeated after lost connections.
+  constructor(options = {}) {
+    this.patience = options.reconnectTimeout ?? 30000;
+    this.onLost = options.onConnectionLost ?? (() => {});
+    if (options.pool) {
+      this.pool = options.pool;
+      this.owned = false;
+    } else {
+      const { Pool } = require('pg');
+      this.pool = new Pool({
+        ...(options.connectionString ? { connectionString: options.connectionString } : {}),
+        max: options.poolSize ?? 10,
+        application_name: options.applicationName ?? 'pg-idempotency',
+      });
+      // An idle connection that the server drops emits 'error' on the pool: without a listener
+      // the process would die. The next statement simply gets a new connection.
+      this.pool.on('error', (err) => this.onLost(err));
+      this.owned = true;
+    }
+  }
+
+  // One statement, repeated after a lost connection (until `patience` runs out) or a 40001/40P01.
+  async query(sql, params) {
+    const deadline = Date.now() + this.patience;
+    let pause = 100;
+    for (;;) {
+      try {
+        return (await this.pool.query(sql, params)).rows;
+      } catch (err) {
+        if (err.code === '40001' || err.code === '40P01') {
+          await sleep(20 + Math.random() * 30);
+        } else if (connectionLost(err) && Date.now() < deadline) {
+          this.onLost(err);
+          await sleep(pause);
+          pause = Math.min(pause * 2, 1000);
+        } else {
+          throw err;
+        }
+      }
+    }
+  }
+
+  async end() {
+    if (this.owned) await this.pool.end();
+  }
+}
+
+// The statements, each on a queryable: a Db (repeated on lost connections) or a pg Client/Pool
+// (the caller's transaction: never repeated).
+async function run(q, sql, params) {
+  if (q instanceof Db) return q.query(sql, params);
+  return (await q.query(sql, params)).rows;
+}
+
+async function claim(q, { key, request, scope, ttl, lease }) {
+  const rows = await run(q, CLAIM_SQL, [key, request, scope, ttl, lease]);
+  return claimRow(rows[0]);
+}
+
+function fenced(err) {
+  return err && (err.code === 'IK002' || err.code === 'IK003');
+}
+
+async function complete(q, { key, response, status, scope, token, ttl }) {
+  const rows = await run(q,
+    `SELECT idempotency.complete($1, $2::jsonb, $3::int, scope => $4, token => $5::bigint,
+                                 ttl => $6::interval) AS expires_at`,
+    [key, response, status, scope, token, ttl]);
+  return rows[0].expires_at;
+}
+
+async function checkpoint(q, { key, point, scope, token }) {
+  try {
+    await run(q, 'SELECT idempotency.checkpoint($1, $2, scope => $3, token => $4::bigint)',
+      [key, point, scope, token]);
+  } catch (err) {
+    if (fenced(err)) throw new FencedError({ key, scope, cause: err });
+    throw err;
+  }
+}
+
+async function release(q, { key, scope, token }) {
+  const rows = await run(q, 'SELECT idempotency.release($1, scope => $2, token => $3::bigint) AS released',
+    [key, scope, token]);
+  return rows[0].released;
+}
+
+async function lookupExpires(q, { key, scope }) {
+  const rows = await run(q, 'SELECT (idempotency.lookup($1, $2)).expires_at AS expires_at', [key, scope]);
+  return rows[0].expires_at;
+}
+
+function toJsonText(value, what) {
+  if (value === undefined) return null;
+  let text;
+  try {
+    text = JSON.stringify(value);
+  } catch (err) {
+    throw new IdempotencyError(`${what} is not JSON-serializable: ${err.message}`,
+      { code: 'IDEMPOTENCY_NOT_JSON', cause: err });
+  }
+  return text === undefined ? null : text;
+}
+
+module.exports = {
+  Db, connectionLost, interval, checkKey, claim, complete, checkpoint, release, lookupExpires,
+  fenced, toJsonText, sleep, CLAIM_COLUMNS,
+};

@@ -1,0 +1,282 @@
+'use strict';
+// The HTTP behaviour shared by the Express and Fastify middleware, following the IETF
+// Idempotency-Key draft as examples/http-service does: the key per RFC 9651, the scope per client
+// and route, the request fingerprint computed by the extension (request_fingerprint), 400 / 409 /
+// 422 problem+json, Idempotent-Replayed, Idempotency-Expires. Framework-neutral: the adapters
+// turn requests into `begin()` calls and responses into `finish()` calls.
+
+const db = require('./db');
+const { parseHeader, KeyError } = require('./key');
+
+const PROBLEM_JSON = 'application/problem+json';
+
+// The claim of a request: `request` is the hex of idempotency.request_fingerprint(method, path,
+// query, body), which claim hashes again. The body goes to PostgreSQL as text, so numbers keep
+// their exact value; a JSON body is judged by jsonb, any other body is hashed as a string.
+const FINGERPRINT = (body) => `to_jsonb(encode(idempotency.request_fingerprint($2, $3, $4::text::jsonb, ${body}), 'hex'))`;
+const CLAIM_HTTP = {
+  json: `SELECT ${db.CLAIM_COLUMNS} FROM idempotency.claim($1, ${FINGERPRINT('$5::text::jsonb')},
+           scope => $6, ttl => $7::interval, lease => $8::interval) c`,
+  text: `SELECT ${db.CLAIM_COLUMNS} FROM idempotency.claim($1, ${FINGERPRINT('to_jsonb($5::text)')},
+           scope => $6, ttl => $7::interval, lease => $8::interval) c`,
+};
+
+function imfFixdate(date) {
+  // Floored to the second: never promises more than the store keeps. toUTCString is IMF-fixdate.
+  return new Date(Math.floor(date.getTime() / 1000) * 1000).toUTCString();
+}
+
+function isJsonType(contentType) {
+  if (!contentType) return true; // no type: judged as JSON
+  const t = String(contentType).split(';')[0].trim().toLowerCase();
+  return t === 'application/json' || t.endsWith('+json');
+}
+
+// The query string as a JSON object; a repeated name gives an array.
+function queryObject(search) {
+  const out = {};
+  for (const [k, v] of new URLSearchParams(search)) {
+    if (!Object.prototype.hasOwnProperty.call(out, k)) out[k] = v;
+    else if (Array.isArray(out[k])) out[k].push(v);
+    else out[k] = [out[k], v];
+  }
+  return out;
+}
+
+class HttpIdempotency {
+  constructor(options = {}) {
+    this.q = new db.Db(options);
+    this.ttl = db.interval(options.ttl ?? 86400, 'ttl');
+    this.lease = db.interval(options.lease ?? 60, 'lease');
+    this.waitMs = (options.wait ?? 0) * 1000;
+    this.methods = new Set((options.methods ?? ['POST', 'PATCH']).map((m) => m.toUpperCase()));
+    this.required = options.required ?? true;
+    this.client = options.client ?? null;
+    this.problemBase = options.problemBase ?? 'https://developer.example.com/idempotency/';
+    this.store = options.storeResponse ?? ((status) => status < 500);
+    this.onError = options.onError ?? ((err) => console.error('pg-idempotency:', err));
+  }
+
+  applies(method, routeSetting) {
+    if (routeSetting === false) return false;
+    return routeSetting === true || this.methods.has(String(method).toUpperCase());
+  }
+
+  problem(status, slug, title, detail, headers = {}) {
+    const body = Buffer.from(JSON.stringify({ type: `${this.problemBase}${slug}`, title, status, detail }));
+    return { status, headers: { 'content-type': PROBLEM_JSON, ...headers }, body };
+  }
+
+  // Adds the idempotency headers to a response: the key as sent, Idempotency-Expires,
+  // Idempotent-Replayed, Retry-After, Cache-Control: no-store.
+  static decorate(r, { rawKey, expiresAt, replayed, retryAfter }) {
+    const h = r.headers;
+    if (rawKey !== undefined) h['idempotency-key'] = rawKey;
+    if (expiresAt) h['idempotency-expires'] = imfFixdate(expiresAt);
+    if (replayed) h['idempotent-replayed'] = 'true';
+    if (retryAfter !== undefined) h['retry-after'] = String(retryAfter);
+    h['cache-control'] = 'no-store';
+    return r;
+  }
+
+  // req: { method, path, search, keyValues (every Idempotency-Key field line), contentType,
+  //        body (Buffer | string | null: the raw body), parsedBody (a parsed body when the raw one
+  //        is gone), native (the framework's request, for options.client) }
+  // Returns { action: 'next' } (not ours), { action: 'respond', response } or
+  // { action: 'run', ticket }.
+  async begin(req) {
+    const rawKey = req.keyValues && req.keyValues.length === 1 ? req.keyValues[0] : undefined;
+    const echo = { rawKey };
+    let client = '';
+    if (this.client) {
+      client = await this.client(req.native);
+      if (!client) {
+        const r = this.problem(401, 'unauthenticated', 'Client is not authenticated',
+          'This operation needs an authenticated client', { 'www-authenticate': 'Bearer' });
+        return { action: 'respond', response: HttpIdempotency.decorate(r, echo) };
+      }
+    }
+    let key;
+    try {
+      key = parseHeader(req.keyValues);
+    } catch (err) {
+      if (!(err instanceof KeyError)) throw err;
+      if (err.kind === 'missing' && !this.required) return { action: 'next' };
+      const [slug, title] = err.kind === 'missing' ? ['key-missing', 'Idempotency-Key is missing']
+        : ['key-malformed', 'Idempotency-Key is malformed'];
+      return { action: 'respond', response: HttpIdempotency.decorate(this.problem(400, slug, title, err.message), echo) };
+    }
+    const method = String(req.method).toUpperCase();
+    const scope = client ? `${client}:${method} ${req.path}` : `${method} ${req.path}`;
+    let bodyText = null;
+    if (req.body !== null && req.body !== undefined) {
+      if (Buffer.isBuffer(req.body)) {
+        try {
+          bodyText = new TextDecoder('utf-8', { fatal: true }).decode(req.body);
+        } catch {
+          return { action: 'respond', response: HttpIdempotency.decorate(this.problem(400, 'bad-request', 'Bad request', 'the body is not UTF-8'), echo) };
+        }
+      } else {
+        bodyText = String(req.body);
+      }
+    } else if (req.parsedBody !== undefined && req.parsedBody !== null) {
+      bodyText = typeof req.parsedBody === 'string' ? req.parsedBody : JSON.stringify(req.parsedBody);
+    }
+    if (bodyText === '') bodyText = null;
+    const query = queryObject(req.search ?? '');
+    const sql = typeof req.parsedBody === 'string' || !isJsonType(req.contentType) ? CLAIM_HTTP.text : CLAIM_HTTP.json;
+    const params = [key, method, req.path, JSON.stringify(query), bodyText, scope, this.ttl, this.lease];
+    const deadline = Date.now() + this.waitMs;
+    for (;;) {
+      let c;
+      try {
+        c = await this.claim(sql, params);
+      } catch (err) {
+        return { action: 'respond', response: HttpIdempotency.decorate(this.dbError(err), echo) };
+      }
+      if (c.outcome === 'new') {
+        return { action: 'run', ticket: { key, scope, token: c.token, expiresAt: c.expiresAt, rawKey, sql, params } };
+      }
+      if (c.outcome === 'in_progress' && Date.now() < deadline) {
+        await db.sleep(Math.min((c.retryAfter ?? 1) * 1000, 200, deadline - Date.now()));
+        continue;
+      }
+      return { action: 'respond', response: await this.answer(c, { key, scope, rawKey }) };
+    }
+  }
+
+  async claim(sql, params) {
+    const rows = await this.q.query(sql, params);
+    const r = rows[0];
+    return {
+      outcome: r.outcome,
+      token: r.token,
+      response: r.response,
+      responseStatus: r.response_status,
+      retryAfter: r.retry_after === null ? null : Math.max(1, Math.ceil(r.retry_after)),
+      expiresAt: r.expires_at,
+    };
+  }
+
+  // The answer for replay, in_progress and mismatch.
+  async answer(c, { key, scope, rawKey }) {
+    if (c.outcome === 'replay') {
+      return HttpIdempotency.decorate(unpack(c.response, c.responseStatus), { rawKey, expiresAt: c.expiresAt, replayed: true });
+    }
+    if (c.outcome === 'in_progress') {
+      const secs = c.retryAfter ?? 1;
+      const r = this.problem(409, 'request-outstanding', 'A request is outstanding for this Idempotency-Key',
+        `The first request with this key is still being processed; retry in ${secs} s`);
+      return HttpIdempotency.decorate(r, { rawKey, expiresAt: c.expiresAt, retryAfter: secs });
+    }
+    // mismatch: claim returns no expires_at; the stored row tells how long the key stays taken.
+    let expiresAt = null;
+    try {
+      expiresAt = await db.lookupExpires(this.q, { key, scope });
+    } catch (err) {
+      this.onError(err);
+    }
+    const r = this.problem(422, 'key-reused', 'Idempotency-Key is already used',
+      'This key was used for a different request (method, path, query or body); use a new key for a new request');
+    return HttpIdempotency.decorate(r, { rawKey, expiresAt });
+  }
+
+  // A database error of the claim as a problem response.
+  dbError(err) {
+    switch (err.code) {
+      case '22P02':
+        return this.problem(400, 'bad-request', 'Bad request', `the body is not JSON that PostgreSQL accepts: ${message(err)}`);
+      case '22P05': case '22003': case '54001': case '54000':
+        return this.problem(422, 'body-unstorable', 'The body cannot be stored', `the body is JSON, but PostgreSQL cannot take it: ${message(err)}`);
+      case '22023': case '22004':
+        return this.problem(400, 'key-malformed', 'Idempotency-Key is malformed', err.message);
+      default:
+        this.onError(err);
+        return this.problem(503, 'database', 'Database unavailable', 'retry with the same Idempotency-Key', { 'retry-after': '1' });
+    }
+  }
+
+  // The handler's response { status, headers: { 'content-type' }, body: Buffer }: stored with
+  // complete (or the key released for a status that storeResponse refuses, 5xx by default),
+  // then returned with the idempotency headers. If another request took the key over meanwhile,
+  // the stored answer is returned instead.
+  async finish(ticket, res) {
+    const { key, scope, token, rawKey } = ticket;
+    const out = { status: res.status, headers: { ...res.headers }, body: res.body };
+    if (!this.store(res.status)) {
+      try {
+        await db.release(this.q, { key, scope, token });
+      } catch (err) {
+        this.onError(err); // the key stays in progress until its lease ends
+      }
+      return HttpIdempotency.decorate(out, { rawKey });
+    }
+    try {
+      const expiresAt = await db.complete(this.q, {
+        key, response: JSON.stringify(pack(res)), status: res.status, scope, token, ttl: this.ttl,
+      });
+      return HttpIdempotency.decorate(out, { rawKey, expiresAt });
+    } catch (err) {
+      if (db.fenced(err)) {
+        // Completed or taken over by another request: answer what the store holds.
+        try {
+          const c = await this.claim(ticket.sql, ticket.params);
+          if (c.outcome !== 'new') return await this.answer(c, { key, scope, rawKey });
+          await db.release(this.q, { key, scope, token: c.token });
+        } catch (again) {
+          this.onError(again);
+        }
+      } else {
+        this.onError(err);
+      }
+      // Not stored: the answer still goes out, without a promise about the key.
+      return HttpIdempotency.decorate(out, { rawKey });
+    }
+  }
+
+  close() {
+    return this.q.end();
+  }
+}
+
+function message(err) {
+  return err.detail ? `${err.message}: ${err.detail}` : err.message;
+}
+
+// A response as stored in `response` (jsonb): the body's exact bytes, so that a replay is
+// byte-identical (as text, or base64 when it is not UTF-8 or holds a NUL), and its content type.
+// response_status holds the status.
+function pack({ headers, body }) {
+  const buf = body === null || body === undefined ? Buffer.alloc(0) : Buffer.from(body);
+  let text = null;
+  try {
+    text = new TextDecoder('utf-8', { fatal: true }).decode(buf);
+    if (text.includes('\u0000')) text = null; // jsonb strings cannot hold NUL
+  } catch {
+    // not UTF-8: stored as base64
+  }
+  const ct = headers['content-type'];
+  return {
+    body: text ?? buf.toString('base64'),
+    ...(text === null ? { encoding: 'base64' } : {}),
+    ...(ct ? { content_type: String(ct) } : {}),
+  };
+}
+
+function unpack(response, status) {
+  const headers = {};
+  let body;
+  if (response && typeof response === 'object' && !Array.isArray(response) && typeof response.body === 'string') {
+    body = Buffer.from(response.body, response.encoding === 'base64' ? 'base64' : 'utf8');
+    if (response.content_type) headers['content-type'] = response.content_type;
+  } else if (response === null || response === undefined) {
+    body = Buffer.alloc(0);
+  } else {
+    // Completed by other code with a plain JSON response.
+    body = Buffer.from(JSON.stringify(response));
+    headers['content-type'] = 'application/json';
+  }
+  return { status: status ?? 200, headers, body };
+}
+
+module.exports = { HttpIdempotency, imfFixdate, queryObject, isJsonType, pack, unpack, PROBLEM_JSON };

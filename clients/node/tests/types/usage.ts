@@ -1,0 +1,66 @@
+// Compiled by `npm run typecheck` (tsc --noEmit): the declarations in index.d.ts fit the ways the
+// README uses the package, and with express's and fastify's own types. Never run.
+
+import express from 'express';
+import Fastify from 'fastify';
+import { Pool } from 'pg';
+import {
+  idempotent, currentClaim, idempotentTransaction, expressIdempotency, fastifyIdempotency,
+  InProgressError, MismatchError, FencedError, IdempotencyError, parseIdempotencyKey, sfString,
+  type CallResult,
+} from 'pg-idempotency';
+
+const pool = new Pool();
+
+const sendReceipt = idempotent(async (orderId: number, to: string) => {
+  const claim = currentClaim();
+  if (claim && claim.recoveryPoint !== 'sent') await claim.checkpoint('sent');
+  return { messageId: `m-${orderId}`, to };
+}, { key: (orderId) => `order-${orderId}`, scope: 'receipts', ttl: '7 days', lease: 30, pool, wait: 5 });
+
+async function useIt(): Promise<void> {
+  const r: { messageId: string; to: string } = await sendReceipt(42, 'a@example.com');
+  const d: CallResult<{ messageId: string; to: string }> = await sendReceipt.detailed(42, 'a@example.com');
+  const replayed: boolean = d.replayed;
+  // @ts-expect-error the arguments are checked
+  await sendReceipt('42', 'a@example.com');
+  try {
+    await sendReceipt(43, 'b@example.com');
+  } catch (err) {
+    if (err instanceof InProgressError) {
+      const secs: number = err.retryAfter;
+      void secs;
+    } else if (err instanceof MismatchError || err instanceof FencedError) {
+      const code: string = err.code;
+      void code;
+    } else if (err instanceof IdempotencyError) {
+      void err.key;
+    }
+  }
+  await sendReceipt.close();
+  const client = await pool.connect();
+  const t = await idempotentTransaction(client, { key: 'k', request: { amount: 1 }, scope: 'payments' }, async (c, ctx) => {
+    ctx.status = 201;
+    const { rows } = await c.query<{ id: string }>('SELECT 1::text AS id');
+    return { id: rows[0].id };
+  });
+  const id: string = t.value.id;
+  const status: number = t.status;
+  client.release();
+  void r; void replayed; void id; void status;
+}
+
+const app = express();
+const idem = expressIdempotency({ pool, client: (req) => req.headers['x-client-id'] as string | undefined, wait: 2 });
+app.post('/orders', idem, express.json(), (req, res) => { res.status(201).json({ ok: true }); });
+app.use(expressIdempotency({ connectionString: 'postgres://localhost/shop', methods: ['POST'] }));
+
+async function fastifyApp(): Promise<void> {
+  const f = Fastify();
+  await f.register(fastifyIdempotency, { pool, client: (request) => request.headers['x-client-id'] as string | undefined });
+  f.post('/orders', { config: { idempotency: true } }, async () => ({ ok: true }));
+}
+
+const key: string = parseIdempotencyKey('"abc"');
+const header: string = sfString(key);
+void useIt; void fastifyApp; void header;

@@ -1,0 +1,67 @@
+'use strict';
+// The pure parts, no database: the Idempotency-Key parser (RFC 9651), the stored form of HTTP
+// answers, the query object, the HTTP date.
+
+const { test } = require('node:test');
+const assert = require('node:assert/strict');
+const { parseIdempotencyKey, sfString } = require('..');
+const { parseHeader } = require('../lib/key');
+const { pack, unpack, queryObject, imfFixdate } = require('../lib/http');
+
+test('quoted keys, escapes, surrounding spaces, the 255-character limit', () => {
+  assert.equal(parseIdempotencyKey('"abc-1"'), 'abc-1');
+  assert.equal(parseIdempotencyKey('"a b\\"c\\\\"'), 'a b"c\\');
+  assert.equal(parseIdempotencyKey('"a,b"'), 'a,b');
+  assert.equal(parseIdempotencyKey('  "abc"  '), 'abc');
+  assert.equal(parseIdempotencyKey(`"${'x'.repeat(255)}"`).length, 255);
+  assert.throws(() => parseIdempotencyKey(`"${'x'.repeat(256)}"`), /too long: 256 characters/);
+  assert.equal(sfString('a"b\\c'), '"a\\"b\\\\c"');
+  assert.equal(parseIdempotencyKey(sfString('a"b\\c')), 'a"b\\c');
+});
+
+test('parameters after the String are checked and ignored', () => {
+  for (const v of ['"abc";p=1', '"abc";p', '"abc"; p=1;q=?0', '"abc";p=1 ',
+    '"abc";a=-1.5;b="x;y\\"";c=tok/en:1;d=:aGk=:;e=@1700000000;f=%"caf%c3%a9";*g.h_i-j=*']) {
+    assert.equal(parseIdempotencyKey(v), 'abc', v);
+  }
+});
+
+test('Items of other types and malformed fields are refused, saying what is wrong and where', () => {
+  for (const [v, message] of [
+    ['abc', /is a bare Token, not a String/], ['8e03978e-40d5', /an Integer or Decimal/], ['1', /an Integer or Decimal/],
+    ['?1', /a Boolean/], [':YQ==:', /a Byte Sequence/], ['@1', /a Date/], ['%"a"', /a Display String/],
+    ['("a")', /an Inner List/], ['', /empty/], ['""', /empty/], ['"abc', /no closing quote/],
+    ['"a\\b"', /bad escape at position 3/], ['"a\u00e9"', /bad character at position 3 \(byte 0xe9\)/],
+    ['"abc" x', /after the closing quote at position 7/], ['"abc",', /after the closing quote/],
+    ['"abc";P=1', /malformed parameter at position 7: a parameter name/],
+    ['"abc";p=', /malformed parameter at position 9: a value follows/],
+    ['"abc";p=1.2345', /position 9: a Decimal has 1 to 3 digits/],
+    ['"abc";p=1234567890123456', /an Integer has at most 15 digits/],
+    ['"abc";p=?2', /a Boolean is \?0 or \?1/], ['"abc";p=@1.5', /a Date is an Integer/],
+    ['"abc";p=%"%C3"', /two lower-case hex digits/], ['"abc";p=%"%ff"', /decodes to UTF-8/],
+    ['"abc";p=:YQ==', /a Byte Sequence holds base64/], ['"abc";p="x', /a String value/],
+  ]) {
+    assert.throws(() => parseIdempotencyKey(v), message, v);
+  }
+  assert.throws(() => parseHeader(undefined), (err) => err.kind === 'missing');
+  assert.throws(() => parseHeader(['"a"', '"a"']), /more than once/);
+});
+
+test('stored answers keep the exact bytes: text, or base64 when not UTF-8 or holding NUL', () => {
+  for (const [body, encoding] of [['{"b": 1, "a": 2.50}', undefined], [Buffer.from([0xff, 0x41]), 'base64'],
+    ['a\u0000b', 'base64'], ['', undefined]]) {
+    const stored = JSON.parse(JSON.stringify(pack({ headers: { 'content-type': 'application/json' }, body })));
+    assert.equal(stored.encoding, encoding);
+    const back = unpack(stored, 201);
+    assert.ok(back.body.equals(Buffer.from(body)));
+    assert.deepEqual([back.status, back.headers], [201, { 'content-type': 'application/json' }]);
+  }
+  // a response completed by other code (plain JSON) replays as JSON
+  assert.deepEqual(unpack({ ok: true }, null), { status: 200, headers: { 'content-type': 'application/json' }, body: Buffer.from('{"ok":true}') });
+});
+
+test('the query object and the HTTP date', () => {
+  assert.deepEqual(queryObject('?a=1&b=x%20y&a=2&a=3'), { a: ['1', '2', '3'], b: 'x y' });
+  assert.deepEqual(queryObject(''), {});
+  assert.equal(imfFixdate(new Date('2026-12-01T04:43:01.999Z')), 'Tue, 01 Dec 2026 04:43:01 GMT');
+});
