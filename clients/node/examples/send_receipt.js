@@ -1,8 +1,8 @@
 #!/usr/bin/env node
 // Sends an order receipt at most once per idempotency key, however often it is run: the leased
 // style around a side effect outside the database, with pg-idempotency's idempotent(). The same
-// command line, output and exit codes as examples/node/send_receipt.js (which spells out every
-// statement by hand) and examples/python/send_receipt.py.
+// command line, output and exit codes as the Python package's examples/send_receipt.py
+// (tests/integration/test_clients.py runs both).
 //
 //   PGHOST=... PGDATABASE=... node send_receipt.js --key order-42 --to a@example.com \
 //       --outbox /tmp/outbox.log

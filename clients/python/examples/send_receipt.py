@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Sends an order receipt at most once per idempotency key, however often it is run: the
 `@idempotent` decorator of pg-idempotency around a side effect outside the database. The same
-command line and exit codes as examples/python/send_receipt.py, which does all of this by hand.
+command line and exit codes as the Node package's examples/send_receipt.js.
 
     pip install pg-idempotency   # or the wheel built from clients/python
     PGHOST=... PGDATABASE=... python3 send_receipt.py --key order-42 --to a@example.com \
