@@ -16,10 +16,7 @@
 //!   PROVIDER_TIMEOUT_MS   timeout of a payment call, below the refund lease (default 10000)
 //!   TEST_HOOKS=1          honour X-Test-Delay-Ms (tests only)
 
-mod body;
 mod http;
-mod idem;
-mod key;
 mod orders;
 mod provider;
 mod refunds;

@@ -21,11 +21,11 @@ use axum::response::Response;
 use serde_json::value::RawValue;
 use serde_json::Value;
 
-use crate::body::{self, Members};
 use crate::http::{finish, prelude, problem, problem_json, stored, Ctx, Echo};
-use crate::idem::{self, Claim, Outcome};
 use crate::provider::CallError;
 use crate::App;
+use idempotency_axum::body::{self, Members};
+use idempotency_axum::store::{self as idem, Claim, Outcome};
 
 /// The order (it must be the client's), whether the amount fits, the provider's key and body.
 const PREPARE: &str = "
