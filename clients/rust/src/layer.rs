@@ -51,6 +51,9 @@ pub struct Claimed {
     /// The last checkpoint of a crashed attempt this claim took over, if any.
     pub recovery_point: Option<String>,
     pub expires_at: Option<SystemTime>,
+    /// The request as it was claimed (what its fingerprint was made of), for calling the
+    /// [`store`] functions yourself.
+    pub request: IdemRequest,
 }
 
 /// What the layer does with the claim after the inner service answered. Put it into the
@@ -319,6 +322,7 @@ where
         token: c.token,
         recovery_point: c.recovery_point.clone(),
         expires_at: c.expires_at,
+        request: ir.clone(),
     });
     let req = Request::from_parts(parts, Body::from(bytes));
     // A panic in the inner service is a 500 that releases the key.
@@ -342,12 +346,12 @@ where
         ..ir.echo.clone()
     };
     match disposition {
-        Disposition::Keep => finish(resp, &echo),
+        Disposition::Keep => finish_missing(resp, echo),
         Disposition::Release => {
             release(&cfg.pool, Instant::now() + cfg.reconnect_for, &ir, c.token).await;
-            finish(
+            finish_missing(
                 resp,
-                &Echo {
+                Echo {
                     expires: None,
                     ..echo
                 },
@@ -355,6 +359,21 @@ where
         }
         Disposition::Complete => complete(&cfg, &ir, &c, resp, ttl).await,
     }
+}
+
+/// Adds the idempotency headers that the handler's response does not have already.
+fn finish_missing(resp: Response, mut echo: Echo) -> Response {
+    let h = resp.headers();
+    if h.contains_key(crate::key::HEADER) {
+        echo.key = None;
+    }
+    if h.contains_key("idempotency-expires") {
+        echo.expires = None;
+    }
+    if h.contains_key(axum::http::header::RETRY_AFTER) {
+        echo.retry_after = None;
+    }
+    finish(resp, &echo)
 }
 
 /// The response body as JSON text for the store: a JSON body as it is, any other as a JSON
