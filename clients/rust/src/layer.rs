@@ -28,6 +28,10 @@ use crate::store::{self, Outcome};
 /// when the client is not authenticated).
 pub type ScopeFn = Arc<dyn Fn(&Parts) -> Result<String, Response> + Send + Sync>;
 
+/// Checks a request before its key is claimed; an `Err` response is sent as it is and the key
+/// stays free (a request that fails validation is not stored).
+pub type CheckFn = Arc<dyn Fn(&IdemRequest) -> Result<(), Response> + Send + Sync>;
+
 /// The default scope: `METHOD route`, the route as axum matched it (`/orders/{id}`) when the
 /// layer is applied with `route_layer`, the path otherwise.
 pub fn route_scope(parts: &Parts) -> String {
@@ -79,6 +83,7 @@ struct Config {
     require_key: bool,
     reconnect_for: Duration,
     scope: ScopeFn,
+    check: Option<CheckFn>,
 }
 
 /// Makes the routes it wraps idempotent under the IETF Idempotency-Key draft, with the
@@ -103,6 +108,7 @@ impl IdempotencyLayer {
                 require_key: true,
                 reconnect_for: Duration::from_secs(30),
                 scope: Arc::new(|p: &Parts| Ok(route_scope(p))),
+                check: None,
             }),
         }
     }
@@ -117,6 +123,7 @@ impl IdempotencyLayer {
             require_key: self.cfg.require_key,
             reconnect_for: self.cfg.reconnect_for,
             scope: self.cfg.scope.clone(),
+            check: self.cfg.check.clone(),
         };
         f(&mut cfg);
         self.cfg = Arc::new(cfg);
@@ -167,6 +174,16 @@ impl IdempotencyLayer {
         F: Fn(&Parts) -> Result<String, Response> + Send + Sync + 'static,
     {
         self.with(|c| c.scope = Arc::new(f))
+    }
+
+    /// Validates the request (its key, query and JSON body are read already) before the key is
+    /// claimed: an `Err` response (say, 422 for a body that is not an order) is sent with the
+    /// idempotency headers, nothing is stored, and the key stays free for the corrected request.
+    pub fn check<F>(self, f: F) -> IdempotencyLayer
+    where
+        F: Fn(&IdemRequest) -> Result<(), Response> + Send + Sync + 'static,
+    {
+        self.with(|c| c.check = Some(Arc::new(f)))
     }
 }
 
@@ -280,6 +297,11 @@ where
         Ok(r) => r,
         Err(r) => return r,
     };
+    if let Some(check) = &cfg.check {
+        if let Err(r) = check(&ir) {
+            return finish(r, &ir.echo);
+        }
+    }
     let echo = ir.echo.clone();
     // The rest runs in a task of its own, to the end, even if the client hangs up: a cancelled
     // request would leave its claim to wait for the lease.

@@ -21,6 +21,8 @@ pub mod request;
 pub mod response;
 pub mod store;
 
-pub use layer::{route_scope, Claimed, Disposition, Idempotency, IdempotencyLayer, ScopeFn};
+pub use layer::{
+    route_scope, CheckFn, Claimed, Disposition, Idempotency, IdempotencyLayer, ScopeFn,
+};
 pub use request::IdemRequest;
 pub use store::{Claim, Outcome};

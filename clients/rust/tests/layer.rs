@@ -105,6 +105,15 @@ async fn every_outcome() {
     )
     .await;
     assert_eq!(a.status, StatusCode::UNPROCESSABLE_ENTITY, "{}", a.body);
+    // A request the check refuses: 422, nothing claimed.
+    let a = send(
+        &r,
+        pay_request(Some("c1"), Some("\"k-2\""), r#"{"invalid": 1}"#, ""),
+    )
+    .await;
+    assert_eq!(a.status, StatusCode::UNPROCESSABLE_ENTITY, "{}", a.body);
+    assert_eq!(a.json()["title"], "Invalid payment");
+    assert_eq!(a.header("idempotency-key"), Some("\"k-2\""));
     assert_eq!(app.runs(), 2);
     let rows = cluster
         .query(

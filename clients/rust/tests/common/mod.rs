@@ -273,6 +273,17 @@ pub fn router(app: Arc<App>, pool: Pool, lease: Duration) -> Router {
         .lease(lease)
         .body_limit(4096)
         .reconnect_for(Duration::from_secs(60))
+        .check(|req| {
+            if req.body.contains("\"invalid\"") {
+                return Err(idempotency_axum::response::problem(
+                    StatusCode::UNPROCESSABLE_ENTITY,
+                    "invalid",
+                    "Invalid payment",
+                    "the body says it is invalid",
+                ));
+            }
+            Ok(())
+        })
         .scope(|parts| {
             match parts
                 .headers
