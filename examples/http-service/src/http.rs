@@ -49,35 +49,44 @@ pub fn prelude(
             key: headers.get(idempotency_axum::key::HEADER).cloned(),
             ..Echo::default()
         };
-        let mut r = problem(
-            StatusCode::UNAUTHORIZED,
-            "unauthenticated",
-            "Client is not authenticated",
-            "Send Authorization: Bearer <client-id> (or X-Client-Id), 1 to 64 characters of A-Z a-z 0-9 . _ -",
-        );
-        r.headers_mut()
-            .insert(WWW_AUTHENTICATE, HeaderValue::from_static("Bearer"));
-        return Err(finish(r, &echo));
+        return Err(finish(unauthenticated(), &echo));
     };
     let scope = format!("{client}:{method} {path}");
     let req = read(method, path, scope, uri, headers, body)?;
     // read() checked that the body is UTF-8 JSON.
     let members = body::parse(&req.body).unwrap_or(None);
-    let test_delay = if test_hooks {
-        headers
-            .get("x-test-delay-ms")
-            .and_then(|v| v.to_str().ok())
-            .and_then(|v| v.parse::<u64>().ok())
-            .map(std::time::Duration::from_millis)
-    } else {
-        None
-    };
+    let test_delay = test_delay(headers, test_hooks);
     Ok(Ctx {
         req,
         client,
         members,
         test_delay,
     })
+}
+
+/// 401: no client identity.
+pub fn unauthenticated() -> Response {
+    let mut r = problem(
+        StatusCode::UNAUTHORIZED,
+        "unauthenticated",
+        "Client is not authenticated",
+        "Send Authorization: Bearer <client-id> (or X-Client-Id), 1 to 64 characters of A-Z a-z 0-9 . _ -",
+    );
+    r.headers_mut()
+        .insert(WWW_AUTHENTICATE, HeaderValue::from_static("Bearer"));
+    r
+}
+
+/// The test hook: `X-Test-Delay-Ms` makes a handler sleep after its claim (TEST_HOOKS=1 only).
+pub fn test_delay(headers: &HeaderMap, test_hooks: bool) -> Option<std::time::Duration> {
+    if !test_hooks {
+        return None;
+    }
+    headers
+        .get("x-test-delay-ms")
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.parse::<u64>().ok())
+        .map(std::time::Duration::from_millis)
 }
 
 /// The authenticated client: `Authorization: Bearer <client-id>` or `X-Client-Id: <client-id>`

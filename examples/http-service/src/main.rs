@@ -180,9 +180,10 @@ async fn main() {
             std::process::exit(2);
         }
     };
+    let refunds = post(refunds::create).route_layer(refunds::layer(app.pool.clone(), &app.cfg));
     let router = Router::new()
         .route("/orders", post(orders::create))
-        .route("/refunds", post(refunds::create))
+        .route("/refunds", refunds)
         .route("/health", get(health))
         .fallback(not_found)
         .with_state(Arc::new(app));
