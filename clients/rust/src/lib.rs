@@ -12,7 +12,46 @@
 //! ([`key`], [`request`], [`response`], [`store`]) are public, for handlers that need another
 //! shape (one transaction for the claim and the handler's writes, checkpoints).
 //!
-//! See README.md for a quickstart.
+//! ```no_run
+//! use std::time::Duration;
+//!
+//! use axum::http::StatusCode;
+//! use axum::routing::post;
+//! use axum::{Extension, Json, Router};
+//! use deadpool_postgres::{Manager, ManagerConfig, Pool, RecyclingMethod};
+//! use idempotency_axum::{Claimed, IdempotencyLayer};
+//! use serde_json::{json, Value};
+//! use tokio_postgres::NoTls;
+//!
+//! /// Runs once per key: a retry gets this answer back from the store.
+//! async fn create_payment(
+//!     Extension(claim): Extension<Claimed>,
+//!     Json(payment): Json<Value>,
+//! ) -> (StatusCode, Json<Value>) {
+//!     (StatusCode::CREATED, Json(json!({"paid": payment["amount"], "attempt": claim.token})))
+//! }
+//!
+//! # async fn app() {
+//! let pg: tokio_postgres::Config = "host=/var/run/postgresql dbname=shop user=app".parse().unwrap();
+//! let manager = Manager::from_config(
+//!     pg,
+//!     NoTls,
+//!     ManagerConfig { recycling_method: RecyclingMethod::Fast },
+//! );
+//! let pool = Pool::builder(manager).max_size(16).build().unwrap();
+//! let app: Router = Router::new()
+//!     .route("/payments", post(create_payment))
+//!     .route_layer(
+//!         IdempotencyLayer::new(pool)
+//!             .ttl(Duration::from_secs(24 * 3600))
+//!             .lease(Duration::from_secs(30)),
+//!     );
+//! let listener = tokio::net::TcpListener::bind("127.0.0.1:3000").await.unwrap();
+//! axum::serve(listener, app).await.unwrap();
+//! # }
+//! ```
+//!
+//! README.md has the quickstart, the configuration and what a handler can do.
 
 pub mod body;
 pub mod key;
