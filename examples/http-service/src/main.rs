@@ -16,10 +16,7 @@
 //!   PROVIDER_TIMEOUT_MS   timeout of a payment call, below the refund lease (default 10000)
 //!   TEST_HOOKS=1          honour X-Test-Delay-Ms (tests only)
 
-mod body;
 mod http;
-mod idem;
-mod key;
 mod orders;
 mod provider;
 mod refunds;
@@ -183,9 +180,10 @@ async fn main() {
             std::process::exit(2);
         }
     };
+    let refunds = post(refunds::create).route_layer(refunds::layer(app.pool.clone(), &app.cfg));
     let router = Router::new()
         .route("/orders", post(orders::create))
-        .route("/refunds", post(refunds::create))
+        .route("/refunds", refunds)
         .route("/health", get(health))
         .fallback(not_found)
         .with_state(Arc::new(app));

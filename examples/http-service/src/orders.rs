@@ -9,10 +9,10 @@ use axum::extract::State;
 use axum::http::{HeaderMap, StatusCode, Uri};
 use axum::response::Response;
 
-use crate::body::{self, Members};
 use crate::http::{finish, prelude, problem, stored, Ctx, Echo};
-use crate::idem::{self, Outcome};
 use crate::App;
+use idempotency_axum::body::{self, Members};
+use idempotency_axum::store::{self as idem, Outcome};
 
 /// Inserts the order and completes the key in one statement; the body is built by PostgreSQL so
 /// that the first answer and every replay are the same bytes (`jsonb::text`).

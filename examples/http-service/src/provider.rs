@@ -10,7 +10,7 @@ use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::client::legacy::Client;
 use hyper_util::rt::TokioExecutor;
 
-use crate::key::sf_string;
+use idempotency_axum::key::sf_string;
 
 pub enum CallError {
     /// Nothing reached the payment service (connection refused, bad address): safe to release.

@@ -1,6 +1,8 @@
 //! `POST /refunds`: the leased style, for a side effect outside the database.
 //!
-//! 1. claim with a lease, committed at once;
+//! 1. claim with a lease, committed at once: `idempotency_axum::IdempotencyLayer` around the
+//!    route does it (and the client's scope, the checks before the claim, the answers for replay,
+//!    in_progress and mismatch); the handler gets the claim's token;
 //! 2. checkpoint "provider-call:<derived key>" and call the payment service with
 //!    `idempotency.derive_key(<scope>/<key>, 'refund', params)` as its Idempotency-Key;
 //! 3. in a second transaction insert the refund row and `complete` with the token.
@@ -14,18 +16,22 @@
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use axum::body::Bytes;
 use axum::extract::State;
-use axum::http::{HeaderMap, StatusCode, Uri};
+use axum::http::{HeaderMap, Method, StatusCode};
 use axum::response::Response;
+use axum::Extension;
+use deadpool_postgres::Pool;
 use serde_json::value::RawValue;
 use serde_json::Value;
 
-use crate::body::{self, Members};
-use crate::http::{finish, prelude, problem, problem_json, stored, Ctx, Echo};
-use crate::idem::{self, Claim, Outcome};
+use crate::http::{
+    client_id, finish, problem, problem_json, stored, test_delay, unauthenticated, Ctx, Echo,
+};
 use crate::provider::CallError;
-use crate::App;
+use crate::{App, Config};
+use idempotency_axum::body::{self, Members};
+use idempotency_axum::store::{self as idem, Outcome};
+use idempotency_axum::{Claimed, Disposition, IdempotencyLayer};
 
 /// The order (it must be the client's), whether the amount fits, the provider's key and body.
 const PREPARE: &str = "
@@ -64,55 +70,86 @@ SELECT body.b::text, idempotency.complete($6, body.b, 201, scope => $7, token =>
 const COMPLETE: &str = "SELECT $1::text::jsonb::text, \
      idempotency.complete($2, $1::text::jsonb, $3, scope => $4, token => $5)";
 
-pub async fn create(
-    State(app): State<Arc<App>>,
-    uri: Uri,
-    headers: HeaderMap,
-    body: Bytes,
-) -> Response {
-    let ctx = match prelude(
-        "POST",
-        "/refunds",
-        &uri,
-        &headers,
-        &body,
-        app.cfg.test_hooks,
-    ) {
-        Ok(c) => c,
-        Err(r) => return r,
-    };
-    if let Err(detail) = validate(&ctx.members) {
-        let r = problem(
-            StatusCode::UNPROCESSABLE_ENTITY,
-            "invalid-refund",
-            "Invalid refund",
-            &detail,
-        );
-        return finish(r, &ctx.echo);
-    }
-    // Runs to the end even if the client hangs up (a cancelled worker would leave the claim to
-    // wait for its lease).
-    crate::detached(ctx, move |ctx| async move {
-        match run(&app, &ctx).await {
-            Ok(r) => r,
-            Err(e) => idem::db_error(&e, &ctx.echo),
-        }
-    })
-    .await
+/// The layer around `POST /refunds`: the client's scope (401 without a client), the refund's
+/// checks before the claim (422, nothing stored), the claim with the refund lease, the answers
+/// for replay, in_progress and mismatch, and a task of its own for the handler, which runs to
+/// the end even if the client hangs up (a cancelled worker would leave the claim to wait for its
+/// lease).
+#[allow(clippy::result_large_err)] // the refusals are axum Responses
+pub fn layer(pool: Pool, cfg: &Config) -> IdempotencyLayer {
+    IdempotencyLayer::new(pool)
+        .ttl(Duration::from_secs_f64(cfg.ttl_secs))
+        .lease(Duration::from_secs_f64(cfg.refund_lease_secs))
+        .methods([Method::POST])
+        // axum's default limit for a body read by an extractor, as for POST /orders.
+        .body_limit(2 * 1024 * 1024)
+        .scope(|parts| match client_id(&parts.headers) {
+            Some(client) => Ok(format!("{client}:POST /refunds")),
+            None => Err(unauthenticated()),
+        })
+        .check(|req| {
+            validate(&body::parse(&req.body).unwrap_or(None)).map_err(|detail| {
+                problem(
+                    StatusCode::UNPROCESSABLE_ENTITY,
+                    "invalid-refund",
+                    "Invalid refund",
+                    &detail,
+                )
+            })
+        })
 }
 
-async fn run(app: &App, ctx: &Ctx) -> Result<Response, tokio_postgres::Error> {
+/// Runs once the layer has claimed the key (`new`). Every answer says what becomes of the
+/// claim: this handler completes the key itself (the refund row and the stored answer in one
+/// transaction) or leaves it for a retry to take over, so the layer keeps it as it is, except
+/// where nothing has happened yet and the key is given back.
+pub async fn create(
+    State(app): State<Arc<App>>,
+    Extension(claimed): Extension<Claimed>,
+    headers: HeaderMap,
+) -> Response {
+    let ctx = Ctx {
+        members: body::parse(&claimed.request.body).unwrap_or(None),
+        client: client_id(&headers).unwrap_or_default(),
+        req: claimed.request.clone(),
+        test_delay: test_delay(&headers, app.cfg.test_hooks),
+    };
     let mut client = match app.pool.get().await {
         Ok(c) => c,
-        Err(e) => return Ok(crate::pool_error(&e, &ctx.echo)),
+        // Nothing happened yet: the key is given back.
+        Err(e) => return with(crate::pool_error(&e, &ctx.echo), Disposition::Release),
     };
-    // 1. Claim with a lease; autocommit, so the claim is visible to every retry at once.
+    // Every other answer leaves the claim as this handler left it: completed, released, or in
+    // progress for a retry to take over.
+    let r = match run(&app, &ctx, &claimed, &mut client).await {
+        Ok(r) => r,
+        Err(e) => idem::db_error(&e, &ctx.echo),
+    };
+    if r.extensions().get::<Disposition>().is_some() {
+        return r;
+    }
+    with(r, Disposition::Keep)
+}
+
+fn with(mut r: Response, d: Disposition) -> Response {
+    r.extensions_mut().insert(d);
+    r
+}
+
+/// A database error before the payment service was called: the layer gives the key back.
+fn released(e: &tokio_postgres::Error, ctx: &Ctx) -> Response {
+    with(idem::db_error(e, &ctx.echo), Disposition::Release)
+}
+
+async fn run(
+    app: &App,
+    ctx: &Ctx,
+    c: &Claimed,
+    client: &mut deadpool_postgres::Object,
+) -> Result<Response, tokio_postgres::Error> {
+    // 1. The layer claimed with a lease, autocommitted: every retry sees the claim at once.
     let lease = app.cfg.refund_lease_secs;
     let started = Instant::now();
-    let c = idem::claim(&**client, ctx, app.cfg.ttl_secs, lease).await?;
-    if c.outcome != Outcome::New {
-        return Ok(idem::answer(&**client, ctx, &c).await);
-    }
     let token = c.token;
     if let Some(rp) = &c.recovery_point {
         eprintln!(
@@ -133,10 +170,7 @@ async fn run(app: &App, ctx: &Ctx) -> Result<Response, tokio_postgres::Error> {
         .await;
     let row = match prepared {
         Ok(r) => r,
-        Err(e) => {
-            release(&client, ctx, token).await;
-            return Err(e);
-        }
+        Err(e) => return Ok(released(&e, ctx)),
     };
     let Some(row) = row else {
         let doc = problem_json(
@@ -145,7 +179,7 @@ async fn run(app: &App, ctx: &Ctx) -> Result<Response, tokio_postgres::Error> {
             "Order not found",
             "no order with this order_id belongs to this client",
         );
-        return store_final(&client, ctx, &c, StatusCode::NOT_FOUND, &doc).await;
+        return store_final(client, ctx, c, StatusCode::NOT_FOUND, &doc).await;
     };
     let within: bool = row.get(0);
     let provider_key: String = row.get(1);
@@ -158,7 +192,7 @@ async fn run(app: &App, ctx: &Ctx) -> Result<Response, tokio_postgres::Error> {
             "Refund exceeds the order",
             "amount is larger than the order's amount",
         );
-        return store_final(&client, ctx, &c, StatusCode::UNPROCESSABLE_ENTITY, &doc).await;
+        return store_final(client, ctx, c, StatusCode::UNPROCESSABLE_ENTITY, &doc).await;
     }
     let rp = format!("provider-call:{provider_key}");
     if let Err(e) = client
@@ -169,9 +203,9 @@ async fn run(app: &App, ctx: &Ctx) -> Result<Response, tokio_postgres::Error> {
         .await
     {
         if !matches!(idem::sqlstate(&e), Some("IK002" | "IK003")) {
-            release(&client, ctx, token).await; // the provider was not called yet
+            return Ok(released(&e, ctx)); // the provider was not called yet
         }
-        return fenced_off(&client, app, ctx, e).await;
+        return fenced_off(client, app, ctx, e).await;
     }
 
     // 3. The side effect, deduplicated by the provider through the derived key.
@@ -213,7 +247,7 @@ async fn run(app: &App, ctx: &Ctx) -> Result<Response, tokio_postgres::Error> {
                 Ok(row) => row,
                 Err(e) => {
                     drop(tx); // rolls back
-                    return fenced_off(&client, app, ctx, e).await;
+                    return fenced_off(client, app, ctx, e).await;
                 }
             };
             tx.commit().await?;
@@ -235,7 +269,7 @@ async fn run(app: &App, ctx: &Ctx) -> Result<Response, tokio_postgres::Error> {
                     String::from_utf8_lossy(&answer[..answer.len().min(300)])
                 ),
             );
-            store_final(&client, ctx, &c, StatusCode::PAYMENT_REQUIRED, &doc).await
+            store_final(client, ctx, c, StatusCode::PAYMENT_REQUIRED, &doc).await
         }
         Ok((status, _)) => Ok(ambiguous(
             ctx,
@@ -248,21 +282,21 @@ async fn run(app: &App, ctx: &Ctx) -> Result<Response, tokio_postgres::Error> {
         Err(CallError::Unreachable(why)) => {
             // Nothing was sent: give the key back, the next retry starts afresh.
             eprintln!("payment service unreachable: {why}");
-            release(&client, ctx, token).await;
             let r = problem(
                 StatusCode::SERVICE_UNAVAILABLE,
                 "provider-unreachable",
                 "The payment service is unreachable",
                 "nothing was refunded; retry with the same Idempotency-Key",
             );
-            Ok(finish(
+            let r = finish(
                 r,
                 &Echo {
                     key: ctx.echo.key.clone(),
                     retry_after: Some(1),
                     ..Echo::default()
                 },
-            ))
+            );
+            Ok(with(r, Disposition::Release))
         }
     }
 }
@@ -302,7 +336,7 @@ fn ambiguous(ctx: &Ctx, echo: &Echo, started: Instant, lease: f64, why: &str) ->
 async fn store_final(
     client: &tokio_postgres::Client,
     ctx: &Ctx,
-    c: &Claim,
+    c: &Claimed,
     status: StatusCode,
     doc: &Value,
 ) -> Result<Response, tokio_postgres::Error> {
@@ -348,14 +382,17 @@ async fn fenced_off(
             "Retry",
             "another worker gave this key up; retry with the same Idempotency-Key",
         );
-        return Ok(finish(
+        let r = finish(
             r,
             &Echo {
                 key: ctx.echo.key.clone(),
                 retry_after: Some(1),
                 ..Echo::default()
             },
-        ));
+        );
+        // Released above with the new token; the layer's release with ours does nothing, and
+        // it sends no Idempotency-Expires for a key that is free.
+        return Ok(with(r, Disposition::Release));
     }
     Ok(idem::answer(client, ctx, &c).await)
 }

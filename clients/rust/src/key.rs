@@ -6,17 +6,16 @@
 //! are checked and ignored. An Item of another type (a bare token `abc`, an integer `1`, a
 //! boolean `?1`, ...) does not match the declared type, which RFC 9651 makes a malformed field:
 //! it is refused with 400, not taken as a key, so that `abc` and `"abc"` are never two spellings
-//! of one key. The key itself then follows the extension's rule (crates/idempotency-core/src/arguments.rs): 1 to 255
-//! characters.
+//! of one key. The key itself then follows the extension's rule: 1 to 255 characters.
 
 use axum::http::{HeaderMap, HeaderValue};
 
 pub const HEADER: &str = "idempotency-key";
-/// The extension's limit for keys and scopes (`MAX_KEY_CHARS` in crates/idempotency-core/src/arguments.rs).
+/// The extension's limit for keys and scopes (1 to 255 characters).
 pub const MAX_KEY_CHARS: usize = 255;
-pub const MAX_CLIENT_CHARS: usize = 64;
 
-#[derive(Debug, PartialEq, Eq)]
+/// Why an `Idempotency-Key` header was refused (400).
+#[derive(Debug, Clone, PartialEq, Eq)]
 pub enum KeyError {
     Missing,
     Repeated,
@@ -344,7 +343,7 @@ impl Parser<'_> {
     }
 }
 
-/// Writes `s` as an RFC 9651 sf-string (for the key sent to the payment service).
+/// Writes `s` as an RFC 9651 sf-string (for a key sent on to another service).
 pub fn sf_string(s: &str) -> String {
     let mut out = String::with_capacity(s.len() + 2);
     out.push('"');
@@ -356,23 +355,6 @@ pub fn sf_string(s: &str) -> String {
     }
     out.push('"');
     out
-}
-
-/// The authenticated client: `Authorization: Bearer <client-id>` or `X-Client-Id: <client-id>`
-/// (a stand-in for real authentication). 1 to 64 characters of `A-Z a-z 0-9 . _ -`.
-pub fn client_id(headers: &HeaderMap) -> Option<String> {
-    let from_bearer = headers
-        .get("authorization")
-        .and_then(|v| v.to_str().ok())
-        .and_then(|v| v.strip_prefix("Bearer "))
-        .map(str::trim);
-    let id = from_bearer.or_else(|| headers.get("x-client-id").and_then(|v| v.to_str().ok()))?;
-    let ok = !id.is_empty()
-        && id.len() <= MAX_CLIENT_CHARS
-        && id
-            .bytes()
-            .all(|b| b.is_ascii_alphanumeric() || b == b'.' || b == b'_' || b == b'-');
-    ok.then(|| id.to_string())
 }
 
 #[cfg(test)]

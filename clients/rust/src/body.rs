@@ -7,7 +7,7 @@
 //! everything jsonb accepts: numbers beyond the range of a double (`1e400`, a 30-digit integer),
 //! nesting of any depth. What PostgreSQL refuses although it is JSON (`\u0000`, a number beyond
 //! `numeric`, nesting deeper than the 1000 levels that the fingerprint's canonical hashing takes)
-//! is refused when the request is claimed, and answered 422 (see `idem::db_error`).
+//! is refused when the request is claimed, and answered 422 (see [`crate::store::db_error`]).
 
 use std::collections::BTreeMap;
 

@@ -1,5 +1,6 @@
-//! Calls into the extension: claim with the request fingerprint, and the HTTP answer for each
-//! outcome other than `new`.
+//! Calls into the extension's SQL API: claim with the request fingerprint, complete, release,
+//! and the HTTP answer for each outcome other than `new`. No hashing, expiry or fencing here:
+//! all of that is the extension's.
 
 use std::time::SystemTime;
 
@@ -7,8 +8,10 @@ use axum::http::StatusCode;
 use axum::response::Response;
 use tokio_postgres::GenericClient;
 
-use crate::http::{finish, problem, stored, Ctx, Echo};
+use crate::request::IdemRequest;
+use crate::response::{finish, problem, stored, Echo};
 
+/// `idempotency.outcome`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Outcome {
     New,
@@ -17,7 +20,8 @@ pub enum Outcome {
     Mismatch,
 }
 
-#[derive(Debug)]
+/// `idempotency.claim_result`, with `retry_after` in whole seconds (rounded up).
+#[derive(Debug, Clone)]
 pub struct Claim {
     pub outcome: Outcome,
     pub token: Option<i64>,
@@ -41,9 +45,10 @@ SELECT c.outcome::text, c.token, c.response::text, c.response_status,
            ttl     => make_interval(secs => $7::float8),
            lease   => make_interval(secs => $8::float8)) c";
 
+/// `idempotency.claim(key, request => fingerprint, scope, ttl, lease)`.
 pub async fn claim<C: GenericClient + Sync>(
     db: &C,
-    ctx: &Ctx,
+    ctx: &IdemRequest,
     ttl_secs: f64,
     lease_secs: f64,
 ) -> Result<Claim, tokio_postgres::Error> {
@@ -80,7 +85,7 @@ pub async fn claim<C: GenericClient + Sync>(
 }
 
 /// The HTTP answer for `replay`, `in_progress` and `mismatch` (never called for `new`).
-pub async fn answer<C: GenericClient + Sync>(db: &C, ctx: &Ctx, c: &Claim) -> Response {
+pub async fn answer<C: GenericClient + Sync>(db: &C, ctx: &IdemRequest, c: &Claim) -> Response {
     let mut echo = Echo {
         key: ctx.echo.key.clone(),
         expires: c.expires_at,
@@ -135,7 +140,7 @@ pub async fn answer<C: GenericClient + Sync>(db: &C, ctx: &Ctx, c: &Claim) -> Re
 
 async fn lookup_expires<C: GenericClient + Sync>(
     db: &C,
-    ctx: &Ctx,
+    ctx: &IdemRequest,
 ) -> Result<Option<SystemTime>, tokio_postgres::Error> {
     let row = db
         .query_one(
@@ -144,6 +149,78 @@ async fn lookup_expires<C: GenericClient + Sync>(
         )
         .await?;
     Ok(row.get(0))
+}
+
+/// Stores the response: `idempotency.complete(key, body::jsonb, status, scope, token, ttl)`.
+/// `body` is JSON text; the answer is the stored form (`jsonb::text`, what every replay sends)
+/// and the record's new `expires_at`.
+const COMPLETE: &str = "SELECT $1::text::jsonb::text, \
+     idempotency.complete($2, $1::text::jsonb, $3, scope => $4, token => $5, \
+                          ttl => make_interval(secs => $6::float8))";
+
+/// `idempotency.complete`; `ttl_secs` `None` is the extension's default TTL.
+pub async fn complete<C: GenericClient + Sync>(
+    db: &C,
+    key: &str,
+    scope: &str,
+    token: Option<i64>,
+    status: i32,
+    body: &str,
+    ttl_secs: Option<f64>,
+) -> Result<(String, SystemTime), tokio_postgres::Error> {
+    let row = db
+        .query_one(COMPLETE, &[&body, &key, &status, &scope, &token, &ttl_secs])
+        .await?;
+    Ok((row.get(0), row.get(1)))
+}
+
+/// `idempotency.release(key, scope, token)`: false when there was nothing to release or the
+/// token is stale.
+pub async fn release<C: GenericClient + Sync>(
+    db: &C,
+    key: &str,
+    scope: &str,
+    token: Option<i64>,
+) -> Result<bool, tokio_postgres::Error> {
+    let row = db
+        .query_one(
+            "SELECT idempotency.release($1, scope => $2, token => $3)",
+            &[&key, &scope, &token],
+        )
+        .await?;
+    Ok(row.get(0))
+}
+
+/// `idempotency.checkpoint(key, recovery_point, scope, token)`.
+pub async fn checkpoint<C: GenericClient + Sync>(
+    db: &C,
+    key: &str,
+    scope: &str,
+    token: Option<i64>,
+    recovery_point: &str,
+) -> Result<(), tokio_postgres::Error> {
+    db.execute(
+        "SELECT idempotency.checkpoint($1, $2, scope => $3, token => $4)",
+        &[&key, &recovery_point, &scope, &token],
+    )
+    .await?;
+    Ok(())
+}
+
+/// An error after which the same statement may succeed on a new connection: the connection was
+/// lost (no SQLSTATE), the server is shutting down or starting (class 57P), a connection
+/// exception (class 08).
+pub fn is_transient(e: &tokio_postgres::Error) -> bool {
+    match sqlstate(e) {
+        None => true,
+        Some(c) => c.starts_with("57P") || c.starts_with("08"),
+    }
+}
+
+/// `complete` or `checkpoint` was refused because another worker took the key over (IK003) or
+/// finished it (IK002): the store holds the answer, this worker was fenced off.
+pub fn is_fenced_off(e: &tokio_postgres::Error) -> bool {
+    matches!(sqlstate(e), Some("IK002" | "IK003"))
 }
 
 /// A database error for the log: SQLSTATE and message.

@@ -1,0 +1,558 @@
+//! The tower [`Layer`]: claim before the inner service runs, complete or release after it.
+
+// A scope function refuses a request with the response to send: an axum Response is what it is.
+#![allow(clippy::result_large_err)]
+
+use std::convert::Infallible;
+use std::future::Future;
+use std::pin::Pin;
+use std::sync::Arc;
+use std::task::{Context, Poll};
+use std::time::{Duration, Instant, SystemTime};
+
+use axum::body::{Body, Bytes};
+use axum::extract::MatchedPath;
+use axum::http::header::CONTENT_TYPE;
+use axum::http::request::Parts;
+use axum::http::{HeaderMap, Method, Request, StatusCode};
+use axum::response::Response;
+use deadpool_postgres::Pool;
+use tower_layer::Layer;
+use tower_service::Service;
+
+use crate::request::{read, IdemRequest};
+use crate::response::{finish, problem, stored, unavailable, Echo};
+use crate::store::{self, Outcome};
+
+/// Decides the scope of a request (who owns its key), or refuses it with a response (e.g. 401
+/// when the client is not authenticated).
+pub type ScopeFn = Arc<dyn Fn(&Parts) -> Result<String, Response> + Send + Sync>;
+
+/// Checks a request before its key is claimed; an `Err` response is sent as it is and the key
+/// stays free (a request that fails validation is not stored).
+pub type CheckFn = Arc<dyn Fn(&IdemRequest) -> Result<(), Response> + Send + Sync>;
+
+/// The default scope: `METHOD route`, the route as axum matched it (`/orders/{id}`) when the
+/// layer is applied with `route_layer`, the path otherwise.
+pub fn route_scope(parts: &Parts) -> String {
+    let route = parts
+        .extensions
+        .get::<MatchedPath>()
+        .map(|m| m.as_str().to_string())
+        .unwrap_or_else(|| parts.uri.path().to_string());
+    format!("{} {route}", parts.method)
+}
+
+/// Put into the request's extensions for the inner service once its key is claimed (`new`):
+/// extract it with `axum::Extension<Claimed>` to checkpoint, derive keys for downstream calls,
+/// or complete the key yourself in your own transaction (then answer with [`Disposition::Keep`]).
+#[derive(Debug, Clone)]
+pub struct Claimed {
+    pub key: String,
+    pub scope: String,
+    /// The fencing token: pass it to `complete`, `checkpoint` and `release`.
+    pub token: Option<i64>,
+    /// The last checkpoint of a crashed attempt this claim took over, if any.
+    pub recovery_point: Option<String>,
+    pub expires_at: Option<SystemTime>,
+    /// The request as it was claimed (what its fingerprint was made of), for calling the
+    /// [`store`] functions yourself.
+    pub request: IdemRequest,
+}
+
+/// What the layer does with the claim after the inner service answered. Put it into the
+/// response's extensions to choose; without it a 5xx answer is [`Release`](Disposition::Release)d
+/// and any other is [`Complete`](Disposition::Complete)d.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Disposition {
+    /// Store the status and body with `complete`: every retry gets them back.
+    Complete,
+    /// `release` the key: the next retry runs as new (nothing happened, or it may run again).
+    Release,
+    /// Leave the claim as it is: the handler completed it itself, or the outcome of its side
+    /// effect is unknown and a retry must take it over after the lease (and resume).
+    Keep,
+}
+
+struct Config {
+    pool: Pool,
+    ttl: Duration,
+    lease: Duration,
+    methods: Vec<Method>,
+    body_limit: usize,
+    require_key: bool,
+    reconnect_for: Duration,
+    scope: ScopeFn,
+    check: Option<CheckFn>,
+}
+
+/// Makes the routes it wraps idempotent under the IETF Idempotency-Key draft, with the
+/// `idempotency` extension as the store (the leased style: the claim commits before the inner
+/// service runs, so a crashed request is taken over after its lease).
+#[derive(Clone)]
+pub struct IdempotencyLayer {
+    cfg: Arc<Config>,
+}
+
+impl IdempotencyLayer {
+    /// Defaults: TTL 24 hours, lease 5 minutes, methods POST and PATCH, bodies up to 1 MiB, the key
+    /// required, scope [`route_scope`], completion retried on new connections for 30 seconds.
+    pub fn new(pool: Pool) -> IdempotencyLayer {
+        IdempotencyLayer {
+            cfg: Arc::new(Config {
+                pool,
+                ttl: Duration::from_secs(86_400),
+                lease: Duration::from_secs(300),
+                methods: vec![Method::POST, Method::PATCH],
+                body_limit: 1 << 20,
+                require_key: true,
+                reconnect_for: Duration::from_secs(30),
+                scope: Arc::new(|p: &Parts| Ok(route_scope(p))),
+                check: None,
+            }),
+        }
+    }
+
+    fn with(mut self, f: impl FnOnce(&mut Config)) -> IdempotencyLayer {
+        let mut cfg = Config {
+            pool: self.cfg.pool.clone(),
+            ttl: self.cfg.ttl,
+            lease: self.cfg.lease,
+            methods: self.cfg.methods.clone(),
+            body_limit: self.cfg.body_limit,
+            require_key: self.cfg.require_key,
+            reconnect_for: self.cfg.reconnect_for,
+            scope: self.cfg.scope.clone(),
+            check: self.cfg.check.clone(),
+        };
+        f(&mut cfg);
+        self.cfg = Arc::new(cfg);
+        self
+    }
+
+    /// How long a key is remembered after its request completed (the claim's and complete's
+    /// `ttl`). Panics when zero.
+    pub fn ttl(self, ttl: Duration) -> IdempotencyLayer {
+        assert!(!ttl.is_zero(), "the ttl must be positive");
+        self.with(|c| c.ttl = ttl)
+    }
+
+    /// How long a claimed request may run before a retry takes it over (the claim's `lease`; at
+    /// most the ttl). Panics when zero.
+    pub fn lease(self, lease: Duration) -> IdempotencyLayer {
+        assert!(!lease.is_zero(), "the lease must be positive");
+        self.with(|c| c.lease = lease)
+    }
+
+    /// The methods that are made idempotent; requests with other methods pass through.
+    pub fn methods(self, methods: impl IntoIterator<Item = Method>) -> IdempotencyLayer {
+        let m = methods.into_iter().collect();
+        self.with(|c| c.methods = m)
+    }
+
+    /// The largest request body read (413 above it).
+    pub fn body_limit(self, bytes: usize) -> IdempotencyLayer {
+        self.with(|c| c.body_limit = bytes)
+    }
+
+    /// Whether a request without `Idempotency-Key` is refused with 400 (the default) or passes
+    /// through without idempotency.
+    pub fn require_key(self, required: bool) -> IdempotencyLayer {
+        self.with(|c| c.require_key = required)
+    }
+
+    /// How long the layer keeps trying, on new connections, to store an answer after the
+    /// database went away while the inner service ran.
+    pub fn reconnect_for(self, d: Duration) -> IdempotencyLayer {
+        self.with(|c| c.reconnect_for = d)
+    }
+
+    /// Who owns a key: e.g. `format!("{client}:{}", route_scope(parts))` so that two clients
+    /// never share one. An `Err` response is sent as it is (with the idempotency headers).
+    pub fn scope<F>(self, f: F) -> IdempotencyLayer
+    where
+        F: Fn(&Parts) -> Result<String, Response> + Send + Sync + 'static,
+    {
+        self.with(|c| c.scope = Arc::new(f))
+    }
+
+    /// Validates the request (its key, query and JSON body are read already) before the key is
+    /// claimed: an `Err` response (say, 422 for a body that is not an order) is sent with the
+    /// idempotency headers, nothing is stored, and the key stays free for the corrected request.
+    pub fn check<F>(self, f: F) -> IdempotencyLayer
+    where
+        F: Fn(&IdemRequest) -> Result<(), Response> + Send + Sync + 'static,
+    {
+        self.with(|c| c.check = Some(Arc::new(f)))
+    }
+}
+
+impl<S> Layer<S> for IdempotencyLayer {
+    type Service = Idempotency<S>;
+
+    fn layer(&self, inner: S) -> Idempotency<S> {
+        Idempotency {
+            inner,
+            cfg: self.cfg.clone(),
+        }
+    }
+}
+
+/// The service [`IdempotencyLayer`] wraps around the inner one.
+#[derive(Clone)]
+pub struct Idempotency<S> {
+    inner: S,
+    cfg: Arc<Config>,
+}
+
+type BoxFuture<T> = Pin<Box<dyn Future<Output = T> + Send + 'static>>;
+
+impl<S> Service<Request<Body>> for Idempotency<S>
+where
+    S: Service<Request<Body>, Response = Response, Error = Infallible> + Clone + Send + 'static,
+    S::Future: Send + 'static,
+{
+    type Response = Response;
+    type Error = Infallible;
+    type Future = BoxFuture<Result<Response, Infallible>>;
+
+    fn poll_ready(&mut self, _cx: &mut Context<'_>) -> Poll<Result<(), Infallible>> {
+        // The inner service is made ready right before it is called.
+        Poll::Ready(Ok(()))
+    }
+
+    fn call(&mut self, req: Request<Body>) -> Self::Future {
+        let inner = self.inner.clone();
+        let cfg = self.cfg.clone();
+        Box::pin(async move { Ok(handle(cfg, inner, req).await) })
+    }
+}
+
+async fn call_inner<S>(mut inner: S, req: Request<Body>) -> Response
+where
+    S: Service<Request<Body>, Response = Response, Error = Infallible>,
+{
+    let ready = std::future::poll_fn(|cx| inner.poll_ready(cx)).await;
+    match ready {
+        Ok(()) => match inner.call(req).await {
+            Ok(r) => r,
+            Err(e) => match e {},
+        },
+        Err(e) => match e {},
+    }
+}
+
+fn internal(echo: &Echo, detail: &str) -> Response {
+    finish(
+        problem(
+            StatusCode::INTERNAL_SERVER_ERROR,
+            "internal",
+            "Internal error",
+            detail,
+        ),
+        echo,
+    )
+}
+
+async fn handle<S>(cfg: Arc<Config>, inner: S, req: Request<Body>) -> Response
+where
+    S: Service<Request<Body>, Response = Response, Error = Infallible> + Send + 'static,
+    S::Future: Send + 'static,
+{
+    if !cfg.methods.contains(req.method())
+        || (!cfg.require_key && !req.headers().contains_key(crate::key::HEADER))
+    {
+        return call_inner(inner, req).await;
+    }
+    let (parts, body) = req.into_parts();
+    let echo = Echo {
+        key: parts.headers.get(crate::key::HEADER).cloned(),
+        ..Echo::default()
+    };
+    let scope = match (cfg.scope)(&parts) {
+        Ok(s) => s,
+        Err(r) => return finish(r, &echo),
+    };
+    let bytes = match axum::body::to_bytes(body, cfg.body_limit).await {
+        Ok(b) => b,
+        Err(_) => {
+            let r = problem(
+                StatusCode::PAYLOAD_TOO_LARGE,
+                "body-too-large",
+                "The body is too large",
+                &format!("the body may have at most {} bytes", cfg.body_limit),
+            );
+            return finish(r, &echo);
+        }
+    };
+    let path = parts.uri.path().to_string();
+    let ir = match read(
+        parts.method.as_str(),
+        &path,
+        scope,
+        &parts.uri,
+        &parts.headers,
+        &bytes,
+    ) {
+        Ok(r) => r,
+        Err(r) => return r,
+    };
+    if let Some(check) = &cfg.check {
+        if let Err(r) = check(&ir) {
+            return finish(r, &ir.echo);
+        }
+    }
+    let echo = ir.echo.clone();
+    // The rest runs in a task of its own, to the end, even if the client hangs up: a cancelled
+    // request would leave its claim to wait for the lease.
+    match tokio::spawn(run(cfg, inner, parts, bytes, ir)).await {
+        Ok(r) => r,
+        Err(_) => internal(&echo, "retry with the same Idempotency-Key"),
+    }
+}
+
+async fn run<S>(
+    cfg: Arc<Config>,
+    inner: S,
+    mut parts: Parts,
+    bytes: Bytes,
+    ir: IdemRequest,
+) -> Response
+where
+    S: Service<Request<Body>, Response = Response, Error = Infallible> + Send + 'static,
+    S::Future: Send + 'static,
+{
+    let ttl = cfg.ttl.as_secs_f64();
+    let lease = cfg.lease.min(cfg.ttl).as_secs_f64();
+    let c = {
+        let client = match cfg.pool.get().await {
+            Ok(c) => c,
+            Err(_) => return unavailable(&ir.echo),
+        };
+        let c = match store::claim(&**client, &ir, ttl, lease).await {
+            Ok(c) => c,
+            Err(e) => return store::db_error(&e, &ir.echo),
+        };
+        if c.outcome != Outcome::New {
+            return store::answer(&**client, &ir, &c).await;
+        }
+        c
+    }; // the connection goes back to the pool while the inner service runs
+    parts.extensions.insert(Claimed {
+        key: ir.key.clone(),
+        scope: ir.scope.clone(),
+        token: c.token,
+        recovery_point: c.recovery_point.clone(),
+        expires_at: c.expires_at,
+        request: ir.clone(),
+    });
+    let req = Request::from_parts(parts, Body::from(bytes));
+    // A panic in the inner service is a 500 that releases the key.
+    let resp = match tokio::spawn(call_inner(inner, req)).await {
+        Ok(r) => r,
+        Err(_) => {
+            let mut r = internal(&Echo::default(), "retry with the same Idempotency-Key");
+            r.extensions_mut().insert(Disposition::Release);
+            r
+        }
+    };
+    let disposition = resp.extensions().get::<Disposition>().copied().unwrap_or(
+        if resp.status().is_server_error() {
+            Disposition::Release
+        } else {
+            Disposition::Complete
+        },
+    );
+    let echo = Echo {
+        expires: c.expires_at,
+        ..ir.echo.clone()
+    };
+    match disposition {
+        Disposition::Keep => finish_missing(resp, echo),
+        Disposition::Release => {
+            release(&cfg.pool, Instant::now() + cfg.reconnect_for, &ir, c.token).await;
+            finish_missing(
+                resp,
+                Echo {
+                    expires: None,
+                    ..echo
+                },
+            )
+        }
+        Disposition::Complete => complete(&cfg, &ir, &c, resp, ttl).await,
+    }
+}
+
+/// Adds the idempotency headers that the handler's response does not have already.
+fn finish_missing(resp: Response, mut echo: Echo) -> Response {
+    let h = resp.headers();
+    if h.contains_key(crate::key::HEADER) {
+        echo.key = None;
+    }
+    if h.contains_key("idempotency-expires") {
+        echo.expires = None;
+    }
+    if h.contains_key(axum::http::header::RETRY_AFTER) {
+        echo.retry_after = None;
+    }
+    finish(resp, &echo)
+}
+
+/// The response body as JSON text for the store: a JSON body as it is, any other as a JSON
+/// string, an empty body as NULL.
+fn json_text(headers: &HeaderMap, body: &Bytes) -> Option<String> {
+    if body.is_empty() {
+        return None;
+    }
+    let json = headers
+        .get(CONTENT_TYPE)
+        .and_then(|v| v.to_str().ok())
+        .map(|ct| {
+            let essence = ct.split(';').next().unwrap_or("").trim();
+            essence.eq_ignore_ascii_case("application/json") || essence.ends_with("+json")
+        })
+        .unwrap_or(false);
+    match std::str::from_utf8(body) {
+        Ok(t) if json => Some(t.to_string()),
+        _ => {
+            Some(serde_json::Value::String(String::from_utf8_lossy(body).into_owned()).to_string())
+        }
+    }
+}
+
+async fn complete(
+    cfg: &Config,
+    ir: &IdemRequest,
+    c: &store::Claim,
+    resp: Response,
+    ttl: f64,
+) -> Response {
+    let status = resp.status();
+    let (rparts, rbody) = resp.into_parts();
+    let body = match axum::body::to_bytes(rbody, usize::MAX).await {
+        Ok(b) => b,
+        Err(_) => Bytes::new(),
+    };
+    let text = json_text(&rparts.headers, &body);
+    let status_i = i32::from(status.as_u16());
+    let deadline = Instant::now() + cfg.reconnect_for;
+    let (key, scope, token) = (ir.key.as_str(), ir.scope.as_str(), c.token);
+    let done = retrying(&cfg.pool, deadline, |db| {
+        let text = text.clone();
+        async move {
+            store::complete(
+                &**db,
+                key,
+                scope,
+                token,
+                status_i,
+                text.as_deref().unwrap_or("null"),
+                Some(ttl),
+            )
+            .await
+            .map(|(t, exp)| (text.map(|_| t), exp))
+        }
+    })
+    .await;
+    match done {
+        Ok((stored_text, expires)) => {
+            let echo = Echo {
+                expires: Some(expires),
+                ..ir.echo.clone()
+            };
+            finish(stored(status, stored_text), &echo)
+        }
+        Err(Some(e)) if store::is_fenced_off(&e) || store::sqlstate(&e) == Some("IK001") => {
+            fenced_off(cfg, ir).await
+        }
+        Err(e) => {
+            // The answer cannot be stored (a JSON response that jsonb refuses, or the database
+            // stayed away): give the key back if we still can.
+            release(&cfg.pool, Instant::now(), ir, c.token).await;
+            match e {
+                None => unavailable(&ir.echo),
+                Some(e) if store::is_transient(&e) => unavailable(&ir.echo),
+                Some(e) => internal(
+                    &ir.echo,
+                    &format!(
+                        "the answer could not be stored ({}); retry with the same Idempotency-Key",
+                        store::describe(&e)
+                    ),
+                ),
+            }
+        }
+    }
+}
+
+/// `complete` was refused: another worker took the key over or finished it, or the claim is
+/// gone. Answer with what the store says now.
+async fn fenced_off(cfg: &Config, ir: &IdemRequest) -> Response {
+    let Ok(client) = cfg.pool.get().await else {
+        return unavailable(&ir.echo);
+    };
+    let c = match store::claim(
+        &**client,
+        ir,
+        cfg.ttl.as_secs_f64(),
+        cfg.lease.min(cfg.ttl).as_secs_f64(),
+    )
+    .await
+    {
+        Ok(c) => c,
+        Err(e) => return store::db_error(&e, &ir.echo),
+    };
+    if c.outcome == Outcome::New {
+        // Do not start over inside this request.
+        let _ = store::release(&**client, &ir.key, &ir.scope, c.token).await;
+        let mut echo = ir.echo.clone();
+        echo.retry_after = Some(1);
+        return finish(
+            problem(
+                StatusCode::SERVICE_UNAVAILABLE,
+                "retry",
+                "Retry",
+                "the claim of this key was lost; retry with the same Idempotency-Key",
+            ),
+            &echo,
+        );
+    }
+    store::answer(&**client, ir, &c).await
+}
+
+/// `release`, retried on new connections until `deadline`.
+async fn release(pool: &Pool, deadline: Instant, ir: &IdemRequest, token: Option<i64>) {
+    let (key, scope) = (ir.key.as_str(), ir.scope.as_str());
+    let _ = retrying(pool, deadline, |db| async move {
+        store::release(&**db, key, scope, token).await
+    })
+    .await;
+}
+
+/// Runs `f` on a pooled connection; after a transient error (connection lost, server restarting)
+/// again on a new one, until `deadline`. `Err(None)`: no connection could be had.
+async fn retrying<T, F, Fut>(
+    pool: &Pool,
+    deadline: Instant,
+    mut f: F,
+) -> Result<T, Option<tokio_postgres::Error>>
+where
+    F: FnMut(deadpool_postgres::Object) -> Fut,
+    Fut: Future<Output = Result<T, tokio_postgres::Error>>,
+{
+    let mut pause = Duration::from_millis(50);
+    loop {
+        let last = match pool.get().await {
+            Ok(db) => match f(db).await {
+                Ok(v) => return Ok(v),
+                Err(e) if !store::is_transient(&e) => return Err(Some(e)),
+                Err(e) => Some(e),
+            },
+            Err(_) => None,
+        };
+        if Instant::now() >= deadline {
+            return Err(last);
+        }
+        tokio::time::sleep(pause).await;
+        pause = (pause * 2).min(Duration::from_secs(1));
+    }
+}

@@ -1,0 +1,356 @@
+//! A throwaway PostgreSQL cluster for the tests, and a small axum app behind the layer.
+//!
+//! The cluster is made with the server's own `initdb` and `pg_ctl` (from `PG_BIN`, default
+//! `/usr/lib/postgresql/15/bin`) in a fresh directory under the system's temp dir, listening on
+//! a Unix socket only; run as root, they run as the `postgres` OS user (initdb refuses root).
+//! The `idempotency` extension must be installed into that server.
+
+#![allow(dead_code)]
+
+use std::path::PathBuf;
+use std::process::Command;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use axum::body::Body;
+use axum::extract::State;
+use axum::http::{HeaderMap, Request, StatusCode};
+use axum::response::{IntoResponse, Response};
+use axum::routing::post;
+use axum::{Extension, Router};
+use deadpool_postgres::{Manager, ManagerConfig, Pool, RecyclingMethod};
+use idempotency_axum::{route_scope, Claimed, Disposition, IdempotencyLayer};
+use tokio::sync::Semaphore;
+use tokio_postgres::NoTls;
+use tower::ServiceExt;
+
+pub struct Cluster {
+    pub dir: PathBuf,
+    pub port: u16,
+    bin: PathBuf,
+}
+
+fn as_postgres(program: &PathBuf) -> Command {
+    let root = Command::new("id")
+        .arg("-u")
+        .output()
+        .map(|o| o.stdout.trim_ascii() == b"0")
+        .unwrap_or(false);
+    if root {
+        let mut c = Command::new("runuser");
+        c.args(["-u", "postgres", "--"]).arg(program);
+        c
+    } else {
+        Command::new(program)
+    }
+}
+
+fn run(mut c: Command) {
+    let out = c.output().expect("cannot run a PostgreSQL program");
+    assert!(
+        out.status.success(),
+        "{c:?}: {}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
+
+static SEQ: AtomicUsize = AtomicUsize::new(0);
+
+impl Cluster {
+    /// initdb, start, `CREATE EXTENSION idempotency` in the `postgres` database.
+    pub async fn start() -> Cluster {
+        let bin = PathBuf::from(
+            std::env::var("PG_BIN").unwrap_or_else(|_| "/usr/lib/postgresql/15/bin".into()),
+        );
+        let dir = std::env::temp_dir().join(format!(
+            "idempotency-axum-{}-{}",
+            std::process::id(),
+            SEQ.fetch_add(1, Ordering::SeqCst)
+        ));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(&dir).unwrap();
+        run({
+            let mut c = Command::new("chmod");
+            c.arg("777").arg(&dir);
+            c
+        });
+        let port = std::net::TcpListener::bind("127.0.0.1:0")
+            .unwrap()
+            .local_addr()
+            .unwrap()
+            .port();
+        let data = dir.join("data");
+        let mut c = as_postgres(&bin.join("initdb"));
+        c.arg("-D").arg(&data).args([
+            "-A",
+            "trust",
+            "-U",
+            "postgres",
+            "--no-sync",
+            "-E",
+            "UTF8",
+            "--locale=C.UTF-8",
+        ]);
+        run(c);
+        let conf = format!(
+            "listen_addresses = ''\nunix_socket_directories = '{}'\nport = {port}\nfsync = off\n\
+             max_connections = 50\nlog_min_messages = warning\n",
+            dir.display()
+        );
+        let auto = data.join("postgresql.auto.conf");
+        let mut text = std::fs::read_to_string(&auto).unwrap_or_default();
+        text.push_str(&conf);
+        std::fs::write(&auto, text).unwrap();
+        let cluster = Cluster { dir, port, bin };
+        cluster.pg_ctl(&["start", "-w", "-t", "60"]);
+        let (db, conn) = cluster.config().connect(NoTls).await.unwrap();
+        tokio::spawn(conn);
+        db.batch_execute("CREATE EXTENSION idempotency")
+            .await
+            .unwrap();
+        cluster
+    }
+
+    fn pg_ctl(&self, args: &[&str]) {
+        let mut c = as_postgres(&self.bin.join("pg_ctl"));
+        c.arg("-D")
+            .arg(self.dir.join("data"))
+            .arg("-l")
+            .arg(self.dir.join("server.log"))
+            .args(args);
+        run(c);
+    }
+
+    /// Stops the server (fast: open connections are terminated).
+    pub fn stop(&self) {
+        self.pg_ctl(&["stop", "-m", "fast", "-w", "-t", "60"]);
+    }
+
+    /// Starts the server after [`Cluster::stop`].
+    pub fn start_again(&self) {
+        self.pg_ctl(&["start", "-w", "-t", "60"]);
+    }
+
+    /// Stops the server (fast: open connections are terminated) and starts it again.
+    pub fn restart(&self) {
+        self.pg_ctl(&["restart", "-m", "fast", "-w", "-t", "60"]);
+    }
+
+    pub fn config(&self) -> tokio_postgres::Config {
+        let mut c = tokio_postgres::Config::new();
+        c.host_path(&self.dir)
+            .port(self.port)
+            .user("postgres")
+            .dbname("postgres");
+        c
+    }
+
+    pub fn pool(&self) -> Pool {
+        let mgr = Manager::from_config(
+            self.config(),
+            NoTls,
+            ManagerConfig {
+                recycling_method: RecyclingMethod::Fast,
+            },
+        );
+        Pool::builder(mgr).max_size(8).build().unwrap()
+    }
+
+    /// One query's rows, on a connection of its own.
+    pub async fn query(
+        &self,
+        sql: &str,
+        params: &[&(dyn tokio_postgres::types::ToSql + Sync)],
+    ) -> Vec<tokio_postgres::Row> {
+        let (db, conn) = self.config().connect(NoTls).await.unwrap();
+        tokio::spawn(conn);
+        db.query(sql, params).await.unwrap()
+    }
+}
+
+impl Drop for Cluster {
+    fn drop(&mut self) {
+        let mut c = as_postgres(&self.bin.join("pg_ctl"));
+        c.arg("-D")
+            .arg(self.dir.join("data"))
+            .args(["stop", "-m", "immediate", "-w"]);
+        let _ = c.output();
+        let _ = std::fs::remove_dir_all(&self.dir);
+    }
+}
+
+/// The application behind the layer: counts the runs of its handler and does what the request's
+/// `X-Behave` header says.
+pub struct App {
+    pub runs: AtomicUsize,
+    /// `X-Behave: wait` blocks until a permit is added.
+    pub gate: Semaphore,
+}
+
+impl Default for App {
+    fn default() -> App {
+        App {
+            runs: AtomicUsize::new(0),
+            gate: Semaphore::new(0),
+        }
+    }
+}
+
+impl App {
+    pub fn runs(&self) -> usize {
+        self.runs.load(Ordering::SeqCst)
+    }
+
+    /// Waits until the handler has started `n` times.
+    pub async fn wait_runs(&self, n: usize) {
+        for _ in 0..500 {
+            if self.runs() >= n {
+                return;
+            }
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        panic!("the handler did not start {n} times");
+    }
+}
+
+async fn pay(
+    State(app): State<Arc<App>>,
+    Extension(claimed): Extension<Claimed>,
+    headers: HeaderMap,
+    body: String,
+) -> Response {
+    app.runs.fetch_add(1, Ordering::SeqCst);
+    let behave = headers
+        .get("x-behave")
+        .and_then(|v| v.to_str().ok())
+        .unwrap_or("");
+    if let Some(ms) = behave.strip_prefix("sleep:") {
+        tokio::time::sleep(Duration::from_millis(ms.parse().unwrap())).await;
+    }
+    match behave {
+        "wait" => app.gate.acquire().await.unwrap().forget(),
+        "fail" => return (StatusCode::INTERNAL_SERVER_ERROR, "boom").into_response(),
+        "panic" => panic!("the handler panicked"),
+        "keep" => {
+            let mut r = (StatusCode::BAD_GATEWAY, "in doubt").into_response();
+            r.extensions_mut().insert(Disposition::Keep);
+            return r;
+        }
+        "text" => return (StatusCode::CREATED, "plain text").into_response(),
+        "refuse" => {
+            return (
+                StatusCode::PAYMENT_REQUIRED,
+                axum::Json(serde_json::json!({"refused": true})),
+            )
+                .into_response()
+        }
+        _ => {}
+    }
+    // The body as sent: the stored answer keeps its numbers exact.
+    let doc = format!(
+        r#"{{"paid": {body}, "token": {}, "recovery_point": {}, "scope": {}}}"#,
+        serde_json::json!(claimed.token),
+        serde_json::json!(claimed.recovery_point),
+        serde_json::json!(claimed.scope),
+    );
+    let mut r = (StatusCode::CREATED, doc).into_response();
+    r.headers_mut().insert(
+        axum::http::header::CONTENT_TYPE,
+        axum::http::HeaderValue::from_static("application/json"),
+    );
+    r
+}
+
+// The scope function refuses with an axum Response, which clippy finds large.
+#[allow(clippy::result_large_err)]
+/// `POST /pay` behind the layer, scoped per client (`X-Client-Id`, 401 without it);
+/// `GET /pay` is not idempotent and passes through.
+pub fn router(app: Arc<App>, pool: Pool, lease: Duration) -> Router {
+    let layer = IdempotencyLayer::new(pool)
+        .ttl(Duration::from_secs(3600))
+        .lease(lease)
+        .body_limit(4096)
+        .reconnect_for(Duration::from_secs(60))
+        .check(|req| {
+            if req.body.contains("\"invalid\"") {
+                return Err(idempotency_axum::response::problem(
+                    StatusCode::UNPROCESSABLE_ENTITY,
+                    "invalid",
+                    "Invalid payment",
+                    "the body says it is invalid",
+                ));
+            }
+            Ok(())
+        })
+        .scope(|parts| {
+            match parts
+                .headers
+                .get("x-client-id")
+                .and_then(|v| v.to_str().ok())
+            {
+                Some(c) if !c.is_empty() => Ok(format!("{c}:{}", route_scope(parts))),
+                _ => Err(idempotency_axum::response::problem(
+                    StatusCode::UNAUTHORIZED,
+                    "unauthenticated",
+                    "Client is not authenticated",
+                    "send X-Client-Id",
+                )),
+            }
+        });
+    Router::new()
+        .route("/pay", post(pay).get(|| async { "not idempotent" }))
+        .route_layer(layer)
+        .with_state(app)
+}
+
+/// A request to `POST /pay`.
+pub fn pay_request(
+    client: Option<&str>,
+    key: Option<&str>,
+    body: &str,
+    behave: &str,
+) -> Request<Body> {
+    let mut b = Request::post("/pay").header("content-type", "application/json");
+    if let Some(c) = client {
+        b = b.header("x-client-id", c);
+    }
+    if let Some(k) = key {
+        b = b.header("idempotency-key", k);
+    }
+    if !behave.is_empty() {
+        b = b.header("x-behave", behave);
+    }
+    b.body(Body::from(body.to_string())).unwrap()
+}
+
+pub struct Answer {
+    pub status: StatusCode,
+    pub headers: HeaderMap,
+    pub body: String,
+}
+
+impl Answer {
+    pub fn header(&self, name: &str) -> Option<&str> {
+        self.headers.get(name).and_then(|v| v.to_str().ok())
+    }
+
+    pub fn json(&self) -> serde_json::Value {
+        serde_json::from_str(&self.body).unwrap()
+    }
+}
+
+pub async fn send(router: &Router, req: Request<Body>) -> Answer {
+    let r = router.clone().oneshot(req).await.unwrap();
+    let status = r.status();
+    let headers = r.headers().clone();
+    let body = axum::body::to_bytes(r.into_body(), usize::MAX)
+        .await
+        .unwrap();
+    Answer {
+        status,
+        headers,
+        body: String::from_utf8(body.to_vec()).unwrap(),
+    }
+}

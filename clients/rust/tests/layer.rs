@@ -1,0 +1,348 @@
+//! The layer against a real cluster: every outcome, a race of identical requests, a crashed
+//! request taken over after its lease, a database restart mid-request.
+
+mod common;
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use axum::body::Body;
+use axum::http::{Request, StatusCode};
+use common::{pay_request, router, send, App, Cluster};
+
+const ORDER: &str = r#"{"amount": 59.90, "items": [{"sku": "A1", "qty": 2}]}"#;
+const ORDER_REORDERED: &str = r#"{"items":[{"qty":2,"sku":"A1"}],"amount":59.90}"#;
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn every_outcome() {
+    let cluster = Cluster::start().await;
+    let app = Arc::new(App::default());
+    let r = router(app.clone(), cluster.pool(), Duration::from_secs(60));
+
+    // new: the handler runs, its answer is stored and sent with the idempotency headers.
+    let first = send(&r, pay_request(Some("c1"), Some("\"k-1\""), ORDER, "")).await;
+    assert_eq!(first.status, StatusCode::CREATED, "{}", first.body);
+    assert_eq!(first.header("idempotency-key"), Some("\"k-1\""));
+    assert_eq!(first.header("cache-control"), Some("no-store"));
+    assert_eq!(first.header("content-type"), Some("application/json"));
+    assert!(first.header("idempotency-expires").is_some());
+    assert_eq!(first.header("idempotent-replayed"), None);
+    assert!(first.body.contains(r#""amount": 59.90"#), "{}", first.body);
+    assert_eq!(first.json()["scope"], "c1:POST /pay");
+    assert_eq!(app.runs(), 1);
+
+    // replay: the same bytes, flagged; the body's member order and spacing do not matter.
+    for body in [ORDER, ORDER_REORDERED] {
+        let again = send(&r, pay_request(Some("c1"), Some("\"k-1\";p=1"), body, "")).await;
+        assert_eq!(again.status, StatusCode::CREATED);
+        assert_eq!(again.body, first.body);
+        assert_eq!(again.header("idempotent-replayed"), Some("true"));
+        assert_eq!(again.header("idempotency-key"), Some("\"k-1\";p=1"));
+        assert_eq!(
+            again.header("idempotency-expires"),
+            first.header("idempotency-expires")
+        );
+    }
+    assert_eq!(app.runs(), 1);
+
+    // mismatch: another body with the same key.
+    let other = send(
+        &r,
+        pay_request(Some("c1"), Some("\"k-1\""), r#"{"amount": 5}"#, ""),
+    )
+    .await;
+    assert_eq!(other.status, StatusCode::UNPROCESSABLE_ENTITY);
+    assert_eq!(
+        other.header("content-type"),
+        Some("application/problem+json")
+    );
+    assert_eq!(other.json()["title"], "Idempotency-Key is already used");
+    assert_eq!(
+        other.header("idempotency-expires"),
+        first.header("idempotency-expires")
+    );
+    assert_eq!(app.runs(), 1);
+
+    // The scope is per client: another client's same key is another key.
+    let c2 = send(&r, pay_request(Some("c2"), Some("\"k-1\""), ORDER, "")).await;
+    assert_eq!(c2.status, StatusCode::CREATED);
+    assert_eq!(c2.header("idempotent-replayed"), None);
+    assert_eq!(app.runs(), 2);
+
+    // 400: missing, malformed (not a String), too long; 401 from the scope function; nothing
+    // runs, nothing is stored.
+    let missing = send(&r, pay_request(Some("c1"), None, ORDER, "")).await;
+    assert_eq!(missing.status, StatusCode::BAD_REQUEST);
+    assert_eq!(missing.json()["title"], "Idempotency-Key is missing");
+    for bad in ["k-2", "1", "?1", "\"unterminated"] {
+        let a = send(&r, pay_request(Some("c1"), Some(bad), ORDER, "")).await;
+        assert_eq!(a.status, StatusCode::BAD_REQUEST, "{bad}");
+        assert_eq!(a.json()["title"], "Idempotency-Key is malformed");
+        assert_eq!(a.header("idempotency-key"), Some(bad));
+    }
+    let long = format!("\"{}\"", "x".repeat(256));
+    let a = send(&r, pay_request(Some("c1"), Some(&long), ORDER, "")).await;
+    assert_eq!(a.status, StatusCode::BAD_REQUEST);
+    let a = send(&r, pay_request(None, Some("\"k-2\""), ORDER, "")).await;
+    assert_eq!(a.status, StatusCode::UNAUTHORIZED);
+    assert_eq!(a.header("idempotency-key"), Some("\"k-2\""));
+    let a = send(
+        &r,
+        pay_request(Some("c1"), Some("\"k-2\""), "{not json", ""),
+    )
+    .await;
+    assert_eq!(a.status, StatusCode::BAD_REQUEST);
+    let a = send(
+        &r,
+        pay_request(Some("c1"), Some("\"k-2\""), &"1".repeat(5000), ""),
+    )
+    .await;
+    assert_eq!(a.status, StatusCode::PAYLOAD_TOO_LARGE);
+    // JSON that jsonb refuses: 422, nothing claimed.
+    let a = send(
+        &r,
+        pay_request(Some("c1"), Some("\"k-2\""), r#"{"a": "\u0000"}"#, ""),
+    )
+    .await;
+    assert_eq!(a.status, StatusCode::UNPROCESSABLE_ENTITY, "{}", a.body);
+    // A request the check refuses: 422, nothing claimed.
+    let a = send(
+        &r,
+        pay_request(Some("c1"), Some("\"k-2\""), r#"{"invalid": 1}"#, ""),
+    )
+    .await;
+    assert_eq!(a.status, StatusCode::UNPROCESSABLE_ENTITY, "{}", a.body);
+    assert_eq!(a.json()["title"], "Invalid payment");
+    assert_eq!(a.header("idempotency-key"), Some("\"k-2\""));
+    assert_eq!(app.runs(), 2);
+    let rows = cluster
+        .query(
+            "SELECT count(*) FROM idempotency.idempotency_keys WHERE key = 'k-2'",
+            &[],
+        )
+        .await;
+    assert_eq!(rows[0].get::<_, i64>(0), 0);
+
+    // A method that is not made idempotent passes through, key or not.
+    let get = send(&r, Request::get("/pay").body(Body::empty()).unwrap()).await;
+    assert_eq!(get.status, StatusCode::OK);
+    assert_eq!(get.body, "not idempotent");
+
+    // A 5xx releases the key: the retry runs again. A panic too.
+    for behave in ["fail", "panic"] {
+        let key = format!("\"{behave}\"");
+        let a = send(&r, pay_request(Some("c1"), Some(&key), ORDER, behave)).await;
+        assert_eq!(a.status, StatusCode::INTERNAL_SERVER_ERROR);
+        assert_eq!(a.header("idempotency-expires"), None);
+        let before = app.runs();
+        let b = send(&r, pay_request(Some("c1"), Some(&key), ORDER, "")).await;
+        assert_eq!(b.status, StatusCode::CREATED);
+        assert_eq!(app.runs(), before + 1);
+    }
+
+    // A stored 4xx is replayed like a success.
+    let a = send(
+        &r,
+        pay_request(Some("c1"), Some("\"refuse\""), ORDER, "refuse"),
+    )
+    .await;
+    assert_eq!(a.status, StatusCode::PAYMENT_REQUIRED);
+    let b = send(&r, pay_request(Some("c1"), Some("\"refuse\""), ORDER, "")).await;
+    assert_eq!(b.status, StatusCode::PAYMENT_REQUIRED);
+    assert_eq!(b.body, a.body);
+    assert_eq!(b.header("idempotent-replayed"), Some("true"));
+
+    // A body that is not JSON is stored, and replayed, as a JSON string.
+    let a = send(&r, pay_request(Some("c1"), Some("\"text\""), ORDER, "text")).await;
+    assert_eq!(a.status, StatusCode::CREATED);
+    assert_eq!(a.body, "\"plain text\"");
+    let b = send(&r, pay_request(Some("c1"), Some("\"text\""), ORDER, "")).await;
+    assert_eq!(b.body, a.body);
+
+    // Disposition::Keep leaves the claim in progress: 409 with Retry-After until the lease ends.
+    let a = send(&r, pay_request(Some("c1"), Some("\"keep\""), ORDER, "keep")).await;
+    assert_eq!(a.status, StatusCode::BAD_GATEWAY);
+    assert!(a.header("idempotency-expires").is_some());
+    let b = send(&r, pay_request(Some("c1"), Some("\"keep\""), ORDER, "")).await;
+    assert_eq!(b.status, StatusCode::CONFLICT);
+    assert_eq!(
+        b.json()["title"],
+        "A request is outstanding for this Idempotency-Key"
+    );
+    let retry_after: u64 = b.header("retry-after").unwrap().parse().unwrap();
+    assert!((1..=60).contains(&retry_after), "{retry_after}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn in_progress_then_replay() {
+    let cluster = Cluster::start().await;
+    let app = Arc::new(App::default());
+    let r = router(app.clone(), cluster.pool(), Duration::from_secs(60));
+    let first = {
+        let r = r.clone();
+        tokio::spawn(
+            async move { send(&r, pay_request(Some("c"), Some("\"k\""), ORDER, "wait")).await },
+        )
+    };
+    app.wait_runs(1).await;
+    let busy = send(&r, pay_request(Some("c"), Some("\"k\""), ORDER, "")).await;
+    assert_eq!(busy.status, StatusCode::CONFLICT);
+    assert!(busy.header("retry-after").is_some());
+    assert!(busy.header("idempotency-expires").is_some());
+    app.gate.add_permits(1);
+    let first = first.await.unwrap();
+    assert_eq!(first.status, StatusCode::CREATED);
+    let again = send(&r, pay_request(Some("c"), Some("\"k\""), ORDER, "")).await;
+    assert_eq!(again.body, first.body);
+    assert_eq!(again.header("idempotent-replayed"), Some("true"));
+    assert_eq!(app.runs(), 1);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn race_of_identical_requests_runs_once() {
+    let cluster = Cluster::start().await;
+    let app = Arc::new(App::default());
+    let r = router(app.clone(), cluster.pool(), Duration::from_secs(60));
+    let tasks: Vec<_> = (0..25)
+        .map(|_| {
+            let r = r.clone();
+            tokio::spawn(async move {
+                send(
+                    &r,
+                    pay_request(Some("c"), Some("\"storm\""), ORDER, "sleep:500"),
+                )
+                .await
+            })
+        })
+        .collect();
+    let mut answers = Vec::new();
+    for t in tasks {
+        answers.push(t.await.unwrap());
+    }
+    assert_eq!(app.runs(), 1);
+    let created: Vec<_> = answers
+        .iter()
+        .filter(|a| a.status == StatusCode::CREATED)
+        .collect();
+    let fresh = created
+        .iter()
+        .filter(|a| a.header("idempotent-replayed").is_none())
+        .count();
+    assert_eq!(fresh, 1);
+    // The others were told to come back (or, arriving late, got the replay).
+    assert!(answers
+        .iter()
+        .all(|a| a.status == StatusCode::CREATED || a.status == StatusCode::CONFLICT));
+    let last = send(&r, pay_request(Some("c"), Some("\"storm\""), ORDER, "")).await;
+    assert_eq!(last.body, created[0].body);
+    assert_eq!(app.runs(), 1);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn crashed_request_is_taken_over_after_the_lease() {
+    let cluster = Arc::new(Cluster::start().await);
+    let app = Arc::new(App::default());
+    let lease = Duration::from_secs(3); // long enough for the 409 check on a loaded machine
+
+    // A "process" of its own (runtime, pool) that claims and dies while the handler runs.
+    {
+        let (cluster, app) = (cluster.clone(), app.clone());
+        std::thread::spawn(move || {
+            let rt = tokio::runtime::Runtime::new().unwrap();
+            rt.block_on(async {
+                let r = router(app.clone(), cluster.pool(), lease);
+                tokio::spawn(async move {
+                    send(&r, pay_request(Some("c"), Some("\"crash\""), ORDER, "wait")).await
+                });
+                app.wait_runs(1).await;
+            });
+            rt.shutdown_background(); // kill -9: no release, no complete
+        })
+        .join()
+        .unwrap();
+    }
+
+    let r = router(app.clone(), cluster.pool(), lease);
+    // The claim is still held: 409 until the lease runs out.
+    let busy = send(&r, pay_request(Some("c"), Some("\"crash\""), ORDER, "")).await;
+    assert_eq!(busy.status, StatusCode::CONFLICT);
+    tokio::time::sleep(lease + Duration::from_millis(300)).await;
+    // Taken over: runs with a larger token; the retry's answer is stored once.
+    let taken = send(&r, pay_request(Some("c"), Some("\"crash\""), ORDER, "")).await;
+    assert_eq!(taken.status, StatusCode::CREATED, "{}", taken.body);
+    assert_eq!(taken.json()["token"], 2);
+    assert_eq!(app.runs(), 2);
+    let again = send(&r, pay_request(Some("c"), Some("\"crash\""), ORDER, "")).await;
+    assert_eq!(again.body, taken.body);
+    assert_eq!(app.runs(), 2);
+    let rows = cluster
+        .query(
+            "SELECT status::text, token FROM idempotency.idempotency_keys WHERE key = 'crash'",
+            &[],
+        )
+        .await;
+    assert_eq!(rows[0].get::<_, &str>(0), "completed");
+    assert_eq!(rows[0].get::<_, i64>(1), 2);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn database_restart_mid_request() {
+    let cluster = Arc::new(Cluster::start().await);
+    let app = Arc::new(App::default());
+    let r = router(app.clone(), cluster.pool(), Duration::from_secs(60));
+    // Warm the pool: its connections die with the restart.
+    let warm = send(&r, pay_request(Some("c"), Some("\"warm\""), ORDER, "")).await;
+    assert_eq!(warm.status, StatusCode::CREATED);
+
+    let first = {
+        let r = r.clone();
+        tokio::spawn(
+            async move { send(&r, pay_request(Some("c"), Some("\"k\""), ORDER, "wait")).await },
+        )
+    };
+    app.wait_runs(2).await;
+    // The claim is committed; the database goes down and comes back while the handler runs.
+    let c = cluster.clone();
+    tokio::task::spawn_blocking(move || c.restart())
+        .await
+        .unwrap();
+    app.gate.add_permits(1);
+    // The answer is stored on a new connection: the request ran once and its answer is kept.
+    let first = first.await.unwrap();
+    assert_eq!(first.status, StatusCode::CREATED, "{}", first.body);
+    let again = send(&r, pay_request(Some("c"), Some("\"k\""), ORDER, "")).await;
+    assert_eq!(again.status, StatusCode::CREATED);
+    assert_eq!(again.body, first.body);
+    assert_eq!(again.header("idempotent-replayed"), Some("true"));
+    assert_eq!(app.runs(), 2);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn database_down_while_the_handler_runs() {
+    // The database is away when the answer is to be stored and comes back later: the layer
+    // keeps trying (reconnect_for) and stores it then.
+    let cluster = Arc::new(Cluster::start().await);
+    let app = Arc::new(App::default());
+    let r = router(app.clone(), cluster.pool(), Duration::from_secs(60));
+    let first = {
+        let r = r.clone();
+        tokio::spawn(
+            async move { send(&r, pay_request(Some("c"), Some("\"k\""), ORDER, "wait")).await },
+        )
+    };
+    app.wait_runs(1).await;
+    let c = cluster.clone();
+    tokio::task::spawn_blocking(move || c.stop()).await.unwrap();
+    app.gate.add_permits(1);
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    assert!(!first.is_finished());
+    let c = cluster.clone();
+    tokio::task::spawn_blocking(move || c.start_again())
+        .await
+        .unwrap();
+    let first = first.await.unwrap();
+    assert_eq!(first.status, StatusCode::CREATED, "{}", first.body);
+    let again = send(&r, pay_request(Some("c"), Some("\"k\""), ORDER, "")).await;
+    assert_eq!(again.body, first.body);
+    assert_eq!(app.runs(), 1);
+}
