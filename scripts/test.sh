@@ -60,13 +60,15 @@ for v in "${VERSIONS[@]}"; do
     fi
 done
 
-# The client packages (clients/): each built into its artifact (a wheel, an npm tarball) and
+# The client packages (clients/): each built into its artifact (a wheel, an npm tarball, a crate) and
 # tested against throwaway clusters of the first version, where the extension is installed.
 first_bin=$(dirname "$(scripts/pg-server.sh "$first")")
 echo "== clients/python: the pg-idempotency wheel and its tests (PostgreSQL $first)"
 PG_BIN=$first_bin scripts/clients-python.sh
 echo "== clients/node: npm ci, type check, npm pack, the tests (PostgreSQL $first)"
 PG_BIN=$first_bin scripts/clients-node.sh
+echo "== clients/rust: fmt, clippy, the tests, cargo package (PostgreSQL $first)"
+PG_BIN=$first_bin scripts/clients-rust.sh
 
 # Citus (docs/scaling.md): a coordinator and two workers on PostgreSQL 18, Citus 14.0.1 built from
 # its source tarball (scripts/citus.sh; CITUS_TARBALL_DIR, default ../shared/vendor/citus beside
