@@ -17,7 +17,7 @@ DECLARE
     v_key text;
     v_expires_at timestamptz;
 BEGIN
-    v_key := idempotency._key(forget.key, forget.scope);
+    v_key := idempotency._stored_key(forget.key, forget.scope);
     DELETE FROM idempotency.idempotency_keys AS k
      WHERE k.scope OPERATOR(pg_catalog.=) forget.scope
        AND k.key OPERATOR(pg_catalog.=) v_key
@@ -206,3 +206,126 @@ END
 $fn$;
 
 REVOKE EXECUTE ON FUNCTION idempotency.distribute(integer) FROM PUBLIC;
+
+-- The key in the form the store keeps it has a name that says so: _key becomes _stored_key (the
+-- C symbol is unchanged), and the functions that call it call it by its new name (forget's new
+-- body above already does).
+ALTER FUNCTION idempotency._key(text, text) RENAME TO _stored_key;
+
+CREATE OR REPLACE FUNCTION idempotency._raise_not_claimed(p_key text, p_scope text, p_token bigint, p_action text)
+RETURNS timestamptz
+LANGUAGE plpgsql VOLATILE SECURITY DEFINER
+SET search_path = pg_catalog, pg_temp
+AS $fn$
+DECLARE
+    r record;
+    v_key text := idempotency._stored_key(p_key, p_scope);
+    -- Messages show a hashed key only as a prefix of its hash.
+    v_label text := CASE WHEN v_key OPERATOR(pg_catalog.=) p_key THEN pg_catalog.quote_literal(p_key)
+                         ELSE 'sha256:' OPERATOR(pg_catalog.||) pg_catalog.left(v_key, 12) OPERATOR(pg_catalog.||) '...' END;
+BEGIN
+    SELECT k.status, k.token, k.expires_at OPERATOR(pg_catalog.>) pg_catalog.now() AS live
+      INTO r
+      FROM idempotency.idempotency_keys AS k
+     WHERE k.scope OPERATOR(pg_catalog.=) p_scope AND k.key OPERATOR(pg_catalog.=) v_key;
+    IF NOT FOUND OR NOT r.live THEN
+        RAISE EXCEPTION USING
+            ERRCODE = 'IK001',
+            MESSAGE = pg_catalog.format('cannot %s key %s in scope %L: no live claim', p_action, v_label, p_scope),
+            HINT = 'claim the key first; a claim that expired, was released or rolled back is gone';
+    ELSIF r.status OPERATOR(pg_catalog.=) 'completed'::idempotency.key_status THEN
+        RAISE EXCEPTION USING
+            ERRCODE = 'IK002',
+            MESSAGE = pg_catalog.format('cannot %s key %s in scope %L: it is already completed', p_action, v_label, p_scope),
+            HINT = 'a completed key replays its stored response; claim it to read that response';
+    ELSIF p_token OPERATOR(pg_catalog.<) r.token THEN
+        RAISE EXCEPTION USING
+            ERRCODE = 'IK003',
+            MESSAGE = pg_catalog.format('cannot %s key %s in scope %L: token %s is stale, the current token is %s',
+                                        p_action, v_label, p_scope, p_token, r.token),
+            HINT = 'another worker took the key over after this lease ran out (or the token is another key''s); abandon this attempt';
+    ELSE
+        RAISE EXCEPTION USING
+            ERRCODE = 'IK003',
+            MESSAGE = pg_catalog.format('cannot %s key %s in scope %L: token %s was never issued for it, the current token is %s',
+                                        p_action, v_label, p_scope, p_token, r.token),
+            HINT = 'pass the token that claim returned for this key';
+    END IF;
+    RETURN NULL;  -- not reached
+END
+$fn$;
+
+CREATE OR REPLACE FUNCTION idempotency.checkpoint(
+    key            text,
+    recovery_point text,
+    scope          text DEFAULT '',
+    token          bigint DEFAULT NULL
+) RETURNS void
+LANGUAGE plpgsql VOLATILE SECURITY DEFINER
+SET search_path = pg_catalog, pg_temp
+AS $fn$
+#variable_conflict use_column
+DECLARE
+    v_key text;
+BEGIN
+    v_key := idempotency._stored_key(checkpoint.key, checkpoint.scope);
+    PERFORM idempotency._check_recovery_point(checkpoint.recovery_point);
+    UPDATE idempotency.idempotency_keys AS k
+       SET recovery_point = checkpoint.recovery_point
+     WHERE k.scope OPERATOR(pg_catalog.=) checkpoint.scope
+       AND k.key OPERATOR(pg_catalog.=) v_key
+       AND k.status OPERATOR(pg_catalog.=) 'in_progress'::idempotency.key_status
+       AND k.expires_at OPERATOR(pg_catalog.>) pg_catalog.now()
+       AND (checkpoint.token IS NULL OR k.token OPERATOR(pg_catalog.=) checkpoint.token);
+    IF NOT FOUND THEN
+        PERFORM idempotency._raise_not_claimed(checkpoint.key, checkpoint.scope, checkpoint.token, 'checkpoint');
+    END IF;
+END
+$fn$;
+
+CREATE OR REPLACE FUNCTION idempotency.release(key text, scope text DEFAULT '', token bigint DEFAULT NULL)
+RETURNS boolean
+LANGUAGE plpgsql VOLATILE SECURITY DEFINER
+SET search_path = pg_catalog, pg_temp
+AS $fn$
+#variable_conflict use_column
+DECLARE
+    v_key text;
+BEGIN
+    v_key := idempotency._stored_key(release.key, release.scope);
+    DELETE FROM idempotency.idempotency_keys AS k
+     WHERE k.scope OPERATOR(pg_catalog.=) release.scope
+       AND k.key OPERATOR(pg_catalog.=) v_key
+       AND k.status OPERATOR(pg_catalog.=) 'in_progress'::idempotency.key_status
+       AND k.expires_at OPERATOR(pg_catalog.>) pg_catalog.now()
+       AND (release.token IS NULL OR k.token OPERATOR(pg_catalog.=) release.token);
+    IF FOUND THEN
+        PERFORM idempotency._count('release');
+        RETURN true;
+    END IF;
+    RETURN false;
+END
+$fn$;
+
+CREATE OR REPLACE FUNCTION idempotency.lookup(key text, scope text DEFAULT '')
+RETURNS idempotency.idempotency_keys
+LANGUAGE plpgsql STABLE SECURITY DEFINER
+SET search_path = pg_catalog, pg_temp
+AS $fn$
+#variable_conflict use_column
+DECLARE
+    v_key text;
+    r idempotency.idempotency_keys;
+BEGIN
+    v_key := idempotency._stored_key(lookup.key, lookup.scope);
+    SELECT k.* INTO r
+      FROM idempotency.idempotency_keys AS k
+     WHERE k.scope OPERATOR(pg_catalog.=) lookup.scope
+       AND k.key OPERATOR(pg_catalog.=) v_key
+       AND k.expires_at OPERATOR(pg_catalog.>) pg_catalog.now();
+    IF NOT FOUND THEN
+        RETURN NULL;
+    END IF;
+    RETURN r;
+END
+$fn$;

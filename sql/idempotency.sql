@@ -96,7 +96,7 @@ AS 'MODULE_PATHNAME', 'idempotency_claim';
 
 -- Checks key and scope (the shared argument rules and the session's scope_prefix) and returns
 -- the key in the form the store keeps it: itself, or its keyed hash in hex (set_key_storage).
-CREATE FUNCTION idempotency._key(key text, scope text)
+CREATE FUNCTION idempotency._stored_key(key text, scope text)
 RETURNS text
 LANGUAGE c VOLATILE PARALLEL UNSAFE
 AS 'MODULE_PATHNAME', 'idempotency_key';
@@ -121,7 +121,7 @@ SET search_path = pg_catalog, pg_temp
 AS $fn$
 DECLARE
     r record;
-    v_key text := idempotency._key(p_key, p_scope);
+    v_key text := idempotency._stored_key(p_key, p_scope);
     -- Messages show a hashed key only as a prefix of its hash.
     v_label text := CASE WHEN v_key OPERATOR(pg_catalog.=) p_key THEN pg_catalog.quote_literal(p_key)
                          ELSE 'sha256:' OPERATOR(pg_catalog.||) pg_catalog.left(v_key, 12) OPERATOR(pg_catalog.||) '...' END;
@@ -193,7 +193,7 @@ AS $fn$
 DECLARE
     v_key text;
 BEGIN
-    v_key := idempotency._key(checkpoint.key, checkpoint.scope);
+    v_key := idempotency._stored_key(checkpoint.key, checkpoint.scope);
     PERFORM idempotency._check_recovery_point(checkpoint.recovery_point);
     UPDATE idempotency.idempotency_keys AS k
        SET recovery_point = checkpoint.recovery_point
@@ -217,7 +217,7 @@ AS $fn$
 DECLARE
     v_key text;
 BEGIN
-    v_key := idempotency._key(release.key, release.scope);
+    v_key := idempotency._stored_key(release.key, release.scope);
     DELETE FROM idempotency.idempotency_keys AS k
      WHERE k.scope OPERATOR(pg_catalog.=) release.scope
        AND k.key OPERATOR(pg_catalog.=) v_key
@@ -242,7 +242,7 @@ DECLARE
     v_key text;
     v_expires_at timestamptz;
 BEGIN
-    v_key := idempotency._key(forget.key, forget.scope);
+    v_key := idempotency._stored_key(forget.key, forget.scope);
     DELETE FROM idempotency.idempotency_keys AS k
      WHERE k.scope OPERATOR(pg_catalog.=) forget.scope
        AND k.key OPERATOR(pg_catalog.=) v_key
@@ -262,7 +262,7 @@ DECLARE
     v_key text;
     r idempotency.idempotency_keys;
 BEGIN
-    v_key := idempotency._key(lookup.key, lookup.scope);
+    v_key := idempotency._stored_key(lookup.key, lookup.scope);
     SELECT k.* INTO r
       FROM idempotency.idempotency_keys AS k
      WHERE k.scope OPERATOR(pg_catalog.=) lookup.scope

@@ -250,7 +250,7 @@ fn idempotency_announce() {
     stats::announce();
 }
 
-/// `idempotency._key(key, scope) RETURNS text`: checks key and scope like every function does
+/// `idempotency._stored_key(key, scope) RETURNS text`: checks key and scope like every function does
 /// and returns the key in the form the store keeps it; used by the PL/pgSQL functions.
 #[pg_extern(sql = false)]
 fn idempotency_key(key: Option<Text<'_>>, scope: Option<Text<'_>>) -> DbText {

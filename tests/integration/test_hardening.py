@@ -78,7 +78,7 @@ ATTACKS = [
     "SELECT idempotency.forget('order-77', 'shop_a:orders')",
     "SELECT idempotency.complete('order-77', '{}', scope => 'shop_a:orders')",
     "SELECT idempotency.release('order-77', 'shop_a:orders')",
-    "SELECT idempotency._key('order-77', 'shop_a:orders')",
+    "SELECT idempotency._stored_key('order-77', 'shop_a:orders')",
 ]
 
 

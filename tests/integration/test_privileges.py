@@ -150,7 +150,7 @@ def test_tenants_are_kept_apart(tenants):
         "SELECT idempotency.checkpoint('order-2', 'x', 'a:client-1')",
         "SELECT idempotency._complete('order-2', '{}', 200, 'a:client-1', NULL, NULL)",
         "SELECT idempotency._raise_not_claimed('order-1', 'a:client-1', NULL, 'complete')",
-        "SELECT idempotency._key('order-1', 'a:client-1')",
+        "SELECT idempotency._stored_key('order-1', 'a:client-1')",
         "SELECT idempotency.claim('order-1', '{\"x\": 1}')",  # the default scope '' too
     ]:
         message = denied(b, sql)
