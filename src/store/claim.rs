@@ -97,8 +97,7 @@ pub fn claim(req: &ClaimRequest<'_>) -> ClaimResult {
         } else {
             // First a look without the insert lock: a key that exists (the replay, mismatch and
             // in-progress answers) needs no lock at all. Only an absent key is looked at again
-            // under the lock and inserted.
-            // Unconfirmed: a miss is looked at again, confirmed, under the insert lock.
+            // under the lock, confirmed, and inserted.
             let found = match probe(req.scope, req.key, false) {
                 Probe::Absent => probe_or_insert(req, || match direct_layout_for_write() {
                     Some(d) => Ok(Step::Done(heap::insert_direct(&d, req))),

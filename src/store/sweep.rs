@@ -41,7 +41,7 @@ pub fn sweep_batch(batch: i64, prefix: &str) -> i64 {
         })
         .unwrap_or_else(|e| spi_failed("sweep", e));
     }
-    let deleted = Spi::connect_mut(|client| {
+    Spi::connect_mut(|client| {
         client
             .update(
                 plan(client, Plan::Sweep)?,
@@ -53,8 +53,7 @@ pub fn sweep_batch(batch: i64, prefix: &str) -> i64 {
             )
             .map(|t| t.len() as i64)
     })
-    .unwrap_or_else(|e| spi_failed("sweep", e));
-    deleted
+    .unwrap_or_else(|e| spi_failed("sweep", e))
 }
 
 /// Deletes up to `batch` audit rows older than `retention_secs` whose scope starts with
