@@ -77,6 +77,8 @@ export interface Claim {
   readonly expiresAt: Date;
   /** Records progress; throws FencedError when another call has taken the key over. */
   checkpoint(point: string): Promise<void>;
+  /** idempotency.derive_key(key, step, params): the key of one downstream side effect; repeated on a new connection if the connection is lost. */
+  deriveKey(step: string, params?: unknown): Promise<string>;
 }
 
 /** Inside a function wrapped by idempotent(): its claim; elsewhere undefined. */

@@ -40,8 +40,8 @@ async function main() {
 
   const send = idempotent(async (order, to) => {
     const claim = currentClaim();
-    const { rows } = await pool.query("SELECT idempotency.derive_key($1, 'email') AS id", [order]);
-    const messageId = rows[0].id;
+    // On the claim's connection: a connection lost here is repeated, not a failed send.
+    const messageId = await claim.deriveKey('email');
     if (claim.recoveryPoint !== 'sent') {
       await sleep(Number(a['effect-seconds'])); // the latency of a real SMTP call
       if (a['fail-send']) throw new Error('SMTP server refused the message');

@@ -144,6 +144,12 @@ async function release(q, { key, scope, token }) {
   return rows[0].released;
 }
 
+async function deriveKey(q, { parent, step, params }) {
+  const rows = await run(q, 'SELECT idempotency.derive_key($1, $2, $3::jsonb) AS key',
+    [checkKey(parent, 'parent'), checkKey(step, 'step'), toJsonText(params, 'params')]);
+  return rows[0].key;
+}
+
 async function lookupExpires(q, { key, scope }) {
   const rows = await run(q, 'SELECT (idempotency.lookup($1, $2)).expires_at AS expires_at', [key, scope]);
   return rows[0].expires_at;
@@ -163,5 +169,5 @@ function toJsonText(value, what) {
 
 module.exports = {
   Db, connectionLost, interval, checkKey, claim, complete, checkpoint, release, lookupExpires,
-  fenced, toJsonText, sleep, CLAIM_COLUMNS,
+  fenced, toJsonText, sleep, CLAIM_COLUMNS, deriveKey,
 };

@@ -27,6 +27,13 @@ class Claim {
     await db.checkpoint(this.q, { key: this.key, point, scope: this.scope, token: this.token });
     this.recoveryPoint = point;
   }
+
+  // idempotency.derive_key(this.key, step, params): the key of one downstream side effect (an
+  // SMTP message id, a payment provider's Idempotency-Key). On the wrapper's connection, so a
+  // lost connection is repeated on a new one like every other statement of the claim.
+  async deriveKey(step, params) {
+    return db.deriveKey(this.q, { parent: this.key, step, params });
+  }
 }
 
 function currentClaim() {

@@ -235,6 +235,27 @@ test('a database restart mid-function: complete reconnects, nothing runs twice',
   assert.equal((await row('restart')).status, 'completed');
 });
 
+test("currentClaim().deriveKey is derive_key of the claim's key, and survives a terminated connection", async () => {
+  let lost = 0;
+  const f = idempotent(async (step) => {
+    const claim = currentClaim();
+    // The wrapper's own connection dies between the claim and the derivation: the statement is
+    // repeated on a new connection instead of failing the call (and releasing the key).
+    await pool.query("SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE application_name = 'derive-key-test'");
+    return claim.deriveKey(step, { n: 1 });
+  }, { key: 'derive', connectionString: cluster.url(), applicationName: 'derive-key-test', lease: 30,
+    onConnectionLost: () => { lost += 1; } });
+  try {
+    const r = await f.detailed('email');
+    const { rows } = await pool.query("SELECT idempotency.derive_key('derive', 'email', '{\"n\": 1}') AS k");
+    assert.equal(r.outcome, 'new');
+    assert.equal(r.value, rows[0].k);
+    assert.ok(lost > 0, 'the terminated connection was seen and the statement repeated');
+  } finally {
+    await f.close();
+  }
+});
+
 test('a connection string (or the PG* variables) gives the wrapper a pool of its own; close() ends it', async () => {
   const f = idempotent(async (n) => n * 2, { key: (n) => `cs-${n}`, connectionString: cluster.url(), ttl: '1 hour', lease: '10 seconds' });
   assert.equal(await f(21), 42);

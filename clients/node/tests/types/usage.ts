@@ -15,6 +15,8 @@ const pool = new Pool();
 const sendReceipt = idempotent(async (orderId: number, to: string) => {
   const claim = currentClaim();
   if (claim && claim.recoveryPoint !== 'sent') await claim.checkpoint('sent');
+  const messageId: string | undefined = claim ? await claim.deriveKey('email', { n: 1 }) : undefined;
+  void messageId;
   return { messageId: `m-${orderId}`, to };
 }, { key: (orderId) => `order-${orderId}`, scope: 'receipts', ttl: '7 days', lease: 30, pool, wait: 5 });
 
