@@ -329,3 +329,10 @@ BEGIN
     RETURN r;
 END
 $fn$;
+
+-- The sweeper's index on the expiry the claim set, instead of expires_at (which complete moves,
+-- so that no completion in a later transaction than its claim was a HOT update). Built under a
+-- lock that blocks writes to the store while it runs (seconds per million rows).
+DROP INDEX idempotency.idempotency_keys_expires_at_idx;
+CREATE INDEX idempotency_keys_sweep_idx ON idempotency.idempotency_keys
+    (((created_at AT TIME ZONE 'UTC') OPERATOR(pg_catalog.+) ttl));

@@ -62,8 +62,12 @@ CREATE TABLE idempotency.idempotency_keys (
 COMMENT ON TABLE idempotency.idempotency_keys IS
     'One row per claimed idempotency key; rows past expires_at count as absent and are swept.';
 
--- The sweeper finds expired rows through this index.
-CREATE INDEX idempotency_keys_expires_at_idx ON idempotency.idempotency_keys (expires_at);
+-- The sweeper finds expired rows through this index, on the expiry the claim set (in UTC):
+-- created_at + ttl, never later than expires_at (docs/architecture.md#the-sweep-index). Not on
+-- expires_at, which complete moves: an update that changes no indexed column is HOT, so a
+-- completion in a later transaction than its claim adds no index entries.
+CREATE INDEX idempotency_keys_sweep_idx ON idempotency.idempotency_keys
+    (((created_at AT TIME ZONE 'UTC') OPERATOR(pg_catalog.+) ttl));
 
 -- pg_dump keeps the rows and the token sequence of an extension-owned table.
 SELECT pg_catalog.pg_extension_config_dump('idempotency.idempotency_keys', '');

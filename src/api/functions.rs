@@ -152,6 +152,7 @@ fn idempotency_sweep(batch_size: Option<i32>) -> i64 {
     let batch = batch_size_arg(batch_size);
     store::refuse_read_only("sweep");
     let prefix = sweep_prefix("sweep");
+    store::sweep_start();
     let total = in_batches(batch, |b| super::sweep_batch(b, &prefix));
     stats::sweep_finished(total);
     total

@@ -34,7 +34,7 @@ pub use catalog::{key_label, stored_key, PinnedSearchPath};
 pub use claim::claim;
 pub use complete::complete;
 pub use heap::{now_plus, transaction_start};
-pub use sweep::{expired_since, sweep_audit_batch, sweep_batch};
+pub use sweep::{expired_since, sweep_audit_batch, sweep_batch, sweep_start};
 
 /// A jsonb value copied out of an SPI result into the caller's memory context.
 pub struct OwnedJsonb(pub pg_sys::Datum);

@@ -148,7 +148,14 @@ pub(crate) fn plan(
             )?
             .keep(),
         Plan::Sweep => client
-            .prepare_mut(SWEEP_SQL, &[PgOid::from(pg_sys::INT8OID), text])?
+            .prepare_mut(
+                SWEEP_SQL,
+                &[
+                    PgOid::from(pg_sys::INT8OID),
+                    text,
+                    PgOid::from(pg_sys::TIMESTAMPOID),
+                ],
+            )?
             .keep(),
     };
     let p: &'static OwnedPreparedStatement = Box::leak(Box::new(prepared));
@@ -409,13 +416,30 @@ pub(crate) fn audit(req: &CompleteRequest<'_>, done: &Completed) {
     .unwrap_or_else(|e| spi_failed("complete", e))
 }
 
-/// Deletes up to $1 expired rows whose scope starts with $2 ('' for all).
+/// Deletes up to $1 expired rows whose scope starts with $2 ('' for all), in the order of
+/// their sweep key from $3 on (the key a previous batch of the same sweep reached; -infinity at
+/// first), through the index on it; returns their keys.
+///
+/// The sweep key of a row is the expiry its claim set, in UTC (`created_at + ttl`), the
+/// expression of the sweeper's index `idempotency_keys_sweep_idx`. It is never later than
+/// `expires_at` (a completion moves that only later, or changes `ttl`, and so the key, too),
+/// except by the clock change between a claim and its expiry when a calendar TTL (days, months)
+/// is added in a time zone with daylight saving time. `complete` changes neither column, so its
+/// update is HOT (docs/architecture.md#the-sweep-index). Rows whose key has passed but whose
+/// `expires_at` has not (completed after their claim, or with a longer TTL) are read and left;
+/// starting each batch where the last one ended reads them once per sweep, not once per batch.
 pub(crate) const SWEEP_SQL: &str = "DELETE FROM idempotency.idempotency_keys AS k \
      WHERE k.ctid OPERATOR(pg_catalog.=) ANY (ARRAY( \
        SELECT s.ctid FROM idempotency.idempotency_keys AS s \
-        WHERE s.expires_at OPERATOR(pg_catalog.<=) pg_catalog.now() \
+        WHERE ((s.created_at AT TIME ZONE 'UTC') OPERATOR(pg_catalog.+) s.ttl) \
+              OPERATOR(pg_catalog.<=) (pg_catalog.now() AT TIME ZONE 'UTC') \
+          AND ((s.created_at AT TIME ZONE 'UTC') OPERATOR(pg_catalog.+) s.ttl) \
+              OPERATOR(pg_catalog.>=) $3 \
+          AND s.expires_at OPERATOR(pg_catalog.<=) pg_catalog.now() \
           AND pg_catalog.starts_with(s.scope, $2) \
-        LIMIT $1 FOR UPDATE SKIP LOCKED))";
+        ORDER BY ((s.created_at AT TIME ZONE 'UTC') OPERATOR(pg_catalog.+) s.ttl) \
+        LIMIT $1 FOR UPDATE SKIP LOCKED)) \
+     RETURNING ((k.created_at AT TIME ZONE 'UTC') OPERATOR(pg_catalog.+) k.ttl)";
 
 /// This node's shards of `table`: the placements in its group whose relation exists here (a
 /// shard being moved away stays until Citus drops it; one being moved here appears when the

@@ -7,20 +7,26 @@ use super::sql::{audit_plans, plan, sweep_local_shards, Plan, AUDIT_SWEEP_SQL, S
 use crate::encoding;
 use pgrx::pg_sys;
 use pgrx::prelude::*;
+use std::cell::Cell;
 
 /// How many rows still in the table expired after `since` (and by now()): the inflow the
 /// sweeper must keep up with while it yields to the application. An index range scan over the
-/// newest expiries only.
+/// newest sweep keys only (see [`SWEEP_SQL`]): a row whose key was already at or before `since`
+/// but whose later `expires_at` passed since (completed late) is not counted; the estimate only
+/// sizes the next batch.
 pub fn expired_since(since: pg_sys::TimestampTz) -> i64 {
     let _path = PinnedSearchPath::pin();
-    // SAFETY: a timestamptz is passed by value, declared as timestamptz.
-    let since = unsafe {
-        pgrx::datum::DatumWithOid::new(pg_sys::Datum::from(since), pg_sys::TIMESTAMPTZOID)
-    };
+    // SAFETY: a timestamptz is passed by value; as a timestamp it is the same instant in UTC
+    // (both count microseconds since 2000-01-01 00:00 UTC), what the sweep key is.
+    let since =
+        unsafe { pgrx::datum::DatumWithOid::new(pg_sys::Datum::from(since), pg_sys::TIMESTAMPOID) };
     Spi::get_one_with_args::<i64>(
-        "SELECT pg_catalog.count(*) FROM idempotency.idempotency_keys AS k \
-          WHERE k.expires_at OPERATOR(pg_catalog.>) $1 \
-            AND k.expires_at OPERATOR(pg_catalog.<=) pg_catalog.now()",
+        "SELECT pg_catalog.count(*) FROM idempotency.idempotency_keys AS s \
+          WHERE ((s.created_at AT TIME ZONE 'UTC') OPERATOR(pg_catalog.+) s.ttl) \
+                OPERATOR(pg_catalog.>) $1 \
+            AND ((s.created_at AT TIME ZONE 'UTC') OPERATOR(pg_catalog.+) s.ttl) \
+                OPERATOR(pg_catalog.<=) (pg_catalog.now() AT TIME ZONE 'UTC') \
+            AND s.expires_at OPERATOR(pg_catalog.<=) pg_catalog.now()",
         &[since],
     )
     .ok()
@@ -28,32 +34,64 @@ pub fn expired_since(since: pg_sys::TimestampTz) -> i64 {
     .unwrap_or(0)
 }
 
+/// Where the current sweep has got to in the sweep index: the greatest key a batch of this
+/// sweep deleted (-infinity before the first). Each batch starts there, so the rows whose key
+/// passed but whose `expires_at` did not are read once per sweep, not once per batch.
+static CURSOR: crate::local::BackendLocal<Cell<pg_sys::Timestamp>> =
+    crate::local::BackendLocal::new(Cell::new(DT_NOBEGIN));
+
+/// `-infinity` as a timestamp.
+const DT_NOBEGIN: pg_sys::Timestamp = i64::MIN;
+
+/// Starts a sweep: its first batch begins at the start of the sweep index.
+pub fn sweep_start() {
+    CURSOR.with(|c| c.set(DT_NOBEGIN));
+}
+
 /// Deletes up to `batch` expired rows whose scope starts with `prefix` ("": every row),
-/// skipping rows other transactions hold; returns how many.
+/// skipping rows other transactions hold, in sweep-key order from where the last batch of this
+/// sweep ([`sweep_start`]) ended; returns how many.
 pub fn sweep_batch(batch: i64, prefix: &str) -> i64 {
     let _path = PinnedSearchPath::pin();
+    let from = |at: pg_sys::Timestamp| {
+        // SAFETY: a timestamp is passed by value, declared as timestamp.
+        unsafe { pgrx::datum::DatumWithOid::new(pg_sys::Datum::from(at), pg_sys::TIMESTAMPOID) }
+    };
     if citus_table() {
+        // One cursor cannot span the shards: each batch starts at the start of each shard.
         return sweep_local_shards("idempotency.idempotency_keys", SWEEP_SQL, batch, |left| {
             vec![
                 left.into(),
                 encoding::spi_text(prefix, "idempotency.scope_prefix"),
+                from(DT_NOBEGIN),
             ]
         })
         .unwrap_or_else(|e| spi_failed("sweep", e));
     }
-    Spi::connect_mut(|client| {
-        client
-            .update(
-                plan(client, Plan::Sweep)?,
-                None,
-                &[
-                    batch.into(),
-                    encoding::spi_text(prefix, "idempotency.scope_prefix"),
-                ],
-            )
-            .map(|t| t.len() as i64)
+    let start = CURSOR.with(Cell::get);
+    let (deleted, reached) = Spi::connect_mut(|client| {
+        let mut table = client.update(
+            plan(client, Plan::Sweep)?,
+            None,
+            &[
+                batch.into(),
+                encoding::spi_text(prefix, "idempotency.scope_prefix"),
+                from(start),
+            ],
+        )?;
+        let deleted = table.len() as i64;
+        let mut reached = start;
+        // Each row's sweep key, read at the table's position (`next` moves it).
+        while table.next().is_some() {
+            if let Some(at) = table.get_datum_by_ordinal(1)? {
+                reached = reached.max(at.value() as pg_sys::Timestamp);
+            }
+        }
+        Ok::<_, pgrx::spi::Error>((deleted, reached))
     })
-    .unwrap_or_else(|e| spi_failed("sweep", e))
+    .unwrap_or_else(|e| spi_failed("sweep", e));
+    CURSOR.with(|c| c.set(reached));
+    deleted
 }
 
 /// Deletes up to `batch` audit rows older than `retention_secs` whose scope starts with

@@ -1,0 +1,148 @@
+"""HOT completions and the sweep index (issue 17, part 1).
+
+A completion in a later transaction than its claim (the leased style) moves expires_at; the
+sweeper's index is on the claim-time expiry (created_at + ttl) instead, so the completion
+changes no indexed column and is a HOT update. The sweep still finds expired rows through that
+index, never by a sequential scan, and deletes exactly the expired rows, including rows whose
+expires_at is later than their sweep key (completed late or with a longer TTL)."""
+
+import os
+import re
+
+import pytest
+from psycopg.types.json import Jsonb
+
+from helpers import claim
+
+ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..")
+RESPONSE = {"id": "msg_0123456789abcdef", "status": "sent", "to": "someone@example.com",
+            "provider": "smtp", "queued_at": "2026-11-30T21:00:00Z"}
+
+
+def hot_counters(conn):
+    """(n_tup_upd, n_tup_hot_upd) of the store, with this session's counts flushed."""
+    conn.execute("SELECT pg_stat_force_next_flush()")
+    conn.execute("SELECT pg_stat_clear_snapshot()")
+    return conn.execute("SELECT n_tup_upd, n_tup_hot_upd FROM pg_stat_user_tables "
+                        "WHERE relid = 'idempotency.idempotency_keys'::regclass").fetchone()
+
+
+def sweep_sql():
+    """SWEEP_SQL as src/store/sql.rs has it (a Rust string with line continuations)."""
+    src = open(os.path.join(ROOT, "src", "store", "sql.rs")).read()
+    m = re.search(r'pub\(crate\) const SWEEP_SQL: &str = "(.*?)";', src, re.S)
+    assert m, "SWEEP_SQL not found in src/store/sql.rs"
+    return re.sub(r"\\\n\s*", "", m.group(1))
+
+
+@pytest.mark.parametrize("path", ["direct", "sql"])
+@pytest.mark.parametrize("in_flight", [1, 8])
+def test_leased_completions_in_later_transactions_are_hot_updates(connect, path, in_flight):
+    a = connect()
+    if path == "sql":
+        a.execute("SET idempotency.force_sql_path = on")
+    n = 200
+    keys = [f"hot-{path}-{in_flight}-{i}" for i in range(n)]
+    upd0, hot0 = hot_counters(a)
+    tokens = {}
+    for start in range(0, n, in_flight):
+        group = keys[start:start + in_flight]
+        for k in group:  # each claim commits on its own (autocommit)...
+            outcome, token, *_ = claim(a, k, {"k": k}, lease="5 minutes")
+            assert outcome == "new"
+            tokens[k] = token
+        for k in group:  # ...and each completion in a later transaction
+            a.execute("SELECT idempotency.complete(%s, %s, token => %s)", (k, Jsonb(RESPONSE), tokens[k]))
+    upd1, hot1 = hot_counters(a)
+    # The setup: every key exists, completed in a transaction after its claim's (expires_at
+    # moved past the claim-time expiry: the column the old sweep index covered changed).
+    done = a.execute("""SELECT count(*) FILTER (WHERE status = 'completed' AND completed_at > created_at
+                                                  AND expires_at > created_at + ttl)
+                          FROM idempotency.idempotency_keys WHERE key LIKE %s""",
+                     (f"hot-{path}-{in_flight}-%",)).fetchone()[0]
+    assert done == n
+    updates, hot = upd1 - upd0, hot1 - hot0
+    assert updates >= n
+    assert hot / updates >= 0.9, (updates, hot)
+    # The rows read back as completed.
+    assert all(claim(a, k, {"k": k})[0] == "replay" for k in keys[::37])
+
+
+def fill(conn, rows, expired_fraction):
+    """`rows` completed keys written straight into the table, claimed at random times over the
+    past two hours with a one-hour TTL; expired_fraction of them expired."""
+    conn.execute("""INSERT INTO idempotency.idempotency_keys AS k
+                        (key, status, token, created_at, completed_at, expires_at, ttl, response, response_status)
+                    SELECT 'bulk-' || i, 'completed', i, c, c, c + interval '1 hour', interval '1 hour', '{}', 200
+                      FROM (SELECT i, now() - interval '1 hour' * (1 + %s::float8) + random() * interval '1 hour' AS c
+                              FROM generate_series(1, %s::int) AS i) AS s""", (expired_fraction, rows))
+
+
+def test_the_sweep_finds_expired_rows_through_the_index_not_a_sequential_scan(connect):
+    a = connect()
+    fill(a, 50_000, 0.5)
+    a.execute("ANALYZE idempotency.idempotency_keys")
+    assert a.execute("SELECT count(*) FROM idempotency.idempotency_keys").fetchone()[0] == 50_000
+    a.execute(f"PREPARE sweep_stmt(bigint, text, timestamp) AS {sweep_sql()}")
+    for mode in ("force_custom_plan", "force_generic_plan"):
+        a.execute(f"SET plan_cache_mode = {mode}")
+        for start in ("-infinity", "2000-01-01"):
+            plan = "\n".join(r[0] for r in a.execute(
+                f"EXPLAIN EXECUTE sweep_stmt(10000, '', '{start}')").fetchall())
+            assert "Seq Scan" not in plan, plan
+            assert "idempotency_keys_sweep_idx" in plan, plan
+    a.execute("DEALLOCATE sweep_stmt")
+    a.execute("RESET plan_cache_mode")
+    expired = a.execute("SELECT count(*) FROM idempotency.idempotency_keys WHERE expires_at <= now()").fetchone()[0]
+    assert 20_000 < expired < 30_000
+    assert a.execute("SELECT idempotency.sweep()").fetchone()[0] == expired
+    assert a.execute("SELECT count(*) FROM idempotency.idempotency_keys").fetchone()[0] == 50_000 - expired
+
+
+@pytest.mark.parametrize("batch", [1, 3, 1000])
+def test_the_sweep_deletes_every_expired_row_and_no_live_one(connect, batch):
+    """Rows whose sweep key (created_at + ttl) has passed but whose expires_at has not (completed
+    late or with a longer TTL) stay, ahead of and among expired rows in the index; every expired
+    row goes, whatever the batch size (each batch starts where the last one ended)."""
+    a = connect()
+    # (key, created_at ago, ttl, expires_at from now): sweep key = now - ago + ttl.
+    rows = [
+        ("expired-plain", "3 hours", "1 hour", "-2 hours"),
+        ("expired-late", "3 hours", "1 hour", "-1 minute"),          # completed ~2 h late
+        ("live-late", "3 hours", "1 hour", "1 minute"),              # key passed long ago
+        ("live-late-2", "2 hours", "1 hour", "10 minutes"),
+        ("expired-shorter-ttl", "2 hours", "30 minutes", "-30 minutes"),
+        ("live-longer-ttl", "90 minutes", "1 hour", "2 hours"),
+        ("expired-recent", "70 minutes", "1 hour", "-5 minutes"),
+        ("live-late-3", "61 minutes", "1 hour", "30 seconds"),
+        ("expired-just", "50 minutes", "45 minutes", "-1 second"),
+        ("live-fresh", "1 minute", "1 hour", "59 minutes"),
+    ]
+    for i, (key, ago, ttl, left) in enumerate(rows):
+        a.execute("""INSERT INTO idempotency.idempotency_keys
+                         (key, status, token, created_at, completed_at, expires_at, ttl, response, response_status)
+                     VALUES (%s, 'completed', %s, now() - %s::interval, now() - %s::interval,
+                             now() + %s::interval, %s::interval, '{}', 200)""",
+                  (key, 1_000_000 + i, ago, ago, left, ttl))
+    # And through the API: a claim completed with a longer TTL (its key moves with the TTL), and
+    # claims whose one-second TTL runs out.
+    assert claim(a, "api-longer-ttl", None, ttl="1 second")[0] == "new"
+    a.execute("SELECT idempotency.complete('api-longer-ttl', '{}', ttl => '1 hour')")
+    assert claim(a, "api-expired", None, ttl="1 second")[0] == "new"
+    a.execute("SELECT idempotency.complete('api-expired', '{}')")
+    assert claim(a, "api-expired-in-progress", None, ttl="1 second")[0] == "new"
+    a.execute("SELECT pg_sleep(1.1)")
+    expired = {r[0] for r in a.execute(
+        "SELECT key FROM idempotency.idempotency_keys WHERE expires_at <= now()").fetchall()}
+    assert expired == {"expired-plain", "expired-late", "expired-shorter-ttl", "expired-recent",
+                       "expired-just", "api-expired", "api-expired-in-progress"}
+    passed = {r[0] for r in a.execute(
+        """SELECT key FROM idempotency.idempotency_keys
+            WHERE (created_at AT TIME ZONE 'UTC') + ttl <= now() AT TIME ZONE 'UTC' AND expires_at > now()""").fetchall()}
+    assert passed == {"live-late", "live-late-2", "live-longer-ttl", "live-late-3"}
+    live = {r[0] for r in a.execute(
+        "SELECT key FROM idempotency.idempotency_keys WHERE expires_at > now()").fetchall()}
+    assert a.execute("SELECT idempotency.sweep(%s)", (batch,)).fetchone()[0] == len(expired)
+    left = {r[0] for r in a.execute("SELECT key FROM idempotency.idempotency_keys").fetchall()}
+    assert left == live
+    assert a.execute("SELECT idempotency.sweep(%s)", (batch,)).fetchone()[0] == 0
