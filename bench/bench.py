@@ -130,6 +130,49 @@ def alternate(rounds, variants, run):
     return {v: (median([x[0] for x in xs]), median([x[1] for x in xs])) for v, xs in results.items()}
 
 
+def write_table(variant):
+    """The table a write workload updates (for its HOT ratio)."""
+    if variant.startswith("floor:"):
+        return "bench.floor"
+    if variant.startswith("reference:"):
+        return "bench.ref_keys"
+    return "idempotency.idempotency_keys"
+
+
+def update_counters(cluster, table):
+    """(n_tup_upd, n_tup_hot_upd) of `table` once the benchmark's sessions have gone (a backend
+    flushes its statistics as it exits; pgbench returns when its connections close, a moment
+    before)."""
+    with psycopg.connect(cluster.conninfo(), autocommit=True) as c:
+        for _ in range(100):
+            others = c.execute("SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() "
+                               "AND backend_type = 'client backend' AND pid <> pg_backend_pid()").fetchone()[0]
+            if others == 0:
+                break
+            time.sleep(0.05)
+        c.execute("SELECT pg_stat_clear_snapshot()")
+        return c.execute("SELECT n_tup_upd, n_tup_hot_upd FROM pg_stat_user_tables WHERE relid = %s::regclass",
+                         (table,)).fetchone()
+
+
+def counting_hot(cluster, hot, variant, run):
+    """Runs run() (a write workload) and adds the updates it made, and how many were HOT, to
+    hot[variant]."""
+    table = write_table(variant)
+    upd0, hot0 = update_counters(cluster, table)
+    result = run()
+    upd1, hot1 = update_counters(cluster, table)
+    total = hot.setdefault(variant, [0, 0])
+    total[0] += upd1 - upd0
+    total[1] += hot1 - hot0
+    return result
+
+
+def hot_ratio(counts):
+    updates, hot_updates = counts
+    return hot_updates / updates if updates else float("nan")
+
+
 def populate_replay_keys(cluster):
     sql(cluster, f"""INSERT INTO idempotency.idempotency_keys
                        (key, request_hash, status, token, response, response_status, expires_at, ttl, completed_at)
@@ -211,11 +254,13 @@ def hashing(cluster, seconds):
 # Expired rows as the sweeper meets them: random keys and request hashes, a response of a
 # hundred bytes or so (repetitive rows would make their full-page images compress unrealistically).
 EXPIRED_ROWS = """INSERT INTO idempotency.idempotency_keys
-                    (key, request_hash, status, token, response, response_status, expires_at, ttl, completed_at)
+                    (key, request_hash, status, token, response, response_status, expires_at, ttl, completed_at,
+                     created_at)
                   SELECT %s || i || ':' || md5(random()::text), sha256(random()::text::bytea), 'completed', -i,
                          jsonb_build_object('id', 'ch_' || md5(random()::text), 'amount', (random() * 10000)::int,
                                             'currency', 'EUR', 'status', 'succeeded'),
-                         200, now() - interval '1 minute', interval '1 hour', now() - interval '1 hour'
+                         200, now() - interval '1 minute', interval '1 hour', now() - interval '61 minutes',
+                         now() - interval '61 minutes'
                     FROM generate_series(1, 1000000) i"""
 
 
@@ -334,11 +379,19 @@ def main():
         # completed keys, plus the WAL runs' 2,000 each): the write runs then grow each table at
         # its own pace (the extension's table by two scripts), and a bigger index is a slower
         # lookup, which would tilt the read comparisons.
+        # Each write workload's HOT updates (n_tup_hot_upd / n_tup_upd of its table), over all
+        # its runs: a completion that changes no indexed column adds no index entries.
+        report["hot"] = {}
         for group, label in ((reads, "reads"), (writes, "writes")):
             for clients in CLIENTS:
                 print(f"== PostgreSQL {label}, {clients} clients", flush=True)
-                res = alternate(args.rounds, list(group), lambda v: pgbench(cluster, group[v], clients, args.seconds,
-                                                                             group[v][:-4], logdir))
+
+                def run(v):
+                    def bench():
+                        return pgbench(cluster, group[v], clients, args.seconds, group[v][:-4], logdir)
+                    return counting_hot(cluster, report["hot"], v, bench) if group is writes else bench()
+
+                res = alternate(args.rounds, list(group), run)
                 for v, r in res.items():
                     pg[(v, clients)] = r
         pg[("extension: in_progress, 16 sessions on 100 hot keys", 16)] = pgbench(
@@ -447,8 +500,12 @@ def write_results(args, report, pg, redis, scale, sweep, hashes):
     target("sweep ≥ 100,000 rows/s (1M expired rows, background sweeper)", fmt(sweep["rows_per_second"]),
            sweep["rows_per_second"] >= 100_000)
     r = sweep["p99_during"] / sweep["p99_without"]
-    target(f"claim p99 during the sweep ≤ 1.25 × without (8 sessions, median of {sweep['rounds']} rounds)",
-           f"{r:.2f} ({sweep['p99_during']:.2f} ms vs {sweep['p99_without']:.2f} ms)", r <= 1.25)
+    target(f"claim p99 during the sweep ≤ 1.05 × without (8 sessions, median of {sweep['rounds']} rounds)",
+           f"{r:.2f} ({sweep['p99_during']:.2f} ms vs {sweep['p99_without']:.2f} ms)", r <= 1.05)
+    leased = "extension: claim, then complete (leased)"
+    if leased in report.get("hot", {}):
+        r = hot_ratio(report["hot"][leased])
+        target("leased completions HOT ≥ 0.90 (n_tup_hot_upd / n_tup_upd)", f"{r:.2f}", r >= 0.90)
     for label in ("10 KB", "1 MB"):
         r = hashes[label]["canonical_hash"] / hashes[label]["sha256(doc::text)"]
         target(f"canonical_hash ≥ 0.5 × sha256(doc::text) at {label}", f"{r:.2f}", r >= 0.5)
@@ -457,6 +514,13 @@ def write_results(args, report, pg, redis, scale, sweep, hashes):
     for label, row in hashes.items():
         lines.append(f"| {label} | {row['canonical_hash']:.1f} | {row['sha256(doc::text)']:.1f} | "
                      f"{row['PL/pgSQL canonicalizer']:.1f} |")
+    if report.get("hot"):
+        lines += ["", "## HOT updates per write workload", "",
+                  "Updates of the workload's table over all its runs (every client count and round), from "
+                  "`pg_stat_user_tables` (`n_tup_hot_upd / n_tup_upd`): a HOT update adds no index entries.", "",
+                  "| workload | updates | HOT | HOT ratio |", "|---|---|---|---|"]
+        for v, (updates, hot_updates) in report["hot"].items():
+            lines.append(f"| {v} | {updates:,} | {hot_updates:,} | {fmt(hot_ratio((updates, hot_updates)), 2)} |")
     lines += ["", "## Scale, sweep and WAL", ""]
     if scale:
         lines.append(f"- claim+complete, 4 clients: {t_small:,.0f} tps at {n_small:,} rows, "
@@ -467,7 +531,7 @@ def write_results(args, report, pg, redis, scale, sweep, hashes):
               f"each on a table holding a million expired rows: {sweep['tps_without']:,.0f} tps / p99 "
               f"{sweep['p99_without']:.2f} ms with the sweeper held off, {sweep['tps_during']:,.0f} tps / p99 "
               f"{sweep['p99_during']:.2f} ms while it swept them ({sweep['swept_during_load']:,} rows deleted during "
-              f"the {max(args.seconds, 10)} s run: under load it yields, deleting a twentieth of a batch per "
+              f"the {max(args.seconds, 10)} s run: under load it yields, deleting a fiftieth of a batch per "
               f"pause; the rest right after). p99 ratio per round: "
               + ", ".join(f"{x:.2f}" for x in sweep["ratios"]) + ".",
               ] + [f"- WAL per transaction (2,000 transactions after a checkpoint, both tables at 10,000 rows), {k}: "
@@ -489,7 +553,9 @@ SUMMARY_TARGETS = [
     ("replay ≥ 0.80 × primary-key SELECT at 4 clients", "replay / primary-key SELECT, 4 clients (≥ 0.80)"),
     ("replay ≥ 0.80 × primary-key SELECT at 16 clients", "replay / primary-key SELECT, 16 clients (≥ 0.80)"),
     ("sweep ≥ 100,000 rows/s", "sweep, rows/s on an idle server (≥ 100,000)"),
-    ("claim p99 during the sweep ≤ 1.25 × without", "claim p99 during a sweep / without (≤ 1.25)"),
+    # The target was 1.25 before issue 17 (1.05): the prefix matches the reports of either.
+    ("claim p99 during the sweep ≤", "claim p99 during a sweep / without (≤ 1.05)"),
+    ("leased completions HOT ≥ 0.90", "leased completions, HOT updates / updates (≥ 0.90)"),
 ]
 BEGIN, END = "<!-- per-version table: bench.py --summary -->", "<!-- end of per-version table -->"
 

@@ -1,7 +1,7 @@
 """The direct paths (the dirty-snapshot look-up, the direct insert and update) against the
 review of issue 13, items 3, 4 and 6:
 
-- a look-up that races a committed update of an indexed column (expires_at) must not take the
+- a look-up that races a committed update of an indexed column (created_at) must not take the
   miss for absence (driven deterministically with the debug-build pause between the index
   scan and the heap fetch, `idempotency.debug_probe_pause`);
 - a column whose type was changed by hand is refused clearly (55000), never misread or
@@ -59,7 +59,8 @@ def waiting_in_probe(a, pid):
 
 def race(connect, key, action, updates=3):
     """Runs `action(b)` in session B with the probe pause on; every time B waits between index
-    and heap, session A commits a non-HOT update of the key's row (expires_at is indexed), for
+    and heap, session A commits a non-HOT update of the key's row (created_at is indexed, by the
+    sweep index; moved earlier, as a restart moves it), for
     the first `updates` pauses. Returns (B's result or error, updates committed while B was
     inside a pause)."""
     a, b = connect(), connect()
@@ -83,7 +84,7 @@ def race(connect, key, action, updates=3):
     deadline = time.monotonic() + 60
     while t.is_alive() and time.monotonic() < deadline:
         if done < updates and waiting_in_probe(a, pid):
-            n = a.execute("UPDATE idempotency.idempotency_keys SET expires_at = expires_at + interval '1 second' "
+            n = a.execute("UPDATE idempotency.idempotency_keys SET created_at = created_at - interval '1 second' "
                           "WHERE key = %s", (key,)).rowcount
             assert n == 1
             done += 1

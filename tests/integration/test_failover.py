@@ -150,7 +150,8 @@ def test_failover_under_load_keeps_every_acknowledged_completion():
             assert r[0] == "new", r
             conn.execute("SELECT idempotency.complete('after-failover', %s)", (Jsonb({"ok": True}),))
             conn.execute("SELECT idempotency.claim('expired-' || i, ttl => '1 hour') FROM generate_series(1, 100) i")
-            conn.execute("UPDATE idempotency.idempotency_keys SET expires_at = now() - interval '1 minute' "
+            conn.execute("UPDATE idempotency.idempotency_keys SET created_at = now() - ttl - interval '1 minute', "
+                         "expires_at = now() - interval '1 minute' "
                          "WHERE key LIKE 'expired-%'")
             assert wait_for(lambda: conn.execute(
                 "SELECT count(*) FROM idempotency.idempotency_keys WHERE key LIKE 'expired-%'").fetchone()[0] == 0)

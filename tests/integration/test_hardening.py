@@ -187,7 +187,8 @@ def test_a_roles_own_setting_cannot_undo_a_database_wide_audit(tenant_cluster, s
 
 def expire(su, scope, key):
     su.execute("SELECT idempotency.claim(%s, NULL, %s)", (key, scope))
-    su.execute("UPDATE idempotency.idempotency_keys SET expires_at = now() - interval '1 second', "
+    su.execute("UPDATE idempotency.idempotency_keys SET created_at = now() - ttl - interval '1 second', "
+               "expires_at = now() - interval '1 second', "
                "locked_until = now() - interval '1 second' WHERE scope = %s AND key = %s", (scope, key))
 
 

@@ -50,7 +50,9 @@ def seed(conn, prefix, expired, live):
         "SELECT idempotency.claim(%s || i, ttl => '1 hour') FROM generate_series(1, %s) i", (prefix + "-old-", expired)
     )
     conn.execute(
-        "UPDATE idempotency.idempotency_keys SET expires_at = now() - interval '1 minute' WHERE key LIKE %s",
+        # Claimed a TTL and a minute ago: the sweep index is on the claim-time expiry, created_at + ttl.
+        "UPDATE idempotency.idempotency_keys SET created_at = now() - ttl - interval '1 minute', "
+        "expires_at = now() - interval '1 minute' WHERE key LIKE %s",
         (prefix + "-old-%",),
     )
 
@@ -122,8 +124,10 @@ def test_drop_database_gives_way_during_a_long_sweep(preloaded):
         a.execute("CREATE DATABASE doomed")
     with connect(preloaded, "doomed") as d:
         d.execute("CREATE EXTENSION idempotency")
-        d.execute("""INSERT INTO idempotency.idempotency_keys (key, status, token, expires_at, ttl, locked_until)
-                     SELECT 'x' || i, 'in_progress', i, now() - interval '1 minute', interval '1 hour', now()
+        d.execute("""INSERT INTO idempotency.idempotency_keys (key, status, token, expires_at, ttl, locked_until,
+                                                           created_at)
+                     SELECT 'x' || i, 'in_progress', i, now() - interval '1 minute', interval '1 hour', now(),
+                            now() - interval '61 minutes'
                        FROM generate_series(1, 300000) i""")
     with connect(preloaded) as a:
         assert wait_for(lambda: a.execute(
@@ -250,10 +254,11 @@ def test_sweeper_compresses_its_full_page_images(preloaded):
         a.execute("SELECT pg_reload_conf()")
         time.sleep(2)  # the round the reload started has nothing left to do
         a.execute("""INSERT INTO idempotency.idempotency_keys
-                       (key, request_hash, status, token, response, response_status, expires_at, ttl, completed_at)
+                       (key, request_hash, status, token, response, response_status, expires_at, ttl, completed_at,
+                        created_at)
                      SELECT %s || i || md5(random()::text), sha256(random()::text::bytea), 'completed', -i,
                             jsonb_build_object('id', md5(random()::text)), 200, now() - interval '1 minute',
-                            interval '1 hour', now()
+                            interval '1 hour', now() - interval '61 minutes', now() - interval '61 minutes'
                        FROM generate_series(1, 5000) i""", (prefix,))
         swept_before = a.execute("SELECT rows_swept FROM idempotency._shared_stats()").fetchone()[0]
         a.execute("CHECKPOINT")
@@ -393,8 +398,10 @@ def test_counters_add_up_across_sessions_live_and_gone(preloaded):
 @pytest.mark.slow  # a backlog swept under claim load: 20-35 s
 def test_sweep_of_a_million_rows_under_claim_load(preloaded):
     with connect(preloaded) as a:
-        a.execute("""INSERT INTO idempotency.idempotency_keys (key, status, token, expires_at, ttl, locked_until)
-                     SELECT 'm' || i, 'in_progress', -i, now() - interval '1 minute', interval '1 hour', now()
+        a.execute("""INSERT INTO idempotency.idempotency_keys (key, status, token, expires_at, ttl, locked_until,
+                                                           created_at)
+                     SELECT 'm' || i, 'in_progress', -i, now() - interval '1 minute', interval '1 hour', now(),
+                            now() - interval '61 minutes'
                        FROM generate_series(1, 1000000) i""")
     stop = threading.Event()
     errors, done = [], []
@@ -463,8 +470,10 @@ def test_sigterm_stops_the_launcher_within_a_second_and_it_comes_back(preloaded)
 
 def test_server_shutdown_is_not_held_up_by_a_sweep(preloaded):
     with connect(preloaded) as a:
-        a.execute("""INSERT INTO idempotency.idempotency_keys (key, status, token, expires_at, ttl, locked_until)
-                     SELECT 's' || i, 'in_progress', -i, now() - interval '1 minute', interval '1 hour', now()
+        a.execute("""INSERT INTO idempotency.idempotency_keys (key, status, token, expires_at, ttl, locked_until,
+                                                           created_at)
+                     SELECT 's' || i, 'in_progress', -i, now() - interval '1 minute', interval '1 hour', now(),
+                            now() - interval '61 minutes'
                        FROM generate_series(1, 300000) i""")
         assert wait_for(lambda: a.execute(
             "SELECT count(*) FROM pg_stat_activity WHERE backend_type = 'idempotency sweeper'"
