@@ -264,7 +264,8 @@ unsafe fn next_version(
 /// none. The slot is dropped when the scan ends: `visit` copies what it keeps.
 ///
 /// A miss is not proof of absence: the btree scan collects the key's index entries first and
-/// reads the heap after, so an UPDATE of an indexed column (`expires_at`) that commits in
+/// reads the heap after, so an UPDATE of an indexed column (`created_at` or `ttl`, which the
+/// sweep index reads: a restart, a completion with another TTL) that commits in
 /// between leaves the scan with only the dead old version, the new version's index entry
 /// unseen. With `confirm_miss`, a miss (no version seen at all) is checked with an MVCC
 /// snapshot taken after it (`GetLatestSnapshot`): such an updater inserted its new index entry
