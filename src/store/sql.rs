@@ -89,10 +89,11 @@ pub(crate) enum Plan {
     TakeOver,
     Complete,
     Sweep,
+    SweepByExpiresAt,
     NextToken,
 }
 
-pub(crate) const PLAN_COUNT: usize = 9;
+pub(crate) const PLAN_COUNT: usize = 10;
 
 pub(crate) static PLANS: crate::local::BackendLocal<
     [Cell<Option<&'static OwnedPreparedStatement>>; PLAN_COUNT],
@@ -145,6 +146,12 @@ pub(crate) fn plan(
                     PgOid::from(pg_sys::INT8OID),
                     PgOid::from(pg_sys::INTERVALOID),
                 ],
+            )?
+            .keep(),
+        Plan::SweepByExpiresAt => client
+            .prepare_mut(
+                SWEEP_BY_EXPIRES_AT_SQL,
+                &[PgOid::from(pg_sys::INT8OID), text],
             )?
             .keep(),
         Plan::Sweep => client
@@ -440,6 +447,17 @@ pub(crate) const SWEEP_SQL: &str = "DELETE FROM idempotency.idempotency_keys AS 
         ORDER BY ((s.created_at AT TIME ZONE 'UTC') OPERATOR(pg_catalog.+) s.ttl) \
         LIMIT $1 FOR UPDATE SKIP LOCKED)) \
      RETURNING ((k.created_at AT TIME ZONE 'UTC') OPERATOR(pg_catalog.+) k.ttl)";
+
+/// [`SWEEP_SQL`] for a store whose extension is not yet updated to 0.4.0 (the new library
+/// serves the old schema until `ALTER EXTENSION idempotency UPDATE`): it has the index on
+/// `expires_at`, not the sweep index, which the ordered statement would have to replace with a
+/// sort of every expired row per batch.
+pub(crate) const SWEEP_BY_EXPIRES_AT_SQL: &str = "DELETE FROM idempotency.idempotency_keys AS k \
+     WHERE k.ctid OPERATOR(pg_catalog.=) ANY (ARRAY( \
+       SELECT s.ctid FROM idempotency.idempotency_keys AS s \
+        WHERE s.expires_at OPERATOR(pg_catalog.<=) pg_catalog.now() \
+          AND pg_catalog.starts_with(s.scope, $2) \
+        LIMIT $1 FOR UPDATE SKIP LOCKED))";
 
 /// This node's shards of `table`: the placements in its group whose relation exists here (a
 /// shard being moved away stays until Citus drops it; one being moved here appears when the

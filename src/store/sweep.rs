@@ -1,6 +1,7 @@
 //! The sweep: expired rows (and old audit rows) deleted in batches, through the statements.
 
 use super::catalog::citus_table;
+use super::catalog::relation_oid;
 use super::catalog::PinnedSearchPath;
 use super::spi_failed;
 use super::sql::{audit_plans, plan, sweep_local_shards, Plan, AUDIT_SWEEP_SQL, SWEEP_SQL};
@@ -16,22 +17,33 @@ use std::cell::Cell;
 /// sizes the next batch.
 pub fn expired_since(since: pg_sys::TimestampTz) -> i64 {
     let _path = PinnedSearchPath::pin();
-    // SAFETY: a timestamptz is passed by value; as a timestamp it is the same instant in UTC
-    // (both count microseconds since 2000-01-01 00:00 UTC), what the sweep key is.
-    let since =
-        unsafe { pgrx::datum::DatumWithOid::new(pg_sys::Datum::from(since), pg_sys::TIMESTAMPOID) };
-    Spi::get_one_with_args::<i64>(
-        "SELECT pg_catalog.count(*) FROM idempotency.idempotency_keys AS s \
-          WHERE ((s.created_at AT TIME ZONE 'UTC') OPERATOR(pg_catalog.+) s.ttl) \
-                OPERATOR(pg_catalog.>) $1 \
-            AND ((s.created_at AT TIME ZONE 'UTC') OPERATOR(pg_catalog.+) s.ttl) \
-                OPERATOR(pg_catalog.<=) (pg_catalog.now() AT TIME ZONE 'UTC') \
-            AND s.expires_at OPERATOR(pg_catalog.<=) pg_catalog.now()",
-        &[since],
-    )
-    .ok()
-    .flatten()
-    .unwrap_or(0)
+    let (statement, type_oid) = if sweep_index_exists() {
+        (
+            "SELECT pg_catalog.count(*) FROM idempotency.idempotency_keys AS s \
+              WHERE ((s.created_at AT TIME ZONE 'UTC') OPERATOR(pg_catalog.+) s.ttl) \
+                    OPERATOR(pg_catalog.>) $1 \
+                AND ((s.created_at AT TIME ZONE 'UTC') OPERATOR(pg_catalog.+) s.ttl) \
+                    OPERATOR(pg_catalog.<=) (pg_catalog.now() AT TIME ZONE 'UTC') \
+                AND s.expires_at OPERATOR(pg_catalog.<=) pg_catalog.now()",
+            // As a timestamp, `since` is the same instant in UTC (both count microseconds
+            // since 2000-01-01 00:00 UTC), which the sweep key is.
+            pg_sys::TIMESTAMPOID,
+        )
+    } else {
+        // Not yet updated to 0.4.0: its index is on expires_at.
+        (
+            "SELECT pg_catalog.count(*) FROM idempotency.idempotency_keys AS s \
+              WHERE s.expires_at OPERATOR(pg_catalog.>) $1 \
+                AND s.expires_at OPERATOR(pg_catalog.<=) pg_catalog.now()",
+            pg_sys::TIMESTAMPTZOID,
+        )
+    };
+    // SAFETY: a timestamptz (or the same value as a timestamp, see above) is passed by value.
+    let since = unsafe { pgrx::datum::DatumWithOid::new(pg_sys::Datum::from(since), type_oid) };
+    Spi::get_one_with_args::<i64>(statement, &[since])
+        .ok()
+        .flatten()
+        .unwrap_or(0)
 }
 
 /// Where the current sweep has got to in the sweep index: the greatest key a batch of this
@@ -42,6 +54,12 @@ static CURSOR: crate::local::BackendLocal<Cell<pg_sys::Timestamp>> =
 
 /// `-infinity` as a timestamp.
 const DT_NOBEGIN: pg_sys::Timestamp = i64::MIN;
+
+/// Whether the store has the sweep index (0.4.0 on); a store not yet updated has its index on
+/// `expires_at` (see [`super::sql::SWEEP_BY_EXPIRES_AT_SQL`]).
+fn sweep_index_exists() -> bool {
+    relation_oid(c"idempotency_keys_sweep_idx") != pg_sys::InvalidOid
+}
 
 /// Starts a sweep: its first batch begins at the start of the sweep index.
 pub fn sweep_start() {
@@ -65,6 +83,21 @@ pub fn sweep_batch(batch: i64, prefix: &str) -> i64 {
                 encoding::spi_text(prefix, "idempotency.scope_prefix"),
                 from(DT_NOBEGIN),
             ]
+        })
+        .unwrap_or_else(|e| spi_failed("sweep", e));
+    }
+    if !sweep_index_exists() {
+        return Spi::connect_mut(|client| {
+            client
+                .update(
+                    plan(client, Plan::SweepByExpiresAt)?,
+                    None,
+                    &[
+                        batch.into(),
+                        encoding::spi_text(prefix, "idempotency.scope_prefix"),
+                    ],
+                )
+                .map(|t| t.len() as i64)
         })
         .unwrap_or_else(|e| spi_failed("sweep", e));
     }

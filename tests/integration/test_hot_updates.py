@@ -166,3 +166,21 @@ def test_the_sweep_deletes_every_expired_row_and_no_live_one(connect, batch):
     left = {r[0] for r in a.execute("SELECT key FROM idempotency.idempotency_keys").fetchall()}
     assert left == live
     assert a.execute("SELECT idempotency.sweep(%s)", (batch,)).fetchone()[0] == 0
+
+
+def test_a_store_not_yet_updated_is_swept_through_its_index_on_expires_at(connect):
+    """The new library serves a 0.3.0 schema until ALTER EXTENSION UPDATE: without the sweep
+    index it sweeps through the index on expires_at, never by sorting every expired row."""
+    a = connect()
+    a.execute("DROP INDEX idempotency.idempotency_keys_sweep_idx")
+    a.execute("CREATE INDEX idempotency_keys_expires_at_idx ON idempotency.idempotency_keys (expires_at)")
+    try:
+        fill(a, 2_000)
+        a.execute("ANALYZE idempotency.idempotency_keys")
+        assert a.execute("SELECT idempotency.sweep(300)").fetchone()[0] == 1_000
+        assert a.execute("SELECT count(*) FROM idempotency.idempotency_keys WHERE expires_at > now()").fetchone()[0] \
+            == a.execute("SELECT count(*) FROM idempotency.idempotency_keys").fetchone()[0] == 1_000
+    finally:
+        a.execute("DROP INDEX IF EXISTS idempotency.idempotency_keys_expires_at_idx")
+        a.execute("CREATE INDEX IF NOT EXISTS idempotency_keys_sweep_idx ON idempotency.idempotency_keys "
+                  "(((created_at AT TIME ZONE 'UTC') OPERATOR(pg_catalog.+) ttl))")
