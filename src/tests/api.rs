@@ -69,7 +69,7 @@ mod tests {
 
     fn expire_row(key: &str) {
         Spi::run(&format!(
-            "UPDATE idempotency.idempotency_keys SET expires_at = now() - interval '1 second' WHERE key = '{key}'"
+            "UPDATE idempotency.idempotency_keys SET created_at = now() - ttl - interval '1 second', expires_at = now() - interval '1 second' WHERE key = '{key}'"
         ))
         .unwrap();
     }
@@ -366,7 +366,8 @@ mod tests {
             .unwrap();
         Spi::run("SELECT idempotency.claim('sweep-old-' || i) FROM generate_series(1, 25) i")
             .unwrap();
-        Spi::run("UPDATE idempotency.idempotency_keys SET expires_at = now() - interval '1 minute' WHERE key LIKE 'sweep-old-%'").unwrap();
+        // Claimed a TTL and a minute ago: the sweep index is on created_at + ttl.
+        Spi::run("UPDATE idempotency.idempotency_keys SET created_at = now() - ttl - interval '1 minute', expires_at = now() - interval '1 minute' WHERE key LIKE 'sweep-old-%'").unwrap();
         assert_eq!(
             one::<i64>("SELECT idempotency.sweep(batch_size => 7)"),
             Some(25)
