@@ -395,6 +395,137 @@ def test_keys_stored_hashed_chosen_before_distributing(citus, coord):
         assert hashed == len(scopes) + 1
 
 
+def scope_on(coord, port, prefix):
+    """A scope whose shard is placed on the worker at `port`."""
+    for i in range(200):
+        s = f"{prefix}-{i}"
+        got = coord.execute(
+            "SELECT nodeport FROM pg_dist_shard_placement WHERE shardid = "
+            "get_shard_id_for_distribution_column('idempotency.idempotency_keys', %s::text)", (s,)).fetchone()[0]
+        if got == port:
+            return s
+    raise AssertionError(f"no scope {prefix}-* on port {port}")
+
+
+COUNTERS = "claims_new, claims_replay, claims_mismatch, completions, releases"
+
+
+def test_stats_show_the_whole_cluster_on_every_node(citus, coord):
+    """idempotency.stats sums every node's counters where the store is distributed: delegated
+    calls count on the workers they ran on, calls inside a transaction on the coordinator."""
+    before = coord.execute(f"SELECT {COUNTERS} FROM idempotency.stats").fetchone()
+    scopes = [f"stats-{i}" for i in range(40)]
+    for s in scopes:
+        r = claim(coord, "k", {"a": 1}, scope=s)
+        assert r[0] == "new"
+        complete(coord, "k", {"ok": 1}, scope=s, token=r[1])
+        assert claim(coord, "k", {"a": 1}, scope=s)[0] == "replay"
+        assert claim(coord, "k", {"a": 2}, scope=s)[0] == "mismatch"
+    with coord.transaction():  # runs on the coordinator, counted there
+        r = claim(coord, "in-tx", {"a": 1}, scope="stats-0", lease="1 minute")
+        assert r[0] == "new" and r[1] >> 48 == 0, r
+        assert coord.execute("SELECT idempotency.release('in-tx', 'stats-0', %s)", (r[1],)).fetchone()[0]
+    after = coord.execute(f"SELECT {COUNTERS} FROM idempotency.stats").fetchone()
+    assert [a - b for a, b in zip(after, before)] == [41, 40, 40, 40, 1], (before, after)
+
+    # The sum of what each node counted itself, and every node counted some.
+    per_node = []
+    for node in citus.nodes:
+        with citus.connect(node) as c:
+            per_node.append(c.execute(f"SELECT {COUNTERS} FROM idempotency._shared_stats()").fetchone())
+    assert tuple(sum(col) for col in zip(*per_node)) == after, per_node
+    assert all(n[0] > 0 for n in per_node), per_node
+    # The same view on a worker shows the same cluster.
+    with citus.connect(citus.workers[0]) as w:
+        assert w.execute(f"SELECT {COUNTERS} FROM idempotency.stats").fetchone() == after
+    row = coord.execute("SELECT sweeper_enabled, rows_completed, database FROM idempotency.stats").fetchone()
+    assert row[0] is True and row[1] >= len(scopes) and row[2] == "idem", row
+
+
+def test_stats_refuse_to_show_part_of_the_cluster(citus, coord):
+    """With a worker unreachable the view fails naming the node (its row counts would fail
+    anyway), rather than summing part of the cluster."""
+    victim = citus.workers[0]
+    victim.stop()
+    try:
+        with pytest.raises(psycopg.Error):
+            coord.execute(f"SELECT {COUNTERS} FROM idempotency.stats").fetchone()
+        # The counters alone: refused too, naming the node.
+        node = coord.execute("SELECT nodeid FROM pg_dist_node WHERE nodeport = %s", (victim.port,)).fetchone()[0]
+        with pytest.raises(psycopg.Error) as e:
+            coord.execute("SELECT * FROM idempotency._cluster_stats()").fetchone()
+        assert e.value.sqlstate == "08000", (e.value.sqlstate, str(e.value))
+        assert f"Citus node {node}" in e.value.diag.message_primary
+    finally:
+        victim.restart()
+        victim.wait_ready()
+    deadline = time.monotonic() + 30
+    while True:
+        try:
+            coord.execute(f"SELECT {COUNTERS} FROM idempotency.stats").fetchone()
+            break
+        except psycopg.Error:
+            assert time.monotonic() < deadline
+            time.sleep(0.5)
+
+
+def test_shard_split_keeps_keys_and_fences_the_stale_token(citus, coord):
+    """citus_split_shard_by_split_points on the store's shard (its colocated shards split with
+    it): the keys stay, claims and completes keep working, and a key taken over after the split
+    on the worker with the lower token range gets a larger token; the stale one is refused."""
+    groups = dict(coord.execute("SELECT nodeport, groupid FROM pg_dist_node").fetchall())
+    nodeids = dict(coord.execute("SELECT nodeport, nodeid FROM pg_dist_node").fetchall())
+    high = max((w.port for w in citus.workers), key=lambda p: groups[p])
+    low = min((w.port for w in citus.workers), key=lambda p: groups[p])
+    scope = scope_on(coord, high, "splitter")
+    done = claim(coord, "done", {"n": 0}, scope=scope)
+    complete(coord, "done", {"kept": True}, scope=scope, token=done[1])
+    first = claim(coord, "job", {"n": 1}, scope=scope, ttl="1 hour", lease="1 second")
+    assert first[0] == "new" and first[1] >> 48 == groups[high], first
+
+    shard, lo, hi, h = coord.execute(
+        "SELECT s.shardid, s.shardminvalue::int, s.shardmaxvalue::int, worker_hash(%s::text) FROM pg_dist_shard s "
+        "WHERE s.shardid = get_shard_id_for_distribution_column('idempotency.idempotency_keys', %s::text)",
+        (scope, scope)).fetchone()
+    # The scope's part goes to the low worker, the other part stays on the high one.
+    if h > lo:
+        point, nodes = h - 1, [nodeids[high], nodeids[low]]
+    else:
+        point, nodes = h, [nodeids[low], nodeids[high]]
+    shards_before = coord.execute("SELECT count(*) FROM pg_dist_shard WHERE logicalrelid = "
+                                  "'idempotency.idempotency_keys'::regclass").fetchone()[0]
+    coord.execute("SELECT citus_split_shard_by_split_points(%s, ARRAY[%s::text], ARRAY[%s, %s]::int[], "
+                  "shard_transfer_mode => 'block_writes')", (shard, str(point), *nodes))
+    assert coord.execute("SELECT count(*) FROM pg_dist_shard WHERE logicalrelid = "
+                         "'idempotency.idempotency_keys'::regclass").fetchone()[0] == shards_before + 1
+    new_shard = coord.execute("SELECT get_shard_id_for_distribution_column('idempotency.idempotency_keys', %s::text)",
+                              (scope,)).fetchone()[0]
+    assert new_shard != shard
+    assert coord.execute("SELECT nodeport FROM pg_dist_shard_placement WHERE shardid = %s",
+                         (new_shard,)).fetchone()[0] == low
+    # The audit table and the application's table split with it (colocated).
+    assert coord.execute("SELECT count(DISTINCT colocationid) FROM pg_dist_partition WHERE logicalrelid IN "
+                         "('idempotency.idempotency_keys'::regclass, 'idempotency.audit'::regclass, "
+                         "'shop.orders'::regclass)").fetchone()[0] == 1
+
+    assert claim(coord, "done", {"n": 0}, scope=scope)[:3] == ("replay", done[1], {"kept": True})
+    time.sleep(1.2)
+    taken = claim(coord, "job", {"n": 1}, scope=scope, lease="1 minute")
+    assert taken[0] == "new" and taken[1] > first[1], (first, taken)
+    with pytest.raises(psycopg.Error) as e:
+        complete(coord, "job", {"late": True}, scope=scope, token=first[1])
+    assert e.value.sqlstate == "IK003"
+    complete(coord, "job", {"done": True}, scope=scope, token=taken[1])
+    assert claim(coord, "job", {"n": 1}, scope=scope)[0] == "replay"
+    # New keys in the split shard, and inside a transaction (routed from the coordinator).
+    with coord.transaction():
+        r = claim(coord, "after-split", {"n": 2}, scope=scope)
+        assert r[0] == "new"
+        complete(coord, "after-split", {"n": 2}, scope=scope, token=r[1])
+    assert claim(coord, "after-split", {"n": 2}, scope=scope)[0] == "replay"
+    assert shard_rows(citus).get(low, 0) > 0
+
+
 def test_worker_killed_mid_load_loses_no_acknowledged_completion(citus, coord):
     """SIGKILL of a worker's postmaster under claim + complete load through the coordinator:
     calls on its shards fail meanwhile; after its restart every completion that was
