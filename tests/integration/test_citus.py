@@ -6,6 +6,8 @@ claim + colocated business write + complete in one transaction, a takeover after
 Runs where Citus is built (scripts/citus.sh 18; CITUS_PG_BIN, see citus_cluster.py), else is
 skipped with the reason; marked `citus` (pytest -m citus runs only these)."""
 
+import json
+import os
 import threading
 import time
 
@@ -524,6 +526,70 @@ def test_shard_split_keeps_keys_and_fences_the_stale_token(citus, coord):
         complete(coord, "after-split", {"n": 2}, scope=scope, token=r[1])
     assert claim(coord, "after-split", {"n": 2}, scope=scope)[0] == "replay"
     assert shard_rows(citus).get(low, 0) > 0
+
+
+@pytest.mark.slow  # builds the example service with cargo (unless HTTP_SERVICE_BIN names a build)
+def test_http_example_works_unchanged_against_the_coordinator(citus, coord, tmp_path):
+    """examples/http-service, unchanged, against the coordinator of a database whose store is
+    distributed: its tables stay on the coordinator, its keys go to the workers' shards."""
+    import subprocess
+    import sys
+    from concurrent.futures import ThreadPoolExecutor
+
+    import test_http_service as h
+    from cluster import free_port
+
+    binary = h.build_service()
+    info = citus.add_database(h.DB)
+    subprocess.run([f"{citus.coordinator.bin}/psql", "-X", "-q", "-v", "ON_ERROR_STOP=1", "-d", info(),
+                    "-f", os.path.join(h.EXAMPLE, "setup.sql")], check=True, capture_output=True)
+    with psycopg.connect(info(), autocommit=True) as su:
+        su.execute("SELECT idempotency.distribute(shard_count => 4)")
+        pport = free_port()
+        provider = h.Provider([sys.executable, os.path.join(h.EXAMPLE, "fake_provider.py"), "--port",
+                               str(pport), "--journal", str(tmp_path / "provider.jsonl")],
+                              dict(os.environ), pport, str(tmp_path / "provider.log"))
+        provider.start(provider.ready)
+        port = free_port()
+        env = dict(os.environ, DATABASE_URL=info().replace("user=postgres", "user=http_example_app"),
+                   LISTEN=f"127.0.0.1:{port}", PAYMENT_URL=f"http://127.0.0.1:{provider.port}",
+                   POOL_SIZE="10", REFUND_LEASE_SECS="3", PROVIDER_TIMEOUT_MS="2000",
+                   ORDER_LEASE_SECS="5", CLAIM_WAIT_MS="2000", TEST_HOOKS="1")
+        service = h.Service([binary], env, port, str(tmp_path / "service.log"))
+        try:
+            service.start(service.ready)
+            status, hd, body = service.post("/orders", h.ORDER, key="order-1", client="alice")
+            assert status == 201, body
+            again = service.post("/orders", h.ORDER, key="order-1", client="alice")
+            assert (again[0], again[2], again[1]["idempotent-replayed"]) == (201, body, "true")
+            status, hd, b = service.post("/orders", {**h.ORDER, "amount": 1}, key="order-1", client="alice")
+            assert status == 422, b
+
+            def one(_):
+                return service.post("/orders", h.ORDER, key="storm", client="erin",
+                                    headers={"X-Test-Delay-Ms": "300"}, timeout=60)
+            with ThreadPoolExecutor(10) as ex:
+                answers = list(ex.map(one, range(10)))
+            assert {a[0] for a in answers} == {201} and len({a[2] for a in answers}) == 1, answers[:2]
+
+            order_id = json.loads(body)["order_id"]
+            before = provider.charges()["executions"]
+            refund = {"order_id": order_id, "amount": 10}
+            status, hd, rb = service.post("/refunds", refund, key="refund-1", client="alice")
+            assert status == 201, rb
+            assert service.post("/refunds", refund, key="refund-1", client="alice")[:3:2] == (201, rb)
+            assert provider.charges()["executions"] == before + 1
+
+            counts = dict(su.execute("SELECT client_id, count(*) FROM http_example.orders GROUP BY 1").fetchall())
+            assert counts == {"alice": 1, "erin": 1}, counts
+            # The keys live in the workers' shards; the orders on the coordinator.
+            stored = su.execute("SELECT scope, status::text FROM idempotency.idempotency_keys ORDER BY 1").fetchall()
+            assert ("alice:POST /orders", "completed") in stored and ("erin:POST /orders", "completed") in stored
+            assert su.execute("SELECT pg_relation_size('idempotency.idempotency_keys')").fetchone()[0] == 0
+        finally:
+            print(open(tmp_path / "service.log").read()[-5000:] if (tmp_path / "service.log").exists() else "")
+            service.stop()
+            provider.stop()
 
 
 def test_worker_killed_mid_load_loses_no_acknowledged_completion(citus, coord):
