@@ -132,6 +132,13 @@ BEGIN
             HINT = 'connect to the coordinator and call idempotency.distribute() there';
     END IF;
 
+    IF (SELECT c.relkind FROM pg_catalog.pg_class AS c
+         WHERE c.oid OPERATOR(pg_catalog.=) 'idempotency.idempotency_keys'::pg_catalog.regclass) OPERATOR(pg_catalog.=) 'p' THEN
+        RAISE EXCEPTION USING
+            ERRCODE = 'feature_not_supported',
+            MESSAGE = 'idempotency.distribute cannot distribute a partitioned store (idempotency.partitions)',
+            HINT = 'on Citus create the extension with idempotency.partitions = 0: the shards split the store instead';
+    END IF;
     IF NOT EXISTS (SELECT FROM pg_catalog.pg_dist_partition AS p
                     WHERE p.logicalrelid OPERATOR(pg_catalog.=) 'idempotency.idempotency_keys'::pg_catalog.regclass) THEN
         PERFORM pg_catalog.create_distributed_table('idempotency.idempotency_keys', 'scope',

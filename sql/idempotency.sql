@@ -65,6 +65,45 @@ COMMENT ON TABLE idempotency.idempotency_keys IS
 -- The sweeper finds expired rows through this index.
 CREATE INDEX idempotency_keys_expires_at_idx ON idempotency.idempotency_keys (expires_at);
 
+-- With idempotency.partitions set to N > 0 for this CREATE EXTENSION (SET by a superuser), the
+-- store is hash-partitioned by scope: the same columns, defaults, constraints and indexes (under
+-- the same names) on the partitioned table, in N partitions idempotency_keys_p0 .. p<N-1>, which
+-- pg_dump keeps the rows of as well. Claims go through SQL, sweeps run partition by partition
+-- (docs/scaling.md). 0 (the default): the plain table above.
+DO $partition$
+DECLARE
+    v_parts integer := NULLIF(pg_catalog.current_setting('idempotency.partitions', true), '')::integer;
+    v_index record;
+    v_part text;
+BEGIN
+    IF v_parts IS NULL OR v_parts OPERATOR(pg_catalog.=) 0 THEN
+        RETURN;
+    END IF;
+    IF v_parts OPERATOR(pg_catalog.<) 0 OR v_parts OPERATOR(pg_catalog.>) 1024 THEN
+        RAISE EXCEPTION USING
+            ERRCODE = 'invalid_parameter_value',
+            MESSAGE = pg_catalog.format('idempotency.partitions must be between 0 and 1024, not %s', v_parts);
+    END IF;
+    ALTER TABLE idempotency.idempotency_keys RENAME TO idempotency_keys_template;
+    FOR v_index IN SELECT c.relname FROM pg_catalog.pg_index AS i
+                     JOIN pg_catalog.pg_class AS c ON c.oid OPERATOR(pg_catalog.=) i.indexrelid
+                    WHERE i.indrelid OPERATOR(pg_catalog.=) 'idempotency.idempotency_keys_template'::pg_catalog.regclass LOOP
+        EXECUTE pg_catalog.format('ALTER INDEX idempotency.%I RENAME TO %I', v_index.relname, v_index.relname OPERATOR(pg_catalog.||) '_template');
+    END LOOP;
+    -- The indexes get their default names again: idempotency_keys_pkey, ..._expires_at_idx.
+    CREATE TABLE idempotency.idempotency_keys (LIKE idempotency.idempotency_keys_template INCLUDING ALL)
+        PARTITION BY HASH (scope);
+    FOR i IN 0 .. v_parts OPERATOR(pg_catalog.-) 1 LOOP
+        v_part := 'idempotency_keys_p' OPERATOR(pg_catalog.||) i;
+        EXECUTE pg_catalog.format(
+            'CREATE TABLE idempotency.%I PARTITION OF idempotency.idempotency_keys '
+            'FOR VALUES WITH (MODULUS %s, REMAINDER %s) WITH (fillfactor = 90)', v_part, v_parts, i);
+        PERFORM pg_catalog.pg_extension_config_dump(pg_catalog.format('idempotency.%I', v_part)::pg_catalog.regclass, '');
+    END LOOP;
+    DROP TABLE idempotency.idempotency_keys_template;
+END
+$partition$;
+
 -- pg_dump keeps the rows and the token sequence of an extension-owned table.
 SELECT pg_catalog.pg_extension_config_dump('idempotency.idempotency_keys', '');
 SELECT pg_catalog.pg_extension_config_dump('idempotency.token_seq', '');
@@ -612,6 +651,13 @@ BEGIN
             HINT = 'connect to the coordinator and call idempotency.distribute() there';
     END IF;
 
+    IF (SELECT c.relkind FROM pg_catalog.pg_class AS c
+         WHERE c.oid OPERATOR(pg_catalog.=) 'idempotency.idempotency_keys'::pg_catalog.regclass) OPERATOR(pg_catalog.=) 'p' THEN
+        RAISE EXCEPTION USING
+            ERRCODE = 'feature_not_supported',
+            MESSAGE = 'idempotency.distribute cannot distribute a partitioned store (idempotency.partitions)',
+            HINT = 'on Citus create the extension with idempotency.partitions = 0: the shards split the store instead';
+    END IF;
     IF NOT EXISTS (SELECT FROM pg_catalog.pg_dist_partition AS p
                     WHERE p.logicalrelid OPERATOR(pg_catalog.=) 'idempotency.idempotency_keys'::pg_catalog.regclass) THEN
         PERFORM pg_catalog.create_distributed_table('idempotency.idempotency_keys', 'scope',

@@ -1,6 +1,6 @@
 //! The sweep: expired rows (and old audit rows) deleted in batches, through the statements.
 
-use super::catalog::citus_table;
+use super::catalog::sql_only;
 use super::catalog::PinnedSearchPath;
 use super::spi_failed;
 use super::sql::{audit_plans, plan, sweep_local_shards, Plan, AUDIT_SWEEP_SQL, SWEEP_SQL};
@@ -32,7 +32,7 @@ pub fn expired_since(since: pg_sys::TimestampTz) -> i64 {
 /// skipping rows other transactions hold; returns how many.
 pub fn sweep_batch(batch: i64, prefix: &str) -> i64 {
     let _path = PinnedSearchPath::pin();
-    if citus_table() {
+    if sql_only() {
         return sweep_local_shards("idempotency.idempotency_keys", SWEEP_SQL, batch, |left| {
             vec![
                 left.into(),
@@ -60,8 +60,9 @@ pub fn sweep_batch(batch: i64, prefix: &str) -> i64 {
 /// `prefix` ("": every row); returns how many.
 pub fn sweep_audit_batch(retention_secs: f64, batch: i64, prefix: &str) -> i64 {
     let _path = PinnedSearchPath::pin();
-    if citus_table() {
-        // idempotency.distribute() distributes the audit table with the store.
+    if sql_only() {
+        // idempotency.distribute() distributes the audit table with the store; with a
+        // partitioned store, the plain audit table is its own only part.
         return sweep_local_shards("idempotency.audit", AUDIT_SWEEP_SQL, batch, |left| {
             vec![
                 retention_secs.into(),
