@@ -592,6 +592,72 @@ def test_http_example_works_unchanged_against_the_coordinator(citus, coord, tmp_
             provider.stop()
 
 
+def test_create_extension_fails_while_a_worker_lacks_the_extension():
+    """A worker without the extension's files (here: its own copy of the server without them):
+    Citus runs CREATE EXTENSION on the workers in the coordinator's transaction, so it fails,
+    naming the worker, and nothing is created anywhere; once the files are installed there, it
+    succeeds. That worker does not preload the library: it has no sweeper, which stats show."""
+    import shutil
+    import subprocess
+    import tempfile
+
+    from citus_cluster import CITUS_PG_BIN, SETTINGS
+    from cluster import Cluster
+
+    src = os.path.dirname(CITUS_PG_BIN.rstrip("/"))
+    copy = tempfile.mkdtemp(prefix="idempotency-pg-copy-")
+    os.chmod(copy, 0o755)
+    server = os.path.join(copy, "pg")
+    shutil.copytree(src, server, symlinks=True, ignore=shutil.ignore_patterns("include"))
+
+    def pg_config(bin_dir, what):
+        return subprocess.run([os.path.join(bin_dir, "pg_config"), what], check=True,
+                              capture_output=True, text=True).stdout.strip()
+
+    lib, share = pg_config(os.path.join(server, "bin"), "--pkglibdir"), pg_config(os.path.join(server, "bin"), "--sharedir")
+    assert lib.startswith(server) and share.startswith(server), (lib, share)
+    files = [os.path.join(lib, "idempotency.so")] + [
+        os.path.join(share, "extension", f) for f in os.listdir(os.path.join(share, "extension"))
+        if f.startswith("idempotency")]
+    stash = os.path.join(copy, "stash")
+    os.mkdir(stash)
+    for f in files:
+        shutil.move(f, os.path.join(stash, os.path.basename(f)))
+
+    settings = dict(SETTINGS)
+    nodes = [Cluster(settings=settings, bin=CITUS_PG_BIN),
+             Cluster(settings={**settings, "shared_preload_libraries": "'citus'"}, bin=os.path.join(server, "bin"))]
+    try:
+        for n in nodes:
+            n.start()
+            with psycopg.connect(n.conninfo(), autocommit=True) as c:
+                c.execute("CREATE EXTENSION citus")
+        coordinator, bare = nodes
+        with psycopg.connect(coordinator.conninfo(), autocommit=True) as c:
+            c.execute("SELECT citus_set_coordinator_host('127.0.0.1', %s)", (coordinator.port,))
+            c.execute("SELECT citus_add_node('127.0.0.1', %s)", (bare.port,))
+            with pytest.raises(psycopg.Error) as e:
+                c.execute("CREATE EXTENSION idempotency")
+            assert "idempotency" in str(e.value) and str(bare.port) in str(e.value), str(e.value)
+            assert c.execute("SELECT count(*) FROM pg_extension WHERE extname = 'idempotency'").fetchone()[0] == 0
+            with psycopg.connect(bare.conninfo(), autocommit=True) as w:
+                assert w.execute("SELECT count(*) FROM pg_extension WHERE extname = 'idempotency'").fetchone()[0] == 0
+            # Install the files on that worker, and again.
+            for f in files:
+                shutil.copy2(os.path.join(stash, os.path.basename(f)), f)
+            c.execute("CREATE EXTENSION idempotency")
+            c.execute("SELECT idempotency.distribute(shard_count => 2)")
+            r = claim(c, "k", {"a": 1}, scope="lacking")
+            assert r[0] == "new" and r[1] >> 48 == 1, r  # ran on the worker
+            complete(c, "k", {"ok": 1}, scope="lacking", token=r[1])
+            assert claim(c, "k", {"a": 1}, scope="lacking")[0] == "replay"
+            assert c.execute("SELECT sweeper_enabled FROM idempotency.stats").fetchone()[0] is False
+    finally:
+        for n in nodes:
+            n.destroy()
+        shutil.rmtree(copy, ignore_errors=True)
+
+
 def test_worker_killed_mid_load_loses_no_acknowledged_completion(citus, coord):
     """SIGKILL of a worker's postmaster under claim + complete load through the coordinator:
     calls on its shards fail meanwhile; after its restart every completion that was
