@@ -372,6 +372,13 @@ BEGIN
                   FROM pg_catalog.run_command_on_all_nodes(
                            $c$SELECT pg_catalog.row_to_json(s) FROM idempotency._shared_stats() AS s$c$) AS r
             LOOP
+                IF NOT v_node.success AND pg_catalog.strpos(v_node.result, 'idempotency._shared_stats:') OPERATOR(pg_catalog.>) 0 THEN
+                    RAISE EXCEPTION USING
+                        ERRCODE = 'insufficient_privilege',
+                        MESSAGE = pg_catalog.format('idempotency.stats: this role may not read the counters of Citus node %s',
+                                                    v_node.nodeid),
+                        HINT = 'grant SELECT on the view on every node: SELECT run_command_on_all_nodes(''GRANT SELECT ON idempotency.stats TO <role>'')';
+                END IF;
                 IF NOT v_node.success THEN
                     RAISE EXCEPTION USING
                         ERRCODE = 'connection_exception',

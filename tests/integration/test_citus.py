@@ -442,6 +442,32 @@ def test_stats_show_the_whole_cluster_on_every_node(citus, coord):
         assert w.execute(f"SELECT {COUNTERS} FROM idempotency.stats").fetchone() == after
     row = coord.execute("SELECT sweeper_enabled, rows_completed, database FROM idempotency.stats").fetchone()
     assert row[0] is True and row[1] >= len(scopes) and row[2] == "idem", row
+    # A monitoring role: Citus propagates the role but not a grant on the extension's view, which
+    # every node checks before it gives its counters; and it runs the view's row count on the
+    # shards as that role, which may not read the table (known limits, docs/scaling.md).
+    coord.execute("CREATE ROLE monitor LOGIN")
+    coord.execute("GRANT USAGE ON SCHEMA idempotency TO monitor")
+    coord.execute("GRANT SELECT ON idempotency.stats TO monitor")
+    monitor = citus.conninfo().replace("user=postgres", "user=monitor")
+    with psycopg.connect(monitor, autocommit=True) as m:
+        with pytest.raises(psycopg.Error) as e:
+            m.execute("SELECT * FROM idempotency._cluster_stats()")
+        assert e.value.sqlstate == "42501", str(e.value)
+        assert "run_command_on_all_nodes" in e.value.diag.message_hint
+    got = coord.execute("SELECT bool_and(success) FROM run_command_on_all_nodes("
+                        "'GRANT SELECT ON idempotency.stats TO monitor')").fetchone()[0]
+    assert got is True
+    with psycopg.connect(monitor, autocommit=True) as m:
+        assert m.execute(f"SELECT {COUNTERS} FROM idempotency._cluster_stats()").fetchone() == after
+        with pytest.raises(psycopg.Error) as e:
+            m.execute("SELECT * FROM idempotency.stats")
+        assert e.value.sqlstate == "42501" and "idempotency_keys_" in str(e.value), str(e.value)
+    coord.execute("CREATE ROLE tenant LOGIN")
+    coord.execute("GRANT USAGE ON SCHEMA idempotency TO tenant")
+    with psycopg.connect(citus.conninfo().replace("user=postgres", "user=tenant"), autocommit=True) as t:
+        with pytest.raises(psycopg.Error) as e:
+            t.execute("SELECT * FROM idempotency.stats")
+        assert e.value.sqlstate == "42501"
 
 
 def test_stats_refuse_to_show_part_of_the_cluster(citus, coord):
