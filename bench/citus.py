@@ -6,9 +6,15 @@ node, each with the extension. Prints a Markdown table of transactions per secon
 
     PG_BIN=<bin of a server with Citus> python3 bench/citus.py [--seconds 10] [--clients 1,8]
 
-scripts/citus.sh 18 prints that server's pg_config; install a release build of the extension
-into it first (cargo pgrx install --release). One machine runs all nodes, so the figures show
-the cost of the extra hop and of the SQL path, not Citus's scaling.
+e.g., with the server scripts/citus.sh 18 builds Citus into, on an idle machine:
+
+    cargo pgrx install --release --pg-config /var/cache/idempotency/pg/18/bin/pg_config
+    PG_BIN=/var/cache/idempotency/pg/18/bin python3 bench/citus.py --seconds 30 --clients 1,4,8
+
+(`--seconds 1 --clients 1` checks that it runs.) One machine runs all nodes, so the figures show
+the cost of the extra hop and of the SQL path, not Citus's scaling. A third column runs the same
+scripts on the single node with the SQL-only path the store takes on Citus (a store of one hash
+partition, `idempotency.partitions = 1`: no probe, no direct writes, plus partition routing).
 
 - one_tx: claim + complete in one explicit transaction (on Citus: run on the coordinator, each
   statement routed to the shard's worker);
@@ -29,6 +35,7 @@ from citus_cluster import CitusCluster, citus_missing  # noqa: E402
 import psycopg  # noqa: E402
 
 SCRIPTS = ["one_tx", "leased", "replay"]
+SQL_ONLY_DB = "sql_only"
 
 
 def setup(conn):
@@ -38,11 +45,11 @@ def setup(conn):
                  "FROM generate_series(1, 1000) AS s")
 
 
-def pgbench(node, script, clients, seconds):
+def pgbench(node, script, clients, seconds, dbname=None):
     out = subprocess.run(
         [f"{PG_BIN}/pgbench", "-h", node.dir, "-p", str(node.port), "-U", "postgres", "-n",
          "-c", str(clients), "-j", str(min(clients, 4)), "-T", str(seconds), "-M", "simple",
-         "-f", os.path.join(HERE, "sql", "citus", f"{script}.sql"), node.dbname],
+         "-f", os.path.join(HERE, "sql", "citus", f"{script}.sql"), dbname or node.dbname],
         capture_output=True, text=True, env=dict(os.environ, PGOPTIONS="-c client_min_messages=error"))
     if out.returncode != 0:
         raise RuntimeError(f"pgbench {script}: {out.stdout}\n{out.stderr}")
@@ -64,17 +71,27 @@ def main():
         with psycopg.connect(single.conninfo(), autocommit=True) as c:
             c.execute("CREATE EXTENSION idempotency")
             setup(c)
+            c.execute(f"CREATE DATABASE {SQL_ONLY_DB}")
+        # The same node's SQL-only path (no probe, no direct writes), as on Citus: a store of one
+        # hash partition, whose parent holds no rows (docs/scaling.md).
+        with psycopg.connect(single.conninfo().replace(f"dbname={single.dbname}", f"dbname={SQL_ONLY_DB}"),
+                             autocommit=True) as c:
+            c.execute("SET idempotency.partitions = 1")
+            c.execute("CREATE EXTENSION idempotency")
+            setup(c)
         citus = CitusCluster().start()
         with citus.connect() as c:
             c.execute("SELECT idempotency.distribute()")
             setup(c)
-        print(f"| script | clients | one node (tps) | Citus coordinator (tps) | ratio |")
-        print("|---|---|---|---|---|")
+        print("| script | clients | one node (tps) | one node, SQL path (tps) | Citus coordinator (tps) "
+              "| SQL path / direct | Citus / one node |")
+        print("|---|---|---|---|---|---|---|")
         for script in SCRIPTS:
             for n in clients:
                 a = pgbench(single, script, n, args.seconds)
+                q = pgbench(single, script, n, args.seconds, SQL_ONLY_DB)
                 b = pgbench(citus.coordinator, script, n, args.seconds)
-                print(f"| {script} | {n} | {a:.0f} | {b:.0f} | {b / a:.2f} |", flush=True)
+                print(f"| {script} | {n} | {a:.0f} | {q:.0f} | {b:.0f} | {q / a:.2f} | {b / a:.2f} |", flush=True)
     finally:
         single.destroy()
         if citus:

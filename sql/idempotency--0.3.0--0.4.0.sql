@@ -132,6 +132,13 @@ BEGIN
             HINT = 'connect to the coordinator and call idempotency.distribute() there';
     END IF;
 
+    IF (SELECT c.relkind FROM pg_catalog.pg_class AS c
+         WHERE c.oid OPERATOR(pg_catalog.=) 'idempotency.idempotency_keys'::pg_catalog.regclass) OPERATOR(pg_catalog.=) 'p' THEN
+        RAISE EXCEPTION USING
+            ERRCODE = 'feature_not_supported',
+            MESSAGE = 'idempotency.distribute cannot distribute a partitioned store (idempotency.partitions)',
+            HINT = 'on Citus create the extension with idempotency.partitions = 0: the shards split the store instead';
+    END IF;
     IF NOT EXISTS (SELECT FROM pg_catalog.pg_dist_partition AS p
                     WHERE p.logicalrelid OPERATOR(pg_catalog.=) 'idempotency.idempotency_keys'::pg_catalog.regclass) THEN
         PERFORM pg_catalog.create_distributed_table('idempotency.idempotency_keys', 'scope',
@@ -329,6 +336,107 @@ BEGIN
     RETURN r;
 END
 $fn$;
+
+-- Statistics of the whole cluster where the store is distributed (issue 16) ------------------
+
+-- The counters of the whole store: this node's, or, where the store is a Citus distributed table,
+-- the sum over every node of the cluster (each node counts the calls it ran, and its sweeper the
+-- rows it swept). Last sweep: the least recent of the nodes' last sweeps (a node whose sweeper
+-- stalled shows), its rows summed; the sweeper is enabled only if it is on every node.
+CREATE FUNCTION idempotency._cluster_stats(
+    OUT preloaded          boolean,
+    OUT claims_new         bigint,
+    OUT claims_replay      bigint,
+    OUT claims_in_progress bigint,
+    OUT claims_mismatch    bigint,
+    OUT completions        bigint,
+    OUT releases           bigint,
+    OUT rows_swept         bigint,
+    OUT last_sweep_at      timestamptz,
+    OUT last_sweep_rows    bigint
+)
+RETURNS SETOF record
+LANGUAGE plpgsql VOLATILE
+SET search_path = pg_catalog, pg_temp
+AS $fn$
+DECLARE
+    v_docs jsonb[] := '{}';
+    v_node record;
+BEGIN
+    IF pg_catalog.to_regclass('pg_catalog.pg_dist_partition') IS NOT NULL THEN
+        IF EXISTS (SELECT FROM pg_catalog.pg_dist_partition AS p
+                    WHERE p.logicalrelid OPERATOR(pg_catalog.=) 'idempotency.idempotency_keys'::pg_catalog.regclass
+                      AND p.partmethod OPERATOR(pg_catalog.=) 'h') THEN
+            FOR v_node IN
+                SELECT r.nodeid, r.success, r.result
+                  FROM pg_catalog.run_command_on_all_nodes(
+                           $c$SELECT pg_catalog.row_to_json(s) FROM idempotency._shared_stats() AS s$c$) AS r
+            LOOP
+                IF NOT v_node.success AND pg_catalog.strpos(v_node.result, 'idempotency._shared_stats:') OPERATOR(pg_catalog.>) 0 THEN
+                    RAISE EXCEPTION USING
+                        ERRCODE = 'insufficient_privilege',
+                        MESSAGE = pg_catalog.format('idempotency.stats: this role may not read the counters of Citus node %s',
+                                                    v_node.nodeid),
+                        HINT = 'grant SELECT on the view on every node: SELECT run_command_on_all_nodes(''GRANT SELECT ON idempotency.stats TO <role>'')';
+                END IF;
+                IF NOT v_node.success THEN
+                    RAISE EXCEPTION USING
+                        ERRCODE = 'connection_exception',
+                        MESSAGE = pg_catalog.format('idempotency.stats could not read the counters of Citus node %s: %s',
+                                                    v_node.nodeid, v_node.result),
+                        HINT = 'the store is distributed: its statistics need every node (see pg_dist_node)';
+                END IF;
+                v_docs := v_docs OPERATOR(pg_catalog.||) v_node.result::jsonb;
+            END LOOP;
+            RETURN QUERY
+            SELECT pg_catalog.bool_and(j.preloaded),
+                   pg_catalog.sum(j.claims_new)::bigint, pg_catalog.sum(j.claims_replay)::bigint,
+                   pg_catalog.sum(j.claims_in_progress)::bigint, pg_catalog.sum(j.claims_mismatch)::bigint,
+                   pg_catalog.sum(j.completions)::bigint, pg_catalog.sum(j.releases)::bigint,
+                   pg_catalog.sum(j.rows_swept)::bigint,
+                   CASE WHEN pg_catalog.bool_and(j.last_sweep_at IS NOT NULL)
+                        THEN pg_catalog.min(j.last_sweep_at) END,
+                   pg_catalog.sum(j.last_sweep_rows)::bigint
+              FROM pg_catalog.unnest(v_docs) AS d(doc),
+                   pg_catalog.jsonb_to_record(d.doc) AS j(preloaded boolean, claims_new bigint,
+                       claims_replay bigint, claims_in_progress bigint, claims_mismatch bigint,
+                       completions bigint, releases bigint, rows_swept bigint,
+                       last_sweep_at timestamptz, last_sweep_rows bigint);
+            RETURN;
+        END IF;
+    END IF;
+    RETURN QUERY SELECT * FROM idempotency._shared_stats();
+END
+$fn$;
+
+-- The view reads them: the store's contents and the counters of the whole store.
+CREATE OR REPLACE VIEW idempotency.stats AS
+SELECT pg_catalog.current_database() AS database,
+       t.rows_in_progress,
+       t.rows_completed,
+       t.rows_expired,
+       t.oldest_expiry,
+       s.last_sweep_at,
+       s.last_sweep_rows,
+       s.claims_new,
+       s.claims_replay,
+       s.claims_in_progress,
+       s.claims_mismatch,
+       s.completions,
+       s.releases,
+       s.rows_swept,
+       s.preloaded AS sweeper_enabled
+  FROM (SELECT pg_catalog.count(*) FILTER (
+                   WHERE k.status OPERATOR(pg_catalog.=) 'in_progress'::idempotency.key_status
+                     AND k.expires_at OPERATOR(pg_catalog.>) pg_catalog.now()) AS rows_in_progress,
+               pg_catalog.count(*) FILTER (
+                   WHERE k.status OPERATOR(pg_catalog.=) 'completed'::idempotency.key_status
+                     AND k.expires_at OPERATOR(pg_catalog.>) pg_catalog.now()) AS rows_completed,
+               pg_catalog.count(*) FILTER (
+                   WHERE k.expires_at OPERATOR(pg_catalog.<=) pg_catalog.now()) AS rows_expired,
+               pg_catalog.min(k.expires_at) AS oldest_expiry
+          FROM idempotency.idempotency_keys AS k) AS t,
+       idempotency._cluster_stats() AS s;
 
 -- The sweeper's index on the expiry the claim set, instead of expires_at (which complete moves,
 -- so that no completion in a later transaction than its claim was a HOT update). Built under a

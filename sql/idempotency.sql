@@ -69,6 +69,52 @@ COMMENT ON TABLE idempotency.idempotency_keys IS
 CREATE INDEX idempotency_keys_sweep_idx ON idempotency.idempotency_keys
     (((created_at AT TIME ZONE 'UTC') OPERATOR(pg_catalog.+) ttl));
 
+-- With idempotency.partitions set to N > 0 for this CREATE EXTENSION (SET by a superuser), the
+-- store is hash-partitioned by scope: the same columns, defaults, constraints and indexes (under
+-- the same names) on the partitioned table, in N partitions idempotency_keys_p0 .. p<N-1>, which
+-- pg_dump keeps the rows of as well. Claims go through SQL, sweeps run partition by partition
+-- (docs/scaling.md). 0 (the default): the plain table above.
+DO $partition$
+DECLARE
+    v_parts integer := NULLIF(pg_catalog.current_setting('idempotency.partitions', true), '')::integer;
+    v_index record;
+    v_part text;
+BEGIN
+    IF v_parts IS NULL OR v_parts OPERATOR(pg_catalog.=) 0 THEN
+        RETURN;
+    END IF;
+    IF v_parts OPERATOR(pg_catalog.<) 0 OR v_parts OPERATOR(pg_catalog.>) 1024 THEN
+        RAISE EXCEPTION USING
+            ERRCODE = 'invalid_parameter_value',
+            MESSAGE = pg_catalog.format('idempotency.partitions must be between 0 and 1024, not %s', v_parts);
+    END IF;
+    ALTER TABLE idempotency.idempotency_keys RENAME TO idempotency_keys_template;
+    FOR v_index IN SELECT c.relname FROM pg_catalog.pg_index AS i
+                     JOIN pg_catalog.pg_class AS c ON c.oid OPERATOR(pg_catalog.=) i.indexrelid
+                    WHERE i.indrelid OPERATOR(pg_catalog.=) 'idempotency.idempotency_keys_template'::pg_catalog.regclass LOOP
+        EXECUTE pg_catalog.format('ALTER INDEX idempotency.%I RENAME TO %I', v_index.relname, v_index.relname OPERATOR(pg_catalog.||) '_template');
+    END LOOP;
+    -- The indexes get their default names again (idempotency_keys_pkey); the sweep index, an
+    -- expression index, is given its name back.
+    CREATE TABLE idempotency.idempotency_keys (LIKE idempotency.idempotency_keys_template INCLUDING ALL)
+        PARTITION BY HASH (scope);
+    FOR v_index IN SELECT c.relname FROM pg_catalog.pg_index AS i
+                     JOIN pg_catalog.pg_class AS c ON c.oid OPERATOR(pg_catalog.=) i.indexrelid
+                    WHERE i.indrelid OPERATOR(pg_catalog.=) 'idempotency.idempotency_keys'::pg_catalog.regclass
+                      AND i.indexprs IS NOT NULL LOOP
+        EXECUTE pg_catalog.format('ALTER INDEX idempotency.%I RENAME TO idempotency_keys_sweep_idx', v_index.relname);
+    END LOOP;
+    FOR i IN 0 .. v_parts OPERATOR(pg_catalog.-) 1 LOOP
+        v_part := 'idempotency_keys_p' OPERATOR(pg_catalog.||) i;
+        EXECUTE pg_catalog.format(
+            'CREATE TABLE idempotency.%I PARTITION OF idempotency.idempotency_keys '
+            'FOR VALUES WITH (MODULUS %s, REMAINDER %s) WITH (fillfactor = 90)', v_part, v_parts, i);
+        PERFORM pg_catalog.pg_extension_config_dump(pg_catalog.format('idempotency.%I', v_part)::pg_catalog.regclass, '');
+    END LOOP;
+    DROP TABLE idempotency.idempotency_keys_template;
+END
+$partition$;
+
 -- pg_dump keeps the rows and the token sequence of an extension-owned table.
 SELECT pg_catalog.pg_extension_config_dump('idempotency.idempotency_keys', '');
 SELECT pg_catalog.pg_extension_config_dump('idempotency.token_seq', '');
@@ -616,6 +662,13 @@ BEGIN
             HINT = 'connect to the coordinator and call idempotency.distribute() there';
     END IF;
 
+    IF (SELECT c.relkind FROM pg_catalog.pg_class AS c
+         WHERE c.oid OPERATOR(pg_catalog.=) 'idempotency.idempotency_keys'::pg_catalog.regclass) OPERATOR(pg_catalog.=) 'p' THEN
+        RAISE EXCEPTION USING
+            ERRCODE = 'feature_not_supported',
+            MESSAGE = 'idempotency.distribute cannot distribute a partitioned store (idempotency.partitions)',
+            HINT = 'on Citus create the extension with idempotency.partitions = 0: the shards split the store instead';
+    END IF;
     IF NOT EXISTS (SELECT FROM pg_catalog.pg_dist_partition AS p
                     WHERE p.logicalrelid OPERATOR(pg_catalog.=) 'idempotency.idempotency_keys'::pg_catalog.regclass) THEN
         PERFORM pg_catalog.create_distributed_table('idempotency.idempotency_keys', 'scope',
@@ -711,6 +764,76 @@ CREATE FUNCTION idempotency._shared_stats(
 LANGUAGE c VOLATILE PARALLEL SAFE
 AS 'MODULE_PATHNAME', 'idempotency_shared_stats';
 
+-- The counters of the whole store: this node's, or, where the store is a Citus distributed table,
+-- the sum over every node of the cluster (each node counts the calls it ran, and its sweeper the
+-- rows it swept). Last sweep: the least recent of the nodes' last sweeps (a node whose sweeper
+-- stalled shows), its rows summed; the sweeper is enabled only if it is on every node.
+CREATE FUNCTION idempotency._cluster_stats(
+    OUT preloaded          boolean,
+    OUT claims_new         bigint,
+    OUT claims_replay      bigint,
+    OUT claims_in_progress bigint,
+    OUT claims_mismatch    bigint,
+    OUT completions        bigint,
+    OUT releases           bigint,
+    OUT rows_swept         bigint,
+    OUT last_sweep_at      timestamptz,
+    OUT last_sweep_rows    bigint
+)
+RETURNS SETOF record
+LANGUAGE plpgsql VOLATILE
+SET search_path = pg_catalog, pg_temp
+AS $fn$
+DECLARE
+    v_docs jsonb[] := '{}';
+    v_node record;
+BEGIN
+    IF pg_catalog.to_regclass('pg_catalog.pg_dist_partition') IS NOT NULL THEN
+        IF EXISTS (SELECT FROM pg_catalog.pg_dist_partition AS p
+                    WHERE p.logicalrelid OPERATOR(pg_catalog.=) 'idempotency.idempotency_keys'::pg_catalog.regclass
+                      AND p.partmethod OPERATOR(pg_catalog.=) 'h') THEN
+            FOR v_node IN
+                SELECT r.nodeid, r.success, r.result
+                  FROM pg_catalog.run_command_on_all_nodes(
+                           $c$SELECT pg_catalog.row_to_json(s) FROM idempotency._shared_stats() AS s$c$) AS r
+            LOOP
+                IF NOT v_node.success AND pg_catalog.strpos(v_node.result, 'idempotency._shared_stats:') OPERATOR(pg_catalog.>) 0 THEN
+                    RAISE EXCEPTION USING
+                        ERRCODE = 'insufficient_privilege',
+                        MESSAGE = pg_catalog.format('idempotency.stats: this role may not read the counters of Citus node %s',
+                                                    v_node.nodeid),
+                        HINT = 'grant SELECT on the view on every node: SELECT run_command_on_all_nodes(''GRANT SELECT ON idempotency.stats TO <role>'')';
+                END IF;
+                IF NOT v_node.success THEN
+                    RAISE EXCEPTION USING
+                        ERRCODE = 'connection_exception',
+                        MESSAGE = pg_catalog.format('idempotency.stats could not read the counters of Citus node %s: %s',
+                                                    v_node.nodeid, v_node.result),
+                        HINT = 'the store is distributed: its statistics need every node (see pg_dist_node)';
+                END IF;
+                v_docs := v_docs OPERATOR(pg_catalog.||) v_node.result::jsonb;
+            END LOOP;
+            RETURN QUERY
+            SELECT pg_catalog.bool_and(j.preloaded),
+                   pg_catalog.sum(j.claims_new)::bigint, pg_catalog.sum(j.claims_replay)::bigint,
+                   pg_catalog.sum(j.claims_in_progress)::bigint, pg_catalog.sum(j.claims_mismatch)::bigint,
+                   pg_catalog.sum(j.completions)::bigint, pg_catalog.sum(j.releases)::bigint,
+                   pg_catalog.sum(j.rows_swept)::bigint,
+                   CASE WHEN pg_catalog.bool_and(j.last_sweep_at IS NOT NULL)
+                        THEN pg_catalog.min(j.last_sweep_at) END,
+                   pg_catalog.sum(j.last_sweep_rows)::bigint
+              FROM pg_catalog.unnest(v_docs) AS d(doc),
+                   pg_catalog.jsonb_to_record(d.doc) AS j(preloaded boolean, claims_new bigint,
+                       claims_replay bigint, claims_in_progress bigint, claims_mismatch bigint,
+                       completions bigint, releases bigint, rows_swept bigint,
+                       last_sweep_at timestamptz, last_sweep_rows bigint);
+            RETURN;
+        END IF;
+    END IF;
+    RETURN QUERY SELECT * FROM idempotency._shared_stats();
+END
+$fn$;
+
 -- One row for the current database: the store's contents (expired rows count apart: they are
 -- absent to claim and wait for the sweeper) and the counters since server start.
 CREATE VIEW idempotency.stats AS
@@ -739,7 +862,7 @@ SELECT pg_catalog.current_database() AS database,
                    WHERE k.expires_at OPERATOR(pg_catalog.<=) pg_catalog.now()) AS rows_expired,
                pg_catalog.min(k.expires_at) AS oldest_expiry
           FROM idempotency.idempotency_keys AS k) AS t,
-       idempotency._shared_stats() AS s;
+       idempotency._cluster_stats() AS s;
 
 CREATE FUNCTION idempotency._announce()
 RETURNS void

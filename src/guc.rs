@@ -27,6 +27,8 @@ pub static AUDIT: GucSetting<bool> = GucSetting::<bool>::new(false);
 pub static AUDIT_RETENTION: GucSetting<i32> = GucSetting::<i32>::new(0);
 /// Milliseconds a claim that meets another open transaction's claim tells the caller to wait.
 pub static BUSY_RETRY_AFTER: GucSetting<i32> = GucSetting::<i32>::new(1000);
+/// Hash partitions CREATE EXTENSION gives the store (0: a plain table); read only then.
+pub static PARTITIONS: GucSetting<i32> = GucSetting::<i32>::new(0);
 /// Largest response `complete` stores, in kB.
 pub static MAX_RESPONSE_SIZE: GucSetting<i32> = GucSetting::<i32>::new(4096);
 /// Largest recovery point `checkpoint` stores, in kB.
@@ -406,6 +408,17 @@ pub fn init() {
           does; the answers are the same either way.",
         &FORCE_SQL_PATH,
         GucContext::Userset,
+        GucFlags::default(),
+    );
+    GucRegistry::define_int_guc(
+        c"idempotency.partitions",
+        c"Hash partitions (by scope) of the store that CREATE EXTENSION creates; 0: a plain table.",
+        c"Read only by CREATE EXTENSION idempotency (and a restore that runs it): an existing \
+          store is not changed. See docs/scaling.md.",
+        &PARTITIONS,
+        0,
+        1024,
+        GucContext::Suset,
         GucFlags::default(),
     );
     // SAFETY: a NUL-terminated literal, called from _PG_init after the settings are defined,

@@ -1,7 +1,7 @@
 //! The claim algorithm: the outcome table ([`crate::decision`]) applied to the key's row, read
 //! below SQL where it can be ([`heap`]) and through the statements ([`sql`]) where it must.
 
-use super::catalog::{check_access, citus_table, direct_layout_for_write, key_label};
+use super::catalog::{check_access, direct_layout_for_write, key_label, sql_only};
 use super::heap::{self, probe, KeyInsertLock, Probe};
 use super::sql::{read_row, with_spi, write_claim, Write};
 use super::{spi_failed, ClaimRequest, ClaimResult, Outcome, Row, MAX_ROUNDS};
@@ -77,7 +77,7 @@ pub fn claim(req: &ClaimRequest<'_>) -> ClaimResult {
     let mut started = None;
     // SAFETY: reads a backend variable, set for the transaction.
     let snapshot_reads = unsafe { pg_sys::XactIsoLevel } >= pg_sys::XACT_REPEATABLE_READ as i32;
-    let sql_only = citus_table();
+    let sql_only = sql_only();
     let mut rounds = 0;
     while rounds < MAX_ROUNDS {
         let step = if sql_only {
@@ -226,7 +226,7 @@ pub(crate) fn decide(
         Decision::Restart | Decision::TakeOver => {
             // Lock the newest version without waiting, then decide again on it.
             let Some(locked) = read_row(client, true, req)? else {
-                if citus_table() {
+                if sql_only() {
                     // Through SQL: still there, so another claimer holds its row lock.
                     return Ok(match read_row(client, false, req)? {
                         Some(_) => Step::Busy,

@@ -470,11 +470,19 @@ const LOCAL_SHARDS_SQL: &str = "SELECT pg_catalog.shard_name(s.logicalrelid, s.s
         AND pg_catalog.to_regclass(pg_catalog.shard_name(s.logicalrelid, s.shardid)) IS NOT NULL \
       ORDER BY s.shardid";
 
-/// A sweep on Citus: runs `statement`, a DELETE that names `table` (schema-qualified, as in
+/// The leaf partitions of `table` (a plain table is its own only leaf), under their
+/// schema-qualified names (the search path is pinned to pg_catalog).
+const PARTITIONS_SQL: &str = "SELECT t.relid::pg_catalog.regclass::pg_catalog.text \
+       FROM pg_catalog.pg_partition_tree($1::pg_catalog.regclass) AS t \
+      WHERE t.isleaf ORDER BY t.relid";
+
+/// A sweep on Citus or of a partitioned store: runs `statement`, a DELETE that names `table` (schema-qualified, as in
 /// the statement), on each of this node's shards of `table` in its place, until `batch` rows
 /// are deleted; `args(left)` gives the statement's arguments for at most `left` more rows.
 /// Each node sweeps the shards it holds (its background sweeper runs this): a DELETE of the
 /// distributed table with a row-locking subquery is no statement Citus runs across shards.
+/// Without Citus the parts are the table's partitions: the statement matches rows by ctid,
+/// which is unique in one partition only.
 pub(crate) fn sweep_local_shards<'a>(
     table: &str,
     statement: &str,
@@ -484,7 +492,15 @@ pub(crate) fn sweep_local_shards<'a>(
     let _path = super::catalog::PinnedSearchPath::pin();
     Spi::connect_mut(|client| {
         let shards: Vec<String> = client
-            .select(LOCAL_SHARDS_SQL, None, &[table.into()])?
+            .select(
+                if super::catalog::citus_table() {
+                    LOCAL_SHARDS_SQL
+                } else {
+                    PARTITIONS_SQL
+                },
+                None,
+                &[table.into()],
+            )?
             .filter_map(|r| r.get::<String>(1).ok().flatten())
             .collect();
         let mut deleted = 0;

@@ -1,7 +1,7 @@
 //! The sweep: expired rows (and old audit rows) deleted in batches, through the statements.
 
-use super::catalog::citus_table;
 use super::catalog::relation_oid;
+use super::catalog::sql_only;
 use super::catalog::PinnedSearchPath;
 use super::spi_failed;
 use super::sql::{audit_plans, plan, sweep_local_shards, Plan, AUDIT_SWEEP_SQL, SWEEP_SQL};
@@ -55,10 +55,10 @@ static CURSOR: crate::local::BackendLocal<Cell<pg_sys::Timestamp>> =
 /// `-infinity` as a timestamp.
 const DT_NOBEGIN: pg_sys::Timestamp = i64::MIN;
 
-/// Whether the store has the sweep index (0.4.0 on); a store not yet updated has its index on
-/// `expires_at` (see [`super::sql::SWEEP_BY_EXPIRES_AT_SQL`]).
+/// Whether the store has the sweep index (0.4.0 on): a store not yet updated has its index on
+/// `expires_at` instead (see [`super::sql::SWEEP_BY_EXPIRES_AT_SQL`]), which the update drops.
 fn sweep_index_exists() -> bool {
-    relation_oid(c"idempotency_keys_sweep_idx") != pg_sys::InvalidOid
+    relation_oid(c"idempotency_keys_expires_at_idx") == pg_sys::InvalidOid
 }
 
 /// Starts a sweep: its first batch begins at the start of the sweep index.
@@ -75,8 +75,9 @@ pub fn sweep_batch(batch: i64, prefix: &str) -> i64 {
         // SAFETY: a timestamp is passed by value, declared as timestamp.
         unsafe { pgrx::datum::DatumWithOid::new(pg_sys::Datum::from(at), pg_sys::TIMESTAMPOID) }
     };
-    if citus_table() {
-        // One cursor cannot span the shards: each batch starts at the start of each shard.
+    if sql_only() {
+        // Shard by shard (Citus) or partition by partition: one cursor cannot span them, so
+        // each batch starts at the start of each part's sweep index.
         return sweep_local_shards("idempotency.idempotency_keys", SWEEP_SQL, batch, |left| {
             vec![
                 left.into(),
@@ -131,8 +132,9 @@ pub fn sweep_batch(batch: i64, prefix: &str) -> i64 {
 /// `prefix` ("": every row); returns how many.
 pub fn sweep_audit_batch(retention_secs: f64, batch: i64, prefix: &str) -> i64 {
     let _path = PinnedSearchPath::pin();
-    if citus_table() {
-        // idempotency.distribute() distributes the audit table with the store.
+    if sql_only() {
+        // idempotency.distribute() distributes the audit table with the store; with a
+        // partitioned store, the plain audit table is its own only part.
         return sweep_local_shards("idempotency.audit", AUDIT_SWEEP_SQL, batch, |left| {
             vec![
                 retention_secs.into(),

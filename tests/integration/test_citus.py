@@ -6,6 +6,8 @@ claim + colocated business write + complete in one transaction, a takeover after
 Runs where Citus is built (scripts/citus.sh 18; CITUS_PG_BIN, see citus_cluster.py), else is
 skipped with the reason; marked `citus` (pytest -m citus runs only these)."""
 
+import json
+import os
 import threading
 import time
 
@@ -393,6 +395,293 @@ def test_keys_stored_hashed_chosen_before_distributing(citus, coord):
         hashed = c.execute("SELECT count(*) FROM idempotency.idempotency_keys "
                            "WHERE key ~ '^[0-9a-f]{64}$'").fetchone()[0]
         assert hashed == len(scopes) + 1
+
+
+def scope_on(coord, port, prefix):
+    """A scope whose shard is placed on the worker at `port`."""
+    for i in range(200):
+        s = f"{prefix}-{i}"
+        got = coord.execute(
+            "SELECT nodeport FROM pg_dist_shard_placement WHERE shardid = "
+            "get_shard_id_for_distribution_column('idempotency.idempotency_keys', %s::text)", (s,)).fetchone()[0]
+        if got == port:
+            return s
+    raise AssertionError(f"no scope {prefix}-* on port {port}")
+
+
+COUNTERS = "claims_new, claims_replay, claims_mismatch, completions, releases"
+
+
+def test_stats_show_the_whole_cluster_on_every_node(citus, coord):
+    """idempotency.stats sums every node's counters where the store is distributed: delegated
+    calls count on the workers they ran on, calls inside a transaction on the coordinator."""
+    before = coord.execute(f"SELECT {COUNTERS} FROM idempotency.stats").fetchone()
+    scopes = [f"stats-{i}" for i in range(40)]
+    for s in scopes:
+        r = claim(coord, "k", {"a": 1}, scope=s)
+        assert r[0] == "new"
+        complete(coord, "k", {"ok": 1}, scope=s, token=r[1])
+        assert claim(coord, "k", {"a": 1}, scope=s)[0] == "replay"
+        assert claim(coord, "k", {"a": 2}, scope=s)[0] == "mismatch"
+    with coord.transaction():  # runs on the coordinator, counted there
+        r = claim(coord, "in-tx", {"a": 1}, scope="stats-0", lease="1 minute")
+        assert r[0] == "new" and r[1] >> 48 == 0, r
+        assert coord.execute("SELECT idempotency.release('in-tx', 'stats-0', %s)", (r[1],)).fetchone()[0]
+    after = coord.execute(f"SELECT {COUNTERS} FROM idempotency.stats").fetchone()
+    assert [a - b for a, b in zip(after, before)] == [41, 40, 40, 40, 1], (before, after)
+
+    # The sum of what each node counted itself, and every node counted some.
+    per_node = []
+    for node in citus.nodes:
+        with citus.connect(node) as c:
+            per_node.append(c.execute(f"SELECT {COUNTERS} FROM idempotency._shared_stats()").fetchone())
+    assert tuple(sum(col) for col in zip(*per_node)) == after, per_node
+    assert all(n[0] > 0 for n in per_node), per_node
+    # The same view on a worker shows the same cluster.
+    with citus.connect(citus.workers[0]) as w:
+        assert w.execute(f"SELECT {COUNTERS} FROM idempotency.stats").fetchone() == after
+    row = coord.execute("SELECT sweeper_enabled, rows_completed, database FROM idempotency.stats").fetchone()
+    assert row[0] is True and row[1] >= len(scopes) and row[2] == "idem", row
+    # A monitoring role: Citus propagates the role but not a grant on the extension's view, which
+    # every node checks before it gives its counters; and it runs the view's row count on the
+    # shards as that role, which may not read the table (known limits, docs/scaling.md).
+    coord.execute("CREATE ROLE monitor LOGIN")
+    coord.execute("GRANT USAGE ON SCHEMA idempotency TO monitor")
+    coord.execute("GRANT SELECT ON idempotency.stats TO monitor")
+    monitor = citus.conninfo().replace("user=postgres", "user=monitor")
+    with psycopg.connect(monitor, autocommit=True) as m:
+        with pytest.raises(psycopg.Error) as e:
+            m.execute("SELECT * FROM idempotency._cluster_stats()")
+        assert e.value.sqlstate == "42501", str(e.value)
+        assert "run_command_on_all_nodes" in e.value.diag.message_hint
+    got = coord.execute("SELECT bool_and(success) FROM run_command_on_all_nodes("
+                        "'GRANT SELECT ON idempotency.stats TO monitor')").fetchone()[0]
+    assert got is True
+    with psycopg.connect(monitor, autocommit=True) as m:
+        assert m.execute(f"SELECT {COUNTERS} FROM idempotency._cluster_stats()").fetchone() == after
+        with pytest.raises(psycopg.Error) as e:
+            m.execute("SELECT * FROM idempotency.stats")
+        assert e.value.sqlstate == "42501" and "idempotency_keys_" in str(e.value), str(e.value)
+    coord.execute("CREATE ROLE tenant LOGIN")
+    coord.execute("GRANT USAGE ON SCHEMA idempotency TO tenant")
+    with psycopg.connect(citus.conninfo().replace("user=postgres", "user=tenant"), autocommit=True) as t:
+        with pytest.raises(psycopg.Error) as e:
+            t.execute("SELECT * FROM idempotency.stats")
+        assert e.value.sqlstate == "42501"
+
+
+def test_stats_refuse_to_show_part_of_the_cluster(citus, coord):
+    """With a worker unreachable the view fails naming the node (its row counts would fail
+    anyway), rather than summing part of the cluster."""
+    victim = citus.workers[0]
+    victim.stop()
+    try:
+        with pytest.raises(psycopg.Error):
+            coord.execute(f"SELECT {COUNTERS} FROM idempotency.stats").fetchone()
+        # The counters alone: refused too, naming the node.
+        node = coord.execute("SELECT nodeid FROM pg_dist_node WHERE nodeport = %s", (victim.port,)).fetchone()[0]
+        with pytest.raises(psycopg.Error) as e:
+            coord.execute("SELECT * FROM idempotency._cluster_stats()").fetchone()
+        assert e.value.sqlstate == "08000", (e.value.sqlstate, str(e.value))
+        assert f"Citus node {node}" in e.value.diag.message_primary
+    finally:
+        victim.restart()
+        victim.wait_ready()
+    deadline = time.monotonic() + 30
+    while True:
+        try:
+            coord.execute(f"SELECT {COUNTERS} FROM idempotency.stats").fetchone()
+            break
+        except psycopg.Error:
+            assert time.monotonic() < deadline
+            time.sleep(0.5)
+
+
+def test_shard_split_keeps_keys_and_fences_the_stale_token(citus, coord):
+    """citus_split_shard_by_split_points on the store's shard (its colocated shards split with
+    it): the keys stay, claims and completes keep working, and a key taken over after the split
+    on the worker with the lower token range gets a larger token; the stale one is refused."""
+    groups = dict(coord.execute("SELECT nodeport, groupid FROM pg_dist_node").fetchall())
+    nodeids = dict(coord.execute("SELECT nodeport, nodeid FROM pg_dist_node").fetchall())
+    high = max((w.port for w in citus.workers), key=lambda p: groups[p])
+    low = min((w.port for w in citus.workers), key=lambda p: groups[p])
+    scope = scope_on(coord, high, "splitter")
+    done = claim(coord, "done", {"n": 0}, scope=scope)
+    complete(coord, "done", {"kept": True}, scope=scope, token=done[1])
+    first = claim(coord, "job", {"n": 1}, scope=scope, ttl="1 hour", lease="1 second")
+    assert first[0] == "new" and first[1] >> 48 == groups[high], first
+
+    shard, lo, hi, h = coord.execute(
+        "SELECT s.shardid, s.shardminvalue::int, s.shardmaxvalue::int, worker_hash(%s::text) FROM pg_dist_shard s "
+        "WHERE s.shardid = get_shard_id_for_distribution_column('idempotency.idempotency_keys', %s::text)",
+        (scope, scope)).fetchone()
+    # The scope's part goes to the low worker, the other part stays on the high one.
+    if h > lo:
+        point, nodes = h - 1, [nodeids[high], nodeids[low]]
+    else:
+        point, nodes = h, [nodeids[low], nodeids[high]]
+    shards_before = coord.execute("SELECT count(*) FROM pg_dist_shard WHERE logicalrelid = "
+                                  "'idempotency.idempotency_keys'::regclass").fetchone()[0]
+    coord.execute("SELECT citus_split_shard_by_split_points(%s, ARRAY[%s::text], ARRAY[%s, %s]::int[], "
+                  "shard_transfer_mode => 'block_writes')", (shard, str(point), *nodes))
+    assert coord.execute("SELECT count(*) FROM pg_dist_shard WHERE logicalrelid = "
+                         "'idempotency.idempotency_keys'::regclass").fetchone()[0] == shards_before + 1
+    new_shard = coord.execute("SELECT get_shard_id_for_distribution_column('idempotency.idempotency_keys', %s::text)",
+                              (scope,)).fetchone()[0]
+    assert new_shard != shard
+    assert coord.execute("SELECT nodeport FROM pg_dist_shard_placement WHERE shardid = %s",
+                         (new_shard,)).fetchone()[0] == low
+    # The audit table and the application's table split with it (colocated).
+    assert coord.execute("SELECT count(DISTINCT colocationid) FROM pg_dist_partition WHERE logicalrelid IN "
+                         "('idempotency.idempotency_keys'::regclass, 'idempotency.audit'::regclass, "
+                         "'shop.orders'::regclass)").fetchone()[0] == 1
+
+    assert claim(coord, "done", {"n": 0}, scope=scope)[:3] == ("replay", done[1], {"kept": True})
+    time.sleep(1.2)
+    taken = claim(coord, "job", {"n": 1}, scope=scope, lease="1 minute")
+    assert taken[0] == "new" and taken[1] > first[1], (first, taken)
+    with pytest.raises(psycopg.Error) as e:
+        complete(coord, "job", {"late": True}, scope=scope, token=first[1])
+    assert e.value.sqlstate == "IK003"
+    complete(coord, "job", {"done": True}, scope=scope, token=taken[1])
+    assert claim(coord, "job", {"n": 1}, scope=scope)[0] == "replay"
+    # New keys in the split shard, and inside a transaction (routed from the coordinator).
+    with coord.transaction():
+        r = claim(coord, "after-split", {"n": 2}, scope=scope)
+        assert r[0] == "new"
+        complete(coord, "after-split", {"n": 2}, scope=scope, token=r[1])
+    assert claim(coord, "after-split", {"n": 2}, scope=scope)[0] == "replay"
+    assert shard_rows(citus).get(low, 0) > 0
+
+
+@pytest.mark.slow  # builds the example service with cargo (unless HTTP_SERVICE_BIN names a build)
+def test_http_example_works_unchanged_against_the_coordinator(citus, coord, tmp_path):
+    """examples/http-service, unchanged, against the coordinator of a database whose store is
+    distributed: its tables stay on the coordinator, its keys go to the workers' shards."""
+    import subprocess
+    import sys
+    from concurrent.futures import ThreadPoolExecutor
+
+    import test_http_service as h
+    from cluster import free_port
+
+    binary = h.build_service()
+    info = citus.add_database(h.DB)
+    subprocess.run([f"{citus.coordinator.bin}/psql", "-X", "-q", "-v", "ON_ERROR_STOP=1", "-d", info(),
+                    "-f", os.path.join(h.EXAMPLE, "setup.sql")], check=True, capture_output=True)
+    with psycopg.connect(info(), autocommit=True) as su:
+        su.execute("SELECT idempotency.distribute(shard_count => 4)")
+        pport = free_port()
+        provider = h.Provider([sys.executable, os.path.join(h.EXAMPLE, "fake_provider.py"), "--port",
+                               str(pport), "--journal", str(tmp_path / "provider.jsonl")],
+                              dict(os.environ), pport, str(tmp_path / "provider.log"))
+        provider.start(provider.ready)
+        port = free_port()
+        env = dict(os.environ, DATABASE_URL=info().replace("user=postgres", "user=http_example_app"),
+                   LISTEN=f"127.0.0.1:{port}", PAYMENT_URL=f"http://127.0.0.1:{provider.port}",
+                   POOL_SIZE="10", REFUND_LEASE_SECS="3", PROVIDER_TIMEOUT_MS="2000",
+                   ORDER_LEASE_SECS="5", CLAIM_WAIT_MS="2000", TEST_HOOKS="1")
+        service = h.Service([binary], env, port, str(tmp_path / "service.log"))
+        try:
+            service.start(service.ready)
+            status, hd, body = service.post("/orders", h.ORDER, key="order-1", client="alice")
+            assert status == 201, body
+            again = service.post("/orders", h.ORDER, key="order-1", client="alice")
+            assert (again[0], again[2], again[1]["idempotent-replayed"]) == (201, body, "true")
+            status, hd, b = service.post("/orders", {**h.ORDER, "amount": 1}, key="order-1", client="alice")
+            assert status == 422, b
+
+            def one(_):
+                return service.post("/orders", h.ORDER, key="storm", client="erin",
+                                    headers={"X-Test-Delay-Ms": "300"}, timeout=60)
+            with ThreadPoolExecutor(10) as ex:
+                answers = list(ex.map(one, range(10)))
+            assert {a[0] for a in answers} == {201} and len({a[2] for a in answers}) == 1, answers[:2]
+
+            order_id = json.loads(body)["order_id"]
+            before = provider.charges()["executions"]
+            refund = {"order_id": order_id, "amount": 10}
+            status, hd, rb = service.post("/refunds", refund, key="refund-1", client="alice")
+            assert status == 201, rb
+            assert service.post("/refunds", refund, key="refund-1", client="alice")[:3:2] == (201, rb)
+            assert provider.charges()["executions"] == before + 1
+
+            counts = dict(su.execute("SELECT client_id, count(*) FROM http_example.orders GROUP BY 1").fetchall())
+            assert counts == {"alice": 1, "erin": 1}, counts
+            # The keys live in the workers' shards; the orders on the coordinator.
+            stored = su.execute("SELECT scope, status::text FROM idempotency.idempotency_keys ORDER BY 1").fetchall()
+            assert ("alice:POST /orders", "completed") in stored and ("erin:POST /orders", "completed") in stored
+            assert su.execute("SELECT pg_relation_size('idempotency.idempotency_keys')").fetchone()[0] == 0
+        finally:
+            print(open(tmp_path / "service.log").read()[-5000:] if (tmp_path / "service.log").exists() else "")
+            service.stop()
+            provider.stop()
+
+
+def test_create_extension_fails_while_a_worker_lacks_the_extension():
+    """A worker without the extension's files (here: its own copy of the server without them):
+    Citus runs CREATE EXTENSION on the workers in the coordinator's transaction, so it fails,
+    naming the worker, and nothing is created anywhere; once the files are installed there, it
+    succeeds. That worker does not preload the library: it has no sweeper, which stats show."""
+    import shutil
+    import subprocess
+    import tempfile
+
+    from citus_cluster import CITUS_PG_BIN, SETTINGS
+    from cluster import Cluster
+
+    src = os.path.dirname(CITUS_PG_BIN.rstrip("/"))
+    copy = tempfile.mkdtemp(prefix="idempotency-pg-copy-")
+    os.chmod(copy, 0o755)
+    server = os.path.join(copy, "pg")
+    shutil.copytree(src, server, symlinks=True, ignore=shutil.ignore_patterns("include"))
+
+    def pg_config(bin_dir, what):
+        return subprocess.run([os.path.join(bin_dir, "pg_config"), what], check=True,
+                              capture_output=True, text=True).stdout.strip()
+
+    lib, share = pg_config(os.path.join(server, "bin"), "--pkglibdir"), pg_config(os.path.join(server, "bin"), "--sharedir")
+    assert lib.startswith(server) and share.startswith(server), (lib, share)
+    files = [os.path.join(lib, "idempotency.so")] + [
+        os.path.join(share, "extension", f) for f in os.listdir(os.path.join(share, "extension"))
+        if f.startswith("idempotency")]
+    stash = os.path.join(copy, "stash")
+    os.mkdir(stash)
+    for f in files:
+        shutil.move(f, os.path.join(stash, os.path.basename(f)))
+
+    settings = dict(SETTINGS)
+    nodes = [Cluster(settings=settings, bin=CITUS_PG_BIN),
+             Cluster(settings={**settings, "shared_preload_libraries": "'citus'"}, bin=os.path.join(server, "bin"))]
+    try:
+        for n in nodes:
+            n.start()
+            with psycopg.connect(n.conninfo(), autocommit=True) as c:
+                c.execute("CREATE EXTENSION citus")
+        coordinator, bare = nodes
+        with psycopg.connect(coordinator.conninfo(), autocommit=True) as c:
+            c.execute("SELECT citus_set_coordinator_host('127.0.0.1', %s)", (coordinator.port,))
+            c.execute("SELECT citus_add_node('127.0.0.1', %s)", (bare.port,))
+            with pytest.raises(psycopg.Error) as e:
+                c.execute("CREATE EXTENSION idempotency")
+            assert "idempotency" in str(e.value) and str(bare.port) in str(e.value), str(e.value)
+            assert c.execute("SELECT count(*) FROM pg_extension WHERE extname = 'idempotency'").fetchone()[0] == 0
+            with psycopg.connect(bare.conninfo(), autocommit=True) as w:
+                assert w.execute("SELECT count(*) FROM pg_extension WHERE extname = 'idempotency'").fetchone()[0] == 0
+            # Install the files on that worker, and again.
+            for f in files:
+                shutil.copy2(os.path.join(stash, os.path.basename(f)), f)
+            c.execute("CREATE EXTENSION idempotency")
+            c.execute("SELECT idempotency.distribute(shard_count => 2)")
+            r = claim(c, "k", {"a": 1}, scope="lacking")
+            assert r[0] == "new" and r[1] >> 48 == 1, r  # ran on the worker
+            complete(c, "k", {"ok": 1}, scope="lacking", token=r[1])
+            assert claim(c, "k", {"a": 1}, scope="lacking")[0] == "replay"
+            assert c.execute("SELECT sweeper_enabled FROM idempotency.stats").fetchone()[0] is False
+    finally:
+        for n in nodes:
+            n.destroy()
+        shutil.rmtree(copy, ignore_errors=True)
 
 
 def test_worker_killed_mid_load_loses_no_acknowledged_completion(citus, coord):

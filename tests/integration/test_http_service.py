@@ -33,6 +33,11 @@ CLAIM_WAIT_MS = 2000
 
 @pytest.fixture(scope="module")
 def binary():
+    return build_service()
+
+
+def build_service():
+    """The service binary (also used by test_citus.py)."""
     if os.environ.get("HTTP_SERVICE_BIN"):
         return os.environ["HTTP_SERVICE_BIN"]
     # A debug build: it compiles in about half the time of a release build, and is fast enough.

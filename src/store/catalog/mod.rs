@@ -64,6 +64,9 @@ pub(crate) struct Layout {
     /// index) whose type is not the one it interprets the column's datums as: claim and
     /// complete refuse the table (`check_layout`) rather than misread or miswrite it.
     pub(crate) mismatch: Option<Mismatch>,
+    /// The table is partitioned (`PARTITION BY HASH (scope)`, see `idempotency.partitions`):
+    /// its own relation and primary-key index hold no rows, its partitions do.
+    pub(crate) partitioned: bool,
 }
 
 /// A column whose type differs from the extension's table.
@@ -295,6 +298,14 @@ pub(crate) fn citus_table() -> bool {
     citus
 }
 
+/// Whether only SQL may touch the store's rows: where the table's own relation holds none (a
+/// Citus table's shell, a partitioned table's parent) the probe and the direct writes, which use
+/// the relation and its primary key by OID, would see and write nothing of the store. Claims
+/// then go through SQL, and sweeps run on each part (shard or partition) in turn.
+pub(crate) fn sql_only() -> bool {
+    layout().partitioned || citus_table()
+}
+
 pub(crate) fn layout() -> Layout {
     let known = cache();
     if let Some(l) = known.layout {
@@ -321,12 +332,15 @@ pub(crate) fn layout() -> Layout {
         }
         let mut att = [0i32; LOOKED_UP_COUNT];
         let mismatch = check_lookup_columns(relid, idxid, &mut att);
+        let partitioned =
+            pg_sys::get_rel_relkind(relid) == pg_sys::RELKIND_PARTITIONED_TABLE as std::ffi::c_char;
         let l = Layout {
             relid,
             idxid,
             att,
             checked_for: pg_sys::InvalidOid,
             mismatch,
+            partitioned,
         };
         update_cache(|c| c.layout = Some(l));
         l
