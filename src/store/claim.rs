@@ -3,7 +3,7 @@
 
 use super::catalog::{check_access, citus_table, direct_layout_for_write, key_label};
 use super::heap::{self, probe, KeyInsertLock, Probe};
-use super::sql::{read_row, with_spi, write_claim, Write};
+use super::sql::{insert_batch, read_row, with_spi, write_claim, Write};
 use super::{spi_failed, ClaimRequest, ClaimResult, Outcome, Row, MAX_ROUNDS};
 use crate::decision::{self, Decision, Stored};
 use crate::error::raise;
@@ -275,4 +275,64 @@ pub(crate) fn in_progress(row: Row) -> ClaimResult {
     r.expires_at = row.expires_at;
     r.recovery_point = row.recovery_point;
     r
+}
+
+/// The set-based part of `claim_many`: the keys of a batch (stored form, with their request
+/// hashes) that are absent are inserted in one statement, and answered `new` here; every other
+/// position is None, for the caller to claim one by one with [`claim`] (so a key that exists,
+/// is busy, or repeats an earlier position of the batch gets exactly `claim`'s answer).
+///
+/// Only under READ COMMITTED on a table the probe can see (not Citus): each distinct key is
+/// looked at under its insert lock with a confirmed miss, as [`probe_or_insert`] does for one
+/// key, and the locks of the absent keys are held until the one INSERT has run, so no other
+/// claimer can insert any of them in between. The locks are taken in the order of their hash,
+/// so two batches never wait for each other in a cycle; each is held for this call only.
+pub fn claim_fresh_batch(
+    scope: &str,
+    keys: &[&str],
+    hashes: &[Option<[u8; 32]>],
+    ttl: Interval,
+    lease: Interval,
+) -> Vec<Option<ClaimResult>> {
+    let mut out: Vec<Option<ClaimResult>> = keys.iter().map(|_| None).collect();
+    // SAFETY: reads a backend variable, set for the transaction.
+    let read_committed = unsafe { pg_sys::XactIsoLevel } < pg_sys::XACT_REPEATABLE_READ as i32;
+    if !read_committed || keys.is_empty() || citus_table() {
+        return out;
+    }
+    check_access();
+    let mut seen = std::collections::HashSet::with_capacity(keys.len());
+    let mut firsts: Vec<usize> = (0..keys.len()).filter(|&i| seen.insert(keys[i])).collect();
+    firsts.sort_by_key(|&i| (KeyInsertLock::hash(scope, keys[i]), i));
+    let mut locks = Vec::with_capacity(firsts.len());
+    let mut fresh = Vec::with_capacity(firsts.len());
+    for i in firsts {
+        let lock = KeyInsertLock::acquire(scope, keys[i]);
+        if let Probe::Absent = probe(scope, keys[i], true) {
+            locks.push(lock);
+            fresh.push(i);
+        }
+    }
+    if fresh.is_empty() {
+        return out;
+    }
+    fresh.sort_unstable();
+    let fresh_keys: Vec<&str> = fresh.iter().map(|&i| keys[i]).collect();
+    let fresh_hashes: Vec<Option<[u8; 32]>> = fresh.iter().map(|&i| hashes[i]).collect();
+    let inserted = with_spi(|client| {
+        insert_batch(client, scope, &fresh_keys, &fresh_hashes, lease, ttl)
+    })
+    .unwrap_or_else(|e| spi_failed("claim_many", e));
+    drop(locks);
+    let mut by_key: std::collections::HashMap<String, usize> =
+        fresh.iter().map(|&i| (keys[i].to_string(), i)).collect();
+    for (key, token, expires_at) in inserted {
+        if let Some(i) = by_key.remove(&key) {
+            let mut r = ClaimResult::new(Outcome::New);
+            r.token = token;
+            r.expires_at = expires_at;
+            out[i] = Some(r);
+        }
+    }
+    out
 }

@@ -45,6 +45,18 @@ pub(crate) const INSERT_FRESH_SQL: &str = "INSERT INTO idempotency.idempotency_k
        pg_catalog.now() OPERATOR(pg_catalog.+) $4, pg_catalog.now() OPERATOR(pg_catalog.+) $5, $5) \
      RETURNING k.token, k.expires_at";
 
+/// The insert of the keys of a `claim_many` that the probe, each under its key's insert lock
+/// (all held until this statement ends), found absent: one statement for the whole batch, in
+/// the batch's order, without ON CONFLICT for the reason [`INSERT_FRESH_SQL`] gives. $2 are the
+/// keys (stored form), $3 their request hashes (NULL elements: no request).
+pub(crate) const INSERT_BATCH_SQL: &str = "INSERT INTO idempotency.idempotency_keys AS k \
+       (scope, key, request_hash, status, token, created_at, locked_until, expires_at, ttl) \
+     SELECT $1, u.key, u.request_hash, 'in_progress', pg_catalog.nextval('idempotency.token_seq'), \
+       pg_catalog.now(), pg_catalog.now() OPERATOR(pg_catalog.+) $4, \
+       pg_catalog.now() OPERATOR(pg_catalog.+) $5, $5 \
+       FROM ROWS FROM (pg_catalog.unnest($2), pg_catalog.unnest($3)) AS u(key, request_hash) \
+     RETURNING k.key, k.token, k.expires_at";
+
 /// Rewrites an expired row as a fresh claim (it counted as absent). $6 is the next value of the
 /// token sequence, taken by its own statement ([`NEXT_TOKEN_SQL`]): Citus refuses volatile
 /// functions in an UPDATE of a distributed table. Tokens grow per key even where the sequence
@@ -90,9 +102,10 @@ pub(crate) enum Plan {
     Complete,
     Sweep,
     NextToken,
+    InsertBatch,
 }
 
-pub(crate) const PLAN_COUNT: usize = 9;
+pub(crate) const PLAN_COUNT: usize = 10;
 
 pub(crate) static PLANS: crate::local::BackendLocal<
     [Cell<Option<&'static OwnedPreparedStatement>>; PLAN_COUNT],
@@ -134,6 +147,18 @@ pub(crate) fn plan(
         Plan::Restart => client.prepare_mut(RESTART_SQL, &token_args)?.keep(),
         Plan::TakeOver => client.prepare_mut(TAKEOVER_SQL, &token_args)?.keep(),
         Plan::NextToken => client.prepare_mut(NEXT_TOKEN_SQL, &[])?.keep(),
+        Plan::InsertBatch => client
+            .prepare_mut(
+                INSERT_BATCH_SQL,
+                &[
+                    text,
+                    PgOid::from(pg_sys::TEXTARRAYOID),
+                    PgOid::from(pg_sys::BYTEAARRAYOID),
+                    PgOid::from(pg_sys::INTERVALOID),
+                    PgOid::from(pg_sys::INTERVALOID),
+                ],
+            )?
+            .keep(),
         Plan::Complete => client
             .prepare_mut(
                 COMPLETE_SQL,
@@ -248,6 +273,64 @@ pub(crate) fn write_claim(
         result.recovery_point = recovery_point(&t, 3)?;
     }
     Ok(Some(result))
+}
+
+/// Inserts the fresh keys of a batch in one statement ([`INSERT_BATCH_SQL`]); returns each
+/// inserted key (stored form, as UTF-8) with its token and expiry.
+pub(crate) fn insert_batch(
+    client: &mut SpiClient<'_>,
+    scope: &str,
+    keys: &[&str],
+    hashes: &[Option<[u8; 32]>],
+    lease: Interval,
+    ttl: Interval,
+) -> Result<Vec<(String, Option<i64>, Option<TimestampWithTimeZone>)>, pgrx::spi::Error> {
+    let stmt = plan(client, Plan::InsertBatch)?;
+    let key_datums: Vec<pg_sys::Datum> = keys
+        .iter()
+        .map(|k| encoding::text_datum(k, "key"))
+        .collect();
+    // SAFETY: every element is a text datum in the database encoding, allocated in the current
+    // memory context; construct_array copies them into one text[] there.
+    let key_array = unsafe {
+        let mut elems = key_datums;
+        let array = pg_sys::construct_array(
+            elems.as_mut_ptr(),
+            elems.len() as i32,
+            pg_sys::TEXTOID,
+            -1,
+            false,
+            pg_sys::TYPALIGN_INT as std::ffi::c_char,
+        );
+        pgrx::datum::DatumWithOid::new(pg_sys::Datum::from(array), pg_sys::TEXTARRAYOID)
+    };
+    let hashes: Vec<Option<Vec<u8>>> = hashes.iter().map(|h| h.map(|h| h.to_vec())).collect();
+    let mut table = client.update(
+        stmt,
+        None,
+        &[
+            encoding::spi_text(scope, "scope"),
+            key_array,
+            hashes.into(),
+            lease.into(),
+            ttl.into(),
+        ],
+    )?;
+    let mut out = Vec::with_capacity(keys.len());
+    // Each step positions the table on its next row, read through the table.
+    while table.next().is_some() {
+        let Some(d) = table.get_datum_by_ordinal(1)? else {
+            continue;
+        };
+        // SAFETY: the column is text; its value lives until the SPI call ends, after this copy.
+        let key = unsafe { encoding::text_of(d, "key") }.into_owned();
+        out.push((
+            key,
+            table.get::<i64>(2)?,
+            table.get::<TimestampWithTimeZone>(3)?,
+        ));
+    }
+    Ok(out)
 }
 
 /// Runs statements through SPI with the search path pinned (see [`PinnedSearchPath`]). Only
