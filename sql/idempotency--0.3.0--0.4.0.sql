@@ -373,6 +373,7 @@ DECLARE
     n integer;
     i integer;
     v_status integer;
+    v_len integer;
 BEGIN
     IF complete_many.keys IS NULL THEN
         RAISE EXCEPTION USING ERRCODE = '22004', MESSAGE = 'keys must not be NULL';
@@ -412,6 +413,13 @@ BEGIN
     FOR i IN 1 .. n LOOP
         IF complete_many.keys[pg_catalog.array_lower(complete_many.keys, 1) OPERATOR(pg_catalog.+) i OPERATOR(pg_catalog.-) 1] IS NULL THEN
             RAISE EXCEPTION USING ERRCODE = '22004', MESSAGE = pg_catalog.format('keys[%s] must not be NULL', i);
+        END IF;
+        v_len := pg_catalog.char_length(complete_many.keys[pg_catalog.array_lower(complete_many.keys, 1) OPERATOR(pg_catalog.+) i OPERATOR(pg_catalog.-) 1]);
+        IF v_len OPERATOR(pg_catalog.=) 0 THEN
+            RAISE EXCEPTION USING ERRCODE = '22023', MESSAGE = pg_catalog.format('keys[%s] must not be empty', i);
+        ELSIF v_len OPERATOR(pg_catalog.>) 255 THEN
+            RAISE EXCEPTION USING ERRCODE = '22023',
+                MESSAGE = pg_catalog.format('keys[%s] must be at most 255 characters (got %s)', i, v_len);
         END IF;
         IF complete_many.response_statuses IS NOT NULL THEN
             v_status := complete_many.response_statuses[pg_catalog.array_lower(complete_many.response_statuses, 1) OPERATOR(pg_catalog.+) i OPERATOR(pg_catalog.-) 1];

@@ -626,14 +626,7 @@ unsafe fn array_arg(
         let mut nulls: *mut bool = std::ptr::null_mut();
         let mut count: i32 = 0;
         pg_sys::deconstruct_array(
-            array,
-            elemtype,
-            len as i32,
-            byval,
-            align,
-            &mut elems,
-            &mut nulls,
-            &mut count,
+            array, elemtype, len as i32, byval, align, &mut elems, &mut nulls, &mut count,
         );
         Some(
             (0..count.max(0) as usize)
@@ -671,9 +664,7 @@ v1!(pg_finfo_idempotency_claim_many);
 /// input order, so each answer is exactly `claim`'s.
 #[pg_guard]
 #[unsafe(no_mangle)]
-pub extern "C-unwind" fn idempotency_claim_many(
-    fcinfo: pg_sys::FunctionCallInfo,
-) -> pg_sys::Datum {
+pub extern "C-unwind" fn idempotency_claim_many(fcinfo: pg_sys::FunctionCallInfo) -> pg_sys::Datum {
     // SAFETY: `fcinfo` is the server's call of the function as `sql/idempotency.sql` declares
     // it: text[], jsonb[], text, interval, interval, any of them NULL (not STRICT), returning a
     // set of rows (ord int, key text, then claim_result's columns) in materialize mode. The

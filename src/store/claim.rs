@@ -319,10 +319,9 @@ pub fn claim_fresh_batch(
     fresh.sort_unstable();
     let fresh_keys: Vec<&str> = fresh.iter().map(|&i| keys[i]).collect();
     let fresh_hashes: Vec<Option<[u8; 32]>> = fresh.iter().map(|&i| hashes[i]).collect();
-    let inserted = with_spi(|client| {
-        insert_batch(client, scope, &fresh_keys, &fresh_hashes, lease, ttl)
-    })
-    .unwrap_or_else(|e| spi_failed("claim_many", e));
+    let inserted =
+        with_spi(|client| insert_batch(client, scope, &fresh_keys, &fresh_hashes, lease, ttl))
+            .unwrap_or_else(|e| spi_failed("claim_many", e));
     drop(locks);
     let mut by_key: std::collections::HashMap<String, usize> =
         fresh.iter().map(|&i| (keys[i].to_string(), i)).collect();
