@@ -275,6 +275,9 @@ pub(crate) fn write_claim(
     Ok(Some(result))
 }
 
+/// A key a batch inserted (stored form, as UTF-8), its token and its expiry.
+pub(crate) type Inserted = (String, Option<i64>, Option<TimestampWithTimeZone>);
+
 /// Inserts the fresh keys of a batch in one statement ([`INSERT_BATCH_SQL`]); returns each
 /// inserted key (stored form, as UTF-8) with its token and expiry.
 pub(crate) fn insert_batch(
@@ -284,7 +287,7 @@ pub(crate) fn insert_batch(
     hashes: &[Option<[u8; 32]>],
     lease: Interval,
     ttl: Interval,
-) -> Result<Vec<(String, Option<i64>, Option<TimestampWithTimeZone>)>, pgrx::spi::Error> {
+) -> Result<Vec<Inserted>, pgrx::spi::Error> {
     let stmt = plan(client, Plan::InsertBatch)?;
     let key_datums: Vec<pg_sys::Datum> = keys
         .iter()
