@@ -291,3 +291,24 @@ def test_hashed_keys_store_no_plain_key_and_answer_as_claim(hashed_cluster):
         assert claim(db, "plain-new", {"a": 1})[0] == "in_progress"
         complete_many(db, ["plain-new"], [{"ok": True}], tokens=[out[1][3]])
         assert claim(db, "plain-new", {"a": 1})[0] == "replay"
+
+
+def test_queue_pattern_handles_a_batch_with_claim_many(cluster, connect):
+    import os
+    path = os.path.join(os.path.dirname(__file__), "..", "..", "examples", "patterns", "queue.sql")
+    db = connect()
+    db.execute(open(path).read())
+    db.execute("TRUNCATE queue.messages, queue.dead_letters, queue.points_ledger RESTART IDENTITY")
+    for i in range(8):
+        db.execute("SELECT queue.publish(%s, %s)", (f"bm-{i}", Jsonb({"customer": "c", "points": i})))
+    db.execute("SELECT queue.publish('bm-3', %s)", (Jsonb({"customer": "c", "points": 3}),))   # duplicate in the batch
+    db.execute("SELECT queue.publish('bm-5', %s)", (Jsonb({"customer": "c", "points": 500}),))  # id reused
+    claim(db, "bm-7", {"customer": "c", "points": 7}, scope="queue:points")
+    db.execute("SELECT idempotency.complete('bm-7', '{}', scope => 'queue:points')")           # done before
+    counts = db.execute(
+        "SELECT queue.handle_batch(ARRAY(SELECT m FROM queue.receive_batch(10, '2 seconds') AS m ORDER BY m.id), 'c1', '2 seconds')"
+    ).fetchone()[0]
+    assert counts == {"processed": 7, "acked_duplicate": 1, "requeued": 1, "dead_lettered": 1}
+    assert db.execute("SELECT count(*), sum(points) FROM queue.points_ledger").fetchone() == (7, 0 + 1 + 2 + 3 + 4 + 5 + 6)
+    assert db.execute("SELECT message_id FROM queue.messages").fetchall() == [("bm-3",)]
+    assert db.execute("SELECT count(*) FROM idempotency.idempotency_keys WHERE scope = 'queue:points' AND status = 'completed'").fetchone()[0] == 8
