@@ -282,11 +282,15 @@ pub(crate) fn in_progress(row: Row) -> ClaimResult {
 /// position is None, for the caller to claim one by one with [`claim`] (so a key that exists,
 /// is busy, or repeats an earlier position of the batch gets exactly `claim`'s answer).
 ///
-/// Only under READ COMMITTED on a table the probe can see (not Citus): each distinct key is
-/// looked at under its insert lock with a confirmed miss, as [`probe_or_insert`] does for one
-/// key, and the locks of the absent keys are held until the one INSERT has run, so no other
-/// claimer can insert any of them in between. The locks are taken in the order of their hash,
-/// so two batches never wait for each other in a cycle; each is held for this call only.
+/// Only under READ COMMITTED on a table the probe can see (not Citus). The insert lock of each
+/// distinct key is taken first, in the order of the locks' hash (so two batches never wait for
+/// each other in a cycle), and held until the insert has run, so no other claimer inserts any
+/// of the keys meanwhile, as for one key in [`probe_or_insert`]. Then one `INSERT ... ON
+/// CONFLICT DO NOTHING` inserts every key that is absent, without looking at them first; it
+/// may not wait ([`without_waiting`]): a key another open transaction is inserting or changing
+/// would make it wait for that transaction, where `claim` answers `in_progress` at once. If it
+/// would wait, it is rolled back and each key is probed (still under its lock, with a
+/// confirmed miss) and only the absent ones are inserted.
 pub fn claim_fresh_batch(
     scope: &str,
     keys: &[&str],
@@ -304,29 +308,37 @@ pub fn claim_fresh_batch(
     let mut seen = std::collections::HashSet::with_capacity(keys.len());
     let mut firsts: Vec<usize> = (0..keys.len()).filter(|&i| seen.insert(keys[i])).collect();
     firsts.sort_by_key(|&i| (KeyInsertLock::hash(scope, keys[i]), i));
-    let mut locks = Vec::with_capacity(firsts.len());
-    let mut fresh = Vec::with_capacity(firsts.len());
-    for i in firsts {
-        let lock = KeyInsertLock::acquire(scope, keys[i]);
-        if let Probe::Absent = probe(scope, keys[i], true) {
-            locks.push(lock);
-            fresh.push(i);
+    let locks: Vec<KeyInsertLock> = firsts
+        .iter()
+        .map(|&i| KeyInsertLock::acquire(scope, keys[i]))
+        .collect();
+    firsts.sort_unstable();
+    let insert = |positions: &[usize], on_conflict: bool| {
+        let k: Vec<&str> = positions.iter().map(|&i| keys[i]).collect();
+        let h: Vec<Option<[u8; 32]>> = positions.iter().map(|&i| hashes[i]).collect();
+        with_spi(|client| insert_batch(client, scope, &k, &h, lease, ttl, on_conflict))
+            .unwrap_or_else(|e| spi_failed("claim_many", e))
+    };
+    let inserted = match without_waiting(|| insert(&firsts, true)) {
+        Some(rows) => rows,
+        None => {
+            let fresh: Vec<usize> = firsts
+                .iter()
+                .copied()
+                .filter(|&i| matches!(probe(scope, keys[i], true), Probe::Absent))
+                .collect();
+            if fresh.is_empty() {
+                Vec::new()
+            } else {
+                insert(&fresh, false)
+            }
         }
-    }
-    if fresh.is_empty() {
-        return out;
-    }
-    fresh.sort_unstable();
-    let fresh_keys: Vec<&str> = fresh.iter().map(|&i| keys[i]).collect();
-    let fresh_hashes: Vec<Option<[u8; 32]>> = fresh.iter().map(|&i| hashes[i]).collect();
-    let inserted =
-        with_spi(|client| insert_batch(client, scope, &fresh_keys, &fresh_hashes, lease, ttl))
-            .unwrap_or_else(|e| spi_failed("claim_many", e));
+    };
     drop(locks);
-    let mut by_key: std::collections::HashMap<String, usize> =
-        fresh.iter().map(|&i| (keys[i].to_string(), i)).collect();
+    let mut by_key: std::collections::HashMap<&str, usize> =
+        firsts.iter().map(|&i| (keys[i], i)).collect();
     for (key, token, expires_at) in inserted {
-        if let Some(i) = by_key.remove(&key) {
+        if let Some(i) = by_key.remove(key.as_str()) {
             let mut r = ClaimResult::new(Outcome::New);
             r.token = token;
             r.expires_at = expires_at;
@@ -334,4 +346,50 @@ pub fn claim_fresh_batch(
         }
     }
     out
+}
+
+/// Runs `f` (statements that write) in a subtransaction in which a lock wait ends after 1 ms
+/// with `55P03`: then the subtransaction is rolled back (its writes undone) and None returned.
+/// Any other error rolls the subtransaction back and is raised as it was.
+fn without_waiting<R>(f: impl FnOnce() -> R) -> Option<R> {
+    use pgrx::pg_sys::PgTryBuilder;
+    use std::panic::AssertUnwindSafe;
+    // SAFETY: the subtransaction is begun and ended here, on every path: released after `f`
+    // returns, rolled back when it raised (before the error goes on up, so an enclosing
+    // handler finds its own subtransaction current); the memory context and resource owner are
+    // restored after each, as PL/pgSQL's exception blocks do. LockTimeout is a backend global
+    // read when a lock wait starts; it is restored before anything else can run.
+    unsafe {
+        let context = pg_sys::CurrentMemoryContext;
+        let owner = pg_sys::CurrentResourceOwner;
+        let timeout = pg_sys::LockTimeout;
+        let restore = move || {
+            pg_sys::LockTimeout = timeout;
+            pg_sys::MemoryContextSwitchTo(context);
+            pg_sys::CurrentResourceOwner = owner;
+        };
+        pg_sys::BeginInternalSubTransaction(std::ptr::null());
+        pg_sys::MemoryContextSwitchTo(context);
+        pg_sys::LockTimeout = 1;
+        PgTryBuilder::new(AssertUnwindSafe(|| {
+            let r = f();
+            pg_sys::LockTimeout = timeout;
+            pg_sys::ReleaseCurrentSubTransaction();
+            restore();
+            Some(r)
+        }))
+        .catch_when(PgSqlErrorCode::ERRCODE_LOCK_NOT_AVAILABLE, move |_| {
+            pg_sys::LockTimeout = timeout;
+            pg_sys::RollbackAndReleaseCurrentSubTransaction();
+            restore();
+            None
+        })
+        .catch_others(move |e| {
+            pg_sys::LockTimeout = timeout;
+            pg_sys::RollbackAndReleaseCurrentSubTransaction();
+            restore();
+            e.rethrow()
+        })
+        .execute()
+    }
 }

@@ -57,6 +57,16 @@ pub(crate) const INSERT_BATCH_SQL: &str = "INSERT INTO idempotency.idempotency_k
        FROM ROWS FROM (pg_catalog.unnest($2), pg_catalog.unnest($3)) AS u(key, request_hash) \
      RETURNING k.key, k.token, k.expires_at";
 
+/// [`INSERT_BATCH_SQL`] with `ON CONFLICT (scope, key) DO NOTHING`: the statement a batch runs
+/// first, holding the insert locks of all its keys without having looked at them; a key that
+/// exists is skipped (and claimed one by one afterwards).
+pub(crate) fn insert_batch_on_conflict_sql() -> String {
+    INSERT_BATCH_SQL.replace(
+        " RETURNING k.key",
+        " ON CONFLICT (scope, key) DO NOTHING RETURNING k.key",
+    )
+}
+
 /// Rewrites an expired row as a fresh claim (it counted as absent). $6 is the next value of the
 /// token sequence, taken by its own statement ([`NEXT_TOKEN_SQL`]): Citus refuses volatile
 /// functions in an UPDATE of a distributed table. Tokens grow per key even where the sequence
@@ -103,9 +113,10 @@ pub(crate) enum Plan {
     Sweep,
     NextToken,
     InsertBatch,
+    InsertBatchOnConflict,
 }
 
-pub(crate) const PLAN_COUNT: usize = 10;
+pub(crate) const PLAN_COUNT: usize = 11;
 
 pub(crate) static PLANS: crate::local::BackendLocal<
     [Cell<Option<&'static OwnedPreparedStatement>>; PLAN_COUNT],
@@ -147,9 +158,14 @@ pub(crate) fn plan(
         Plan::Restart => client.prepare_mut(RESTART_SQL, &token_args)?.keep(),
         Plan::TakeOver => client.prepare_mut(TAKEOVER_SQL, &token_args)?.keep(),
         Plan::NextToken => client.prepare_mut(NEXT_TOKEN_SQL, &[])?.keep(),
-        Plan::InsertBatch => client
+        Plan::InsertBatch | Plan::InsertBatchOnConflict => client
             .prepare_mut(
-                INSERT_BATCH_SQL,
+                if matches!(which, Plan::InsertBatch) {
+                    INSERT_BATCH_SQL.to_string()
+                } else {
+                    insert_batch_on_conflict_sql()
+                }
+                .as_str(),
                 &[
                     text,
                     PgOid::from(pg_sys::TEXTARRAYOID),
@@ -287,8 +303,16 @@ pub(crate) fn insert_batch(
     hashes: &[Option<[u8; 32]>],
     lease: Interval,
     ttl: Interval,
+    on_conflict: bool,
 ) -> Result<Vec<Inserted>, pgrx::spi::Error> {
-    let stmt = plan(client, Plan::InsertBatch)?;
+    let stmt = plan(
+        client,
+        if on_conflict {
+            Plan::InsertBatchOnConflict
+        } else {
+            Plan::InsertBatch
+        },
+    )?;
     let key_datums: Vec<pg_sys::Datum> = keys
         .iter()
         .map(|k| encoding::text_datum(k, "key"))

@@ -312,3 +312,28 @@ def test_queue_pattern_handles_a_batch_with_claim_many(cluster, connect):
     assert db.execute("SELECT count(*), sum(points) FROM queue.points_ledger").fetchone() == (7, 0 + 1 + 2 + 3 + 4 + 5 + 6)
     assert db.execute("SELECT message_id FROM queue.messages").fetchall() == [("bm-3",)]
     assert db.execute("SELECT count(*) FROM idempotency.idempotency_keys WHERE scope = 'queue:points' AND status = 'completed'").fetchone()[0] == 8
+
+
+def test_key_being_completed_by_an_open_transaction_does_not_make_the_batch_wait(connect):
+    a, b = connect(), connect(autocommit=False)
+    t = claim(a, "completing")[1]
+    b.execute("SELECT idempotency.complete('completing', '{}', token => %s)", (t,))  # not committed
+    a.execute("SET statement_timeout = '5s'")
+    out = claim_many(a, ["completing", "fresh-1", "fresh-2"])
+    assert [r[2] for r in out] == ["in_progress", "new", "new"]
+    b.commit()
+    assert claim_many(a, ["completing"])[0][2] == "replay"
+
+
+def test_batch_inside_a_plpgsql_exception_block(db):
+    claim(db, "exists")
+    db.execute("""DO $$
+        BEGIN
+            BEGIN
+                PERFORM * FROM idempotency.claim_many(ARRAY['blk-1', 'exists', 'blk-2']);
+                RAISE EXCEPTION 'undo';
+            EXCEPTION WHEN raise_exception THEN NULL;
+            END;
+            PERFORM * FROM idempotency.claim_many(ARRAY['blk-3']);
+        END $$""")
+    assert [r[1] for r in rows(db)] == ["blk-3", "exists"]
