@@ -306,13 +306,16 @@ pub fn claim_fresh_batch(
     }
     check_access();
     let mut seen = std::collections::HashSet::with_capacity(keys.len());
-    let mut firsts: Vec<usize> = (0..keys.len()).filter(|&i| seen.insert(keys[i])).collect();
-    firsts.sort_by_key(|&i| (KeyInsertLock::hash(scope, keys[i]), i));
-    let locks: Vec<KeyInsertLock> = firsts
+    let firsts: Vec<usize> = (0..keys.len()).filter(|&i| seen.insert(keys[i])).collect();
+    let mut lock_order: Vec<(u64, usize)> = firsts
         .iter()
-        .map(|&i| KeyInsertLock::acquire(scope, keys[i]))
+        .map(|&i| (KeyInsertLock::hash(scope, keys[i]), i))
         .collect();
-    firsts.sort_unstable();
+    lock_order.sort_unstable();
+    let locks: Vec<KeyInsertLock> = lock_order
+        .iter()
+        .map(|&(hash, _)| KeyInsertLock::acquire_hashed(hash))
+        .collect();
     let insert = |positions: &[usize], on_conflict: bool| {
         let k: Vec<&str> = positions.iter().map(|&i| keys[i]).collect();
         let h: Vec<Option<[u8; 32]>> = positions.iter().map(|&i| hashes[i]).collect();

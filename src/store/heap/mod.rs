@@ -52,7 +52,11 @@ impl KeyInsertLock {
     }
 
     pub(crate) fn acquire(scope: &str, key: &str) -> KeyInsertLock {
-        let hash = Self::hash(scope, key);
+        Self::acquire_hashed(Self::hash(scope, key))
+    }
+
+    /// The lock whose [`hash`](Self::hash) is `hash`.
+    pub(crate) fn acquire_hashed(hash: u64) -> KeyInsertLock {
         // SAFETY: reads a backend variable, set at connection.
         let database = unsafe { pg_sys::MyDatabaseId };
         let tag = pg_sys::LOCKTAG {
