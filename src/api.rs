@@ -780,9 +780,18 @@ pub extern "C-unwind" fn idempotency_claim_many(fcinfo: pg_sys::FunctionCallInfo
                         .as_deref()
                         .map(|p| encoding::text_datum(p, "recovery_point")),
                 ];
+                // The declaration has exactly these 9 columns (checked above: at least 9);
+                // a wider row type gets NULLs in the rest.
                 let natts = (*tupdesc).natts as usize;
-                let mut values = vec![pg_sys::Datum::from(0usize); natts];
-                let mut nulls = vec![true; natts];
+                let (mut values, mut nulls) = ([pg_sys::Datum::from(0usize); 9], [true; 9]);
+                let (mut wide_values, mut wide_nulls) = (Vec::new(), Vec::new());
+                let (values, nulls): (&mut [pg_sys::Datum], &mut [bool]) = if natts == 9 {
+                    (&mut values, &mut nulls)
+                } else {
+                    wide_values.resize(natts, pg_sys::Datum::from(0usize));
+                    wide_nulls.resize(natts, true);
+                    (&mut wide_values, &mut wide_nulls)
+                };
                 for (c, f) in fields.iter().enumerate() {
                     if let Some(d) = f {
                         values[c] = *d;

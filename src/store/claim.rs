@@ -319,8 +319,12 @@ pub fn claim_fresh_batch(
     let insert = |positions: &[usize], on_conflict: bool| {
         let k: Vec<&str> = positions.iter().map(|&i| keys[i]).collect();
         let h: Vec<Option<[u8; 32]>> = positions.iter().map(|&i| hashes[i]).collect();
-        with_spi(|client| insert_batch(client, scope, &k, &h, lease, ttl, on_conflict))
-            .unwrap_or_else(|e| spi_failed("claim_many", e))
+        let rows = with_spi(|client| insert_batch(client, scope, &k, &h, lease, ttl, on_conflict))
+            .unwrap_or_else(|e| spi_failed("claim_many", e));
+        // Back from indexes into `positions` to positions of the batch.
+        rows.into_iter()
+            .map(|(j, token, expires_at)| (positions[j], token, expires_at))
+            .collect::<Vec<_>>()
     };
     let inserted = match without_waiting(|| insert(&firsts, true)) {
         Some(rows) => rows,
@@ -338,15 +342,11 @@ pub fn claim_fresh_batch(
         }
     };
     drop(locks);
-    let mut by_key: std::collections::HashMap<&str, usize> =
-        firsts.iter().map(|&i| (keys[i], i)).collect();
-    for (key, token, expires_at) in inserted {
-        if let Some(i) = by_key.remove(key.as_str()) {
-            let mut r = ClaimResult::new(Outcome::New);
-            r.token = token;
-            r.expires_at = expires_at;
-            out[i] = Some(r);
-        }
+    for (i, token, expires_at) in inserted {
+        let mut r = ClaimResult::new(Outcome::New);
+        r.token = token;
+        r.expires_at = expires_at;
+        out[i] = Some(r);
     }
     out
 }

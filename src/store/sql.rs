@@ -291,11 +291,13 @@ pub(crate) fn write_claim(
     Ok(Some(result))
 }
 
-/// A key a batch inserted (stored form, as UTF-8), its token and its expiry.
-pub(crate) type Inserted = (String, Option<i64>, Option<TimestampWithTimeZone>);
+/// A key a batch inserted (its index in the `keys` given), its token and its expiry.
+pub(crate) type Inserted = (usize, Option<i64>, Option<TimestampWithTimeZone>);
 
 /// Inserts the fresh keys of a batch in one statement ([`INSERT_BATCH_SQL`]); returns each
-/// inserted key (stored form, as UTF-8) with its token and expiry.
+/// inserted key (its index in `keys`) with its token and expiry. The statement inserts in the
+/// order of `keys` and returns the inserted rows in that order, so each returned key is looked
+/// for from the previous one on (and from the start, should that find nothing).
 pub(crate) fn insert_batch(
     client: &mut SpiClient<'_>,
     scope: &str,
@@ -344,18 +346,25 @@ pub(crate) fn insert_batch(
         ],
     )?;
     let mut out = Vec::with_capacity(keys.len());
+    let mut next = 0;
     // Each step positions the table on its next row, read through the table.
     while table.next().is_some() {
         let Some(d) = table.get_datum_by_ordinal(1)? else {
             continue;
         };
-        // SAFETY: the column is text; its value lives until the SPI call ends, after this copy.
-        let key = unsafe { encoding::text_of(d, "key") }.into_owned();
-        out.push((
-            key,
-            table.get::<i64>(2)?,
-            table.get::<TimestampWithTimeZone>(3)?,
-        ));
+        // SAFETY: the column is text; its value lives until the SPI call ends, after this use.
+        let key = unsafe { encoding::text_of(d, "key") };
+        let found = (next..keys.len())
+            .chain(0..next)
+            .find(|&i| keys[i] == key.as_ref());
+        if let Some(i) = found {
+            next = i + 1;
+            out.push((
+                i,
+                table.get::<i64>(2)?,
+                table.get::<TimestampWithTimeZone>(3)?,
+            ));
+        }
     }
     Ok(out)
 }
