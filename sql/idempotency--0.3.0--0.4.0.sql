@@ -444,3 +444,117 @@ SELECT pg_catalog.current_database() AS database,
 DROP INDEX idempotency.idempotency_keys_expires_at_idx;
 CREATE INDEX idempotency_keys_sweep_idx ON idempotency.idempotency_keys
     (((created_at AT TIME ZONE 'UTC') OPERATOR(pg_catalog.+) ttl));
+
+-- Batches (0.4.0): claim_many and complete_many, one call for a batch of messages (a queue
+-- consumer's batch, a webhook delivery's events). Each position is answered as claim /
+-- complete would answer it alone, in input order; bad arrays are refused before anything is
+-- written. claim_many inserts the absent keys of a batch in one statement (C).
+CREATE FUNCTION idempotency.claim_many(
+    keys     text[],
+    requests jsonb[] DEFAULT NULL,
+    scope    text DEFAULT '',
+    ttl      interval DEFAULT NULL,
+    lease    interval DEFAULT NULL
+) RETURNS TABLE (
+    ord             integer,
+    key             text,
+    outcome         idempotency.outcome,
+    token           bigint,
+    response        jsonb,
+    response_status integer,
+    retry_after     interval,
+    expires_at      timestamptz,
+    recovery_point  text
+)
+LANGUAGE c VOLATILE PARALLEL UNSAFE SECURITY DEFINER ROWS 100
+AS 'MODULE_PATHNAME', 'idempotency_claim_many';
+
+-- complete for each position, in input order, in one statement: a position whose claim is
+-- gone, completed or fenced raises complete's own error (IK001..IK003) and the statement
+-- writes nothing. NULL responses: no response for any key; NULL response_statuses: 200 each;
+-- NULL tokens (or a NULL element): no token check for that key.
+CREATE FUNCTION idempotency.complete_many(
+    keys              text[],
+    responses         jsonb[],
+    response_statuses integer[] DEFAULT NULL,
+    scope             text DEFAULT '',
+    tokens            bigint[] DEFAULT NULL,
+    ttl               interval DEFAULT NULL
+) RETURNS SETOF timestamptz
+LANGUAGE plpgsql VOLATILE
+SET search_path = pg_catalog, pg_temp
+AS $fn$
+DECLARE
+    n integer;
+    i integer;
+    v_status integer;
+    v_len integer;
+BEGIN
+    IF complete_many.keys IS NULL THEN
+        RAISE EXCEPTION USING ERRCODE = '22004', MESSAGE = 'keys must not be NULL';
+    END IF;
+    IF pg_catalog.array_ndims(complete_many.keys) OPERATOR(pg_catalog.>) 1 THEN
+        RAISE EXCEPTION USING ERRCODE = '2202E', MESSAGE = 'keys must be a one-dimensional array';
+    END IF;
+    IF pg_catalog.array_ndims(complete_many.responses) OPERATOR(pg_catalog.>) 1 THEN
+        RAISE EXCEPTION USING ERRCODE = '2202E', MESSAGE = 'responses must be a one-dimensional array';
+    END IF;
+    IF pg_catalog.array_ndims(complete_many.response_statuses) OPERATOR(pg_catalog.>) 1 THEN
+        RAISE EXCEPTION USING ERRCODE = '2202E', MESSAGE = 'response_statuses must be a one-dimensional array';
+    END IF;
+    IF pg_catalog.array_ndims(complete_many.tokens) OPERATOR(pg_catalog.>) 1 THEN
+        RAISE EXCEPTION USING ERRCODE = '2202E', MESSAGE = 'tokens must be a one-dimensional array';
+    END IF;
+    n := pg_catalog.cardinality(complete_many.keys);
+    IF complete_many.responses IS NOT NULL
+       AND pg_catalog.cardinality(complete_many.responses) OPERATOR(pg_catalog.<>) n THEN
+        RAISE EXCEPTION USING ERRCODE = '22023', MESSAGE = pg_catalog.format(
+            'responses must have one element per key: it has %s, keys has %s',
+            pg_catalog.cardinality(complete_many.responses), n);
+    END IF;
+    IF complete_many.response_statuses IS NOT NULL
+       AND pg_catalog.cardinality(complete_many.response_statuses) OPERATOR(pg_catalog.<>) n THEN
+        RAISE EXCEPTION USING ERRCODE = '22023', MESSAGE = pg_catalog.format(
+            'response_statuses must have one element per key: it has %s, keys has %s',
+            pg_catalog.cardinality(complete_many.response_statuses), n);
+    END IF;
+    IF complete_many.tokens IS NOT NULL
+       AND pg_catalog.cardinality(complete_many.tokens) OPERATOR(pg_catalog.<>) n THEN
+        RAISE EXCEPTION USING ERRCODE = '22023', MESSAGE = pg_catalog.format(
+            'tokens must have one element per key: it has %s, keys has %s',
+            pg_catalog.cardinality(complete_many.tokens), n);
+    END IF;
+    -- Every position is checked before the first is completed.
+    FOR i IN 1 .. n LOOP
+        IF complete_many.keys[pg_catalog.array_lower(complete_many.keys, 1) OPERATOR(pg_catalog.+) i OPERATOR(pg_catalog.-) 1] IS NULL THEN
+            RAISE EXCEPTION USING ERRCODE = '22004', MESSAGE = pg_catalog.format('keys[%s] must not be NULL', i);
+        END IF;
+        v_len := pg_catalog.char_length(complete_many.keys[pg_catalog.array_lower(complete_many.keys, 1) OPERATOR(pg_catalog.+) i OPERATOR(pg_catalog.-) 1]);
+        IF v_len OPERATOR(pg_catalog.=) 0 THEN
+            RAISE EXCEPTION USING ERRCODE = '22023', MESSAGE = pg_catalog.format('keys[%s] must not be empty', i);
+        ELSIF v_len OPERATOR(pg_catalog.>) 255 THEN
+            RAISE EXCEPTION USING ERRCODE = '22023',
+                MESSAGE = pg_catalog.format('keys[%s] must be at most 255 characters (got %s)', i, v_len);
+        END IF;
+        IF complete_many.response_statuses IS NOT NULL THEN
+            v_status := complete_many.response_statuses[pg_catalog.array_lower(complete_many.response_statuses, 1) OPERATOR(pg_catalog.+) i OPERATOR(pg_catalog.-) 1];
+            IF v_status IS NULL THEN
+                RAISE EXCEPTION USING ERRCODE = '22004',
+                    MESSAGE = pg_catalog.format('response_statuses[%s] must not be NULL', i);
+            END IF;
+            IF v_status OPERATOR(pg_catalog.<) 100 OR v_status OPERATOR(pg_catalog.>) 599 THEN
+                RAISE EXCEPTION USING ERRCODE = '22023',
+                    MESSAGE = pg_catalog.format('response_statuses[%s] must be between 100 and 599 (got %s)', i, v_status);
+            END IF;
+        END IF;
+    END LOOP;
+    RETURN QUERY
+        SELECT idempotency.complete(u.k, u.r, COALESCE(u.s, 200), complete_many.scope, u.t, complete_many.ttl)
+          FROM ROWS FROM (pg_catalog.unnest(complete_many.keys),
+                          pg_catalog.unnest(complete_many.responses),
+                          pg_catalog.unnest(complete_many.response_statuses),
+                          pg_catalog.unnest(complete_many.tokens))
+               WITH ORDINALITY AS u(k, r, s, t, o)
+         ORDER BY u.o;
+END
+$fn$;

@@ -590,3 +590,236 @@ unsafe fn check_size(
         );
     }
 }
+
+/// The elements of array argument `n` (None: the array is NULL; an element None: NULL),
+/// refusing an array of more than one dimension (2202E, naming `arg`). The element datums
+/// point into the detoasted array, which lives in the call's memory context.
+///
+/// # Safety
+/// `fcinfo` is the current call, whose argument `n` is an array.
+unsafe fn array_arg(
+    fcinfo: pg_sys::FunctionCallInfo,
+    n: usize,
+    arg: &str,
+) -> Option<Vec<Option<pg_sys::Datum>>> {
+    // SAFETY: the caller's guarantees: a non-NULL argument `n` is an array datum; it is
+    // detoasted into the call's context, and deconstruct_array reads it with its element
+    // type's length, by-value flag and alignment, returning `count` datums and null flags.
+    unsafe {
+        if pgrx::fcinfo::pg_arg_is_null(fcinfo, n) {
+            return None;
+        }
+        let raw = pgrx::fcinfo::pg_getarg_datum_raw(fcinfo, n);
+        let array = pg_sys::pg_detoast_datum(raw.cast_mut_ptr()) as *mut pg_sys::ArrayType;
+        let ndim = (*array).ndim;
+        if ndim > 1 {
+            raise(
+                PgSqlErrorCode::ERRCODE_ARRAY_ELEMENT_ERROR,
+                format!("{arg} must be a one-dimensional array (got {ndim} dimensions)"),
+                None,
+            );
+        }
+        let elemtype = (*array).elemtype;
+        let (mut len, mut byval, mut align) = (0i16, false, 0 as std::ffi::c_char);
+        pg_sys::get_typlenbyvalalign(elemtype, &mut len, &mut byval, &mut align);
+        let mut elems: *mut pg_sys::Datum = std::ptr::null_mut();
+        let mut nulls: *mut bool = std::ptr::null_mut();
+        let mut count: i32 = 0;
+        pg_sys::deconstruct_array(
+            array, elemtype, len as i32, byval, align, &mut elems, &mut nulls, &mut count,
+        );
+        Some(
+            (0..count.max(0) as usize)
+                .map(|i| (!*nulls.add(i)).then(|| *elems.add(i)))
+                .collect(),
+        )
+    }
+}
+
+/// Refuses a companion array whose length differs from `keys` (22023, naming both).
+fn same_length<T>(arg: &str, array: Option<&Vec<T>>, keys: usize) {
+    if let Some(a) = array {
+        if a.len() != keys {
+            arg_error(ArgError::invalid(format!(
+                "{arg} must have one element per key: it has {}, keys has {keys}",
+                a.len()
+            )));
+        }
+    }
+}
+
+/// Keys and positions of a batch call at most this many keys' insert locks at once (the
+/// server's lock table is shared and sized by max_locks_per_transaction): a larger batch is
+/// inserted in several statements.
+const BATCH_CHUNK: usize = 128;
+
+v1!(pg_finfo_idempotency_claim_many);
+/// `idempotency.claim_many(keys, requests, scope, ttl, lease) RETURNS SETOF (ord, key,
+/// claim_result's columns)`: one row per position of `keys`, in order, each `claim`'s answer.
+///
+/// Every argument is checked first (nothing is written on bad input). The keys that are absent
+/// are then inserted set-based, one statement per chunk ([`store::claim_fresh_batch`]); every
+/// other position (a key that exists or is busy, a key repeated within the call, or every
+/// position where the set-based insert does not apply) is claimed by [`store::claim`], in
+/// input order, so each answer is exactly `claim`'s.
+#[pg_guard]
+#[unsafe(no_mangle)]
+pub extern "C-unwind" fn idempotency_claim_many(fcinfo: pg_sys::FunctionCallInfo) -> pg_sys::Datum {
+    // SAFETY: `fcinfo` is the server's call of the function as `sql/idempotency.sql` declares
+    // it: text[], jsonb[], text, interval, interval, any of them NULL (not STRICT), returning a
+    // set of rows (ord int, key text, then claim_result's columns) in materialize mode. The
+    // element datums are used within the call; the tuplestore copies every row it is given.
+    unsafe {
+        let Some(keys) = array_arg(fcinfo, 0, "keys") else {
+            arg_error(ArgError::null("keys"))
+        };
+        let requests = array_arg(fcinfo, 1, "requests");
+        same_length("requests", requests.as_ref(), keys.len());
+        let scope = Text::arg(fcinfo, 2).map(|t| t.utf8("scope"));
+        let scope = check(arguments::check_key("scope", scope.as_deref(), true)).to_string();
+        check(guc::with_scope_prefix(|prefix| {
+            arguments::check_scope_allowed(&scope, prefix)
+        }));
+        let mut stored = Vec::with_capacity(keys.len());
+        for (i, k) in keys.iter().enumerate() {
+            let key = k.map(|d| encoding::text_of(d, "keys"));
+            // The position is named only when the key is refused.
+            let key = match arguments::check_key("keys", key.as_deref(), false) {
+                Ok(key) => key.to_string(),
+                Err(_) => check(arguments::check_key(
+                    &format!("keys[{}]", i + 1),
+                    key.as_deref(),
+                    false,
+                ))
+                .to_string(),
+            };
+            stored.push(store::stored_key(key));
+        }
+        let (ttl, lease) = ttl_and_lease(pg_getarg(fcinfo, 3), pg_getarg(fcinfo, 4));
+        let (ttl, lease) = (ttl.value, lease.value);
+        let hashes: Vec<Option<[u8; 32]>> = match &requests {
+            Some(r) => r
+                .iter()
+                .map(|d| d.map(|d| hash_arg(d, "requests")))
+                .collect(),
+            None => vec![None; keys.len()],
+        };
+        store::refuse_read_only("claim_many");
+
+        pg_sys::InitMaterializedSRF(fcinfo, 0);
+        let rsinfo = (*fcinfo).resultinfo as *mut pg_sys::ReturnSetInfo;
+        let (store_, tupdesc) = ((*rsinfo).setResult, (*rsinfo).setDesc);
+        if (*tupdesc).natts < 9 {
+            raise(
+                PgSqlErrorCode::ERRCODE_DATATYPE_MISMATCH,
+                "idempotency.claim_many must return ord, key and claim_result's columns".into(),
+                Some("reinstall the extension"),
+            );
+        }
+        let outcome_type = (*crate::compat::attribute(tupdesc, 2)).atttypid;
+        let outcomes = [
+            Outcome::New,
+            Outcome::Replay,
+            Outcome::InProgress,
+            Outcome::Mismatch,
+        ]
+        .map(|o| {
+            let label = std::ffi::CString::new(o.label()).unwrap_or_default();
+            pgrx::direct_function_call_as_datum(
+                pg_sys::enum_in,
+                &[
+                    Some(pg_sys::Datum::from(label.as_ptr())),
+                    Some(pg_sys::Datum::from(outcome_type)),
+                ],
+            )
+            .unwrap_or_else(|| {
+                raise(
+                    PgSqlErrorCode::ERRCODE_INTERNAL_ERROR,
+                    "enum_in".into(),
+                    None,
+                )
+            })
+        });
+
+        let mut counts = [0u64; 4];
+        let mut start = 0;
+        while start < keys.len() {
+            let end = (start + BATCH_CHUNK).min(keys.len());
+            let refs: Vec<&str> = stored[start..end].iter().map(String::as_str).collect();
+            let mut fresh =
+                store::claim_fresh_batch(&scope, &refs, &hashes[start..end], ttl, lease);
+            for (j, done) in fresh.iter_mut().enumerate() {
+                let i = start + j;
+                let result = done.take().unwrap_or_else(|| {
+                    store::claim(&ClaimRequest {
+                        scope: &scope,
+                        key: &stored[i],
+                        hash: hashes[i],
+                        ttl,
+                        lease,
+                    })
+                });
+                let o = match result.outcome {
+                    Outcome::New => 0,
+                    Outcome::Replay => 1,
+                    Outcome::InProgress => 2,
+                    Outcome::Mismatch => 3,
+                };
+                counts[o] += 1;
+                let fields: [Option<pg_sys::Datum>; 9] = [
+                    (i as i32 + 1).into_datum(),
+                    keys[i],
+                    Some(outcomes[o]),
+                    result.token.into_datum(),
+                    result.response.and_then(|j| j.into_datum()),
+                    result.response_status.into_datum(),
+                    result.retry_after.into_datum(),
+                    result.expires_at.into_datum(),
+                    result
+                        .recovery_point
+                        .as_deref()
+                        .map(|p| encoding::text_datum(p, "recovery_point")),
+                ];
+                // The declaration has exactly these 9 columns (checked above: at least 9);
+                // a wider row type gets NULLs in the rest.
+                let natts = (*tupdesc).natts as usize;
+                let (mut values, mut nulls) = ([pg_sys::Datum::from(0usize); 9], [true; 9]);
+                let (mut wide_values, mut wide_nulls) = (Vec::new(), Vec::new());
+                let (values, nulls): (&mut [pg_sys::Datum], &mut [bool]) = if natts == 9 {
+                    (&mut values, &mut nulls)
+                } else {
+                    wide_values.resize(natts, pg_sys::Datum::from(0usize));
+                    wide_nulls.resize(natts, true);
+                    (&mut wide_values, &mut wide_nulls)
+                };
+                for (c, f) in fields.iter().enumerate() {
+                    if let Some(d) = f {
+                        values[c] = *d;
+                        nulls[c] = false;
+                    }
+                }
+                pg_sys::tuplestore_putvalues(
+                    store_,
+                    tupdesc,
+                    values.as_mut_ptr(),
+                    nulls.as_mut_ptr(),
+                );
+            }
+            start = end;
+        }
+        for (event, n) in [
+            Event::ClaimNew,
+            Event::ClaimReplay,
+            Event::ClaimInProgress,
+            Event::ClaimMismatch,
+        ]
+        .into_iter()
+        .zip(counts)
+        {
+            if n > 0 {
+                stats::count(event, n);
+            }
+        }
+        pg_sys::Datum::from(0usize)
+    }
+}

@@ -13,7 +13,9 @@
 --   in_progress -> another consumer holds this message id right now: requeue with a delay
 --                  (retry_after), do not ack - that consumer may still roll back
 --   mismatch    -> the id was reused for a different body: dead-letter it
--- Safe to load again. Tested by tests/integration/test_patterns.py.
+-- queue.receive_batch / queue.handle_batch below do the same for a batch of messages with
+-- claim_many and complete_many.
+-- Safe to load again. Tested by tests/integration/test_patterns.py and test_batch.py.
 
 CREATE EXTENSION IF NOT EXISTS idempotency;
 CREATE SCHEMA IF NOT EXISTS queue;
@@ -126,6 +128,99 @@ BEGIN
                                  scope => v_scope);
     DELETE FROM queue.messages WHERE id = m.id;                           -- ack
     RETURN 'processed';
+END
+$$;
+
+-- Batches: a consumer that takes up to n messages at a time (SQS hands out 10, Kafka hundreds)
+-- claims them all with one idempotency.claim_many call instead of one claim per message, and
+-- completes the processed ones with one complete_many. Each message gets the answer claim
+-- would give it alone (the table above); a message id that appears twice in one batch (the
+-- producer published it twice) is new at its first position and in_progress at the second,
+-- which is requeued and acked as a replay on its next delivery.
+CREATE OR REPLACE FUNCTION queue.receive_batch(n int DEFAULT 10, visibility interval DEFAULT '30 seconds')
+RETURNS SETOF queue.messages
+LANGUAGE sql
+SET search_path = pg_catalog, pg_temp
+AS $$
+    UPDATE queue.messages AS m
+       SET visible_at = now() + visibility, deliveries = m.deliveries + 1
+     WHERE m.id IN (SELECT id FROM queue.messages
+                     WHERE visible_at <= now()
+                     ORDER BY visible_at, id
+                     LIMIT n FOR UPDATE SKIP LOCKED)
+    RETURNING m.*
+$$;
+
+-- Handles one received batch in one transaction; returns how often each outcome happened
+-- ('processed', 'acked_duplicate', 'requeued', 'dead_lettered'), as queue.handle names them.
+CREATE OR REPLACE FUNCTION queue.handle_batch(ms queue.messages[], consumer text DEFAULT NULL,
+                                              visibility interval DEFAULT '30 seconds',
+                                              max_deliveries int DEFAULT 5)
+RETURNS jsonb
+LANGUAGE plpgsql
+SET search_path = pg_catalog, pg_temp
+AS $$
+DECLARE
+    counts   jsonb := '{}';
+    v_topic  text;
+    v_batch  queue.messages[];
+    m        queue.messages;
+    c        record;
+    v_done   bigint[];
+    v_keys   text[];
+    v_resps  jsonb[];
+    v_tokens bigint[];
+    v_what   text;
+BEGIN
+    FOR v_topic IN SELECT DISTINCT b.topic FROM unnest(ms) AS b LOOP
+        v_batch := ARRAY(SELECT ms[i] FROM generate_subscripts(ms, 1) AS i
+                          WHERE (ms[i]).topic = v_topic ORDER BY i);
+        v_done := '{}'; v_keys := '{}'; v_resps := '{}'; v_tokens := '{}';
+        -- One call claims the whole batch; ord is the message's position in v_batch.
+        FOR c IN SELECT * FROM idempotency.claim_many(
+                     ARRAY(SELECT (v_batch[i]).message_id FROM generate_subscripts(v_batch, 1) AS i ORDER BY i),
+                     ARRAY(SELECT (v_batch[i]).body FROM generate_subscripts(v_batch, 1) AS i ORDER BY i),
+                     scope => 'queue:' || v_topic,
+                     ttl => visibility * max_deliveries, lease => visibility) LOOP
+            m := v_batch[c.ord];
+            IF m.deliveries > max_deliveries AND c.outcome <> 'replay' THEN
+                v_what := 'dead_lettered';
+                INSERT INTO queue.dead_letters (id, message_id, topic, body, deliveries, reason)
+                VALUES (m.id, m.message_id, m.topic, m.body, m.deliveries, 'too many deliveries');
+                DELETE FROM queue.messages WHERE id = m.id;
+                IF c.outcome = 'new' THEN
+                    -- give the id back: a later publish of it is a new message
+                    PERFORM idempotency.release(m.message_id, 'queue:' || v_topic, c.token);
+                END IF;
+            ELSIF c.outcome = 'replay' THEN
+                v_what := 'acked_duplicate';
+                DELETE FROM queue.messages WHERE id = m.id;                   -- ack
+            ELSIF c.outcome = 'in_progress' THEN
+                v_what := 'requeued';
+                UPDATE queue.messages SET visible_at = now() + c.retry_after  -- requeue with a delay
+                 WHERE id = m.id;
+            ELSIF c.outcome = 'mismatch' THEN
+                v_what := 'dead_lettered';
+                INSERT INTO queue.dead_letters (id, message_id, topic, body, deliveries, reason)
+                VALUES (m.id, m.message_id, m.topic, m.body, m.deliveries, 'message id reused for another body');
+                DELETE FROM queue.messages WHERE id = m.id;
+            ELSE
+                v_what := 'processed';                                        -- new: the work
+                INSERT INTO queue.points_ledger (message_id, customer_id, points, consumer)
+                VALUES (m.message_id, m.body ->> 'customer', (m.body ->> 'points')::int, handle_batch.consumer);
+                v_done := v_done || m.id;
+                v_keys := v_keys || m.message_id;
+                v_resps := v_resps || jsonb_build_object('credited', (m.body ->> 'points')::int);
+                v_tokens := v_tokens || c.token;
+            END IF;
+            counts := counts || jsonb_build_object(v_what, coalesce((counts ->> v_what)::int, 0) + 1);
+        END LOOP;
+        -- One call completes every processed message (with its token); then ack them.
+        PERFORM FROM idempotency.complete_many(v_keys, v_resps, scope => 'queue:' || v_topic,
+                                                tokens => v_tokens);
+        DELETE FROM queue.messages WHERE id = ANY (v_done);
+    END LOOP;
+    RETURN counts;
 END
 $$;
 

@@ -3,7 +3,7 @@
 
 use super::catalog::{check_access, direct_layout_for_write, key_label, sql_only};
 use super::heap::{self, probe, KeyInsertLock, Probe};
-use super::sql::{read_row, with_spi, write_claim, Write};
+use super::sql::{insert_batch, read_row, with_spi, write_claim, Write};
 use super::{spi_failed, ClaimRequest, ClaimResult, Outcome, Row, MAX_ROUNDS};
 use crate::decision::{self, Decision, Stored};
 use crate::error::raise;
@@ -275,4 +275,124 @@ pub(crate) fn in_progress(row: Row) -> ClaimResult {
     r.expires_at = row.expires_at;
     r.recovery_point = row.recovery_point;
     r
+}
+
+/// The set-based part of `claim_many`: the keys of a batch (stored form, with their request
+/// hashes) that are absent are inserted in one statement, and answered `new` here; every other
+/// position is None, for the caller to claim one by one with [`claim`] (so a key that exists,
+/// is busy, or repeats an earlier position of the batch gets exactly `claim`'s answer).
+///
+/// Only under READ COMMITTED on a table the probe can see (not Citus). The insert lock of each
+/// distinct key is taken first, in the order of the locks' hash (so two batches never wait for
+/// each other in a cycle), and held until the insert has run, so no other claimer inserts any
+/// of the keys meanwhile, as for one key in [`probe_or_insert`]. Then one `INSERT ... ON
+/// CONFLICT DO NOTHING` inserts every key that is absent, without looking at them first; it
+/// may not wait ([`without_waiting`]): a key another open transaction is inserting or changing
+/// would make it wait for that transaction, where `claim` answers `in_progress` at once. If it
+/// would wait, it is rolled back and each key is probed (still under its lock, with a
+/// confirmed miss) and only the absent ones are inserted.
+pub fn claim_fresh_batch(
+    scope: &str,
+    keys: &[&str],
+    hashes: &[Option<[u8; 32]>],
+    ttl: Interval,
+    lease: Interval,
+) -> Vec<Option<ClaimResult>> {
+    let mut out: Vec<Option<ClaimResult>> = keys.iter().map(|_| None).collect();
+    // SAFETY: reads a backend variable, set for the transaction.
+    let read_committed = unsafe { pg_sys::XactIsoLevel } < pg_sys::XACT_REPEATABLE_READ as i32;
+    if !read_committed || keys.is_empty() || sql_only() {
+        return out;
+    }
+    check_access();
+    let mut seen = std::collections::HashSet::with_capacity(keys.len());
+    let firsts: Vec<usize> = (0..keys.len()).filter(|&i| seen.insert(keys[i])).collect();
+    let mut lock_order: Vec<(u64, usize)> = firsts
+        .iter()
+        .map(|&i| (KeyInsertLock::hash(scope, keys[i]), i))
+        .collect();
+    lock_order.sort_unstable();
+    let locks: Vec<KeyInsertLock> = lock_order
+        .iter()
+        .map(|&(hash, _)| KeyInsertLock::acquire_hashed(hash))
+        .collect();
+    let insert = |positions: &[usize], on_conflict: bool| {
+        let k: Vec<&str> = positions.iter().map(|&i| keys[i]).collect();
+        let h: Vec<Option<[u8; 32]>> = positions.iter().map(|&i| hashes[i]).collect();
+        let rows = with_spi(|client| insert_batch(client, scope, &k, &h, lease, ttl, on_conflict))
+            .unwrap_or_else(|e| spi_failed("claim_many", e));
+        // Back from indexes into `positions` to positions of the batch.
+        rows.into_iter()
+            .map(|(j, token, expires_at)| (positions[j], token, expires_at))
+            .collect::<Vec<_>>()
+    };
+    let inserted = match without_waiting(|| insert(&firsts, true)) {
+        Some(rows) => rows,
+        None => {
+            let fresh: Vec<usize> = firsts
+                .iter()
+                .copied()
+                .filter(|&i| matches!(probe(scope, keys[i], true), Probe::Absent))
+                .collect();
+            if fresh.is_empty() {
+                Vec::new()
+            } else {
+                insert(&fresh, false)
+            }
+        }
+    };
+    drop(locks);
+    for (i, token, expires_at) in inserted {
+        let mut r = ClaimResult::new(Outcome::New);
+        r.token = token;
+        r.expires_at = expires_at;
+        out[i] = Some(r);
+    }
+    out
+}
+
+/// Runs `f` (statements that write) in a subtransaction in which a lock wait ends after 1 ms
+/// with `55P03`: then the subtransaction is rolled back (its writes undone) and None returned.
+/// Any other error rolls the subtransaction back and is raised as it was.
+fn without_waiting<R>(f: impl FnOnce() -> R) -> Option<R> {
+    use pgrx::pg_sys::PgTryBuilder;
+    use std::panic::AssertUnwindSafe;
+    // SAFETY: the subtransaction is begun and ended here, on every path: released after `f`
+    // returns, rolled back when it raised (before the error goes on up, so an enclosing
+    // handler finds its own subtransaction current); the memory context and resource owner are
+    // restored after each, as PL/pgSQL's exception blocks do. LockTimeout is a backend global
+    // read when a lock wait starts; it is restored before anything else can run.
+    unsafe {
+        let context = pg_sys::CurrentMemoryContext;
+        let owner = pg_sys::CurrentResourceOwner;
+        let timeout = pg_sys::LockTimeout;
+        let restore = move || {
+            pg_sys::LockTimeout = timeout;
+            pg_sys::MemoryContextSwitchTo(context);
+            pg_sys::CurrentResourceOwner = owner;
+        };
+        pg_sys::BeginInternalSubTransaction(std::ptr::null());
+        pg_sys::MemoryContextSwitchTo(context);
+        pg_sys::LockTimeout = 1;
+        PgTryBuilder::new(AssertUnwindSafe(|| {
+            let r = f();
+            pg_sys::LockTimeout = timeout;
+            pg_sys::ReleaseCurrentSubTransaction();
+            restore();
+            Some(r)
+        }))
+        .catch_when(PgSqlErrorCode::ERRCODE_LOCK_NOT_AVAILABLE, move |_| {
+            pg_sys::LockTimeout = timeout;
+            pg_sys::RollbackAndReleaseCurrentSubTransaction();
+            restore();
+            None
+        })
+        .catch_others(move |e| {
+            pg_sys::LockTimeout = timeout;
+            pg_sys::RollbackAndReleaseCurrentSubTransaction();
+            restore();
+            e.rethrow()
+        })
+        .execute()
+    }
 }

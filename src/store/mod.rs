@@ -31,7 +31,7 @@ mod sql;
 mod sweep;
 
 pub use catalog::{key_label, stored_key, PinnedSearchPath};
-pub use claim::claim;
+pub use claim::{claim, claim_fresh_batch};
 pub use complete::complete;
 pub use heap::{now_plus, transaction_start};
 pub use sweep::{expired_since, sweep_audit_batch, sweep_batch, sweep_start};

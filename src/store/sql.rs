@@ -45,6 +45,28 @@ pub(crate) const INSERT_FRESH_SQL: &str = "INSERT INTO idempotency.idempotency_k
        pg_catalog.now() OPERATOR(pg_catalog.+) $4, pg_catalog.now() OPERATOR(pg_catalog.+) $5, $5) \
      RETURNING k.token, k.expires_at";
 
+/// The insert of the keys of a `claim_many` that the probe, each under its key's insert lock
+/// (all held until this statement ends), found absent: one statement for the whole batch, in
+/// the batch's order, without ON CONFLICT for the reason [`INSERT_FRESH_SQL`] gives. $2 are the
+/// keys (stored form), $3 their request hashes (NULL elements: no request).
+pub(crate) const INSERT_BATCH_SQL: &str = "INSERT INTO idempotency.idempotency_keys AS k \
+       (scope, key, request_hash, status, token, created_at, locked_until, expires_at, ttl) \
+     SELECT $1, u.key, u.request_hash, 'in_progress', pg_catalog.nextval('idempotency.token_seq'), \
+       pg_catalog.now(), pg_catalog.now() OPERATOR(pg_catalog.+) $4, \
+       pg_catalog.now() OPERATOR(pg_catalog.+) $5, $5 \
+       FROM ROWS FROM (pg_catalog.unnest($2), pg_catalog.unnest($3)) AS u(key, request_hash) \
+     RETURNING k.key, k.token, k.expires_at";
+
+/// [`INSERT_BATCH_SQL`] with `ON CONFLICT (scope, key) DO NOTHING`: the statement a batch runs
+/// first, holding the insert locks of all its keys without having looked at them; a key that
+/// exists is skipped (and claimed one by one afterwards).
+pub(crate) fn insert_batch_on_conflict_sql() -> String {
+    INSERT_BATCH_SQL.replace(
+        " RETURNING k.key",
+        " ON CONFLICT (scope, key) DO NOTHING RETURNING k.key",
+    )
+}
+
 /// Rewrites an expired row as a fresh claim (it counted as absent). $6 is the next value of the
 /// token sequence, taken by its own statement ([`NEXT_TOKEN_SQL`]): Citus refuses volatile
 /// functions in an UPDATE of a distributed table. Tokens grow per key even where the sequence
@@ -91,9 +113,11 @@ pub(crate) enum Plan {
     Sweep,
     SweepByExpiresAt,
     NextToken,
+    InsertBatch,
+    InsertBatchOnConflict,
 }
 
-pub(crate) const PLAN_COUNT: usize = 10;
+pub(crate) const PLAN_COUNT: usize = Plan::InsertBatchOnConflict as usize + 1;
 
 pub(crate) static PLANS: crate::local::BackendLocal<
     [Cell<Option<&'static OwnedPreparedStatement>>; PLAN_COUNT],
@@ -135,6 +159,23 @@ pub(crate) fn plan(
         Plan::Restart => client.prepare_mut(RESTART_SQL, &token_args)?.keep(),
         Plan::TakeOver => client.prepare_mut(TAKEOVER_SQL, &token_args)?.keep(),
         Plan::NextToken => client.prepare_mut(NEXT_TOKEN_SQL, &[])?.keep(),
+        Plan::InsertBatch | Plan::InsertBatchOnConflict => client
+            .prepare_mut(
+                if matches!(which, Plan::InsertBatch) {
+                    INSERT_BATCH_SQL.to_string()
+                } else {
+                    insert_batch_on_conflict_sql()
+                }
+                .as_str(),
+                &[
+                    text,
+                    PgOid::from(pg_sys::TEXTARRAYOID),
+                    PgOid::from(pg_sys::BYTEAARRAYOID),
+                    PgOid::from(pg_sys::INTERVALOID),
+                    PgOid::from(pg_sys::INTERVALOID),
+                ],
+            )?
+            .keep(),
         Plan::Complete => client
             .prepare_mut(
                 COMPLETE_SQL,
@@ -262,6 +303,84 @@ pub(crate) fn write_claim(
         result.recovery_point = recovery_point(&t, 3)?;
     }
     Ok(Some(result))
+}
+
+/// A key a batch inserted (its index in the `keys` given), its token and its expiry.
+pub(crate) type Inserted = (usize, Option<i64>, Option<TimestampWithTimeZone>);
+
+/// Inserts the fresh keys of a batch in one statement ([`INSERT_BATCH_SQL`]); returns each
+/// inserted key (its index in `keys`) with its token and expiry. The statement inserts in the
+/// order of `keys` and returns the inserted rows in that order, so each returned key is looked
+/// for from the previous one on (and from the start, should that find nothing).
+pub(crate) fn insert_batch(
+    client: &mut SpiClient<'_>,
+    scope: &str,
+    keys: &[&str],
+    hashes: &[Option<[u8; 32]>],
+    lease: Interval,
+    ttl: Interval,
+    on_conflict: bool,
+) -> Result<Vec<Inserted>, pgrx::spi::Error> {
+    let stmt = plan(
+        client,
+        if on_conflict {
+            Plan::InsertBatchOnConflict
+        } else {
+            Plan::InsertBatch
+        },
+    )?;
+    let key_datums: Vec<pg_sys::Datum> = keys
+        .iter()
+        .map(|k| encoding::text_datum(k, "key"))
+        .collect();
+    // SAFETY: every element is a text datum in the database encoding, allocated in the current
+    // memory context; construct_array copies them into one text[] there.
+    let key_array = unsafe {
+        let mut elems = key_datums;
+        let array = pg_sys::construct_array(
+            elems.as_mut_ptr(),
+            elems.len() as i32,
+            pg_sys::TEXTOID,
+            -1,
+            false,
+            pg_sys::TYPALIGN_INT as std::ffi::c_char,
+        );
+        pgrx::datum::DatumWithOid::new(pg_sys::Datum::from(array), pg_sys::TEXTARRAYOID)
+    };
+    let hashes: Vec<Option<Vec<u8>>> = hashes.iter().map(|h| h.map(|h| h.to_vec())).collect();
+    let mut table = client.update(
+        stmt,
+        None,
+        &[
+            encoding::spi_text(scope, "scope"),
+            key_array,
+            hashes.into(),
+            lease.into(),
+            ttl.into(),
+        ],
+    )?;
+    let mut out = Vec::with_capacity(keys.len());
+    let mut next = 0;
+    // Each step positions the table on its next row, read through the table.
+    while table.next().is_some() {
+        let Some(d) = table.get_datum_by_ordinal(1)? else {
+            continue;
+        };
+        // SAFETY: the column is text; its value lives until the SPI call ends, after this use.
+        let key = unsafe { encoding::text_of(d, "key") };
+        let found = (next..keys.len())
+            .chain(0..next)
+            .find(|&i| keys[i] == key.as_ref());
+        if let Some(i) = found {
+            next = i + 1;
+            out.push((
+                i,
+                table.get::<i64>(2)?,
+                table.get::<TimestampWithTimeZone>(3)?,
+            ));
+        }
+    }
+    Ok(out)
 }
 
 /// Runs statements through SPI with the search path pinned (see [`PinnedSearchPath`]). Only

@@ -56,6 +56,8 @@ BASE_BY_NAME = {
     "p_action": "'complete'", "slot": "'1 day'", "lease": "'1 minute'", "ttl": "'1 hour'",
     "response_status": "201", "batch_size": "10", "token": "NULL", "p_token": "NULL",
     "mode": "'plain'", "kid": "1",
+    "keys": "'{bk}'", "requests": "NULL", "responses": "ARRAY['{\"a\": 1}'::jsonb]",
+    "response_statuses": "'{201}'", "tokens": "NULL",
     "signed": "idempotency.sign_key('bk')",
     "secret": "(SELECT secret FROM idempotency.signing_secrets ORDER BY id DESC LIMIT 1)",
 }
@@ -132,6 +134,20 @@ TEXT_ARRAY = [
     ("non-ASCII", "'{/ü€/😀}'"),
 ]
 BOOLEAN = [("NULL", "NULL"), ("true", "true"), ("false", "false")]
+JSONB_ARRAY = [
+    ("NULL", "NULL"), ("empty", "'{}'"), ("NULL element", "'{NULL}'"),
+    ("one", "ARRAY['{\"a\": 1}'::jsonb]"), ("two", "ARRAY['{}'::jsonb, '[]']"),
+    ("2-D array", "ARRAY[ARRAY['{}'::jsonb]]"),
+    ("1001 levels deep", "ARRAY[(repeat('[', 1001) || repeat(']', 1001))::jsonb]"),
+]
+INTEGER_ARRAY = [
+    ("NULL", "NULL"), ("empty", "'{}'"), ("NULL element", "'{NULL}'"), ("one", "'{200}'"),
+    ("out of range", "'{99}'"), ("two", "'{200,201}'"), ("2-D array", "'{{200}}'"),
+]
+BIGINT_ARRAY = [
+    ("NULL", "NULL"), ("empty", "'{}'"), ("NULL element", "'{NULL}'"), ("one", "'{1}'"),
+    ("two", "'{1,2}'"), ("2-D array", "'{{1}}'"),
+]
 BYTEA = [
     ("NULL", "NULL"), ("empty", "'\\x'"), ("one zero byte", "'\\x00'"), ("32 bytes", "decode(repeat('ab', 32), 'hex')"),
     ("1 MB", f"decode(repeat('00', {MB}), 'hex')"), ("10 MB", f"decode(repeat('ff', {10 * MB}), 'hex')"),
@@ -140,6 +156,7 @@ BYTEA = [
 VALUES = {
     "text": TEXT, "jsonb": JSONB, "interval": INTERVAL, "timestamp with time zone": TIMESTAMPTZ,
     "integer": INTEGER, "bigint": BIGINT, "text[]": TEXT_ARRAY, "boolean": BOOLEAN, "bytea": BYTEA,
+    "jsonb[]": JSONB_ARRAY, "integer[]": INTEGER_ARRAY, "bigint[]": BIGINT_ARRAY,
 }
 if HUGE:
     TEXT.append(("100 MB", f"repeat('x', {100 * MB})"))
@@ -270,7 +287,9 @@ class Sweep:
         self.calls += 1
         try:
             with self.conn.transaction():
-                result = self.conn.execute(call_sql(name, types, exprs)).fetchone()[0]
+                # set-returning functions (claim_many, complete_many) may return no row
+                row = self.conn.execute(call_sql(name, types, exprs)).fetchone()
+                result = row[0] if row else None
         except psycopg.Error as exc:
             state = exc.sqlstate or "?"
             message = exc.diag.message_primary or str(exc)

@@ -38,13 +38,25 @@ pub(crate) const LOCK_CLASS: u16 = 0x1de7;
 pub(crate) struct KeyInsertLock(pg_sys::LOCKTAG);
 
 impl KeyInsertLock {
-    pub(crate) fn acquire(scope: &str, key: &str) -> KeyInsertLock {
+    /// The lock's hash of (scope, key). A caller that holds several insert locks at once
+    /// (`claim_many`) takes them in the order of this hash, so two such callers never wait
+    /// for each other in a cycle.
+    pub(crate) fn hash(scope: &str, key: &str) -> u64 {
         // FNV-1a: stable across builds, so backends running different builds of the library
         // (during an upgrade) still agree on the lock of a key.
         let mut hash: u64 = 0xcbf2_9ce4_8422_2325;
         for b in scope.bytes().chain([0xff]).chain(key.bytes()) {
             hash = (hash ^ b as u64).wrapping_mul(0x0100_0000_01b3);
         }
+        hash
+    }
+
+    pub(crate) fn acquire(scope: &str, key: &str) -> KeyInsertLock {
+        Self::acquire_hashed(Self::hash(scope, key))
+    }
+
+    /// The lock whose [`hash`](Self::hash) is `hash`.
+    pub(crate) fn acquire_hashed(hash: u64) -> KeyInsertLock {
         // SAFETY: reads a backend variable, set at connection.
         let database = unsafe { pg_sys::MyDatabaseId };
         let tag = pg_sys::LOCKTAG {
