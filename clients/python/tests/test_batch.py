@@ -210,3 +210,35 @@ def test_process_batch_rejects_a_constant_or_unusable_key(conninfo):
         process_batch([{"id": 1}], key=lambda m: m["id"], handler=lambda m: 1, conninfo=conninfo)
     assert process_batch([], key="k:{id}", handler=lambda m: 1, conninfo=conninfo) == []
     assert Item("m", "k", "new").ok
+
+
+def test_aprocess_batch_runs_coroutine_handlers_with_the_same_outcomes(conninfo, row):
+    import asyncio
+
+    from pg_idempotency import AsyncStore, aprocess_batch
+
+    calls = []
+
+    async def handler(m):
+        calls.append(m["id"])
+        await asyncio.sleep(0)
+        if m["id"] == "bad":
+            raise RuntimeError("refused")
+        return {"ok": m["id"]}
+
+    async def main():
+        store = AsyncStore(conninfo)
+        await store.claim("held", None, "aq", lease=dt.timedelta(minutes=5))
+        batch = [{"id": "a"}, {"id": "bad"}, {"id": "held"}, {"id": "a"}]
+        first = await aprocess_batch(batch, key="{id}", handler=handler, scope="aq", store=store)
+        again = await aprocess_batch(batch, key="{id}", handler=handler, scope="aq", store=store)
+        await store.close()
+        return first, again
+
+    first, again = asyncio.run(main())
+    assert [it.outcome for it in first] == ["new", "failed", "failed", "replay"]
+    assert isinstance(first[1].error, RuntimeError) and isinstance(first[2].error, InProgress)
+    assert first[3].value == {"ok": "a"}
+    assert [it.outcome for it in again] == ["replay", "failed", "failed", "replay"]
+    assert calls == ["a", "bad", "bad"]                       # a ran once; bad was released and ran again
+    assert row("a", "aq")[0] == "completed" and row("bad", "aq") is None

@@ -14,7 +14,7 @@
 """
 
 from ._core import (AsyncStore, ClaimResult, Fenced, IdempotencyError, InProgress, Mismatch, Record, Store)
-from .batch import Item, process_batch
+from .batch import Item, aprocess_batch, process_batch
 from .decorator import Attempt, current_attempt, idempotent
 from .transaction import TransactionClaim, aidempotency_transaction, idempotency_transaction
 
@@ -22,7 +22,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "idempotent", "current_attempt", "Attempt",
-    "process_batch", "Item",
+    "process_batch", "aprocess_batch", "Item",
     "idempotency_transaction", "aidempotency_transaction", "TransactionClaim",
     "Store", "AsyncStore", "ClaimResult", "Record",
     "IdempotencyError", "InProgress", "Mismatch", "Fenced",

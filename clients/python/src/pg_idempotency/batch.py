@@ -10,16 +10,18 @@ to the queue (SQS `batchItemFailures`, a Kafka retry topic)."""
 
 from __future__ import annotations
 
+import asyncio
 import datetime as dt
+import inspect
 import json
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, Callable, List, Optional, Sequence, Union
+from typing import Any, Callable, Generator, List, Optional, Sequence, Union
 
-from ._core import IN_PROGRESS, MISMATCH, NEW, REPLAY, Fenced, InProgress, Mismatch, Store
+from ._core import IN_PROGRESS, MISMATCH, NEW, REPLAY, AsyncStore, Fenced, InProgress, Mismatch, Store
 
-__all__ = ["Item", "process_batch"]
+__all__ = ["Item", "process_batch", "aprocess_batch"]
 
 # Item.outcome
 FAILED = "failed"
@@ -77,37 +79,102 @@ def process_batch(messages: Sequence[Any], *, key: Union[str, Callable[[Any], st
     `complete_many` is refused (a position's claim was taken over after its lease ran out, or
     our own complete_many committed before its answer was lost), the positions are completed
     one by one, and those refused are claimed again for the stored answer."""
-    if callable(key):
-        key_of = key
-    elif isinstance(key, str):
-        def key_of(m):
-            if "{" not in key:
-                raise ValueError("process_batch: a constant key would make every message the same one; pass "
-                                 "key='prefix:{member}' or a callable of the message")
-            if not isinstance(m, Mapping):
-                raise TypeError(f"process_batch: key {key!r} is formatted with the message's members, but the "
-                                f"message is a {type(m).__name__}; pass a callable")
-            return key.format(**m)
-    else:
-        raise TypeError("process_batch: key must be a string or a callable of the message")
+    steps = _steps(messages, key, request, scope, ttl, lease, wait, release_on_error)
     if store is None:
         store = Store(conninfo)
+    reply = None
+    while True:
+        try:
+            op, arg = steps.send(reply)
+        except StopIteration as done:
+            return done.value
+        try:
+            if op == "handle":
+                value = handler(arg)
+            elif op == "sleep":
+                value = time.sleep(arg)
+            else:
+                value = getattr(store, op)(*arg)
+            reply = (True, value)
+        except Exception as e:
+            reply = (False, e)
+
+
+async def aprocess_batch(messages: Sequence[Any], *, key: Union[str, Callable[[Any], str]],
+                         handler: Callable[[Any], Any], request: Optional[Callable[[Any], Any]] = None,
+                         scope: str = "", ttl: Optional[dt.timedelta] = None, lease: Optional[dt.timedelta] = None,
+                         store: Optional[AsyncStore] = None, conninfo: Optional[str] = None,
+                         wait: dt.timedelta = dt.timedelta(0), release_on_error: bool = True) -> List[Item]:
+    """process_batch for asyncio (an aiokafka consumer, say): the same steps on an AsyncStore;
+    `handler` may be a coroutine function (its messages are still handled one after the other)."""
+    steps = _steps(messages, key, request, scope, ttl, lease, wait, release_on_error)
+    if store is None:
+        store = AsyncStore(conninfo)
+    reply = None
+    while True:
+        try:
+            op, arg = steps.send(reply)
+        except StopIteration as done:
+            return done.value
+        try:
+            if op == "handle":
+                value = handler(arg)
+                if inspect.isawaitable(value):
+                    value = await value
+            elif op == "sleep":
+                value = await asyncio.sleep(arg)
+            else:
+                value = await getattr(store, op)(*arg)
+            reply = (True, value)
+        except Exception as e:
+            reply = (False, e)
+
+
+def _key_function(key):
+    if callable(key):
+        return key
+    if not isinstance(key, str):
+        raise TypeError("process_batch: key must be a string or a callable of the message")
+
+    def key_of(m):
+        if "{" not in key:
+            raise ValueError("process_batch: a constant key would make every message the same one; pass "
+                             "key='prefix:{member}' or a callable of the message")
+        if not isinstance(m, Mapping):
+            raise TypeError(f"process_batch: key {key!r} is formatted with the message's members, but the "
+                            f"message is a {type(m).__name__}; pass a callable")
+        return key.format(**m)
+    return key_of
+
+
+def _steps(messages, key, request, scope, ttl, lease, wait, release_on_error) -> Generator:
+    """The batch's logic as a generator of steps, (operation, argument): a store call
+    ("claim_many", "complete_many", "complete", "release" with their arguments), "handle" (one
+    message) or "sleep" (seconds). It is sent back (True, result) or (False, exception); it
+    returns the items. process_batch and aprocess_batch run the steps, sync and async."""
+    key_of = _key_function(key)
     msgs = list(messages)
     keys = [key_of(m) for m in msgs]
     for i, k in enumerate(keys):
         if not isinstance(k, str):
             raise TypeError(f"process_batch: the key of message {i} is a {type(k).__name__}, not a string")
     requests = None if request is None else [request(m) for m in msgs]
+
+    def call(op, *args):
+        ok, value = yield (op, args)
+        if not ok:
+            raise value
+        return value
+
     items: List[Optional[Item]] = [None] * len(msgs)
     pending = list(range(len(msgs)))       # positions still to claim
     deadline = time.monotonic() + wait.total_seconds()
     pause = 0.05
     while pending:
-        claims = store.claim_many([keys[i] for i in pending],
-                                  None if requests is None else [requests[i] for i in pending],
-                                  scope, ttl, lease)
+        claims = yield from call("claim_many", [keys[i] for i in pending],
+                                 None if requests is None else [requests[i] for i in pending], scope, ttl, lease)
         first: dict = {}                    # key -> position that claimed it new in this round
-        done_keys, done_texts, done_tokens, done_pos = [], [], [], []
+        done = []                           # (position, token, result as JSON text)
         waiting, followers = [], []
         for i, c in zip(pending, claims):
             if c.outcome == REPLAY:
@@ -122,29 +189,37 @@ def process_batch(messages: Sequence[Any], *, key: Union[str, Callable[[Any], st
             else:
                 assert c.outcome == NEW
                 first[keys[i]] = i
-                try:
-                    value = handler(msgs[i])
+                ok, value = yield ("handle", msgs[i])
+                error = None if ok else value
+                if ok:
                     try:
                         text = json.dumps(value, separators=(",", ":"))
                     except (TypeError, ValueError) as e:
-                        raise TypeError(f"process_batch: the handler's result for key {keys[i]!r} is not "
-                                        f"JSON-serialisable ({e})") from e
-                except Exception as e:  # this message fails, the batch goes on
+                        error = TypeError(f"process_batch: the handler's result for key {keys[i]!r} is not "
+                                          f"JSON-serialisable ({e})")
+                if error is not None:       # this message fails, the batch goes on
                     if release_on_error:
-                        try:
-                            store.release(keys[i], scope, c.token)
-                        except Exception as release_error:  # the lease ends it; the handler's error matters more
-                            e.release_error = release_error
-                    items[i] = Item(msgs[i], keys[i], FAILED, error=e)
+                        released, release_error = yield ("release", (keys[i], scope, c.token))
+                        if not released:    # the release failed: the lease ends the claim; the
+                            error.release_error = release_error   # handler's error matters more
+                    items[i] = Item(msgs[i], keys[i], FAILED, error=error)
                     continue
                 items[i] = Item(msgs[i], keys[i], NEW, value)
-                done_keys.append(keys[i])
-                done_texts.append(text)
-                done_tokens.append(c.token)
-                done_pos.append(i)
-        again = _complete(store, scope, ttl, done_keys, done_texts, done_tokens, done_pos)
-        for i in again:                      # fenced: claim again for the stored answer
-            items[i] = None
+                done.append((i, c.token, text))
+        again = []
+        if done:
+            ok, e = yield ("complete_many", ([keys[i] for i, _, _ in done], [t for _, _, t in done], None, scope,
+                                              [tok for _, tok, _ in done], ttl, True))
+            if not ok and not isinstance(e, Fenced):
+                raise e
+            if not ok:                      # refused for one of them: one by one
+                for i, tok, text in done:
+                    ok, e = yield ("complete", (keys[i], text, 200, scope, tok, ttl, True))
+                    if not ok and not isinstance(e, Fenced):
+                        raise e
+                    if not ok:
+                        again.append(i)     # fenced: claim again for the stored answer
+                        items[i] = None
         for i in followers:
             j = first[keys[i]]
             if items[j] is None:
@@ -160,26 +235,7 @@ def process_batch(messages: Sequence[Any], *, key: Union[str, Callable[[Any], st
             waiting = []
         if waiting and not again:
             shortest = min(c.retry_after.total_seconds() for _, c in waiting)
-            time.sleep(max(0.0, min(pause, left, shortest)))
+            yield ("sleep", max(0.0, min(pause, left, shortest)))
             pause = min(pause * 2, 1.0)
         pending = sorted(again + [i for i, _ in waiting])
-    return items  # type: ignore[return-value]
-
-
-def _complete(store, scope, ttl, keys, texts, tokens, positions) -> List[int]:
-    """complete_many for the handled positions; returns the positions whose complete was refused
-    (Fenced), to be claimed again."""
-    if not keys:
-        return []
-    try:
-        store.complete_many(keys, texts, None, scope, tokens, ttl, responses_are_json=True)
-        return []
-    except Fenced:
-        pass
-    refused = []
-    for k, t, tok, i in zip(keys, texts, tokens, positions):
-        try:
-            store.complete(k, t, 200, scope, tok, ttl, response_is_json=True)
-        except Fenced:
-            refused.append(i)
-    return refused
+    return items
