@@ -343,6 +343,8 @@ def main():
                     pg[(v, clients)] = r
         pg[("extension: in_progress, 16 sessions on 100 hot keys", 16)] = pgbench(
             cluster, "ext_contention.sql", 16, args.seconds, "contention", logdir)
+        print("== batches (100 keys per statement, 1 client)", flush=True)
+        report["batch"] = batch_bench(cluster, args.seconds, args.rounds, logdir)
 
         print("== Redis", flush=True)
         redis = {}
@@ -377,6 +379,26 @@ def main():
         shutil.rmtree(logdir, ignore_errors=True)
     write_results(args, report, pg, redis, scale, sweep, hashes)
     write_summary()
+
+
+BATCH = 100
+BATCH_SCRIPTS = {
+    "floor: multi-row INSERT ON CONFLICT DO NOTHING, 100 rows": "floor_batch.sql",
+    "extension: claim_many, 100 fresh keys": "ext_claim_many.sql",
+    "floor: multi-row INSERT + UPDATE, 100 rows, one transaction": "floor_batch_complete.sql",
+    "extension: claim_many + complete_many, 100 keys, one transaction": "ext_claim_complete_many.sql",
+}
+
+
+def batch_bench(cluster, seconds, rounds, logdir):
+    """claim_many (and claim_many + complete_many) of 100 fresh keys per statement against the
+    bare multi-row statements on a table with the same two indexes, 1 client, alternating rounds:
+    {name: (keys/s, p99 ms per statement)}."""
+    res = alternate(rounds, list(BATCH_SCRIPTS), lambda v: pgbench(
+        cluster, BATCH_SCRIPTS[v], 1, seconds, BATCH_SCRIPTS[v][:-4], logdir))
+    sql(cluster, "TRUNCATE bench.floor_batch")
+    sql(cluster, "DELETE FROM idempotency.idempotency_keys WHERE key ~ '^(b|bc)[0-9]+-'")
+    return {v: (tps * BATCH, p99) for v, (tps, p99) in res.items()}
 
 
 def scale_bench(cluster, args, logdir):
@@ -440,6 +462,11 @@ def write_results(args, report, pg, redis, scale, sweep, hashes):
     for c in CLIENTS:
         r = pg[(replay, c)][0] / pg[(sel, c)][0]
         target(f"replay ≥ 0.80 × primary-key SELECT at {c} clients", f"{r:.2f}", r >= 0.80)
+    batch = report.get("batch")
+    if batch:
+        names = list(BATCH_SCRIPTS)
+        r = batch[names[1]][0] / batch[names[0]][0]
+        target("claim_many 100 fresh keys ≥ 0.90 × multi-row INSERT floor (keys/s, 1 client)", f"{r:.2f}", r >= 0.90)
     if scale:
         (n_small, (t_small, _)), (n_big, (t_big, _)) = scale["small"], scale["big"]
         r = t_big / t_small
@@ -452,6 +479,14 @@ def write_results(args, report, pg, redis, scale, sweep, hashes):
     for label in ("10 KB", "1 MB"):
         r = hashes[label]["canonical_hash"] / hashes[label]["sha256(doc::text)"]
         target(f"canonical_hash ≥ 0.5 × sha256(doc::text) at {label}", f"{r:.2f}", r >= 0.5)
+    if batch:
+        names = list(BATCH_SCRIPTS)
+        lines += ["", "## Batches: 100 keys per statement, 1 client (keys/s)", "",
+                  "| comparison | keys/s | p99 per statement (ms) | ratio to its floor |", "|---|---|---|---|"]
+        for i, name in enumerate(names):
+            floor_name = names[i - i % 2]
+            ratio = "" if i % 2 == 0 else f"{batch[name][0] / batch[floor_name][0]:.2f}"
+            lines.append(f"| {name} | {fmt(batch[name][0])} | {fmt(batch[name][1], 2)} | {ratio} |")
     lines += ["", "## Hashing throughput (MB/s of document text)", "",
               "| document | canonical_hash | sha256(doc::text) | PL/pgSQL canonicalizer |", "|---|---|---|---|"]
     for label, row in hashes.items():
@@ -489,6 +524,7 @@ SUMMARY_TARGETS = [
     ("replay ≥ 0.80 × primary-key SELECT at 4 clients", "replay / primary-key SELECT, 4 clients (≥ 0.80)"),
     ("replay ≥ 0.80 × primary-key SELECT at 16 clients", "replay / primary-key SELECT, 16 clients (≥ 0.80)"),
     ("sweep ≥ 100,000 rows/s", "sweep, rows/s on an idle server (≥ 100,000)"),
+    ("claim_many 100 fresh keys ≥ 0.90 × multi-row INSERT floor", "claim_many / multi-row INSERT, 100 keys (≥ 0.90)"),
     ("claim p99 during the sweep ≤ 1.25 × without", "claim p99 during a sweep / without (≤ 1.25)"),
 ]
 BEGIN, END = "<!-- per-version table: bench.py --summary -->", "<!-- end of per-version table -->"

@@ -682,9 +682,17 @@ pub extern "C-unwind" fn idempotency_claim_many(fcinfo: pg_sys::FunctionCallInfo
         }));
         let mut stored = Vec::with_capacity(keys.len());
         for (i, k) in keys.iter().enumerate() {
-            let name = format!("keys[{}]", i + 1);
-            let key = k.map(|d| encoding::text_of(d, &name));
-            let key = check(arguments::check_key(&name, key.as_deref(), false)).to_string();
+            let key = k.map(|d| encoding::text_of(d, "keys"));
+            // The position is named only when the key is refused.
+            let key = match arguments::check_key("keys", key.as_deref(), false) {
+                Ok(key) => key.to_string(),
+                Err(_) => check(arguments::check_key(
+                    &format!("keys[{}]", i + 1),
+                    key.as_deref(),
+                    false,
+                ))
+                .to_string(),
+            };
             stored.push(store::stored_key(key));
         }
         let (ttl, lease) = ttl_and_lease(pg_getarg(fcinfo, 3), pg_getarg(fcinfo, 4));
@@ -692,8 +700,7 @@ pub extern "C-unwind" fn idempotency_claim_many(fcinfo: pg_sys::FunctionCallInfo
         let hashes: Vec<Option<[u8; 32]>> = match &requests {
             Some(r) => r
                 .iter()
-                .enumerate()
-                .map(|(i, d)| d.map(|d| hash_arg(d, &format!("requests[{}]", i + 1))))
+                .map(|d| d.map(|d| hash_arg(d, "requests")))
                 .collect(),
             None => vec![None; keys.len()],
         };

@@ -75,3 +75,6 @@ BEGIN
 END $$;
 
 CREATE TABLE bench.docs (size text, doc jsonb);
+
+-- Batch floor (claim_many's comparison): the store's shape and two indexes.
+CREATE TABLE bench.floor_batch (LIKE idempotency.idempotency_keys INCLUDING ALL);
