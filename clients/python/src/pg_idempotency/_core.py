@@ -208,7 +208,8 @@ class _Calls:
         rows = self.execute_all(CLAIM_MANY_SQL, params)
         return [ClaimResult.from_row(k, scope, r) for k, r in zip(params["keys"], rows)]
 
-    def complete_many(self, keys: Sequence[str], responses: Optional[Sequence[Any]], statuses: Optional[Sequence[int]] = None,
+    def complete_many(self, keys: Sequence[str], responses: Optional[Sequence[Any]],
+                      statuses: Optional[Sequence[int]] = None,
                       scope: str = "", tokens: Optional[Sequence[Optional[int]]] = None,
                       ttl: Optional[dt.timedelta] = None, responses_are_json: bool = False) -> List[dt.datetime]:
         """idempotency.complete_many: stores each key's response in one statement; returns each new
