@@ -27,7 +27,7 @@ fresh=$(mktemp -d /tmp/pg-idempotency-fresh-XXXXXX)
 trap 'rm -rf "$fresh"' EXIT
 (cd "$fresh" && npm init -y >/dev/null &&
     npm install --no-audit --no-fund --loglevel=error "$tgz" pg@8 >/dev/null &&
-    node -e "const m = require('pg-idempotency'); for (const f of ['idempotent', 'idempotentTransaction', 'expressIdempotency', 'fastifyIdempotency']) if (typeof m[f] !== 'function') throw new Error(f + ' missing'); console.log('pg-idempotency loads from the tarball')")
+    node -e "const m = require('pg-idempotency'); for (const f of ['idempotent', 'idempotentTransaction', 'idempotentBatch', 'claimMany', 'completeMany', 'expressIdempotency', 'fastifyIdempotency']) if (typeof m[f] !== 'function') throw new Error(f + ' missing'); console.log('pg-idempotency loads from the tarball')")
 
 echo "== clients/node: tests (node --test, throwaway clusters on ${PG_BIN:-/usr/lib/postgresql/15/bin})"
 npm test

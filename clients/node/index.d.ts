@@ -123,6 +123,88 @@ export function idempotentTransaction<T>(
   fn: (client: ClientBase, ctx: TransactionContext) => T | Promise<T>,
 ): Promise<TransactionResult<Awaited<T>>>;
 
+/** Options of idempotentBatch: those of idempotent(), for one message. */
+export interface BatchOptions<M> extends ConnectionOptions {
+  /** The key of a message: its id, or a business id from its body. */
+  key: (message: M) => string;
+  /** Keys are unique per scope (default ''). */
+  scope?: string;
+  /** How long results are remembered (default: the server's idempotency.default_ttl). */
+  ttl?: Interval | null;
+  /** How long the batch owns its keys (default: the server's); make it longer than the batch takes. */
+  lease?: Interval | null;
+  /** What a key must come with (hashed by the extension); default: nothing compared (redeliveries differ in their metadata). */
+  request?: ((message: M) => unknown) | null;
+  /** Seconds to keep claiming keys that another consumer holds before they fail with InProgressError (default 0). */
+  wait?: number;
+  /** Release a message's key when its handler throws (default true): its next delivery runs again. */
+  releaseOnError?: boolean | ((err: unknown) => boolean);
+  /** response_status stored with each result (default 200). */
+  status?: number;
+  /** How many handlers run at once (default 1: one after the other, in input order). */
+  concurrency?: number;
+}
+
+/** What became of one message of a batch; items come in the order of the messages. */
+export type BatchItem<M, R> =
+  | { message: M; key: string; outcome: 'new' | 'replay'; value: R; error: undefined; ok: true }
+  | { message: M; key: string; outcome: 'failed'; value: undefined; error: unknown; ok: false };
+
+export interface BatchFunction<M, R> {
+  (messages: Iterable<M>): Promise<BatchItem<M, R>[]>;
+  /** Ends the pool the function made itself (from connectionString or the environment). */
+  close(): Promise<void>;
+}
+
+/** A queue consumer's batch: one claim_many, the handler for the new messages, one complete_many. */
+export function idempotentBatch<M, R>(
+  handler: (message: M) => R | Promise<R>,
+  options: BatchOptions<M>,
+): BatchFunction<M, Awaited<R>>;
+
+/** One row of idempotency.claim_many. */
+export interface ClaimManyResult {
+  key: string;
+  scope: string;
+  outcome: 'new' | 'replay' | 'in_progress' | 'mismatch';
+  /** The fencing token (a bigint, as a string); null for mismatch. */
+  token: string | null;
+  /** The stored response (replay). */
+  response: unknown;
+  responseStatus: number | null;
+  /** Seconds (at least 1) until the holder's lease ends (in_progress). */
+  retryAfter: number | null;
+  expiresAt: Date | null;
+  recoveryPoint: string | null;
+}
+
+export interface ClaimManyOptions {
+  /** One request per key (any JSON value; null/undefined: none for that key). */
+  requests?: unknown[] | null;
+  scope?: string;
+  ttl?: Interval | null;
+  lease?: Interval | null;
+}
+
+/** idempotency.claim_many on your pool or client: one result per key, in input order. */
+export function claimMany(q: Pool | ClientBase, keys: string[], options?: ClaimManyOptions): Promise<ClaimManyResult[]>;
+
+export interface CompleteManyOptions {
+  /** One response_status per key (default 200 each). */
+  statuses?: number[] | null;
+  scope?: string;
+  /** One fencing token per key (from claimMany). */
+  tokens?: (string | null)[] | null;
+  ttl?: Interval | null;
+  /** The responses are JSON texts already. */
+  responsesAreJson?: boolean;
+}
+
+/** idempotency.complete_many: all or nothing (FencedError naming the refused key); each new expires_at. */
+export function completeMany(
+  q: Pool | ClientBase, keys: string[], responses: unknown[] | null, options?: CompleteManyOptions,
+): Promise<Date[]>;
+
 export interface HttpOptions<Req> extends ConnectionOptions {
   /** How long answers are remembered (default 86400 s). */
   ttl?: Interval;

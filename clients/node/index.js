@@ -4,6 +4,7 @@
 
 const { idempotent, currentClaim } = require('./lib/idempotent');
 const { idempotentTransaction } = require('./lib/transaction');
+const { idempotentBatch, claimMany, completeMany } = require('./lib/batch');
 const { expressIdempotency } = require('./lib/express');
 const { fastifyIdempotency } = require('./lib/fastify');
 const { parseValue: parseIdempotencyKey, sfString } = require('./lib/key');
@@ -13,6 +14,9 @@ module.exports = {
   idempotent,
   currentClaim,
   idempotentTransaction,
+  idempotentBatch,
+  claimMany,
+  completeMany,
   expressIdempotency,
   fastifyIdempotency,
   parseIdempotencyKey,

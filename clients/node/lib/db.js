@@ -116,6 +116,24 @@ async function claim(q, { key, request, scope, ttl, lease }) {
   return claimRow(rows[0]);
 }
 
+// idempotency.claim_many: one claim row per key, in input order. `requests`: JSON texts or null.
+async function claimMany(q, { keys, requests, scope, ttl, lease }) {
+  const rows = await run(q, `SELECT ${CLAIM_COLUMNS}
+  FROM idempotency.claim_many($1::text[], $2::jsonb[], scope => $3, ttl => $4::interval,
+                              lease => $5::interval) c
+ ORDER BY c.ord`, [keys, requests, scope, ttl, lease]);
+  return rows.map(claimRow);
+}
+
+// idempotency.complete_many: all or nothing; each new expires_at, in input order.
+async function completeMany(q, { keys, responses, statuses, scope, tokens, ttl }) {
+  const rows = await run(q, `SELECT t.e AS expires_at
+  FROM idempotency.complete_many($1::text[], $2::jsonb[], response_statuses => $3::int[], scope => $4,
+                                 tokens => $5::bigint[], ttl => $6::interval) WITH ORDINALITY AS t(e, i)
+ ORDER BY t.i`, [keys, responses, statuses, scope, tokens, ttl]);
+  return rows.map((r) => r.expires_at);
+}
+
 function fenced(err) {
   return err && (err.code === 'IK002' || err.code === 'IK003');
 }
@@ -169,5 +187,5 @@ function toJsonText(value, what) {
 
 module.exports = {
   Db, connectionLost, interval, checkKey, claim, complete, checkpoint, release, lookupExpires,
-  fenced, toJsonText, sleep, CLAIM_COLUMNS, deriveKey,
+  fenced, toJsonText, sleep, CLAIM_COLUMNS, deriveKey, claimMany, completeMany, run,
 };

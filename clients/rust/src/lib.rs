@@ -10,7 +10,8 @@
 //! It is a thin layer over the extension's SQL API (`idempotency.claim`, `complete`, `release`,
 //! `request_fingerprint`): hashing, expiry and fencing are the extension's. The building blocks
 //! ([`key`], [`request`], [`response`], [`store`]) are public, for handlers that need another
-//! shape (one transaction for the claim and the handler's writes, checkpoints).
+//! shape (one transaction for the claim and the handler's writes, checkpoints, a batch of event
+//! ids claimed at once with [`store::claim_many`]).
 //!
 //! ```no_run
 //! use std::time::Duration;

@@ -67,13 +67,17 @@ pub async fn claim<C: GenericClient + Sync>(
             ],
         )
         .await?;
+    Ok(claim_of(&row))
+}
+
+fn claim_of(row: &tokio_postgres::Row) -> Claim {
     let outcome = match row.get::<_, &str>(0) {
         "new" => Outcome::New,
         "replay" => Outcome::Replay,
         "in_progress" => Outcome::InProgress,
         _ => Outcome::Mismatch,
     };
-    Ok(Claim {
+    Claim {
         outcome,
         token: row.get(1),
         response: row.get(2),
@@ -81,7 +85,75 @@ pub async fn claim<C: GenericClient + Sync>(
         retry_after: row.get(4),
         expires_at: row.get(5),
         recovery_point: row.get(6),
-    })
+    }
+}
+
+const CLAIM_MANY: &str = "
+SELECT c.outcome::text, c.token, c.response::text, c.response_status,
+       ceil(extract(epoch FROM c.retry_after))::int, c.expires_at, c.recovery_point
+  FROM idempotency.claim_many(
+           $1::text[],
+           requests => $2::text[]::jsonb[],
+           scope    => $3,
+           ttl      => make_interval(secs => $4::float8),
+           lease    => make_interval(secs => $5::float8)) c
+ ORDER BY c.ord";
+
+/// `idempotency.claim_many(keys, requests, scope, ttl, lease)`: a batch of keys claimed in one
+/// statement, for a handler that receives many items at once (a webhook delivery carrying a
+/// batch of events, each with its own id). One [`Claim`] per key, in the order of `keys`, each
+/// what `claim` would answer for that key alone; a key repeated within the batch is
+/// `InProgress` at its later positions (`Mismatch` with a different request). `requests` are
+/// JSON texts (`None`: no request check for any key; a `None` element: none for that key);
+/// `ttl_secs`/`lease_secs` `None` are the extension's defaults.
+pub async fn claim_many<C: GenericClient + Sync>(
+    db: &C,
+    keys: &[&str],
+    requests: Option<&[Option<&str>]>,
+    scope: &str,
+    ttl_secs: Option<f64>,
+    lease_secs: Option<f64>,
+) -> Result<Vec<Claim>, tokio_postgres::Error> {
+    let rows = db
+        .query(
+            CLAIM_MANY,
+            &[&keys, &requests, &scope, &ttl_secs, &lease_secs],
+        )
+        .await?;
+    Ok(rows.iter().map(claim_of).collect())
+}
+
+const COMPLETE_MANY: &str = "
+SELECT t.e
+  FROM idempotency.complete_many(
+           $1::text[], $2::text[]::jsonb[],
+           response_statuses => $3::int[],
+           scope  => $4,
+           tokens => $5::bigint[],
+           ttl    => make_interval(secs => $6::float8)) WITH ORDINALITY AS t(e, i)
+ ORDER BY t.i";
+
+/// `idempotency.complete_many(keys, bodies, statuses, scope, tokens, ttl)`: stores each key's
+/// JSON body and status in one statement; returns each new `expires_at` in the order of `keys`.
+/// All or nothing: if one key's claim is gone, completed or taken over, the error is that key's
+/// (`IK001`..`IK003`, [`is_fenced_off`] for the last two) and nothing is stored. `statuses`
+/// `None`: 200 each; `tokens` `None` (or a `None` element): no token check.
+pub async fn complete_many<C: GenericClient + Sync>(
+    db: &C,
+    keys: &[&str],
+    bodies: &[Option<&str>],
+    statuses: Option<&[i32]>,
+    scope: &str,
+    tokens: Option<&[Option<i64>]>,
+    ttl_secs: Option<f64>,
+) -> Result<Vec<SystemTime>, tokio_postgres::Error> {
+    let rows = db
+        .query(
+            COMPLETE_MANY,
+            &[&keys, &bodies, &statuses, &scope, &tokens, &ttl_secs],
+        )
+        .await?;
+    Ok(rows.iter().map(|r| r.get(0)).collect())
 }
 
 /// The HTTP answer for `replay`, `in_progress` and `mismatch` (never called for `new`).

@@ -7,7 +7,8 @@ import { Pool } from 'pg';
 import {
   idempotent, currentClaim, idempotentTransaction, expressIdempotency, fastifyIdempotency,
   InProgressError, MismatchError, FencedError, IdempotencyError, parseIdempotencyKey, sfString,
-  type CallResult,
+  idempotentBatch, claimMany, completeMany,
+  type CallResult, type BatchItem,
 } from 'pg-idempotency';
 
 const pool = new Pool();
@@ -66,3 +67,30 @@ async function fastifyApp(): Promise<void> {
 const key: string = parseIdempotencyKey('"abc"');
 const header: string = sfString(key);
 void useIt; void fastifyApp; void header;
+
+interface SqsRecord { messageId: string; body: string }
+
+const creditPoints = idempotentBatch(async (r: SqsRecord) => ({ credited: JSON.parse(r.body).points as number }),
+  { key: (r) => r.messageId, scope: 'points', ttl: '4 days', lease: 120, pool, concurrency: 4 });
+
+async function useBatch(records: SqsRecord[]): Promise<{ batchItemFailures: { itemIdentifier: string }[] }> {
+  const items: BatchItem<SqsRecord, { credited: number }>[] = await creditPoints(records);
+  for (const it of items) {
+    if (it.ok) {
+      const n: number = it.value.credited;
+      void n;
+    } else if (it.error instanceof MismatchError) {
+      const k: string = it.key;
+      void k;
+    }
+  }
+  // @ts-expect-error the messages are checked
+  await creditPoints([1, 2]);
+  const cs = await claimMany(pool, ['a', 'b'], { requests: [{ n: 1 }, null], scope: 's', lease: 60 });
+  const tokens: (string | null)[] = cs.map((c) => c.token);
+  const expires: Date[] = await completeMany(pool, ['a', 'b'], [1, 2], { scope: 's', tokens, statuses: [200, 201] });
+  void expires;
+  await creditPoints.close();
+  return { batchItemFailures: items.filter((it) => !it.ok).map((it) => ({ itemIdentifier: it.message.messageId })) };
+}
+void useBatch;

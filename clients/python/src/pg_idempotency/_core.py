@@ -15,7 +15,7 @@ import threading
 import time
 import weakref
 from dataclasses import dataclass
-from typing import Any, Callable, Optional
+from typing import Any, Callable, List, Optional, Sequence
 
 import psycopg
 
@@ -40,6 +40,19 @@ LOOKUP_SQL = """
 SELECT l.status::text, l.token, l.response::text, l.response_status, l.recovery_point,
        l.locked_until, l.expires_at
   FROM idempotency.lookup(%(key)s, scope => %(scope)s) l WHERE l.key IS NOT NULL"""
+
+CLAIM_MANY_SQL = """
+SELECT c.outcome::text, c.token, c.response::text, c.response_status,
+       extract(epoch FROM c.retry_after)::float8, c.expires_at, c.recovery_point
+  FROM idempotency.claim_many(%(keys)s::text[], requests => %(requests)s::text[]::jsonb[], scope => %(scope)s,
+                              ttl => %(ttl)s::interval, lease => %(lease)s::interval) c
+ ORDER BY c.ord"""
+
+COMPLETE_MANY_SQL = """
+SELECT e FROM idempotency.complete_many(%(keys)s::text[], %(responses)s::text[]::jsonb[],
+                                        response_statuses => %(statuses)s::int[], scope => %(scope)s,
+                                        tokens => %(tokens)s::bigint[], ttl => %(ttl)s::interval)
+       WITH ORDINALITY AS t(e, i) ORDER BY t.i"""
 
 # Errors of complete/checkpoint (docs/errors.md of the extension).
 NOT_CLAIMED, ALREADY_COMPLETED, STALE_TOKEN = "IK001", "IK002", "IK003"
@@ -135,6 +148,27 @@ def claim_params(key, request, scope, ttl, lease, request_is_json=False):
             "ttl": ttl, "lease": lease}
 
 
+def claim_many_params(keys, requests, scope, ttl, lease):
+    keys = list(keys)
+    if requests is not None:
+        requests = [to_json(r) for r in requests]
+        if len(requests) != len(keys):
+            raise ValueError(f"requests has {len(requests)} elements, keys {len(keys)}: one request per key")
+    return {"keys": keys, "requests": requests, "scope": scope, "ttl": ttl, "lease": lease}
+
+
+def complete_many_params(keys, responses, statuses, scope, tokens, ttl, responses_are_json=False):
+    keys = list(keys)
+    responses = None if responses is None else [r if responses_are_json else to_json(r) for r in responses]
+    statuses = None if statuses is None else list(statuses)
+    tokens = None if tokens is None else list(tokens)
+    for name, arr in (("responses", responses), ("statuses", statuses), ("tokens", tokens)):
+        if arr is not None and len(arr) != len(keys):
+            raise ValueError(f"{name} has {len(arr)} elements, keys {len(keys)}: one per key")
+    return {"keys": keys, "responses": responses, "statuses": statuses, "scope": scope, "tokens": tokens,
+            "ttl": ttl}
+
+
 def fenced_or_raise(e: Exception):
     state = getattr(e, "sqlstate", None) or getattr(getattr(e, "__cause__", None), "sqlstate", None)
     if state in (NOT_CLAIMED, ALREADY_COMPLETED, STALE_TOKEN):
@@ -162,6 +196,28 @@ class _Calls:
                   "status": status, "scope": scope, "token": token, "ttl": ttl}
         try:
             return self.execute(COMPLETE_SQL, params)[0]
+        except Exception as e:
+            fenced_or_raise(e)
+
+    def claim_many(self, keys: Sequence[str], requests: Optional[Sequence[Any]] = None, scope: str = "",
+                   ttl: Optional[dt.timedelta] = None, lease: Optional[dt.timedelta] = None) -> List[ClaimResult]:
+        """idempotency.claim_many: one ClaimResult per key, in the order of `keys`, in one round trip.
+        Each is what `claim` would answer for that key alone; a key repeated within the batch is
+        `in_progress` at its later positions (`mismatch` with a different request)."""
+        params = claim_many_params(keys, requests, scope, ttl, lease)
+        rows = self.execute_all(CLAIM_MANY_SQL, params)
+        return [ClaimResult.from_row(k, scope, r) for k, r in zip(params["keys"], rows)]
+
+    def complete_many(self, keys: Sequence[str], responses: Optional[Sequence[Any]],
+                      statuses: Optional[Sequence[int]] = None,
+                      scope: str = "", tokens: Optional[Sequence[Optional[int]]] = None,
+                      ttl: Optional[dt.timedelta] = None, responses_are_json: bool = False) -> List[dt.datetime]:
+        """idempotency.complete_many: stores each key's response in one statement; returns each new
+        expires_at in the order of `keys`. All or nothing: if one position's claim is gone, completed
+        or taken over, Fenced is raised (naming that key) and nothing is stored."""
+        params = complete_many_params(keys, responses, statuses, scope, tokens, ttl, responses_are_json)
+        try:
+            return [r[0] for r in self.execute_all(COMPLETE_MANY_SQL, params)]
         except Exception as e:
             fenced_or_raise(e)
 
@@ -215,11 +271,18 @@ class Store(_Calls):
         return conn
 
     def execute(self, sql: str, params: dict):
+        return self._run(sql, params, all_rows=False)
+
+    def execute_all(self, sql: str, params: dict) -> list:
+        return self._run(sql, params, all_rows=True)
+
+    def _run(self, sql: str, params: dict, all_rows: bool):
         deadline = time.monotonic() + self.reconnect_timeout
         pause = 0.05
         while True:
             try:
-                return self.connection().execute(sql, params).fetchone()
+                cur = self.connection().execute(sql, params)
+                return cur.fetchall() if all_rows else cur.fetchone()
             except psycopg.errors.SerializationFailure:
                 time.sleep(0.01)
             except psycopg.Error as e:
@@ -264,13 +327,19 @@ class AsyncStore(_Calls):
             return conn
 
     async def execute(self, sql: str, params: dict):
+        return await self._run(sql, params, all_rows=False)
+
+    async def execute_all(self, sql: str, params: dict) -> list:
+        return await self._run(sql, params, all_rows=True)
+
+    async def _run(self, sql: str, params: dict, all_rows: bool):
         deadline = time.monotonic() + self.reconnect_timeout
         pause = 0.05
         while True:
             try:
                 conn = await self.connection()
                 cur = await conn.execute(sql, params)
-                return await cur.fetchone()
+                return await (cur.fetchall() if all_rows else cur.fetchone())
             except psycopg.errors.SerializationFailure:
                 await asyncio.sleep(0.01)
             except psycopg.Error as e:
@@ -303,6 +372,19 @@ class AsyncStore(_Calls):
                   "status": status, "scope": scope, "token": token, "ttl": ttl}
         try:
             return (await self.execute(COMPLETE_SQL, params))[0]
+        except Exception as e:
+            fenced_or_raise(e)
+
+    async def claim_many(self, keys, requests=None, scope="", ttl=None, lease=None) -> List[ClaimResult]:
+        params = claim_many_params(keys, requests, scope, ttl, lease)
+        rows = await self.execute_all(CLAIM_MANY_SQL, params)
+        return [ClaimResult.from_row(k, scope, r) for k, r in zip(params["keys"], rows)]
+
+    async def complete_many(self, keys, responses, statuses=None, scope="", tokens=None, ttl=None,
+                            responses_are_json=False) -> List[dt.datetime]:
+        params = complete_many_params(keys, responses, statuses, scope, tokens, ttl, responses_are_json)
+        try:
+            return [r[0] for r in await self.execute_all(COMPLETE_MANY_SQL, params)]
         except Exception as e:
             fenced_or_raise(e)
 
