@@ -713,7 +713,10 @@ BEGIN
         'idempotency.checkpoint(text, text, text, bigint)',
         'idempotency.release(text, text, bigint)',
         'idempotency.forget(text, text)',
-        'idempotency.lookup(text, text)']::pg_catalog.regprocedure[] LOOP
+        'idempotency.lookup(text, text)',
+        -- A batch has one scope: delegated whole to the worker holding its shard.
+        'idempotency.claim_many(text[], jsonb[], text, interval, interval)',
+        'idempotency.complete_many(text[], jsonb[], integer[], text, bigint[], interval)']::pg_catalog.regprocedure[] LOOP
         IF NOT EXISTS (SELECT FROM pg_catalog.pg_dist_object AS o
                         WHERE o.classid OPERATOR(pg_catalog.=) 'pg_catalog.pg_proc'::pg_catalog.regclass
                           AND o.objid OPERATOR(pg_catalog.=) v_fn::pg_catalog.oid

@@ -735,3 +735,38 @@ def test_worker_killed_mid_load_loses_no_acknowledged_completion(citus, coord):
         for scope, key, response in acked:
             r = claim(c, key, {"n": response["n"]}, scope=scope)
             assert r[0] == "replay" and r[2] == response, (scope, key, r)
+
+
+def test_claim_many_and_complete_many_from_the_coordinator(citus, coord):
+    """A batch of one scope, delegated whole to the worker holding that scope's shard, and the same
+    batch inside an explicit transaction (run on the coordinator, routed key by key)."""
+    keys = ["m-1", "m-2", "m-1", "m-3"]
+    reqs = [json.dumps({"n": 1}), json.dumps({"n": 2}), json.dumps({"n": 1}), json.dumps({"n": 3})]
+    rows = coord.execute("SELECT ord, key, outcome::text, token FROM idempotency.claim_many("
+                         "%s::text[], %s::jsonb[], 'batch-tenant')", (keys, reqs)).fetchall()
+    assert [(o, k, out) for o, k, out, _ in rows] == [
+        (1, "m-1", "new"), (2, "m-2", "new"), (3, "m-1", "in_progress"), (4, "m-3", "new")]
+    tokens = {k: t for _, k, out, t in rows if out == "new"}
+    assert {t >> 48 for t in tokens.values()} - {0}, "the batch did not run on a worker"
+    done = coord.execute(
+        "SELECT * FROM idempotency.complete_many(%s::text[], %s::jsonb[], scope => 'batch-tenant', "
+        "tokens => %s::bigint[])",
+        (list(tokens), [json.dumps({"ok": k}) for k in tokens], list(tokens.values()))).fetchall()
+    assert len(done) == 3 and all(d[0] is not None for d in done)
+    with coord.transaction():
+        again = coord.execute("SELECT key, outcome::text, response FROM idempotency.claim_many("
+                              "%s::text[], %s::jsonb[], 'batch-tenant')", (keys, reqs)).fetchall()
+    assert again == [("m-1", "replay", {"ok": "m-1"}), ("m-2", "replay", {"ok": "m-2"}),
+                     ("m-1", "replay", {"ok": "m-1"}), ("m-3", "replay", {"ok": "m-3"})]
+    # A stale token in a batch: nothing of the batch is written.
+    fresh = coord.execute("SELECT key, token FROM idempotency.claim_many(ARRAY['m-4','m-5'], "
+                          "scope => 'batch-tenant')").fetchall()
+    assert len(fresh) == 2
+    with pytest.raises(psycopg.Error) as e:
+        coord.execute("SELECT * FROM idempotency.complete_many(ARRAY['m-4','m-5'], "
+                      "ARRAY['{}','{}']::jsonb[], scope => 'batch-tenant', tokens => %s::bigint[])",
+                      ([fresh[0][1], fresh[1][1] + 1000],))
+    assert e.value.sqlstate == "IK003"
+    left = coord.execute("SELECT count(*) FROM idempotency.idempotency_keys WHERE scope = 'batch-tenant' "
+                         "AND key IN ('m-4', 'm-5') AND status = 'in_progress'").fetchone()[0]
+    assert left == 2

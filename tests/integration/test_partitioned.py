@@ -134,6 +134,23 @@ def test_claim_complete_replay_mismatch_over_many_scopes(p):
     assert claim(p, "order-1", {"amount": 10}, scope="tenant-3")[0] == "new"
 
 
+def test_claim_many_and_complete_many_on_a_partitioned_store(p):
+    keys = [f"b-{i}" for i in range(40)] + ["b-0"]
+    rows = p.execute("SELECT ord, key, outcome::text, token FROM idempotency.claim_many(%s::text[], scope => 's')",
+                     (keys,)).fetchall()
+    assert [r[0] for r in rows] == list(range(1, 42))
+    assert [r[2] for r in rows] == ["new"] * 40 + ["in_progress"]
+    assert sum(rows_per_partition(p).values()) == 40 and len(rows_per_partition(p)) > 1
+    firsts = rows[:40]
+    done = p.execute("SELECT * FROM idempotency.complete_many(%s::text[], %s::jsonb[], scope => 's', "
+                     "tokens => %s::bigint[])",
+                     ([r[1] for r in firsts], ['{"ok": true}'] * 40, [r[3] for r in firsts])).fetchall()
+    assert len(done) == 40
+    again = p.execute("SELECT outcome::text, response FROM idempotency.claim_many(%s::text[], scope => 's')",
+                      (keys,)).fetchall()
+    assert again == [("replay", {"ok": True})] * 41
+
+
 def test_takeover_gets_a_larger_token_and_the_stale_one_is_refused(p):
     first = claim(p, "job", {"n": 1}, scope="lease", lease="1 second")
     assert first[0] == "new"
