@@ -101,7 +101,9 @@ def test_distribute_made_the_store_distributed_and_is_idempotent(citus, coord):
     assert delegated == sorted([
         "idempotency.checkpoint(text,text,text,bigint)", "idempotency.claim(text,jsonb,text,interval,interval)",
         "idempotency.complete(text,jsonb,integer,text,bigint,interval)", "idempotency.forget(text,text)",
-        "idempotency.lookup(text,text)", "idempotency.release(text,text,bigint)"])
+        "idempotency.lookup(text,text)", "idempotency.release(text,text,bigint)",
+        "idempotency.claim_many(text[],jsonb[],text,interval,interval)",
+        "idempotency.complete_many(text[],jsonb[],integer[],text,bigint[],interval)"])
     assert coord.execute("SELECT count(*) FROM pg_dist_shard WHERE logicalrelid = "
                          "'idempotency.idempotency_keys'::regclass").fetchone()[0] == SHARDS
 
