@@ -349,13 +349,7 @@ pub extern "C-unwind" fn idempotency_claim(fcinfo: pg_sys::FunctionCallInfo) -> 
             ttl,
             lease,
         });
-        let event = match result.outcome {
-            Outcome::New => Event::ClaimNew,
-            Outcome::Replay => Event::ClaimReplay,
-            Outcome::InProgress => Event::ClaimInProgress,
-            Outcome::Mismatch => Event::ClaimMismatch,
-        };
-        stats::count(event, 1);
+        stats::count(outcome_slot(result.outcome).1, 1);
         claim_tuple(fcinfo, result)
     }
 }
@@ -425,33 +419,7 @@ unsafe fn result_type(fcinfo: pg_sys::FunctionCallInfo) -> ResultType {
                 Some("reinstall the extension"),
             );
         }
-        let outcome_type = (*crate::compat::attribute(tupdesc, 0)).atttypid;
-        let mut outcomes = [pg_sys::Datum::from(0usize); 4];
-        for (i, o) in [
-            Outcome::New,
-            Outcome::Replay,
-            Outcome::InProgress,
-            Outcome::Mismatch,
-        ]
-        .iter()
-        .enumerate()
-        {
-            let label = std::ffi::CString::new(o.label()).unwrap_or_default();
-            outcomes[i] = pgrx::direct_function_call_as_datum(
-                pg_sys::enum_in,
-                &[
-                    Some(pg_sys::Datum::from(label.as_ptr())),
-                    Some(pg_sys::Datum::from(outcome_type)),
-                ],
-            )
-            .unwrap_or_else(|| {
-                raise(
-                    PgSqlErrorCode::ERRCODE_INTERNAL_ERROR,
-                    "enum_in".into(),
-                    None,
-                )
-            });
-        }
+        let outcomes = outcome_labels((*crate::compat::attribute(tupdesc, 0)).atttypid);
         let t = ResultType {
             typid,
             tupdesc,
@@ -462,6 +430,49 @@ unsafe fn result_type(fcinfo: pg_sys::FunctionCallInfo) -> ResultType {
     }
 }
 
+/// The outcomes in the order of [`ResultType::outcomes`].
+const OUTCOMES: [Outcome; 4] = [
+    Outcome::New,
+    Outcome::Replay,
+    Outcome::InProgress,
+    Outcome::Mismatch,
+];
+
+/// An outcome's index in [`OUTCOMES`] (and so in [`ResultType::outcomes`]) and the event it
+/// counts as.
+fn outcome_slot(o: Outcome) -> (usize, Event) {
+    match o {
+        Outcome::New => (0, Event::ClaimNew),
+        Outcome::Replay => (1, Event::ClaimReplay),
+        Outcome::InProgress => (2, Event::ClaimInProgress),
+        Outcome::Mismatch => (3, Event::ClaimMismatch),
+    }
+}
+
+/// The datums of the `outcome` enum's labels, in the order of [`OUTCOMES`].
+///
+/// # Safety
+/// `outcome_type` is the OID of `idempotency.outcome`.
+unsafe fn outcome_labels(outcome_type: pg_sys::Oid) -> [pg_sys::Datum; 4] {
+    OUTCOMES.map(|o| {
+        let label = std::ffi::CString::new(o.label()).unwrap_or_default();
+        pgrx::direct_function_call_as_datum(
+            pg_sys::enum_in,
+            &[
+                Some(pg_sys::Datum::from(label.as_ptr())),
+                Some(pg_sys::Datum::from(outcome_type)),
+            ],
+        )
+        .unwrap_or_else(|| {
+            raise(
+                PgSqlErrorCode::ERRCODE_INTERNAL_ERROR,
+                "enum_in".into(),
+                None,
+            )
+        })
+    })
+}
+
 /// # Safety
 /// `fcinfo` is the current call of `claim`.
 unsafe fn claim_tuple(fcinfo: pg_sys::FunctionCallInfo, r: ClaimResult) -> pg_sys::Datum {
@@ -469,14 +480,8 @@ unsafe fn claim_tuple(fcinfo: pg_sys::FunctionCallInfo, r: ClaimResult) -> pg_sy
     // `claim_result` descriptor (checked to have 7 columns), allocated in the call's context.
     unsafe {
         let t = result_type(fcinfo);
-        let outcome = match r.outcome {
-            Outcome::New => t.outcomes[0],
-            Outcome::Replay => t.outcomes[1],
-            Outcome::InProgress => t.outcomes[2],
-            Outcome::Mismatch => t.outcomes[3],
-        };
         let fields: [Option<pg_sys::Datum>; 7] = [
-            Some(outcome),
+            Some(t.outcomes[outcome_slot(r.outcome).0]),
             r.token.into_datum(),
             r.response.and_then(|j| j.into_datum()),
             r.response_status.into_datum(),
@@ -498,31 +503,47 @@ unsafe fn tuple_datum(
     tupdesc: pg_sys::TupleDesc,
     fields: &[Option<pg_sys::Datum>],
 ) -> pg_sys::Datum {
+    // SAFETY: the caller's guarantees; the tuple is formed in the current (the call's) context
+    // from `natts` values and null flags, as `with_row` gives them.
+    unsafe {
+        with_row(tupdesc, fields, |values, nulls| {
+            let tuple = pg_sys::heap_form_tuple(tupdesc, values, nulls);
+            pg_sys::HeapTupleHeaderGetDatum((*tuple).t_data)
+        })
+    }
+}
+
+/// Calls `f` with the values and null flags of a row of `tupdesc` holding `fields` (NULL where
+/// None or missing): exactly `natts` of each, as heap_form_tuple and tuplestore_putvalues read.
+///
+/// # Safety
+/// `tupdesc` is a valid descriptor.
+unsafe fn with_row<R>(
+    tupdesc: pg_sys::TupleDesc,
+    fields: &[Option<pg_sys::Datum>],
+    f: impl FnOnce(*mut pg_sys::Datum, *mut bool) -> R,
+) -> R {
     // The result types have a handful of columns: on the stack, unless one was widened a lot.
     const ON_STACK: usize = 16;
-    // SAFETY: the caller's guarantees; `values` and `nulls` hold exactly `natts` entries, as
-    // heap_form_tuple reads, and the tuple is formed in the current (the call's) context.
-    unsafe {
-        let natts = (*tupdesc).natts as usize;
-        let (mut stack_values, mut stack_nulls) =
-            ([pg_sys::Datum::from(0usize); ON_STACK], [true; ON_STACK]);
-        let (mut heap_values, mut heap_nulls) = (Vec::new(), Vec::new());
-        let (values, nulls): (&mut [pg_sys::Datum], &mut [bool]) = if natts <= ON_STACK {
-            (&mut stack_values[..natts], &mut stack_nulls[..natts])
-        } else {
-            heap_values.resize(natts, pg_sys::Datum::from(0usize));
-            heap_nulls.resize(natts, true);
-            (&mut heap_values, &mut heap_nulls)
-        };
-        for (i, f) in fields.iter().enumerate().take(natts) {
-            if let Some(d) = f {
-                values[i] = *d;
-                nulls[i] = false;
-            }
+    // SAFETY: the caller guarantees the descriptor; `natts` is its column count.
+    let natts = unsafe { (*tupdesc).natts } as usize;
+    let (mut stack_values, mut stack_nulls) =
+        ([pg_sys::Datum::from(0usize); ON_STACK], [true; ON_STACK]);
+    let (mut heap_values, mut heap_nulls) = (Vec::new(), Vec::new());
+    let (values, nulls): (&mut [pg_sys::Datum], &mut [bool]) = if natts <= ON_STACK {
+        (&mut stack_values[..natts], &mut stack_nulls[..natts])
+    } else {
+        heap_values.resize(natts, pg_sys::Datum::from(0usize));
+        heap_nulls.resize(natts, true);
+        (&mut heap_values, &mut heap_nulls)
+    };
+    for (i, field) in fields.iter().enumerate().take(natts) {
+        if let Some(d) = field {
+            values[i] = *d;
+            nulls[i] = false;
         }
-        let tuple = pg_sys::heap_form_tuple(tupdesc, values.as_mut_ptr(), nulls.as_mut_ptr());
-        pg_sys::HeapTupleHeaderGetDatum((*tuple).t_data)
     }
+    f(values.as_mut_ptr(), nulls.as_mut_ptr())
 }
 
 v1!(pg_finfo_idempotency_complete);
@@ -716,30 +737,7 @@ pub extern "C-unwind" fn idempotency_claim_many(fcinfo: pg_sys::FunctionCallInfo
                 Some("reinstall the extension"),
             );
         }
-        let outcome_type = (*crate::compat::attribute(tupdesc, 2)).atttypid;
-        let outcomes = [
-            Outcome::New,
-            Outcome::Replay,
-            Outcome::InProgress,
-            Outcome::Mismatch,
-        ]
-        .map(|o| {
-            let label = std::ffi::CString::new(o.label()).unwrap_or_default();
-            pgrx::direct_function_call_as_datum(
-                pg_sys::enum_in,
-                &[
-                    Some(pg_sys::Datum::from(label.as_ptr())),
-                    Some(pg_sys::Datum::from(outcome_type)),
-                ],
-            )
-            .unwrap_or_else(|| {
-                raise(
-                    PgSqlErrorCode::ERRCODE_INTERNAL_ERROR,
-                    "enum_in".into(),
-                    None,
-                )
-            })
-        });
+        let outcomes = outcome_labels((*crate::compat::attribute(tupdesc, 2)).atttypid);
 
         let mut counts = [0u64; 4];
         let mut start = 0;
@@ -759,12 +757,7 @@ pub extern "C-unwind" fn idempotency_claim_many(fcinfo: pg_sys::FunctionCallInfo
                         lease,
                     })
                 });
-                let o = match result.outcome {
-                    Outcome::New => 0,
-                    Outcome::Replay => 1,
-                    Outcome::InProgress => 2,
-                    Outcome::Mismatch => 3,
-                };
+                let o = outcome_slot(result.outcome).0;
                 counts[o] += 1;
                 let fields: [Option<pg_sys::Datum>; 9] = [
                     (i as i32 + 1).into_datum(),
@@ -780,44 +773,15 @@ pub extern "C-unwind" fn idempotency_claim_many(fcinfo: pg_sys::FunctionCallInfo
                         .as_deref()
                         .map(|p| encoding::text_datum(p, "recovery_point")),
                 ];
-                // The declaration has exactly these 9 columns (checked above: at least 9);
-                // a wider row type gets NULLs in the rest.
-                let natts = (*tupdesc).natts as usize;
-                let (mut values, mut nulls) = ([pg_sys::Datum::from(0usize); 9], [true; 9]);
-                let (mut wide_values, mut wide_nulls) = (Vec::new(), Vec::new());
-                let (values, nulls): (&mut [pg_sys::Datum], &mut [bool]) = if natts == 9 {
-                    (&mut values, &mut nulls)
-                } else {
-                    wide_values.resize(natts, pg_sys::Datum::from(0usize));
-                    wide_nulls.resize(natts, true);
-                    (&mut wide_values, &mut wide_nulls)
-                };
-                for (c, f) in fields.iter().enumerate() {
-                    if let Some(d) = f {
-                        values[c] = *d;
-                        nulls[c] = false;
-                    }
-                }
-                pg_sys::tuplestore_putvalues(
-                    store_,
-                    tupdesc,
-                    values.as_mut_ptr(),
-                    nulls.as_mut_ptr(),
-                );
+                with_row(tupdesc, &fields, |values, nulls| {
+                    pg_sys::tuplestore_putvalues(store_, tupdesc, values, nulls)
+                });
             }
             start = end;
         }
-        for (event, n) in [
-            Event::ClaimNew,
-            Event::ClaimReplay,
-            Event::ClaimInProgress,
-            Event::ClaimMismatch,
-        ]
-        .into_iter()
-        .zip(counts)
-        {
+        for (outcome, n) in OUTCOMES.into_iter().zip(counts) {
             if n > 0 {
-                stats::count(event, n);
+                stats::count(outcome_slot(outcome).1, n);
             }
         }
         pg_sys::Datum::from(0usize)
