@@ -288,37 +288,53 @@ def set_sweep_interval(cluster, value):
     sql(cluster, "SELECT pg_reload_conf()")
 
 
+SWEEP_ROUNDS = 5
+
+
 def sweep_bench(cluster, seconds, rounds, logdir):
     """The background sweeper's deletion rate on 1M expired rows (nothing else running), then, in
-    each round, the p99 of 8 claiming sessions while it sweeps another million against without
-    a sweep.
+    each of at least SWEEP_ROUNDS rounds, the p99 of 8 claiming sessions while it sweeps a million
+    against without a sweep.
 
-    Both p99 runs of a round see the same table (the million expired rows are in it, vacuumed
-    and analyzed, after a checkpoint): for the run without, the sweeper is held off by a one-hour
-    sweep_interval; a reload back to one second starts it as the run with it starts."""
+    Each p99 run gets its own million expired rows, inserted with the sweeper held off (a one-hour
+    sweep_interval), vacuumed and analyzed, after a checkpoint: so both runs of a round see the
+    same table. The run without keeps the sweeper off (its million is swept after it); for the run
+    with it, a reload back to one second starts it as the run starts. The two runs alternate
+    which goes first from round to round (a table that grew by the first run's claims, a
+    checkpoint's full-page writes: neither side always gets them), and the ratio is the median of
+    the per-round p99s."""
     sql(cluster, "VACUUM idempotency.idempotency_keys")
     swept0 = swept_so_far(cluster)
     sql(cluster, EXPIRED_ROWS, ("x",))
     first, last = wait_swept(cluster, swept0, 1_000_000)
     rate = (last[1] - first[1]) / (last[0] - first[0]) if first and last and last[0] > first[0] else float("nan")
 
-    runs = []
-    for r in range(rounds):
+    def one_run(tag, sweeping):
         set_sweep_interval(cluster, "1h")
         time.sleep(2)  # the round the reload started has nothing left to do
-        sql(cluster, EXPIRED_ROWS, (f"y{r}-",))
+        sql(cluster, EXPIRED_ROWS, (tag,))
         sql(cluster, "VACUUM ANALYZE idempotency.idempotency_keys")
         sql(cluster, "CHECKPOINT")
         swept1 = swept_so_far(cluster)
-        without = pgbench(cluster, "ext_one_tx.sql", 8, max(seconds, 10), "sweep-base", logdir)
-        assert swept_so_far(cluster) == swept1, "the sweeper ran during the run without it"
-        sql(cluster, "CHECKPOINT")
-        set_sweep_interval(cluster, "1s")
-        during = pgbench(cluster, "ext_one_tx.sql", 8, max(seconds, 10), "sweep-during", logdir)
-        during_swept = swept_so_far(cluster) - swept1
-        wait_swept(cluster, swept1, 1_000_000)  # let it finish before the next measurement
+        if sweeping:
+            set_sweep_interval(cluster, "1s")
+        res = pgbench(cluster, "ext_one_tx.sql", 8, max(seconds, 10),
+                      "sweep-during" if sweeping else "sweep-base", logdir)
+        swept = swept_so_far(cluster) - swept1
+        if not sweeping:
+            assert swept == 0, "the sweeper ran during the run without it"
+            set_sweep_interval(cluster, "1s")
+        wait_swept(cluster, swept1, 1_000_000)  # swept before the next run's table is made
+        return res, swept
+
+    runs = []
+    for r in range(max(rounds, SWEEP_ROUNDS)):
+        order = [False, True] if r % 2 == 0 else [True, False]
+        got = {sweeping: one_run(f"y{r}{'d' if sweeping else 'w'}-", sweeping) for sweeping in order}
+        (without, _), (during, during_swept) = got[False], got[True]
         runs.append((without, during, during_swept))
-        print(f"   sweep round {r + 1}: p99 {without[1]:.2f} ms without, {during[1]:.2f} ms during "
+        print(f"   sweep round {r + 1} ({'without first' if r % 2 == 0 else 'during first'}): p99 "
+              f"{without[1]:.2f} ms without, {during[1]:.2f} ms during "
               f"({during_swept:,} rows swept during the run)", flush=True)
     return {"rows_per_second": rate,
             "p99_without": median([w[1] for w, _, _ in runs]), "p99_during": median([d[1] for _, d, _ in runs]),

@@ -285,12 +285,15 @@ pub(crate) fn in_progress(row: Row) -> ClaimResult {
 /// Only under READ COMMITTED on a table the probe can see (not Citus). The insert lock of each
 /// distinct key is taken first, in the order of the locks' hash (so two batches never wait for
 /// each other in a cycle), and held until the insert has run, so no other claimer inserts any
-/// of the keys meanwhile, as for one key in [`probe_or_insert`]. Then one `INSERT ... ON
-/// CONFLICT DO NOTHING` inserts every key that is absent, without looking at them first; it
-/// may not wait ([`without_waiting`]): a key another open transaction is inserting or changing
-/// would make it wait for that transaction, where `claim` answers `in_progress` at once. If it
-/// would wait, it is rolled back and each key is probed (still under its lock, with a
-/// confirmed miss) and only the absent ones are inserted.
+/// of the keys meanwhile, as for one key in [`probe_or_insert`]. Then, on a table the direct
+/// writes apply to, each key is looked at with the dirty probe alone and the absent ones are
+/// written below SQL at once ([`heap::insert_direct_batch`]); elsewhere one `INSERT ... ON
+/// CONFLICT DO NOTHING` inserts every key that is absent, without looking at them first.
+/// Neither may wait ([`without_waiting`]): a key another open transaction is inserting or
+/// changing would make it wait for that transaction, where `claim` answers `in_progress` at
+/// once. If it would wait (or, below SQL, the unique index finds a key the probe missed), it
+/// is rolled back; the SQL insert then probes each key (still under its lock, with a confirmed
+/// miss) and inserts only the absent ones, and below SQL those keys go to `claim`.
 pub fn claim_fresh_batch(
     scope: &str,
     keys: &[&str],
@@ -326,20 +329,48 @@ pub fn claim_fresh_batch(
             .map(|(j, token, expires_at)| (positions[j], token, expires_at))
             .collect::<Vec<_>>()
     };
-    let inserted = match without_waiting(|| insert(&firsts, true)) {
-        Some(rows) => rows,
-        None => {
+    let inserted = match direct_layout_for_write() {
+        // Below SQL: each key looked at with the dirty probe alone (no confirmation), the absent
+        // ones inserted at once. The unique index still checks each of them: a key the probe
+        // missed (an update racing its scan, see `probe`) is a unique violation or a wait for
+        // the writer's transaction; then the whole insert is undone and those keys go to
+        // `claim` one by one, as every key the probe found does.
+        Some(d) => {
             let fresh: Vec<usize> = firsts
                 .iter()
                 .copied()
-                .filter(|&i| matches!(probe(scope, keys[i], true), Probe::Absent))
+                .filter(|&i| matches!(probe(scope, keys[i], false), Probe::Absent))
                 .collect();
-            if fresh.is_empty() {
-                Vec::new()
-            } else {
-                insert(&fresh, false)
+            let rows: Vec<(&str, Option<[u8; 32]>)> =
+                fresh.iter().map(|&i| (keys[i], hashes[i])).collect();
+            if rows.is_empty() {
+                return out;
             }
+            without_waiting(|| heap::insert_direct_batch(&d, scope, &rows, ttl, lease))
+                .map(|results| {
+                    fresh
+                        .iter()
+                        .zip(results)
+                        .map(|(&i, r)| (i, r.token, r.expires_at))
+                        .collect()
+                })
+                .unwrap_or_default()
         }
+        None => match without_waiting(|| insert(&firsts, true)) {
+            Some(rows) => rows,
+            None => {
+                let fresh: Vec<usize> = firsts
+                    .iter()
+                    .copied()
+                    .filter(|&i| matches!(probe(scope, keys[i], true), Probe::Absent))
+                    .collect();
+                if fresh.is_empty() {
+                    Vec::new()
+                } else {
+                    insert(&fresh, false)
+                }
+            }
+        },
     };
     drop(locks);
     for (i, token, expires_at) in inserted {
@@ -351,9 +382,10 @@ pub fn claim_fresh_batch(
     out
 }
 
-/// Runs `f` (statements that write) in a subtransaction in which a lock wait ends after 1 ms
-/// with `55P03`: then the subtransaction is rolled back (its writes undone) and None returned.
-/// Any other error rolls the subtransaction back and is raised as it was.
+/// Runs `f` (writes) in a subtransaction in which a lock wait ends after 1 ms with `55P03`:
+/// then, or on a unique violation (`23505`), the subtransaction is rolled back (its writes
+/// undone) and None returned. Any other error rolls the subtransaction back and is raised as
+/// it was.
 fn without_waiting<R>(f: impl FnOnce() -> R) -> Option<R> {
     use pgrx::pg_sys::PgTryBuilder;
     use std::panic::AssertUnwindSafe;
@@ -382,6 +414,12 @@ fn without_waiting<R>(f: impl FnOnce() -> R) -> Option<R> {
             Some(r)
         }))
         .catch_when(PgSqlErrorCode::ERRCODE_LOCK_NOT_AVAILABLE, move |_| {
+            pg_sys::LockTimeout = timeout;
+            pg_sys::RollbackAndReleaseCurrentSubTransaction();
+            restore();
+            None
+        })
+        .catch_when(PgSqlErrorCode::ERRCODE_UNIQUE_VIOLATION, move |_| {
             pg_sys::LockTimeout = timeout;
             pg_sys::RollbackAndReleaseCurrentSubTransaction();
             restore();

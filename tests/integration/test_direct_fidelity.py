@@ -110,6 +110,29 @@ def test_a_claim_that_races_an_update_of_the_row_still_replays(connect):
     assert a.execute("SELECT count(*) FROM idempotency.idempotency_keys WHERE key = 'race-1'").fetchone()[0] == 1
 
 
+def test_a_batch_claim_that_races_an_update_of_a_row_still_replays_it(connect):
+    # claim_many inserts the keys its dirty look-up finds absent without confirming the miss:
+    # the unique index catches the raced key, the batch's insert is undone and each key is
+    # claimed one by one.
+    a = connect()
+    assert claim(a, "race-3", {"x": 3})[0] == "new"
+    complete(a, "race-3", {"done": 3})
+
+    def batch(b):
+        return b.execute(
+            "SELECT key, outcome::text, response FROM idempotency.claim_many("
+            "ARRAY['race-3a', 'race-3', 'race-3b'], "
+            "ARRAY['{\"x\": 0}', '{\"x\": 3}', '{\"x\": 0}']::jsonb[]) ORDER BY ord").fetchall()
+
+    box, in_window = race(connect, "race-3", batch)
+    assert "error" not in box, box
+    assert in_window >= 2, f"the updates did not land inside the look-up's window ({in_window})"
+    assert box["result"] == [("race-3a", "new", None), ("race-3", "replay", {"done": 3}),
+                             ("race-3b", "new", None)], box
+    assert a.execute("SELECT key, count(*) FROM idempotency.idempotency_keys WHERE key LIKE 'race-3%%' "
+                     "GROUP BY key ORDER BY key").fetchall() == [("race-3", 1), ("race-3a", 1), ("race-3b", 1)]
+
+
 def test_a_completion_that_races_an_update_of_the_row_completes(connect):
     a = connect()
     first = claim(a, "race-2", {"x": 2}, lease="10 minutes")

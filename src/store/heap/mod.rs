@@ -9,7 +9,7 @@ mod scan;
 mod write;
 
 pub(crate) use scan::{newest_version, probe, Newest, Probe};
-pub(crate) use write::{complete_direct, insert_direct};
+pub(crate) use write::{complete_direct, insert_direct, insert_direct_batch};
 
 // One that reads backend state and cannot raise an error: called directly, no boundary needed.
 unsafe extern "C-unwind" {
