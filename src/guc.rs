@@ -18,7 +18,7 @@ pub static SWEEP_BATCH_SIZE: GucSetting<i32> = GucSetting::<i32>::new(10_000);
 pub static SWEEP_DELAY: GucSetting<i32> = GucSetting::<i32>::new(50);
 
 /// OS scheduling niceness of the per-database sweepers.
-pub static SWEEP_NICE: GucSetting<i32> = GucSetting::<i32>::new(10);
+pub static SWEEP_NICE: GucSetting<i32> = GucSetting::<i32>::new(19);
 /// Scopes this session may use must start with this (superuser-set, e.g. per role).
 pub static SCOPE_PREFIX: GucSetting<Option<CString>> = GucSetting::<Option<CString>>::new(None);
 /// Whether `complete` appends a row to `idempotency.audit`.
