@@ -199,8 +199,8 @@ def test_sweep_delay_paces_a_backlog(preloaded):
 
 @pytest.mark.slow  # a backlog swept under claim load: 20-35 s
 def test_sweeper_yields_to_sessions_that_write(preloaded):
-    """While other sessions write WAL the sweeper deletes a twentieth of a batch at a time; on an
-    idle server it deletes full batches."""
+    """While other sessions write WAL the sweeper deletes a fiftieth of a batch (at least 100
+    rows) at a time, with four times the pause; on an idle server it deletes full batches."""
     def seeded(a, prefix):
         a.execute("SELECT pg_reload_conf()")
         time.sleep(1.5)
@@ -235,7 +235,7 @@ def test_sweeper_yields_to_sessions_that_write(preloaded):
                 stop.set()
                 writer.join()
             # Idle, it had swept them all by now; yielding, one full batch at most before it
-            # noticed the writer, then batches of 100 a second (about 500 rows in this time).
+            # noticed the writer, then batches of 100 every two seconds.
             assert left > 10000, (left, idle_seconds)
             # Once the writer is gone it is back to full batches.
             assert wait_for(lambda: count(a, "busy-old-%") == 0, timeout=idle_seconds + 10)
