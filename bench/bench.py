@@ -36,19 +36,24 @@ CLIENTS = [1, 4, 16]
 REQUEST = '{"amount": 100, "currency": "EUR"}'
 
 
+PGBENCH_ENV = dict(os.environ, PGOPTIONS="-c client_min_messages=error")
+
+
+def pgbench_command(cluster, script, clients, seconds, prefix):
+    """pgbench running `script` (bench/sql) prepared, logging each transaction under `prefix`."""
+    return [f"{PG_BIN}/pgbench", "-h", cluster.dir, "-p", str(cluster.port), "-U", "postgres", "-n",
+            "-c", str(clients), "-j", str(min(clients, 4)), "-T", str(seconds), "-M", "prepared",
+            "-f", os.path.join(HERE, "sql", script), "-l", "--log-prefix", prefix, cluster.dbname]
+
+
 def pgbench(cluster, script, clients, seconds, tag, logdir):
     """Runs one pgbench script; returns (tps, p99 latency in ms)."""
     prefix = os.path.join(logdir, f"{tag}-{clients}")
     for f in os.listdir(logdir):
         if f.startswith(os.path.basename(prefix) + "."):
             os.remove(os.path.join(logdir, f))
-    env = dict(os.environ, PGOPTIONS="-c client_min_messages=error")
-    out = subprocess.run(
-        [f"{PG_BIN}/pgbench", "-h", cluster.dir, "-p", str(cluster.port), "-U", "postgres", "-n",
-         "-c", str(clients), "-j", str(min(clients, 4)), "-T", str(seconds), "-M", "prepared",
-         "-f", os.path.join(HERE, "sql", script), "-l", "--log-prefix", prefix, cluster.dbname],
-        capture_output=True, text=True, env=env, cwd=logdir,
-    )
+    out = subprocess.run(pgbench_command(cluster, script, clients, seconds, prefix),
+                         capture_output=True, text=True, env=PGBENCH_ENV, cwd=logdir)
     if out.returncode != 0:
         raise RuntimeError(f"pgbench {script} failed:\n{out.stdout}\n{out.stderr}")
     tps = None
@@ -320,12 +325,9 @@ def windowed_p99(cluster, seconds, tag, logdir, first_on):
     for f in os.listdir(logdir):
         if f.startswith(os.path.basename(prefix) + "."):
             os.remove(os.path.join(logdir, f))
-    env = dict(os.environ, PGOPTIONS="-c client_min_messages=error")
-    proc = subprocess.Popen(
-        [f"{PG_BIN}/pgbench", "-h", cluster.dir, "-p", str(cluster.port), "-U", "postgres", "-n",
-         "-c", "8", "-j", "4", "-T", str(seconds), "-M", "prepared",
-         "-f", os.path.join(HERE, "sql", "ext_one_tx.sql"), "-l", "--log-prefix", prefix, cluster.dbname],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=logdir)
+    proc = subprocess.Popen(pgbench_command(cluster, "ext_one_tx.sql", 8, seconds, prefix),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=PGBENCH_ENV,
+                            cwd=logdir)
     windows = []  # (start, on)
     on = first_on
     end = time.time() + seconds

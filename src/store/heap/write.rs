@@ -21,7 +21,7 @@ use pgrx::PgSqlErrorCode;
 /// through SQL. The primary key is still checked by the index (a row inserted some other way
 /// meanwhile is a unique violation, as with the INSERT).
 pub(crate) fn insert_direct(d: &DirectLayout, req: &ClaimRequest<'_>) -> ClaimResult {
-    let fresh = insert_fresh(d, req.scope, &[(req.key, req.hash)], req.ttl, req.lease);
+    let fresh = insert_direct_batch(d, req.scope, &[(req.key, req.hash)], req.ttl, req.lease);
     fresh
         .into_iter()
         .next()
@@ -41,16 +41,6 @@ pub(crate) fn insert_direct(d: &DirectLayout, req: &ClaimRequest<'_>) -> ClaimRe
 /// `batch_bench`): through SPI 47,900 keys/s against the INSERT's 64,200 (0.75x); this way
 /// 56,100 against 57,300 (0.98x, 3 rounds) and 66,700 against 67,200 (0.99x, 5 rounds).
 pub(crate) fn insert_direct_batch(
-    d: &DirectLayout,
-    scope: &str,
-    keys: &[(&str, Option<[u8; 32]>)],
-    ttl: Interval,
-    lease: Interval,
-) -> Vec<ClaimResult> {
-    insert_fresh(d, scope, keys, ttl, lease)
-}
-
-fn insert_fresh(
     d: &DirectLayout,
     scope: &str,
     keys: &[(&str, Option<[u8; 32]>)],
