@@ -403,6 +403,13 @@ fn without_waiting<R>(f: impl FnOnce() -> R) -> Option<R> {
             pg_sys::MemoryContextSwitchTo(context);
             pg_sys::CurrentResourceOwner = owner;
         };
+        // The answer to a wait or a unique violation: the subtransaction's writes undone.
+        let undone = move || {
+            pg_sys::LockTimeout = timeout;
+            pg_sys::RollbackAndReleaseCurrentSubTransaction();
+            restore();
+            None
+        };
         pg_sys::BeginInternalSubTransaction(std::ptr::null());
         pg_sys::MemoryContextSwitchTo(context);
         pg_sys::LockTimeout = 1;
@@ -414,17 +421,9 @@ fn without_waiting<R>(f: impl FnOnce() -> R) -> Option<R> {
             Some(r)
         }))
         .catch_when(PgSqlErrorCode::ERRCODE_LOCK_NOT_AVAILABLE, move |_| {
-            pg_sys::LockTimeout = timeout;
-            pg_sys::RollbackAndReleaseCurrentSubTransaction();
-            restore();
-            None
+            undone()
         })
-        .catch_when(PgSqlErrorCode::ERRCODE_UNIQUE_VIOLATION, move |_| {
-            pg_sys::LockTimeout = timeout;
-            pg_sys::RollbackAndReleaseCurrentSubTransaction();
-            restore();
-            None
-        })
+        .catch_when(PgSqlErrorCode::ERRCODE_UNIQUE_VIOLATION, move |_| undone())
         .catch_others(move |e| {
             pg_sys::LockTimeout = timeout;
             pg_sys::RollbackAndReleaseCurrentSubTransaction();

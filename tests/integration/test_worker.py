@@ -297,7 +297,10 @@ def test_sweeper_compresses_its_full_page_images(preloaded):
 def test_sweepers_run_at_the_configured_niceness(preloaded):
     def newest_sweeper_nice(setting):
         with connect(preloaded) as a:
-            a.execute(f"ALTER SYSTEM SET idempotency.sweep_nice = {setting}")
+            if setting is None:
+                a.execute("ALTER SYSTEM RESET idempotency.sweep_nice")
+            else:
+                a.execute(f"ALTER SYSTEM SET idempotency.sweep_nice = {setting}")
             a.execute("ALTER SYSTEM SET idempotency.sweep_batch_size = 100")
             a.execute("ALTER SYSTEM SET idempotency.sweep_delay = '200ms'")
             a.execute("SELECT pg_reload_conf()")
@@ -321,6 +324,8 @@ def test_sweepers_run_at_the_configured_niceness(preloaded):
         assert newest_sweeper_nice(10) == 10
         assert newest_sweeper_nice(0) == 0
         assert newest_sweeper_nice(19) == 19
+        assert newest_sweeper_nice(0) == 0
+        assert newest_sweeper_nice(None) == 19  # the default: the CPU only when backends leave it
     finally:
         with connect(preloaded) as a:
             for g in ("sweep_nice", "sweep_batch_size", "sweep_delay"):
