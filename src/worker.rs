@@ -11,6 +11,7 @@
 //! soon as `DROP DATABASE` asks for its database, the worker never holds up `DROP DATABASE`.
 
 use crate::{guc, stats, store};
+use idempotency_core::pacing;
 use pgrx::bgworkers::{
     BackgroundWorker, BackgroundWorkerBuilder, BackgroundWorkerStatus, SignalWakeFlags,
 };
@@ -299,17 +300,18 @@ fn set_for_session(name: &std::ffi::CStr, value: &std::ffi::CStr) {
 }
 
 /// Runs `delete_batch` (each call in its own transaction) until a batch comes back short, the
-/// worker is asked to stop or `delete_batch` returns None; pauses `idempotency.sweep_delay`
-/// after every full batch, a breather for the application while a backlog is swept. Returns
-/// the rows deleted.
+/// worker is asked to stop or `delete_batch` returns None; pauses after every full batch (a
+/// breather for the application while a backlog is swept, [`pacing::pause`]). Returns the rows
+/// deleted.
 ///
-/// The sweeper yields to the application: when other sessions wrote WAL during its last pause,
-/// it deletes a fiftieth of a batch (never fewer than 100 rows) plus the rows that expired since
-/// its last look (`inflow`, so it keeps up with the keys the application creates) at a time,
-/// and pauses (see [`pause`]). Its WAL (with the full page images of every page it touches
-/// first after a checkpoint) is flushed by the next commits of the application, and its CPU
-/// time is theirs to lose, so under load it sweeps gently; on an idle server it sweeps in full
-/// batches (after a first small one) with `sweep_delay` pauses.
+/// The sweeper yields to the application: when other sessions wrote WAL during its last cycle
+/// (its batch and pause, less its own WAL), it deletes a fiftieth of a batch (never fewer than
+/// 100 rows) plus the rows that expired since its last look (`inflow`, so it keeps up with the
+/// keys the application creates) at a time, and pauses four times `idempotency.sweep_delay`.
+/// Its WAL (with the full page images of every page it touches first after a checkpoint) is
+/// flushed by the next commits of the application, and its CPU time is theirs to lose, so under
+/// load it sweeps gently; on an idle server it sweeps in full batches (after a first small one)
+/// with pauses of a fifth of `sweep_delay`.
 fn sweep_in_batches(
     delete_batch: fn(i64) -> Option<i64>,
     inflow: Option<fn(pg_sys::TimestampTz) -> i64>,
@@ -318,6 +320,11 @@ fn sweep_in_batches(
     // Until the first pause has shown whether others write, assume they do: a full first batch
     // into a busy server is the one the application would notice.
     let mut busy = true;
+    // A sweeper's latch may be set from its start (the signals of its own startup): clear it,
+    // or the first pause would end at once. A reload asked meanwhile is still seen, through
+    // its own flag, after the first batch.
+    // SAFETY: this process's own latch, on its only thread; ResetLatch raises no error.
+    unsafe { pg_sys::ResetLatch(pg_sys::MyLatch) };
     // SAFETY: reads the clock; never raises an error.
     let mut since = unsafe { pg_sys::GetCurrentTimestamp() };
     loop {
@@ -337,12 +344,13 @@ fn sweep_in_batches(
                 }
                 None => 0,
             };
-            (yielding_batch(full) + expired).min(full)
+            (pacing::yielding_batch(full) + expired).min(full)
         } else {
             // SAFETY: as above.
             since = unsafe { pg_sys::GetCurrentTimestamp() };
             full
         };
+        let cycle = wal_mark();
         let Some(deleted) = BackgroundWorker::transaction(move || delete_batch(batch)) else {
             break;
         };
@@ -352,55 +360,30 @@ fn sweep_in_batches(
         }
         let delay = Duration::from_millis(guc::SWEEP_DELAY.get().max(0) as u64);
         if !delay.is_zero() {
-            let before = wal_insert_position();
-            if !nap(pause(delay, busy)) {
+            if !nap(pacing::pause(delay, busy)) {
                 break;
             }
-            busy = others_wrote(before, wal_insert_position());
+            busy = pacing::others_wrote(&cycle, &wal_mark());
         }
         reload_if_asked();
     }
     total
 }
 
-/// The slice of a backlog the sweeper deletes per batch while the application is writing: a
-/// fiftieth of a full batch (200 rows with the defaults). Small slices, often: each transaction
-/// of the sweeper holds its pages' buffer locks briefly and leaves little WAL (and few full-page
-/// images) for the application's next commit to flush behind it, which is what a claim's p99
-/// feels; the rows come in sweep-key order, which for rows claimed one after another is the
-/// order they were written in, so a slice touches few heap pages.
-fn yielding_batch(full: i64) -> i64 {
-    (full / 50).max(100).min(full)
-}
-
-/// The pause after a full batch: `idempotency.sweep_delay`, four times it while the application
-/// writes. With the defaults a backlog then goes at about 2,000 rows a second under load (a
-/// fiftieth of a batch per pause, measured) on top of the keys that keep expiring meanwhile,
-/// and at full speed again as soon as the application stops writing. Measured on 15 (release
-/// build, 8 claiming sessions, the sweeper sweeping and parked in turn every 2 s, median of 5
-/// rounds' p99 ratios, bench/bench.py `sweep_bench`): four fifths of the delay (as before) 1.18x
-/// of the p99 without a sweep; four times it 1.07x; eight times 1.10x; four times with
-/// `sweep_nice` 19 instead of 10 0.98x, hence both defaults.
-fn pause(delay: Duration, busy: bool) -> Duration {
-    if busy {
-        delay * 4
-    } else {
-        delay
+/// Where the WAL is and how much of it this process wrote: two of these around a cycle of the
+/// sweeper (a batch and its pause) tell whether the rest of the server wrote meanwhile.
+fn wal_mark() -> pacing::WalMark {
+    // SAFETY: reads the WAL insert position under the server's own spinlock (a connected worker
+    // has attached shared memory), and this process's own WAL counters, which only its own
+    // thread updates.
+    unsafe {
+        let usage = std::ptr::addr_of!(pg_sys::pgWalUsage).read();
+        pacing::WalMark {
+            position: pg_sys::GetXLogInsertRecPtr(),
+            own_bytes: usage.wal_bytes,
+            own_records: usage.wal_records.max(0) as u64,
+        }
     }
-}
-
-/// WAL the rest of the server must write during the sweeper's pause before it counts as busy:
-/// a page, more than the odd checkpoint or running-transactions record of an idle server.
-const BUSY_WAL_BYTES: u64 = 8192;
-
-fn others_wrote(before: u64, after: u64) -> bool {
-    after.saturating_sub(before) >= BUSY_WAL_BYTES
-}
-
-fn wal_insert_position() -> u64 {
-    // SAFETY: reads the WAL insert position under the server's own spinlock; a connected
-    // worker has attached shared memory.
-    unsafe { pg_sys::GetXLogInsertRecPtr() }
 }
 
 /// Makes this sweeper process nicer (`idempotency.sweep_nice`): when the CPU is saturated the

@@ -189,7 +189,9 @@ def test_sweep_delay_paces_a_backlog(preloaded):
 
     try:
         assert drain_seconds("0") < 2.5  # ten batches at once
-        assert drain_seconds("400ms") > 3.2  # ten batches, nine pauses of 0.4 s
+        # Ten batches and nine pauses: after the first (it cannot yet know the server is idle)
+        # four times the delay, after the others a fifth of it: 4 + 8 x 0.2 s.
+        assert drain_seconds("1s") > 5.2
     finally:
         with connect(preloaded) as a:
             a.execute("ALTER SYSTEM RESET idempotency.sweep_batch_size")
@@ -200,7 +202,8 @@ def test_sweep_delay_paces_a_backlog(preloaded):
 @pytest.mark.slow  # a backlog swept under claim load: 20-35 s
 def test_sweeper_yields_to_sessions_that_write(preloaded):
     """While other sessions write WAL the sweeper deletes a fiftieth of a batch (at least 100
-    rows) at a time, with four times the pause; on an idle server it deletes full batches."""
+    rows) at a time, with four times the pause; on an idle server it deletes full batches with a
+    fifth of the pause."""
     def seeded(a, prefix):
         a.execute("SELECT pg_reload_conf()")
         time.sleep(1.5)
@@ -212,10 +215,14 @@ def test_sweeper_yields_to_sessions_that_write(preloaded):
         a.execute("ALTER SYSTEM SET idempotency.sweep_batch_size = 2000")
         a.execute("ALTER SYSTEM SET idempotency.sweep_delay = '500ms'")
         try:
-            # Idle: ten full batches and nine pauses.
+            # Idle: a first batch of 100 rows (it cannot yet know the server is idle) and its
+            # pause of 2 s, then ten full batches with nine pauses of 100 ms (of 500 ms each
+            # before 0.4.0: at least 6.5 s in all).
             started = seeded(a, "idle")
+            assert count(a, "idle-old-%") >= 20000 - 100  # seeded (a first batch may be gone)
             assert wait_for(lambda: count(a, "idle-old-%") == 0, timeout=20)
             idle_seconds = time.monotonic() - started
+            assert idle_seconds < 5.5, idle_seconds
 
             stop = threading.Event()
 

@@ -6,6 +6,7 @@
 //! - [`derivation`]: key derivation (`derive_key`, `cron_key`, request fingerprints);
 //! - [`decision`]: the claim decision table and its four outcomes;
 //! - [`signing`]: signed keys (HMAC-SHA256, base64url) and hashed keys;
+//! - [`pacing`]: the background sweeper's batch sizes and pauses, and its look at the WAL;
 //! - `json_text` (tests and the `json-text` feature): JSON text to the canonical tree.
 
 pub mod arguments;
@@ -14,4 +15,5 @@ pub mod decision;
 pub mod derivation;
 #[cfg(any(test, feature = "json-text"))]
 pub mod json_text;
+pub mod pacing;
 pub mod signing;
