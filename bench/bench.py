@@ -338,10 +338,13 @@ def windowed_p99(cluster, seconds, tag, logdir, first_on):
     while time.time() < end - 0.5:
         set_sweep_delay(cluster, SWEEP_ON_DELAY if on else SWEEP_OFF_DELAY)
         windows.append((time.time(), on))
-        time.sleep(min(SWEEP_WINDOW, max(0.0, end - time.time())))
+        time.sleep(min(SWEEP_WINDOW, max(0.0, end - 0.1 - time.time())))
         on = not on
-    out, err = proc.communicate()
+    # Parked before the sessions stop: a sweeper still on then finds the server idle and sweeps
+    # full batches, which no transaction of the run sees.
     set_sweep_delay(cluster, SWEEP_OFF_DELAY)
+    end = time.time()
+    out, err = proc.communicate()
     if proc.returncode != 0:
         raise RuntimeError(f"pgbench ext_one_tx.sql failed:\n{out}\n{err}")
     latencies = {True: [], False: []}
