@@ -56,7 +56,9 @@ pub extern "C-unwind" fn _PG_init() {
         return;
     }
     stats::init_shmem();
-    worker::register();
+    if !worker::binary_upgrade() {
+        worker::register();
+    }
 }
 
 /// Hooks for `cargo pgrx test`.

@@ -22,7 +22,23 @@ use std::time::{Duration, Instant};
 pub const LAUNCHER_TYPE: &str = "idempotency launcher";
 pub const SWEEPER_TYPE: &str = "idempotency sweeper";
 
-/// Registers the launcher. Called from `_PG_init` while preloading.
+/// Whether this server runs for pg_upgrade (binary-upgrade mode, `-b`): then no sweeper runs.
+/// There the old cluster is dumped and the new one restored, and a sweep would delete keys
+/// between the dump and the copy (the upgraded cluster's sweeper sweeps them once it starts,
+/// and counts them); PostgreSQL keeps its logical-replication launcher off there too.
+pub fn binary_upgrade() -> bool {
+    // SAFETY: reads a flag the postmaster sets from its command line before it preloads
+    // libraries; every process inherits it.
+    unsafe { pg_sys::IsBinaryUpgrade }
+}
+
+/// Whether the background sweeper runs in this server: the library was preloaded, and not in a
+/// server that pg_upgrade runs.
+pub fn sweeper_runs() -> bool {
+    stats::enabled() && !binary_upgrade()
+}
+
+/// Registers the launcher. Called from `_PG_init` while preloading, except under pg_upgrade.
 pub fn register() {
     BackgroundWorkerBuilder::new(LAUNCHER_TYPE)
         .set_type(LAUNCHER_TYPE)

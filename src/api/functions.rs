@@ -238,10 +238,10 @@ fn idempotency_count(event: Option<Text<'_>>) {
 }
 
 /// `idempotency._sweeper_preloaded()`: whether the library was loaded at server start, so the
-/// background sweeper runs and counters are kept.
+/// background sweeper runs (except in a server that pg_upgrade runs) and counters are kept.
 #[pg_extern(sql = false)]
 fn idempotency_sweeper_preloaded() -> bool {
-    stats::enabled()
+    crate::worker::sweeper_runs()
 }
 
 /// `idempotency._announce()`: tells the background sweeper that this database now has the
@@ -405,7 +405,7 @@ fn idempotency_shared_stats() -> Row {
         .map(|s| s.last_sweep_rows)
         .into_datum();
     Row(vec![
-        Some(pg_sys::Datum::from(stats::enabled())),
+        Some(pg_sys::Datum::from(crate::worker::sweeper_runs())),
         counter(Event::ClaimNew),
         counter(Event::ClaimReplay),
         counter(Event::ClaimInProgress),

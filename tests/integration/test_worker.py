@@ -509,3 +509,34 @@ def test_not_preloaded_says_so_and_counts_nothing(cluster):
         claim(conn, "k")
         row = conn.execute("SELECT sweeper_enabled, claims_new, rows_swept, last_sweep_at, rows_in_progress FROM idempotency.stats").fetchone()
         assert row == (False, None, None, None, 1)
+
+
+def test_no_sweeper_in_the_servers_pg_upgrade_runs():
+    """pg_upgrade starts both clusters in binary-upgrade mode (`-b`) to dump the old one and
+    restore the new one: no sweeper may delete keys there (they would vanish between the dump
+    and the copy, and be counted by a server that is then thrown away). The upgraded cluster's
+    own sweeper sweeps them, and counts them."""
+    c = Cluster(settings={"shared_preload_libraries": "'idempotency'", "idempotency.sweep_interval": "'1s'"}).start()
+    try:
+        with connect(c) as conn:
+            conn.execute("CREATE EXTENSION idempotency")
+            seed(conn, "u", expired=50, live=5)
+            assert count(conn, "u-old-%") == 50 and count(conn, "u-live-%") == 5
+        c.stop()
+        c.pg_ctl("start", "-w", "-l", c.log, "-o", "-b")
+        with connect(c) as conn:
+            assert conn.execute("SELECT current_setting('is_superuser')").fetchone()[0] == "on"
+            time.sleep(3.5)  # three sweep intervals
+            assert launcher_pid(conn) is None
+            assert conn.execute("SELECT count(*) FROM pg_stat_activity WHERE backend_type LIKE 'idempotency%'").fetchone()[0] == 0
+            assert count(conn, "u-old-%") == 50
+            assert conn.execute("SELECT sweeper_enabled FROM idempotency.stats").fetchone()[0] is False
+        c.stop()
+        c.pg_ctl("start", "-w", "-l", c.log)
+        with connect(c) as conn:
+            assert wait_for(lambda: count(conn, "u-old-%") == 0)
+            assert count(conn, "u-live-%") == 5
+            row = conn.execute("SELECT sweeper_enabled, rows_swept FROM idempotency.stats").fetchone()
+            assert row == (True, 50)
+    finally:
+        c.destroy()
