@@ -1,5 +1,5 @@
 -- claim_many + complete_many of 100 fresh keys in one transaction.
-\set k random(1, 1000000000000)
+\set k random(1, 1000000000000000)
 BEGIN;
 SELECT count(*) FROM idempotency.claim_many(
     ARRAY(SELECT 'bc' || :client_id || '-' || :k || '-' || i FROM generate_series(1, 100) AS i),

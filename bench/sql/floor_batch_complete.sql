@@ -1,5 +1,5 @@
 -- Batch floor of claim + complete: 100 rows inserted, then updated, in one transaction.
-\set k random(1, 1000000000000)
+\set k random(1, 1000000000000000)
 BEGIN;
 INSERT INTO bench.floor_batch (scope, key, request_hash, status, token, locked_until, expires_at, ttl)
 SELECT '', 'fc' || :client_id || '-' || :k || '-' || i, sha256('{"amount":100,"currency":"EUR"}'), 'in_progress',

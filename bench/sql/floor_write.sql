@@ -1,4 +1,4 @@
-\set k random(1, 1000000000000)
+\set k random(1, 1000000000000000)
 BEGIN;
 INSERT INTO bench.floor (scope, key, request_hash, status, token, locked_until, expires_at, ttl)
 VALUES ('', 'f' || :client_id || '-' || :k, sha256('{"amount":100,"currency":"EUR"}'), 'in_progress', :k,
