@@ -680,7 +680,7 @@ def write_results(args, report, pg, redis, scale, sweep, hashes):
               f"sweeping them and parked in turn every {SWEEP_WINDOW:g} s: {sweep['tps_without']:,.0f} tps / p99 "
               f"{sweep['p99_without']:.2f} ms while it is parked, {sweep['tps_during']:,.0f} tps / p99 "
               f"{sweep['p99_during']:.2f} ms while it sweeps ({sweep['swept_during_load']:,} rows deleted per "
-              f"run: under load it yields, deleting a fiftieth of a batch per pause; the rest when the "
+              f"run: under load it yields, deleting a hundredth of a batch per pause; the rest when the "
               f"server is idle). p99 ratio per round: "
               + ", ".join(f"{x:.2f}" for x in sweep["ratios"]) + ".",
               ] + [f"- WAL per transaction (2,000 transactions after a checkpoint, both tables at 10,000 rows), {k}: "

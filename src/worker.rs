@@ -321,7 +321,7 @@ fn set_for_session(name: &std::ffi::CStr, value: &std::ffi::CStr) {
 /// deleted.
 ///
 /// The sweeper yields to the application: when other sessions wrote WAL during its last cycle
-/// (its batch and pause, less its own WAL), it deletes a fiftieth of a batch (never fewer than
+/// (its batch and pause, less its own WAL), it deletes a hundredth of a batch (never fewer than
 /// 100 rows) plus the rows that expired since its last look (`inflow`, so it keeps up with the
 /// keys the application creates) at a time, and pauses four times `idempotency.sweep_delay`.
 /// Its WAL (with the full page images of every page it touches first after a checkpoint) is
@@ -376,10 +376,18 @@ fn sweep_in_batches(
         }
         let delay = Duration::from_millis(guc::SWEEP_DELAY.get().max(0) as u64);
         if !delay.is_zero() {
-            if !nap(pacing::pause(delay, busy)) {
+            let pause = pacing::pause(delay, busy);
+            let napped = Instant::now();
+            if !nap(pause) {
                 break;
             }
-            busy = pacing::others_wrote(&cycle, &wal_mark());
+            // Whole: at least nine tenths of it (the latch's timeout is counted in whole
+            // milliseconds, and may end a little before this clock says).
+            busy = pacing::busy_after(
+                busy,
+                pacing::others_wrote(&cycle, &wal_mark()),
+                napped.elapsed() >= pause - pause / 10,
+            );
         }
         reload_if_asked();
     }

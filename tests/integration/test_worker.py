@@ -201,7 +201,7 @@ def test_sweep_delay_paces_a_backlog(preloaded):
 
 @pytest.mark.slow  # a backlog swept under claim load: 20-35 s
 def test_sweeper_yields_to_sessions_that_write(preloaded):
-    """While other sessions write WAL the sweeper deletes a fiftieth of a batch (at least 100
+    """While other sessions write WAL the sweeper deletes a hundredth of a batch (at least 100
     rows) at a time, with four times the pause; on an idle server it deletes full batches with a
     fifth of the pause."""
     def seeded(a, prefix):
@@ -447,7 +447,9 @@ def test_sweep_of_a_million_rows_under_claim_load(preloaded):
             t.join(30)
         ok = wait_for(lambda: count(a, "m%") == 0, timeout=120, step=0.5)
     assert not errors, errors[:3]
-    assert during_load > 10000, during_load
+    # Yielding, it deletes 100 rows per pause of 200 ms (about 10,000 in 20 s): at least a
+    # third of that pace shows it kept sweeping under the load.
+    assert during_load > 3000, during_load
     assert ok, "the million expired rows were not swept"
     assert sum(done) > 0
     with connect(preloaded) as a:
