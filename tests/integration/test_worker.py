@@ -522,12 +522,18 @@ def test_no_sweeper_in_the_servers_pg_upgrade_runs():
     try:
         with connect(c) as conn:
             conn.execute("CREATE EXTENSION idempotency")
-            seed(conn, "u", expired=50, live=5)
-            assert count(conn, "u-old-%") == 50 and count(conn, "u-live-%") == 5
+            seed(conn, "u", expired=0, live=5)
+            # Live for now: they expire in binary-upgrade mode, where no sweeper may take them.
+            conn.execute("SELECT idempotency.claim('u-old-' || i, ttl => '1 hour') FROM generate_series(1, 50) i")
         c.stop()
         c.pg_ctl("start", "-w", "-l", c.log, "-o", "-b")
         with connect(c) as conn:
             assert conn.execute("SELECT current_setting('is_superuser')").fetchone()[0] == "on"
+            conn.execute(
+                "UPDATE idempotency.idempotency_keys SET created_at = now() - ttl - interval '1 minute', "
+                "expires_at = now() - interval '1 minute' WHERE key LIKE 'u-old-%'"
+            )
+            assert count(conn, "u-old-%") == 50 and count(conn, "u-live-%") == 5
             time.sleep(3.5)  # three sweep intervals
             assert launcher_pid(conn) is None
             assert conn.execute("SELECT count(*) FROM pg_stat_activity WHERE backend_type LIKE 'idempotency%'").fetchone()[0] == 0
