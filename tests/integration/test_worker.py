@@ -199,6 +199,49 @@ def test_sweep_delay_paces_a_backlog(preloaded):
             a.execute("SELECT pg_reload_conf()")
 
 
+
+def test_reloads_do_not_make_a_busy_server_look_idle(preloaded):
+    """A reload wakes the sweeper in the middle of its pause, a moment after its batch: that
+    short look sees little of the application's WAL, which must not count as an idle server
+    (it sent full batches into the load). Only a whole quiet pause does."""
+    with connect(preloaded) as a:
+        a.execute("CREATE TABLE IF NOT EXISTS trickle (pad text)")
+        a.execute("ALTER SYSTEM SET idempotency.sweep_batch_size = 2000")
+        a.execute("ALTER SYSTEM SET idempotency.sweep_delay = '500ms'")
+        a.execute("SELECT pg_reload_conf()")
+        stop = threading.Event()
+
+        def write():
+            # About 30 KB of WAL a second: many pages in a whole pause of 2 s, less than a page
+            # in the 100 ms between two reloads.
+            with connect(preloaded) as w:
+                while not stop.is_set():
+                    w.execute("INSERT INTO trickle SELECT repeat('x', 500)")
+                    time.sleep(0.02)
+
+        writer = threading.Thread(target=write)
+        writer.start()
+        try:
+            time.sleep(1.5)
+            seed(a, "reload", expired=20000, live=0)
+            assert count(a, "reload-old-%") >= 20000 - 100  # seeded (a first batch may be gone)
+            deadline = time.monotonic() + 4.0
+            while time.monotonic() < deadline:
+                a.execute("SELECT pg_reload_conf()")
+                time.sleep(0.1)
+            left = count(a, "reload-old-%")
+        finally:
+            stop.set()
+            writer.join()
+            a.execute("DROP TABLE IF EXISTS trickle")
+            a.execute("ALTER SYSTEM RESET idempotency.sweep_batch_size")
+            a.execute("ALTER SYSTEM RESET idempotency.sweep_delay")
+            a.execute("SELECT pg_reload_conf()")
+        # Busy throughout: at most a slice of 100 rows per reload (about 4,000); taken for idle,
+        # full batches of 2,000 would have swept them all.
+        assert left > 12000, left
+        assert wait_for(lambda: count(a, "reload-old-%") == 0, timeout=30)
+
 @pytest.mark.slow  # a backlog swept under claim load: 20-35 s
 def test_sweeper_yields_to_sessions_that_write(preloaded):
     """While other sessions write WAL the sweeper deletes a hundredth of a batch (at least 100
