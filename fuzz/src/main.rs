@@ -17,15 +17,21 @@
 //! * in oracle mode, the output equals `tests/oracle/jcs_oracle.py` (the `rfc8785` Python
 //!   package) line by line, in `exact` and in `rfc8785` mode.
 //!
+//! The jsonb mode feeds bytes to the jsonb binary reader (`idempotency_core::jsonb`): the
+//! generator's documents laid out as the server lays them out, the same with random damage, and
+//! random bytes; it checks no panic, no hang, allocation in proportion to the bytes, that laid-out
+//! documents read back exactly, and that both readers agree and give canonical JSON (`jsonb.rs`).
+//!
 //! Execution `i` of seed `s` is generated from (s, i) alone, so any report can be replayed with
 //! `FUZZ_REPLAY=i` (and the same `FUZZ_SEED`); the input is written to `fuzz/artifacts/`.
 //!
-//! Environment: `FUZZ_MODE` (`invariant` | `oracle` | `both`, default `both`), `FUZZ_EXECS`
-//! (invariant executions, default 200000), `FUZZ_ORACLE_EXECS` (default 5000), `FUZZ_SEED`
+//! Environment: `FUZZ_MODE` (`invariant` | `jsonb` | `oracle` | `both`, default `both`: all three),
+//! `FUZZ_EXECS` (invariant executions, default 200000), `FUZZ_JSONB_EXECS` (default 1000000), `FUZZ_ORACLE_EXECS` (default 5000), `FUZZ_SEED`
 //! (default 1), `FUZZ_THREADS` (default 1), `FUZZ_REPLAY`, `FUZZ_PYTHON` (default `python3`).
 
 mod checks;
 mod generate;
+mod jsonb;
 mod oracle;
 mod rng;
 mod runner;
@@ -34,6 +40,7 @@ mod runner;
 mod prelude {
     pub(crate) use crate::checks::*;
     pub(crate) use crate::generate::*;
+    pub(crate) use crate::jsonb::*;
     pub(crate) use crate::oracle::*;
     pub(crate) use crate::rng::*;
     pub(crate) use crate::runner::*;
@@ -54,6 +61,10 @@ mod prelude {
 }
 
 use prelude::*;
+
+/// Counts each thread's allocations (the jsonb reader's bound), then allocates as usual.
+#[global_allocator]
+static ALLOCATOR: Counting = Counting;
 
 pub(crate) fn print_stats(label: &str, s: &Stats, secs: f64) {
     println!(
@@ -154,9 +165,21 @@ pub(crate) fn real_main() -> i32 {
         let execs = env_u64("FUZZ_EXECS", 200_000);
         let threads = env_u64("FUZZ_THREADS", 1).max(1);
         let t = Instant::now();
-        let stats = run_invariant(seed, execs, threads, origin);
+        let stats = run_invariant(Target::Text, seed, execs, threads, origin);
         print_stats(
             &format!("invariant (seed {seed})"),
+            &stats,
+            t.elapsed().as_secs_f64(),
+        );
+        failed |= !stats.failures.is_empty() || stats.execs != execs;
+    }
+    if mode == "jsonb" || mode == "both" {
+        let execs = env_u64("FUZZ_JSONB_EXECS", 1_000_000);
+        let threads = env_u64("FUZZ_THREADS", 1).max(1);
+        let t = Instant::now();
+        let stats = run_invariant(Target::Jsonb, seed, execs, threads, origin);
+        print_stats(
+            &format!("jsonb (seed {seed})"),
             &stats,
             t.elapsed().as_secs_f64(),
         );

@@ -165,7 +165,7 @@ pub(crate) fn run_oracle_diff(seed: u64, execs: u64, origin: Instant) -> Result<
                 }),
             };
             if let Some(f) = failure {
-                report_failure(oseed, exec, doc, &f, &printed);
+                report_failure(Target::Text, oseed, exec, doc.as_bytes(), &f, &printed);
                 *stats.failures.entry(f.category).or_default() += 1;
             }
         }

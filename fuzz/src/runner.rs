@@ -15,7 +15,71 @@ pub(crate) fn artifacts_dir() -> std::path::PathBuf {
     std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("artifacts")
 }
 
+/// What the invariant executions feed: JSON text to `parse_json` and the canonicalizer, or
+/// bytes to the jsonb binary reader.
+#[derive(Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Target {
+    Text,
+    Jsonb,
+}
+
+impl Target {
+    pub(crate) fn name(self) -> &'static str {
+        match self {
+            Target::Text => "invariant",
+            Target::Jsonb => "jsonb",
+        }
+    }
+
+    /// Execution `exec`'s input (and, for jsonb laid out from a document, that document).
+    pub(crate) fn generate(self, seed: u64, exec: u64) -> (Vec<u8>, Option<Value>) {
+        match self {
+            Target::Text => (generate(seed, exec, false).into_bytes(), None),
+            Target::Jsonb => jsonb_input(seed, exec),
+        }
+    }
+
+    pub(crate) fn input(self, seed: u64, exec: u64) -> Vec<u8> {
+        self.generate(seed, exec).0
+    }
+
+    pub(crate) fn check(
+        self,
+        input: &[u8],
+        doc: Option<&Value>,
+        stats: &mut Stats,
+    ) -> Result<(), Failure> {
+        match self {
+            // Text inputs are generated as Strings.
+            Target::Text => check(std::str::from_utf8(input).unwrap_or_default(), stats),
+            Target::Jsonb => check_jsonb(input, doc, stats),
+        }
+    }
+
+    /// A short look at an input for a report: text as text, bytes in hex.
+    pub(crate) fn preview(self, input: &[u8]) -> String {
+        match self {
+            Target::Text => preview(&String::from_utf8_lossy(input)),
+            Target::Jsonb => {
+                let hex: String = input.iter().take(80).map(|b| format!("{b:02x}")).collect();
+                format!("\\x{hex}{}", if input.len() > 80 { "..." } else { "" })
+            }
+        }
+    }
+
+    fn artifact(self, name: &str) -> String {
+        match self {
+            Target::Text => format!("{name}.json"),
+            Target::Jsonb => format!("jsonb-{name}.bin"),
+        }
+    }
+}
+
 pub(crate) fn save_artifact(name: &str, input: &str) -> String {
+    save_artifact_bytes(name, input.as_bytes())
+}
+
+pub(crate) fn save_artifact_bytes(name: &str, input: &[u8]) -> String {
     let dir = artifacts_dir();
     let _ = std::fs::create_dir_all(&dir);
     let path = dir.join(name);
@@ -66,9 +130,10 @@ pub(crate) fn now_ms(origin: Instant) -> u64 {
 }
 
 pub(crate) fn report_failure(
+    target: Target,
     seed: u64,
     exec: u64,
-    input: &str,
+    input: &[u8],
     f: &Failure,
     printed: &Mutex<BTreeMap<String, u64>>,
 ) {
@@ -76,18 +141,25 @@ pub(crate) fn report_failure(
     let n = p.entry(f.category.clone()).or_default();
     *n += 1;
     if *n <= 3 {
-        let path = save_artifact(&format!("{}-{seed}-{exec}.json", f.category), input);
+        let name = target.artifact(&format!("{}-{seed}-{exec}", f.category));
+        let path = save_artifact_bytes(&name, input);
         eprintln!(
             "FAIL {} (seed {seed}, exec {exec}, {} bytes, saved to {path}): {}\n  input: {}",
             f.category,
             input.len(),
             f.detail,
-            preview(input)
+            target.preview(input)
         );
     }
 }
 
-pub(crate) fn run_invariant(seed: u64, execs: u64, threads: u64, origin: Instant) -> Stats {
+pub(crate) fn run_invariant(
+    target: Target,
+    seed: u64,
+    execs: u64,
+    threads: u64,
+    origin: Instant,
+) -> Stats {
     let slots: Arc<Vec<Slot>> = Arc::new(
         (0..threads)
             .map(|_| Slot {
@@ -127,13 +199,14 @@ pub(crate) fn run_invariant(seed: u64, execs: u64, threads: u64, origin: Instant
                     } || elapsed > HARD_LIMIT_MS;
                     if hung {
                         let exec = s.exec.load(AtOrd::Relaxed);
-                        let input = generate(seed, exec, false);
-                        let path = save_artifact(&format!("hang-{seed}-{exec}.json"), &input);
+                        let input = target.input(seed, exec);
+                        let name = target.artifact(&format!("hang-{seed}-{exec}"));
+                        let path = save_artifact_bytes(&name, &input);
                         eprintln!(
                             "HANG: seed {seed}, exec {exec} ran {elapsed} ms, over twice its budget \
                              of {budget} ms in CPU time ({} bytes, saved to {path}): {}",
                             input.len(),
-                            preview(&input)
+                            target.preview(&input)
                         );
                         std::process::exit(3);
                     }
@@ -161,7 +234,7 @@ pub(crate) fn run_invariant(seed: u64, execs: u64, threads: u64, origin: Instant
                 slot.tid.store(current_tid(), AtOrd::Relaxed);
                 let mut exec = t;
                 while exec < execs {
-                    let input = generate(seed, exec, false);
+                    let (input, doc) = target.generate(seed, exec);
                     slot.exec.store(exec, AtOrd::Relaxed);
                     slot.budget.store(budget_ms(input.len()), AtOrd::Relaxed);
                     slot.started_ms.store(now_ms(origin), AtOrd::Relaxed);
@@ -177,7 +250,7 @@ pub(crate) fn run_invariant(seed: u64, execs: u64, threads: u64, origin: Instant
                             panic!("self-test of the panic catcher");
                         }
                         let mut s = Stats::default();
-                        check(&input, &mut s).map(|_| s)
+                        target.check(&input, doc.as_ref(), &mut s).map(|_| s)
                     }));
                     slot.started_ms.store(0, AtOrd::Relaxed);
                     stats.execs += 1;
@@ -207,13 +280,14 @@ pub(crate) fn run_invariant(seed: u64, execs: u64, threads: u64, origin: Instant
                         }
                     };
                     if let Some(f) = failure {
-                        report_failure(seed, exec, &input, &f, &printed);
+                        report_failure(target, seed, exec, &input, &f, &printed);
                         *stats.failures.entry(f.category).or_default() += 1;
                     }
                     let n = progress.fetch_add(1, AtOrd::Relaxed) + 1;
                     if n % 1_000_000 == 0 {
                         eprintln!(
-                            "  invariant: {n} executions, {:.0} s",
+                            "  {}: {n} executions, {:.0} s",
+                            target.name(),
                             origin.elapsed().as_secs_f64()
                         );
                     }

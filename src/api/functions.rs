@@ -64,16 +64,23 @@ fn idempotency_canonical_hash(
         // SAFETY: a non-NULL jsonb argument of the call.
         return Some(unsafe { hash_arg(doc.datum(), "doc") }.to_vec());
     }
-    // Exclusions edit a tree of the document, then hash that.
+    // Exclusions edit a tree of the document (near-linear in members and entries, however
+    // many of each: both are the caller's), then hash that.
+    let Some(entries) = exclude
+        .iter()
+        .map(Option::as_deref)
+        .collect::<Option<Vec<&str>>>()
+    else {
+        arg_error(ArgError::null("exclude element"));
+    };
     let mut doc = doc.value("doc");
-    for entry in &exclude {
-        let Some(entry) = entry else {
-            arg_error(ArgError::null("exclude element"));
-        };
-        canonical::exclude(&mut doc, entry).unwrap_or_else(|e| canon_error("exclude", e));
-    }
+    let mut interrupts = || {
+        pgrx::check_for_interrupts!();
+    };
+    canonical::exclude_all(&mut doc, &entries, &mut interrupts)
+        .unwrap_or_else(|e| canon_error("exclude", e));
     let mut text = String::new();
-    canonical::write_canonical(&doc, NumberMode::Exact, &mut text)
+    canonical::write_canonical_checked(&doc, NumberMode::Exact, &mut text, &mut interrupts)
         .unwrap_or_else(|e| canon_error("doc", e));
     Some(Sha256::digest(text.as_bytes()).to_vec())
 }

@@ -5,9 +5,15 @@ numbers, long strings, escapes and surrogates, duplicate names) and checks no pa
 the nesting limit, idempotence, RFC 8785 escaping and member order, number layouts, a parser
 differential against serde_json, and a differential against tests/oracle/jcs_oracle.py.
 
+It also feeds the jsonb binary reader (crates/idempotency-core/src/jsonb.rs) arbitrary bytes:
+jsonb laid out as the server lays it out, the same damaged at random, and random bytes; checked
+for no panic, no hang, allocation in proportion to the bytes given, exact read-back, and the two
+readers agreeing on canonical JSON.
+
 CI runs a short variant. Environment: FUZZ_EXECS (invariant executions, default 200000),
+FUZZ_JSONB_EXECS (jsonb reader, default 2000000: about a minute on one core),
 FUZZ_ORACLE_EXECS (oracle differential, default 20000), FUZZ_SEED (default 1), FUZZ_THREADS.
-Full run: FUZZ_EXECS=10000000 FUZZ_ORACLE_EXECS=1000000 FUZZ_THREADS=2 \
+Full run: FUZZ_EXECS=10000000 FUZZ_JSONB_EXECS=50000000 FUZZ_ORACLE_EXECS=1000000 FUZZ_THREADS=2 \
           python3 -m pytest -q -s tests/integration/test_fuzz.py
 """
 
@@ -57,13 +63,17 @@ def check_input(harness, tmp_path, text, strict=False):
 def test_fuzz_invariants_and_oracle(harness):
     execs = int(os.environ.get("FUZZ_EXECS", "200000"))
     oracle_execs = int(os.environ.get("FUZZ_ORACLE_EXECS", "20000"))
-    # ~20k executions/s and ~5k oracle executions/s per core; generous for a shared machine.
-    timeout = 600 + execs // 2000 + oracle_execs // 500
-    r = run(harness, timeout, FUZZ_MODE="both", FUZZ_EXECS=execs, FUZZ_ORACLE_EXECS=oracle_execs)
+    jsonb_execs = int(os.environ.get("FUZZ_JSONB_EXECS", "2000000"))
+    # ~20k executions/s, ~40k jsonb and ~5k oracle executions/s per core; generous for a
+    # shared machine.
+    timeout = 600 + execs // 2000 + jsonb_execs // 4000 + oracle_execs // 500
+    r = run(harness, timeout, FUZZ_MODE="both", FUZZ_EXECS=execs, FUZZ_ORACLE_EXECS=oracle_execs,
+            FUZZ_JSONB_EXECS=jsonb_execs)
     print(r.stdout)
     print(r.stderr[-5000:], file=sys.stderr)
     assert r.returncode == 0, f"fuzzing found failures (exit {r.returncode}):\n{r.stdout}\n{r.stderr[-5000:]}"
     assert f"invariant (seed {os.environ.get('FUZZ_SEED', '1')}): {execs} executions" in r.stdout
+    assert f"jsonb (seed {os.environ.get('FUZZ_SEED', '1')}): {jsonb_execs} executions" in r.stdout
     assert f": {oracle_execs} executions" in r.stdout.split("canon-fuzz oracle", 1)[1]
     assert "FAILURE" not in r.stdout
 
@@ -102,3 +112,12 @@ def test_harness_catches_a_panic_and_a_hang(harness):
     assert r.returncode == 1 and "FAILURE panic: 1 inputs" in r.stdout, r.stdout + r.stderr
     r = run(harness, 300, FUZZ_MODE="invariant", FUZZ_EXECS=50, FUZZ_SELFTEST_HANG=1)
     assert r.returncode == 3 and "HANG: seed 1, exec 0" in r.stderr, r.stdout + r.stderr
+
+
+def test_jsonb_mode_catches_a_panic_and_an_allocation_beyond_the_bytes(harness):
+    # Self-tests of the jsonb reader's executions: execution 0 panics; every execution reserves
+    # 1 GB as a reader that believed a count from the bytes would.
+    r = run(harness, 120, FUZZ_MODE="jsonb", FUZZ_JSONB_EXECS=50, FUZZ_SELFTEST_PANIC=1)
+    assert r.returncode == 1 and "FAILURE panic: 1 inputs" in r.stdout, r.stdout + r.stderr
+    r = run(harness, 120, FUZZ_MODE="jsonb", FUZZ_JSONB_EXECS=50, FUZZ_SELFTEST_ALLOC=1)
+    assert r.returncode == 1 and "FAILURE jsonb-allocation: 50 inputs" in r.stdout, r.stdout + r.stderr

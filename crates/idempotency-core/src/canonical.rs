@@ -7,6 +7,8 @@
 use std::cmp::Ordering;
 use std::fmt;
 
+pub use crate::exclusion::{exclude, exclude_all};
+
 /// Deepest nesting of arrays and objects accepted, counting the outermost container as 1.
 pub const MAX_DEPTH: usize = 1000;
 
@@ -98,6 +100,17 @@ pub fn write_canonical(
     mode: NumberMode,
     out: &mut String,
 ) -> Result<(), CanonError> {
+    write_canonical_checked(value, mode, out, &mut || {})
+}
+
+/// [`write_canonical`], calling `check` once per array item and object member (the extension
+/// checks for a query cancel there: a document's size is the caller's).
+pub fn write_canonical_checked(
+    value: &Value,
+    mode: NumberMode,
+    out: &mut String,
+    check: &mut impl FnMut(),
+) -> Result<(), CanonError> {
     match value {
         Value::Null => out.push_str("null"),
         Value::Bool(true) => out.push_str("true"),
@@ -107,10 +120,11 @@ pub fn write_canonical(
         Value::Array(items) => {
             out.push('[');
             for (i, item) in items.iter().enumerate() {
+                check();
                 if i > 0 {
                     out.push(',');
                 }
-                write_canonical(item, mode, out)?;
+                write_canonical_checked(item, mode, out, check)?;
             }
             out.push(']');
         }
@@ -119,12 +133,13 @@ pub fn write_canonical(
             sorted.sort_by(|a, b| utf16_cmp(&a.0, &b.0));
             out.push('{');
             for (i, (name, item)) in sorted.into_iter().enumerate() {
+                check();
                 if i > 0 {
                     out.push(',');
                 }
                 write_string(name, out);
                 out.push(':');
-                write_canonical(item, mode, out)?;
+                write_canonical_checked(item, mode, out, check)?;
             }
             out.push('}');
         }
@@ -303,78 +318,6 @@ pub fn format_double(value: f64) -> String {
     }
     let mut buf = ryu_js::Buffer::new();
     buf.format_finite(value).to_string()
-}
-
-/// Removes the member named by `entry` from `value`: a plain name removes a top-level member,
-/// an entry starting with `/` is an RFC 6901 JSON Pointer. A path that does not exist removes
-/// nothing. Returns an error for a malformed pointer.
-pub fn exclude(value: &mut Value, entry: &str) -> Result<(), CanonError> {
-    if !entry.starts_with('/') {
-        if let Value::Object(members) = value {
-            members.retain(|(name, _)| name != entry);
-        }
-        return Ok(());
-    }
-    let tokens = entry[1..]
-        .split('/')
-        .map(|raw| {
-            unescape_pointer_token(raw).ok_or_else(|| CanonError::InvalidPointer(entry.to_string()))
-        })
-        .collect::<Result<Vec<String>, CanonError>>()?;
-    let (last, parents) = match tokens.split_last() {
-        Some(split) => split,
-        None => return Ok(()),
-    };
-    let mut node = value;
-    for token in parents {
-        node = match node {
-            Value::Object(members) => match members.iter_mut().find(|(n, _)| n == token) {
-                Some((_, child)) => child,
-                None => return Ok(()),
-            },
-            Value::Array(items) => match array_index(token).and_then(|i| items.get_mut(i)) {
-                Some(child) => child,
-                None => return Ok(()),
-            },
-            _ => return Ok(()),
-        };
-    }
-    match node {
-        Value::Object(members) => members.retain(|(name, _)| name != last),
-        Value::Array(items) => {
-            if let Some(i) = array_index(last).filter(|&i| i < items.len()) {
-                items.remove(i);
-            }
-        }
-        _ => {}
-    }
-    Ok(())
-}
-
-fn unescape_pointer_token(raw: &str) -> Option<String> {
-    let mut out = String::with_capacity(raw.len());
-    let mut chars = raw.chars();
-    while let Some(c) = chars.next() {
-        if c == '~' {
-            match chars.next() {
-                Some('0') => out.push('~'),
-                Some('1') => out.push('/'),
-                _ => return None,
-            }
-        } else {
-            out.push(c);
-        }
-    }
-    Some(out)
-}
-
-fn array_index(token: &str) -> Option<usize> {
-    let canonical = token == "0" || (!token.starts_with('0') && !token.is_empty());
-    if canonical && token.bytes().all(|b| b.is_ascii_digit()) {
-        token.parse().ok()
-    } else {
-        None
-    }
 }
 
 #[cfg(test)]

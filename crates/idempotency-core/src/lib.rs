@@ -2,6 +2,8 @@
 //! tests run with plain `cargo test -p idempotency-core`, and the compiler keeps it that way.
 //!
 //! - [`canonical`]: RFC 8785 canonical JSON over an in-memory tree (exact or ECMAScript numbers);
+//! - [`jsonb`]: a bounds-checked reader of jsonb's binary form (canonical form or tree);
+//! - [`exclusion`]: `canonical_hash`'s exclusions (member names, JSON Pointers), near-linear;
 //! - [`arguments`]: argument rules (keys, scopes, scope prefixes, durations, statuses);
 //! - [`derivation`]: key derivation (`derive_key`, `cron_key`, request fingerprints);
 //! - [`decision`]: the claim decision table and its four outcomes;
@@ -13,7 +15,9 @@ pub mod arguments;
 pub mod canonical;
 pub mod decision;
 pub mod derivation;
+pub mod exclusion;
 #[cfg(any(test, feature = "json-text"))]
 pub mod json_text;
+pub mod jsonb;
 pub mod pacing;
 pub mod signing;
