@@ -5,7 +5,8 @@
 //!   argument rules, key derivation, the claim decision table, signed and hashed keys), from
 //!   the crate `idempotency-core` (crates/idempotency-core), which has no pgrx: `cargo test -p
 //!   idempotency-core` runs its tests without PostgreSQL;
-//! - `jsonb`: reads a jsonb datum into the canonical tree;
+//! - `jsonb`: finds a jsonb datum's bytes for the core's bounds-checked reader (strings in the
+//!   database encoding, interrupts);
 //! - `store`: everything that reads or writes the extension's table (claim, completion, sweep),
 //!   in layers (see its module comment);
 //! - `api`: the SQL-callable functions, declared in `sql/idempotency.sql`;

@@ -57,7 +57,13 @@ pub fn write_canonical(
     host: &mut impl Host,
 ) -> Result<(), CanonError> {
     let root = Container::open(jsonb, true)?;
-    write_container(&root, mode, out, 0, host)
+    Writer {
+        out,
+        mode,
+        host,
+        number: String::new(),
+    }
+    .container(&root, 0)
 }
 
 /// The jsonb value whose varlena payload is `jsonb` as a tree, members in stored order.
@@ -274,69 +280,70 @@ fn nested(depth: usize) -> Result<usize, CanonError> {
     }
 }
 
-fn write_container(
-    c: &Container<'_>,
+/// Writes canonical forms: the output, the number mode, the host, and a buffer each number's
+/// text is read into before it is laid out (one allocation per value, not per number).
+struct Writer<'o, 'h, H: Host> {
+    out: &'o mut String,
     mode: NumberMode,
-    out: &mut String,
-    depth: usize,
-    host: &mut impl Host,
-) -> Result<(), CanonError> {
-    match c.kind {
-        Kind::Scalar => match c.children().next() {
-            Some(child) => write_child(child?, mode, out, depth, host),
-            None => damaged(),
-        },
-        Kind::Array => {
-            let depth = nested(depth)?;
-            out.push('[');
-            for (i, child) in c.children().enumerate() {
-                host.check_interrupts();
-                if i > 0 {
-                    out.push(',');
-                }
-                write_child(child?, mode, out, depth, host)?;
-            }
-            out.push(']');
-            Ok(())
-        }
-        Kind::Object => {
-            let depth = nested(depth)?;
-            let mut members = members(c, host)?;
-            // jsonb's order is by length, then bytes; RFC 8785 wants UTF-16 code units.
-            members.sort_by(|a, b| utf16_cmp(&a.0, &b.0));
-            out.push('{');
-            for (i, (name, value)) in members.into_iter().enumerate() {
-                host.check_interrupts();
-                if i > 0 {
-                    out.push(',');
-                }
-                write_string(&name, out);
-                out.push(':');
-                write_child(value, mode, out, depth, host)?;
-            }
-            out.push('}');
-            Ok(())
-        }
-    }
+    host: &'h mut H,
+    number: String,
 }
 
-fn write_child(
-    child: Child<'_>,
-    mode: NumberMode,
-    out: &mut String,
-    depth: usize,
-    host: &mut impl Host,
-) -> Result<(), CanonError> {
-    match child {
-        Child::Null => out.push_str("null"),
-        Child::Bool(b) => out.push_str(if b { "true" } else { "false" }),
-        Child::String(s) => write_string(&text(s, host)?, out),
-        Child::Number(n) => write_number(&number_text(n, host)?, mode, out)?,
-        Child::Container(bytes) => {
-            write_container(&Container::open(bytes, false)?, mode, out, depth, host)?
+impl<H: Host> Writer<'_, '_, H> {
+    fn container(&mut self, c: &Container<'_>, depth: usize) -> Result<(), CanonError> {
+        match c.kind {
+            Kind::Scalar => match c.children().next() {
+                Some(child) => self.child(child?, depth),
+                None => damaged(),
+            },
+            Kind::Array => {
+                let depth = nested(depth)?;
+                self.out.push('[');
+                for (i, child) in c.children().enumerate() {
+                    self.host.check_interrupts();
+                    if i > 0 {
+                        self.out.push(',');
+                    }
+                    self.child(child?, depth)?;
+                }
+                self.out.push(']');
+                Ok(())
+            }
+            Kind::Object => {
+                let depth = nested(depth)?;
+                let mut members = members(c, self.host)?;
+                // jsonb's order is by length, then bytes; RFC 8785 wants UTF-16 code units.
+                members.sort_by(|a, b| utf16_cmp(&a.0, &b.0));
+                self.out.push('{');
+                for (i, (name, value)) in members.into_iter().enumerate() {
+                    self.host.check_interrupts();
+                    if i > 0 {
+                        self.out.push(',');
+                    }
+                    write_string(&name, self.out);
+                    self.out.push(':');
+                    self.child(value, depth)?;
+                }
+                self.out.push('}');
+                Ok(())
+            }
         }
     }
-    Ok(())
+
+    fn child(&mut self, child: Child<'_>, depth: usize) -> Result<(), CanonError> {
+        match child {
+            Child::Null => self.out.push_str("null"),
+            Child::Bool(b) => self.out.push_str(if b { "true" } else { "false" }),
+            Child::String(s) => write_string(&text(s, self.host)?, self.out),
+            Child::Number(n) => {
+                self.number.clear();
+                number_text(n, self.host, &mut self.number)?;
+                write_number(&self.number, self.mode, self.out)?
+            }
+            Child::Container(bytes) => self.container(&Container::open(bytes, false)?, depth)?,
+        }
+        Ok(())
+    }
 }
 
 fn container_value(
@@ -376,7 +383,11 @@ fn child_value(child: Child<'_>, depth: usize, host: &mut impl Host) -> Result<V
         Child::Null => Value::Null,
         Child::Bool(b) => Value::Bool(b),
         Child::String(s) => Value::String(text(s, host)?.into_owned()),
-        Child::Number(n) => Value::Number(number_text(n, host)?),
+        Child::Number(n) => {
+            let mut text = String::new();
+            number_text(n, host, &mut text)?;
+            Value::Number(text)
+        }
         Child::Container(bytes) => container_value(&Container::open(bytes, false)?, depth, host)?,
     })
 }
@@ -418,8 +429,8 @@ fn numeric_payload(n: &[u8]) -> Result<&[u8], CanonError> {
 /// A jsonb number's exact value as `[-]digits[e[-]digits]` text, read from the numeric's
 /// stored form: a header word (the short form: sign and a 7-bit weight; the long form: sign,
 /// then a 16-bit weight word), then base-10000 digits, each checked to be below 10000.
-/// NaN and the infinities (which jsonb never holds) are damage.
-fn number_text(n: &[u8], host: &mut impl Host) -> Result<String, CanonError> {
+/// NaN and the infinities (which jsonb never holds) are damage. Written into `out`, empty.
+fn number_text(n: &[u8], host: &mut impl Host, out: &mut String) -> Result<(), CanonError> {
     let p = numeric_payload(n)?;
     let header = u16_at(p, 0)?;
     let (negative, weight, digits) = match header & 0xC000 {
@@ -441,7 +452,7 @@ fn number_text(n: &[u8], host: &mut impl Host) -> Result<String, CanonError> {
     }
     let ndigits = digits.len() / 2;
     // Sign, 4 decimal digits per base-10000 digit, 'e', sign and up to 20 exponent digits.
-    let mut out = String::with_capacity(4 * ndigits + 24);
+    out.reserve(4 * ndigits + 24);
     if negative {
         out.push('-');
     }
@@ -464,15 +475,17 @@ fn number_text(n: &[u8], host: &mut impl Host) -> Result<String, CanonError> {
         }
     }
     if !significant {
-        return Ok("0".to_string());
+        out.clear();
+        out.push('0');
+        return Ok(());
     }
     // value = digits * 10^(4 * (weight - (ndigits - 1))); ndigits < 2^31, so no overflow.
     let exponent = 4 * (weight - (ndigits as i64 - 1));
     if exponent != 0 {
-        out.push('e');
-        out.push_str(&exponent.to_string());
+        use std::fmt::Write;
+        let _ = write!(out, "e{exponent}");
     }
-    Ok(out)
+    Ok(())
 }
 
 /// A jsonb writer for tests and the fuzz harness (the extension never writes jsonb): the
