@@ -703,7 +703,7 @@ SUMMARY_TARGETS = [
     ("replay ≥ 0.80 × primary-key SELECT at 16 clients", "replay / primary-key SELECT, 16 clients (≥ 0.80)"),
     ("sweep ≥ 100,000 rows/s", "sweep, rows/s on an idle server (≥ 100,000)"),
     ("claim_many 100 fresh keys ≥ 0.90 × multi-row INSERT floor", "claim_many / multi-row INSERT, 100 keys (≥ 0.90)"),
-    # The target was 1.25 before issue 17 (1.05): the prefix matches the reports of either.
+    # The target was 1.25 before 0.4.0 (1.05): the prefix matches the reports of either.
     ("claim p99 during the sweep ≤", "claim p99 during a sweep / without (≤ 1.05)"),
     ("leased completions HOT ≥ 0.90", "leased completions, HOT updates / updates (≥ 0.90)"),
 ]

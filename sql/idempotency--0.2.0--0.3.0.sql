@@ -220,7 +220,7 @@ END
 $fn$;
 
 -- ---------------------------------------------------------------------------------------------
--- Encodings (issue 13, item 2; branch `encodings`): the same check as at the top of
+-- Encodings: the same check as at the top of
 -- sql/idempotency.sql. A SQL_ASCII database cannot run 0.3.0 (its library refuses every call
 -- that reads text there), so the update says so clearly instead of succeeding.
 DO $encoding$

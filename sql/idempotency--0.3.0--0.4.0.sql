@@ -340,7 +340,7 @@ BEGIN
 END
 $fn$;
 
--- Statistics of the whole cluster where the store is distributed (issue 16) ------------------
+-- Statistics of the whole cluster where the store is distributed ---------------------------
 
 -- The counters of the whole store: this node's, or, where the store is a Citus distributed table,
 -- the sum over every node of the cluster (each node counts the calls it ran, and its sweeper the

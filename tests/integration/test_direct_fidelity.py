@@ -1,5 +1,5 @@
 """The direct paths (the dirty-snapshot look-up, the direct insert and update) against the
-review of issue 13, items 3, 4 and 6:
+review of 0.2.0:
 
 - a look-up that races a committed update of an indexed column (created_at) must not take the
   miss for absence (driven deterministically with the debug-build pause between the index

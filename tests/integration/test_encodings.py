@@ -1,4 +1,4 @@
-"""Databases in other encodings than UTF-8 (issue 13, item 2).
+"""Databases in other encodings than UTF-8.
 
 Canonical JSON, hashes, keys, scopes, derivations and fingerprints are defined over Unicode:
 text is converted from the database encoding to UTF-8, so one document hashes the same in every

@@ -1,4 +1,4 @@
-"""The holes an outside review found in 0.2.0 (issue 13), each tried the way an attacker or a
+"""The holes an outside review found in 0.2.0, each tried the way an attacker or a
 careless caller would: a tenant's startup options against its scope prefix and audit, with and
 without preloading; sweeps and counters across tenants; calendar arithmetic in TTLs and
 leases; the answer to a busy key; signatures and hashes of keys; derived keys; messages and

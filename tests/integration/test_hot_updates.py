@@ -1,4 +1,4 @@
-"""HOT completions and the sweep index (issue 17, part 1).
+"""HOT completions and the sweep index.
 
 A completion in a later transaction than its claim (the leased style) moves expires_at; the
 sweeper's index is on the claim-time expiry (created_at + ttl) instead, so the completion
