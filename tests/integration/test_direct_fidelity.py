@@ -293,7 +293,7 @@ def test_crafted_jsonb_is_data_corrupted_in_every_reader(connect):
                      "= idempotency.canonical_hash('{\"a\": 1}')").fetchone()[0]
 
 
-# --- the layout check: the primary key, inheritance, partitions, defaults -------------------
+# --- the layout check: the primary key, inheritance, partitions, defaults, result types -----
 
 def rr_claim(conn, key):
     """A claim under REPEATABLE READ: the SQL path, whose INSERT ... ON CONFLICT (scope, key)
@@ -478,3 +478,87 @@ def test_a_column_default_changed_by_hand_applies_to_fresh_claims(connect, reins
                                "WHERE key LIKE %s ORDER BY key", (f"def-{n}-%",)).fetchall()
         expected = [] if change == "identity" else [(f"def-{n}-1", "from-default"), (f"def-{n}-2", "from-default")]
         assert stored == expected
+
+
+# claim_result altered by its owner; the SQL of each change, and the words the error must contain.
+RESULT_TYPE_CHANGES = {
+    "type": ("ALTER ATTRIBUTE token TYPE text", "attribute 2 of idempotency.claim_result is token text"),
+    "typmod": ("ALTER ATTRIBUTE expires_at TYPE timestamptz(0)",
+               "attribute 6 of idempotency.claim_result is expires_at timestamp(0) with time zone"),
+    "name": ("RENAME ATTRIBUTE response TO body", "attribute 3 of idempotency.claim_result is body jsonb"),
+    "dropped": ("DROP ATTRIBUTE recovery_point", "attribute 7 of idempotency.claim_result is dropped"),
+}
+
+
+@pytest.mark.parametrize("change", sorted(RESULT_TYPE_CHANGES))
+def test_claim_result_altered_by_hand_is_refused_not_a_crash(connect, reinstall, change):
+    """ALTER TYPE idempotency.claim_result ALTER ATTRIBUTE token TYPE text, then SELECT * FROM
+    idempotency.claim('rt-1') (even in a fresh session) was a SIGSEGV: claim checked only that
+    its result type had 7 columns and then built it with the original types. Each attribute is
+    checked (name, type, typmod, not dropped) and the type's change reaches a session that had
+    cached the type: 55000 naming the attribute, nothing written, no crash."""
+    alter, words = RESULT_TYPE_CHANGES[change]
+    a, other = connect(), connect()
+    started = postmaster_start(other)
+    assert claim(a, "rt-0", None)[0] == "new"  # a caches claim_result's descriptor
+    other.execute(f"ALTER TYPE idempotency.claim_result {alter}")
+    fresh = connect()
+    for conn in (a, fresh):
+        state, message = error_of(lambda: conn.execute("SELECT * FROM idempotency.claim('rt-1')").fetchall())
+        assert state == "55000", (change, state, message)
+        assert words in message, message
+    assert rows_of(other, "rt-1") == 0
+    assert other.execute("SELECT 1").fetchone()[0] == 1
+    assert postmaster_start(connect()) == started
+
+
+def test_claim_result_extended_in_a_live_session_gets_the_new_column(connect, reinstall):
+    """A later release that adds a column to claim_result (ALTER EXTENSION UPDATE while
+    sessions run) must not break sessions that cached the old type: the new column is NULL."""
+    a, other = connect(), connect()
+    assert claim(a, "rx-0", None)[0] == "new"
+    other.execute("ALTER TYPE idempotency.claim_result ADD ATTRIBUTE note text")
+    row = a.execute("SELECT * FROM idempotency.claim('rx-1')").fetchone()
+    assert len(row) == 8 and row[0] == "new" and row[7] is None
+    assert a.execute("SELECT (idempotency.claim('rx-1')).outcome").fetchone()[0] == "in_progress"
+
+
+REDECLARED = {
+    "claim_many": (
+        "idempotency.claim_many(text[], jsonb[], text, interval, interval)",
+        "CREATE FUNCTION idempotency.claim_many(keys text[], requests jsonb[] DEFAULT NULL, "
+        "scope text DEFAULT '', ttl interval DEFAULT NULL, lease interval DEFAULT NULL) "
+        "RETURNS TABLE (ord integer, key text, outcome idempotency.outcome, token text, response jsonb, "
+        "response_status integer, retry_after interval, expires_at timestamptz, recovery_point text) "
+        "LANGUAGE c AS '$libdir/idempotency', 'idempotency_claim_many'",
+        "SELECT * FROM idempotency.claim_many(ARRAY['rd-1'])",
+        "attribute 4 of the result of idempotency.claim_many is token text"),
+    "_shared_stats": (
+        "idempotency._shared_stats()",
+        "CREATE FUNCTION idempotency._shared_stats(OUT preloaded text, OUT claims_new bigint, "
+        "OUT claims_replay bigint, OUT claims_in_progress bigint, OUT claims_mismatch bigint, "
+        "OUT completions bigint, OUT releases bigint, OUT rows_swept bigint, "
+        "OUT last_sweep_at timestamptz, OUT last_sweep_rows bigint) "
+        "LANGUAGE c AS '$libdir/idempotency', 'idempotency_shared_stats'",
+        "SELECT * FROM idempotency._shared_stats()",
+        "attribute 1 of the result of idempotency._shared_stats is preloaded text"),
+}
+
+
+@pytest.mark.parametrize("function", sorted(REDECLARED))
+def test_a_result_redeclared_with_other_column_types_is_refused_not_a_crash(connect, reinstall, function):
+    """The other rows the library forms itself (claim_many's, _shared_stats's) are checked the
+    same way: a superuser's redeclaration with a column of another type is 55000 naming the
+    attribute, not a datum read as the wrong type."""
+    signature, create, call, words = REDECLARED[function]
+    a = connect()
+    started = postmaster_start(a)
+    a.execute(f"ALTER EXTENSION idempotency DROP FUNCTION {signature}")
+    a.execute(f"DROP FUNCTION {signature} CASCADE")
+    a.execute(create)
+    a.execute(f"ALTER EXTENSION idempotency ADD FUNCTION {signature}")  # dropped with it
+    state, message = error_of(lambda: a.execute(call).fetchall())
+    assert state == "55000", (state, message)
+    assert words in message, message
+    assert rows_of(a, "rd-1") == 0
+    assert postmaster_start(connect()) == started
