@@ -13,6 +13,7 @@
 
 mod args;
 mod functions;
+mod result;
 
 pub use args::{DbText, Jsonb, Row, Text, TextArray};
 
@@ -342,6 +343,8 @@ pub extern "C-unwind" fn idempotency_claim(fcinfo: pg_sys::FunctionCallInfo) -> 
         let (ttl, lease) = (ttl.value, lease.value);
         let hash = Jsonb::arg(fcinfo, 1).map(|d| hash_arg(d.datum(), "request"));
         store::refuse_read_only("claim");
+        // Checked before anything is written or counted.
+        let result_type = result_type(fcinfo);
         let result = store::claim(&ClaimRequest {
             scope: &scope,
             key: &key,
@@ -350,43 +353,49 @@ pub extern "C-unwind" fn idempotency_claim(fcinfo: pg_sys::FunctionCallInfo) -> 
             lease,
         });
         stats::count(outcome_slot(result.outcome).1, 1);
-        claim_tuple(fcinfo, result)
+        claim_tuple(&result_type, result)
     }
 }
 
 /// Builds the function's composite result (its declared row type or OUT parameters).
 ///
 /// # Safety
-/// `fcinfo` is the current call; `fields` are datums of the result's column types.
+/// `fcinfo` is the current call; `fields` are datums of the types of `columns`.
 unsafe fn form_tuple(
     fcinfo: pg_sys::FunctionCallInfo,
+    columns: &[result::ResultColumn],
+    what: &str,
     fields: &[Option<pg_sys::Datum>],
 ) -> pg_sys::Datum {
-    // SAFETY: the caller's guarantees. The descriptor comes from the call's declared result
-    // (checked to be a composite of at least `fields.len()` columns) and is blessed before the
-    // tuple is formed in the call's memory context.
+    // SAFETY: the caller's guarantees. The descriptor comes from the call's declared result,
+    // checked to be a composite whose first columns are `columns` (so every field goes into a
+    // column of its datum's type), and is blessed before the tuple is formed in the call's
+    // memory context.
     unsafe {
         let mut tupdesc: pg_sys::TupleDesc = std::ptr::null_mut();
         let class = pg_sys::get_call_result_type(fcinfo, std::ptr::null_mut(), &mut tupdesc);
-        if class != pg_sys::TypeFuncClass::TYPEFUNC_COMPOSITE
-            || tupdesc.is_null()
-            || ((*tupdesc).natts as usize) < fields.len()
-        {
+        if class != pg_sys::TypeFuncClass::TYPEFUNC_COMPOSITE || tupdesc.is_null() {
             raise(
                 PgSqlErrorCode::ERRCODE_DATATYPE_MISMATCH,
                 "function result type does not match the extension's declaration".into(),
                 Some("reinstall the extension"),
             );
         }
+        debug_assert!(fields.len() <= columns.len());
+        result::check_result(tupdesc, columns, what);
         tuple_datum(pg_sys::BlessTupleDesc(tupdesc), fields)
     }
 }
 
-/// `claim_result`'s row descriptor and the OIDs of the `outcome` labels, looked up once per
-/// backend (and again if the type is recreated, which gives it a new OID).
+/// `claim_result`'s row descriptor and the OIDs of the `outcome` labels, checked and looked up
+/// once per backend and again whenever the type's descriptor changes: recreated (a new OID) or
+/// altered (`ALTER TYPE ... ALTER ATTRIBUTE`, an update of the extension), which gives the
+/// type cache's descriptor a new identifier.
 #[derive(Clone, Copy)]
 struct ResultType {
     typid: pg_sys::Oid,
+    /// The type cache's `tupDesc_identifier` of the descriptor that was checked.
+    identifier: u64,
     tupdesc: pg_sys::TupleDesc,
     /// new, replay, in_progress, mismatch
     outcomes: [pg_sys::Datum; 4],
@@ -398,34 +407,49 @@ static RESULT_TYPE: crate::local::BackendLocal<std::cell::Cell<Option<ResultType
 /// # Safety
 /// `fcinfo` is the current call of `claim`.
 unsafe fn result_type(fcinfo: pg_sys::FunctionCallInfo) -> ResultType {
-    // SAFETY: the call's flinfo names the declared result type. The blessed copy of its
-    // descriptor is made in TopMemoryContext, so it outlives the call, as the per-backend cache
-    // needs (a recreated type has a new OID and gets a descriptor of its own); the enum labels'
-    // OIDs are plain values. `compat::attribute(tupdesc, 0)` is in range: natts >= 7 is checked.
+    // SAFETY: the call's flinfo names the declared result type; the type cache entry of an
+    // existing type is never freed, and its descriptor is read only when present. The checked
+    // descriptor is a copy in the call's context; the cached one a copy of it in
+    // TopMemoryContext, so it outlives the call, as the per-backend cache needs (the copy it
+    // replaces is freed: no tuple refers to its descriptor). The enum labels' OIDs are plain
+    // values. `compat::attribute(tupdesc, 0)` is in range: the check found 7 columns.
     unsafe {
         let typid = pg_sys::get_fn_expr_rettype((*fcinfo).flinfo);
-        if let Some(t) = RESULT_TYPE
-            .with(|c| c.get())
-            .filter(|t| t.typid == typid && typid != pg_sys::InvalidOid)
-        {
-            return t;
-        }
-        let tupdesc = pgrx::PgMemoryContexts::TopMemoryContext
-            .switch_to(|_| pg_sys::BlessTupleDesc(pg_sys::lookup_rowtype_tupdesc_copy(typid, -1)));
-        if (*tupdesc).natts < 7 {
+        let entry = if typid == pg_sys::InvalidOid {
+            std::ptr::null_mut()
+        } else {
+            pg_sys::lookup_type_cache(typid, pg_sys::TYPECACHE_TUPDESC as std::ffi::c_int)
+        };
+        if entry.is_null() || (*entry).tupDesc.is_null() {
             raise(
                 PgSqlErrorCode::ERRCODE_DATATYPE_MISMATCH,
                 "idempotency.claim must return idempotency.claim_result".into(),
                 Some("reinstall the extension"),
             );
         }
-        let outcomes = outcome_labels((*crate::compat::attribute(tupdesc, 0)).atttypid);
+        let identifier = (*entry).tupDesc_identifier;
+        let cached = RESULT_TYPE.with(|c| c.get());
+        if let Some(t) = cached.filter(|t| t.typid == typid && t.identifier == identifier) {
+            return t;
+        }
+        let checked = pg_sys::lookup_rowtype_tupdesc_copy(typid, -1);
+        let name = std::ffi::CStr::from_ptr(pg_sys::format_type_be(typid))
+            .to_string_lossy()
+            .into_owned();
+        result::check_result(checked, &result::CLAIM_RESULT, &name);
+        let outcomes = outcome_labels((*crate::compat::attribute(checked, 0)).atttypid);
+        let tupdesc = pgrx::PgMemoryContexts::TopMemoryContext
+            .switch_to(|_| pg_sys::BlessTupleDesc(pg_sys::CreateTupleDescCopy(checked)));
         let t = ResultType {
             typid,
+            identifier,
             tupdesc,
             outcomes,
         };
         RESULT_TYPE.with(|c| c.set(Some(t)));
+        if let Some(old) = cached {
+            pg_sys::FreeTupleDesc(old.tupdesc);
+        }
         t
     }
 }
@@ -474,12 +498,12 @@ unsafe fn outcome_labels(outcome_type: pg_sys::Oid) -> [pg_sys::Datum; 4] {
 }
 
 /// # Safety
-/// `fcinfo` is the current call of `claim`.
-unsafe fn claim_tuple(fcinfo: pg_sys::FunctionCallInfo, r: ClaimResult) -> pg_sys::Datum {
+/// `t` is the result type of the current call of `claim`.
+unsafe fn claim_tuple(t: &ResultType, r: ClaimResult) -> pg_sys::Datum {
     // SAFETY: the caller's guarantee; every field is a datum of its column's type in the
-    // `claim_result` descriptor (checked to have 7 columns), allocated in the call's context.
+    // `claim_result` descriptor (checked column by column: `result::CLAIM_RESULT`), allocated
+    // in the call's context.
     unsafe {
-        let t = result_type(fcinfo);
         let fields: [Option<pg_sys::Datum>; 7] = [
             Some(t.outcomes[outcome_slot(r.outcome).0]),
             r.token.into_datum(),
@@ -730,13 +754,12 @@ pub extern "C-unwind" fn idempotency_claim_many(fcinfo: pg_sys::FunctionCallInfo
         pg_sys::InitMaterializedSRF(fcinfo, 0);
         let rsinfo = (*fcinfo).resultinfo as *mut pg_sys::ReturnSetInfo;
         let (store_, tupdesc) = ((*rsinfo).setResult, (*rsinfo).setDesc);
-        if (*tupdesc).natts < 9 {
-            raise(
-                PgSqlErrorCode::ERRCODE_DATATYPE_MISMATCH,
-                "idempotency.claim_many must return ord, key and claim_result's columns".into(),
-                Some("reinstall the extension"),
-            );
-        }
+        // Every row below is formed from this descriptor: each field a datum of its column.
+        result::check_result(
+            tupdesc,
+            &result::CLAIM_MANY_RESULT,
+            "the result of idempotency.claim_many",
+        );
         let outcomes = outcome_labels((*crate::compat::attribute(tupdesc, 2)).atttypid);
 
         let mut counts = [0u64; 4];

@@ -144,17 +144,22 @@ unsafe impl BoxRet for DbText {
 pgrx::impl_sql_translatable!(DbText, "text");
 
 /// A row of the call's declared result type (its OUT parameters), formed as it is returned:
-/// each field a datum of its column's type, NULL where None or missing.
-pub struct Row(pub Vec<Option<pg_sys::Datum>>);
+/// each field a datum of its column's type (`columns`, checked against the declared type;
+/// `what` names the result in the error), NULL where None or missing.
+pub struct Row {
+    pub(crate) columns: &'static [super::result::ResultColumn],
+    pub(crate) what: &'static str,
+    pub(crate) fields: Vec<Option<pg_sys::Datum>>,
+}
 
 // SAFETY: the row is formed from the current call's declared result type by `form_tuple`,
-// which checks that it is a composite of at least as many columns, in the call's memory
-// context, and returned as the call's result.
+// which checks that it is a composite whose first columns are `columns` (names and types of
+// the fields' datums), in the call's memory context, and returned as the call's result.
 unsafe impl BoxRet for Row {
     unsafe fn box_into<'fcx>(self, fcinfo: &mut FcInfo<'fcx>) -> pgrx::datum::Datum<'fcx> {
         // SAFETY: as above; `fcinfo` is the current call.
         unsafe {
-            let row = super::form_tuple(fcinfo.as_mut_ptr(), &self.0);
+            let row = super::form_tuple(fcinfo.as_mut_ptr(), self.columns, self.what, &self.fields);
             fcinfo.return_raw_datum(row)
         }
     }

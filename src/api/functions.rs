@@ -411,18 +411,22 @@ fn idempotency_shared_stats() -> Row {
         .filter(|s| s.last_sweep_at != 0)
         .map(|s| s.last_sweep_rows)
         .into_datum();
-    Row(vec![
-        Some(pg_sys::Datum::from(crate::worker::sweeper_runs())),
-        counter(Event::ClaimNew),
-        counter(Event::ClaimReplay),
-        counter(Event::ClaimInProgress),
-        counter(Event::ClaimMismatch),
-        counter(Event::Completion),
-        counter(Event::Release),
-        counter(Event::Swept),
-        last_at,
-        last_rows,
-    ])
+    Row {
+        columns: &super::result::SHARED_STATS_RESULT,
+        what: "the result of idempotency._shared_stats",
+        fields: vec![
+            Some(pg_sys::Datum::from(crate::worker::sweeper_runs())),
+            counter(Event::ClaimNew),
+            counter(Event::ClaimReplay),
+            counter(Event::ClaimInProgress),
+            counter(Event::ClaimMismatch),
+            counter(Event::Completion),
+            counter(Event::Release),
+            counter(Event::Swept),
+            last_at,
+            last_rows,
+        ],
+    }
 }
 
 /// The counters are the whole database's: only for roles that may read `idempotency.stats`

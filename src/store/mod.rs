@@ -30,6 +30,7 @@ mod heap;
 mod sql;
 mod sweep;
 
+pub(crate) use catalog::column_is;
 pub use catalog::{key_label, stored_key, PinnedSearchPath};
 pub use claim::{claim, claim_fresh_batch};
 pub use complete::complete;

@@ -3,6 +3,7 @@
 use super::catalog::relation_oid;
 use super::catalog::sql_only;
 use super::catalog::PinnedSearchPath;
+use super::catalog::{check_no_inheritance_children, layout};
 use super::spi_failed;
 use super::sql::{audit_plans, plan, sweep_local_shards, Plan, AUDIT_SWEEP_SQL, SWEEP_SQL};
 use crate::encoding;
@@ -71,6 +72,8 @@ pub fn sweep_start() {
 /// sweep ([`sweep_start`]) ended; returns how many.
 pub fn sweep_batch(batch: i64, prefix: &str) -> i64 {
     let _path = PinnedSearchPath::pin();
+    // The statement matches rows by ctid, which a table inheriting from the store shares.
+    check_no_inheritance_children(&layout());
     let from = |at: pg_sys::Timestamp| {
         // SAFETY: a timestamp is passed by value, declared as timestamp.
         unsafe { pgrx::datum::DatumWithOid::new(pg_sys::Datum::from(at), pg_sys::TIMESTAMPOID) }

@@ -291,3 +291,274 @@ def test_crafted_jsonb_is_data_corrupted_in_every_reader(connect):
         == '{"a":null,"b":[1.5,"x"]}'
     assert a.execute("SELECT idempotency.canonical_hash('{\"a\": 1, \"b\": 2}', '{/b}') "
                      "= idempotency.canonical_hash('{\"a\": 1}')").fetchone()[0]
+
+
+# --- the layout check: the primary key, inheritance, partitions, defaults, result types -----
+
+def rr_claim(conn, key):
+    """A claim under REPEATABLE READ: the SQL path, whose INSERT ... ON CONFLICT (scope, key)
+    needs the primary key as its arbiter."""
+    with conn.transaction():
+        conn.execute("SET TRANSACTION ISOLATION LEVEL REPEATABLE READ")
+        return claim(conn, key, None)
+
+
+def claim_many(conn, keys, scope=""):
+    return conn.execute("SELECT key, outcome::text FROM idempotency.claim_many(%s, scope => %s) ORDER BY ord",
+                        (keys, scope)).fetchall()
+
+
+def rows_of(conn, key):
+    return conn.execute("SELECT count(*) FROM idempotency.idempotency_keys WHERE key = %s", (key,)).fetchone()[0]
+
+
+PKEY = "idempotency.idempotency_keys_pkey"
+NEW_INDEX = "CREATE UNIQUE INDEX idempotency_keys_pkey ON idempotency.idempotency_keys "
+PRIMARY_KEY_REPLACEMENTS = {
+    # The review's vector: two `new` for one key, duplicate rows, forget fails "more than one row".
+    "partial": ([NEW_INDEX + "(scope, key) WHERE status = 'completed'"], "partial"),
+    "collation": ([NEW_INDEX + '(scope COLLATE "POSIX", key COLLATE "POSIX")'], "collation"),
+    "operator class": ([NEW_INDEX + "(scope text_pattern_ops, key text_pattern_ops)"], "operator class"),
+    "deferrable": (["ALTER TABLE idempotency.idempotency_keys ADD CONSTRAINT idempotency_keys_pkey "
+                    "PRIMARY KEY (scope, key) DEFERRABLE"], "deferrable"),
+    # What a failed CREATE UNIQUE INDEX CONCURRENTLY leaves behind.
+    "invalid": ([NEW_INDEX + "(scope, key)",
+                 f"UPDATE pg_index SET indisvalid = false WHERE indexrelid = '{PKEY}'::regclass"], "not valid"),
+}
+
+
+@pytest.mark.parametrize("how", sorted(PRIMARY_KEY_REPLACEMENTS))
+def test_a_primary_key_replaced_by_another_index_of_its_name_is_refused(connect, reinstall, how):
+    """The owner replaces the primary key by an index of the same name that the look-up and the
+    statements' ON CONFLICT (scope, key) cannot rely on. With a partial unique index (WHERE
+    status = 'completed') claim answered `new` twice for one key and stored duplicate rows
+    (the SQL path has no arbiter either: 42P10). Every claim, batch and completion is refused
+    with 55000 naming the index and what differs, in a session that cached the layout before
+    and in a fresh one."""
+    statements, words = PRIMARY_KEY_REPLACEMENTS[how]
+    a, other = connect(), connect()
+    warm_direct_path(a, "pk-0")
+    assert claim(a, "pk-1", None, lease="10 minutes")[0] == "new"
+    other.execute("ALTER TABLE idempotency.idempotency_keys DROP CONSTRAINT idempotency_keys_pkey")
+    for sql in statements:
+        other.execute(sql)
+    definition, valid, immediate = other.execute(
+        "SELECT pg_get_indexdef(indexrelid), indisvalid, indimmediate FROM pg_index "
+        f"WHERE indexrelid = '{PKEY}'::regclass").fetchone()
+    assert "UNIQUE" in definition and "(scope" in definition
+    assert (how == "partial") == ("WHERE" in definition)
+    assert (how == "invalid") == (not valid) and (how == "deferrable") == (not immediate)
+    fresh = connect()
+    for conn in (a, fresh):
+        for call in (lambda: claim(conn, "pk-1", None),       # in progress: would answer from the row
+                     lambda: claim(conn, "pk-2", None),       # absent: would insert
+                     lambda: rr_claim(conn, "pk-3"),
+                     lambda: claim_many(conn, ["pk-1", "pk-4"]),
+                     lambda: complete(conn, "pk-1", {"v": 1})):
+            state, message = error_of(call)
+            assert state == "55000", (how, state, message)
+            assert "idempotency_keys_pkey" in message and words in message, message
+    assert [rows_of(other, k) for k in ("pk-1", "pk-2", "pk-3", "pk-4")] == [1, 0, 0, 0]
+    # Put back, the same sessions claim again.
+    other.execute("ALTER TABLE idempotency.idempotency_keys DROP CONSTRAINT IF EXISTS idempotency_keys_pkey")
+    other.execute(f"DROP INDEX IF EXISTS {PKEY}")
+    other.execute("ALTER TABLE idempotency.idempotency_keys ADD CONSTRAINT idempotency_keys_pkey PRIMARY KEY (scope, key)")
+    assert claim(a, "pk-1", None)[0] == "in_progress"
+    assert claim(fresh, "pk-2", None)[0] == "new"
+
+
+CHILD_ROW = ("INSERT INTO {table} (scope, key, status, token, response, response_status, created_at, "
+             "completed_at, expires_at, ttl) VALUES ('', %s, 'completed', 999999, '{{\"kept\": 1}}', 200, now(), "
+             "now(), now() + interval '1 day', interval '1 day')")
+
+
+def test_a_table_inheriting_from_the_store_is_refused_naming_it(connect, reinstall):
+    """Tables inheriting from the store hold rows the look-up never sees: a key stored in the
+    inheriting table (which every SQL statement on the store reads) was claimed `new` again,
+    and the sweep, which matches rows by ctid, could delete a live row of the store for an
+    expired one of the inheriting table. Claims, batches, completions and sweeps are refused
+    with 55000 naming the inheriting table, also in a session whose layout was cached before;
+    once the table is gone they work again, and a new inheriting table is seen again."""
+    a, other = connect(), connect()
+    warm_direct_path(a, "inh-0")
+    assert claim(a, "inh-2", None, lease="10 minutes")[0] == "new"
+    try:
+        other.execute("CREATE TABLE public.store_child () INHERITS (idempotency.idempotency_keys)")
+        other.execute(CHILD_ROW.format(table="public.store_child"), ("inh-1",))
+        assert other.execute("SELECT tableoid::regclass::text, response FROM idempotency.idempotency_keys "
+                             "WHERE key = 'inh-1'").fetchall() == [("store_child", {"kept": 1})]
+        fresh = connect()
+        for conn in (a, fresh):
+            for call in (lambda: claim(conn, "inh-1", None),     # was `new`: a second row for the key
+                         lambda: claim(conn, "inh-3", None),
+                         lambda: claim_many(conn, ["inh-1", "inh-4"]),
+                         lambda: complete(conn, "inh-2", {"v": 1}),
+                         lambda: conn.execute("SELECT idempotency.sweep()").fetchone()):
+                state, message = error_of(call)
+                assert state == "55000", (state, message)
+                assert "store_child" in message and "inherits" in message, message
+        assert [rows_of(other, k) for k in ("inh-1", "inh-2", "inh-3", "inh-4")] == [1, 1, 0, 0]
+        # Dropping the inheriting table sends the store no invalidation: a refused call looks again.
+        other.execute("DROP TABLE public.store_child")
+        assert claim(a, "inh-1", None)[0] == "new"
+        assert complete(fresh, "inh-2", {"v": 2}) is not None
+        # The store keeps relhassubclass after the drop: a new inheriting table must still be seen.
+        assert other.execute("SELECT relhassubclass FROM pg_class "
+                             "WHERE oid = 'idempotency.idempotency_keys'::regclass").fetchone()[0]
+        other.execute("CREATE TABLE public.store_child2 () INHERITS (idempotency.idempotency_keys)")
+        for conn in (a, fresh):
+            state, message = error_of(lambda: claim(conn, "inh-5", None))
+            assert state == "55000" and "store_child2" in message, (state, message)
+    finally:
+        other.execute("DROP TABLE IF EXISTS public.store_child, public.store_child2")
+
+
+def test_a_store_attached_as_a_partition_keeps_to_its_bound(connect, reinstall):
+    """ATTACH PARTITION of the store (FOR VALUES IN ('')): claims outside the partition bound
+    were stored by the direct insert, where the INSERT refuses them (23514). A partition's
+    writes go through the statements, in a session whose layout was cached before the ATTACH
+    and in a fresh one; inside the bound claims and completions work as before."""
+    a, other = connect(), connect()
+    warm_direct_path(a, "part-0")
+    try:
+        other.execute("CREATE TABLE public.store_parent (LIKE idempotency.idempotency_keys) PARTITION BY LIST (scope)")
+        other.execute("ALTER TABLE public.store_parent ATTACH PARTITION idempotency.idempotency_keys FOR VALUES IN ('')")
+        assert other.execute("SELECT relispartition, pg_get_expr(relpartbound, oid) FROM pg_class "
+                             "WHERE oid = 'idempotency.idempotency_keys'::regclass").fetchone() \
+            == (True, "FOR VALUES IN ('')")
+        fresh = connect()
+        for conn in (a, fresh):
+            for call in (lambda: claim(conn, "part-x", None, scope="elsewhere"),
+                         lambda: claim_many(conn, ["part-y", "part-z"], scope="elsewhere")):
+                state, message = error_of(call)
+                assert state == "23514" and "partition" in message, (state, message)
+        assert other.execute("SELECT count(*) FROM idempotency.idempotency_keys "
+                             "WHERE scope = 'elsewhere'").fetchone()[0] == 0
+        for conn, key in ((a, "part-1"), (fresh, "part-2")):
+            assert claim(conn, key, None)[0] == "new"
+            complete(conn, key, {"inside": True})
+            assert claim(conn, key, None)[0] == "replay"
+        assert claim_many(a, ["part-3", "part-1"]) == [("part-3", "new"), ("part-1", "replay")]
+    finally:
+        if other.execute("SELECT relispartition FROM pg_class "
+                         "WHERE oid = 'idempotency.idempotency_keys'::regclass").fetchone()[0]:
+            other.execute("ALTER TABLE public.store_parent DETACH PARTITION idempotency.idempotency_keys")
+        other.execute("DROP TABLE IF EXISTS public.store_parent")
+
+
+DEFAULT_CHANGES = {
+    "default": "ALTER TABLE idempotency.idempotency_keys ALTER COLUMN recovery_point SET DEFAULT 'from-default'",
+    "identity": "ALTER TABLE idempotency.idempotency_keys ALTER COLUMN token ADD GENERATED ALWAYS AS IDENTITY",
+}
+
+
+@pytest.mark.parametrize("change", sorted(DEFAULT_CHANGES))
+def test_a_column_default_changed_by_hand_applies_to_fresh_claims(connect, reinstall, change):
+    """The direct insert ignored column defaults: after ALTER COLUMN recovery_point SET DEFAULT
+    'from-default' a READ COMMITTED claim stored NULL where the INSERT stores the default. A
+    changed default (or an identity column, whose GENERATED ALWAYS the INSERT enforces: 428C9)
+    sends the writes through the statements, in a session whose layout was cached before and
+    in a fresh one, for claim and claim_many alike."""
+    a, other = connect(), connect()
+    warm_direct_path(a, "def-0")
+    other.execute(DEFAULT_CHANGES[change])
+    assert other.execute("SELECT atthasdef OR attidentity <> '' FROM pg_attribute "
+                         "WHERE attrelid = 'idempotency.idempotency_keys'::regclass "
+                         "AND attname = %s", ("recovery_point" if change == "default" else "token",)).fetchone()[0]
+    fresh = connect()
+    for n, conn in enumerate((a, fresh)):
+        calls = (lambda: claim(conn, f"def-{n}-1", None), lambda: claim_many(conn, [f"def-{n}-2"]))
+        for call in calls:
+            if change == "identity":
+                state, message = error_of(call)
+                assert state == "428C9" and "token" in message, (state, message)
+            else:
+                call()
+        stored = other.execute("SELECT key, recovery_point FROM idempotency.idempotency_keys "
+                               "WHERE key LIKE %s ORDER BY key", (f"def-{n}-%",)).fetchall()
+        expected = [] if change == "identity" else [(f"def-{n}-1", "from-default"), (f"def-{n}-2", "from-default")]
+        assert stored == expected
+
+
+# claim_result altered by its owner; the SQL of each change, and the words the error must contain.
+RESULT_TYPE_CHANGES = {
+    "type": ("ALTER ATTRIBUTE token TYPE text", "attribute 2 of idempotency.claim_result is token text"),
+    "typmod": ("ALTER ATTRIBUTE expires_at TYPE timestamptz(0)",
+               "attribute 6 of idempotency.claim_result is expires_at timestamp(0) with time zone"),
+    "name": ("RENAME ATTRIBUTE response TO body", "attribute 3 of idempotency.claim_result is body jsonb"),
+    "dropped": ("DROP ATTRIBUTE recovery_point", "attribute 7 of idempotency.claim_result is dropped"),
+}
+
+
+@pytest.mark.parametrize("change", sorted(RESULT_TYPE_CHANGES))
+def test_claim_result_altered_by_hand_is_refused_not_a_crash(connect, reinstall, change):
+    """ALTER TYPE idempotency.claim_result ALTER ATTRIBUTE token TYPE text, then SELECT * FROM
+    idempotency.claim('rt-1') (even in a fresh session) was a SIGSEGV: claim checked only that
+    its result type had 7 columns and then built it with the original types. Each attribute is
+    checked (name, type, typmod, not dropped) and the type's change reaches a session that had
+    cached the type: 55000 naming the attribute, nothing written, no crash."""
+    alter, words = RESULT_TYPE_CHANGES[change]
+    a, other = connect(), connect()
+    started = postmaster_start(other)
+    assert claim(a, "rt-0", None)[0] == "new"  # a caches claim_result's descriptor
+    other.execute(f"ALTER TYPE idempotency.claim_result {alter}")
+    fresh = connect()
+    for conn in (a, fresh):
+        state, message = error_of(lambda: conn.execute("SELECT * FROM idempotency.claim('rt-1')").fetchall())
+        assert state == "55000", (change, state, message)
+        assert words in message, message
+    assert rows_of(other, "rt-1") == 0
+    assert other.execute("SELECT 1").fetchone()[0] == 1
+    assert postmaster_start(connect()) == started
+
+
+def test_claim_result_extended_in_a_live_session_gets_the_new_column(connect, reinstall):
+    """A later release that adds a column to claim_result (ALTER EXTENSION UPDATE while
+    sessions run) must not break sessions that cached the old type: the new column is NULL."""
+    a, other = connect(), connect()
+    assert claim(a, "rx-0", None)[0] == "new"
+    other.execute("ALTER TYPE idempotency.claim_result ADD ATTRIBUTE note text")
+    row = a.execute("SELECT * FROM idempotency.claim('rx-1')").fetchone()
+    assert len(row) == 8 and row[0] == "new" and row[7] is None
+    assert a.execute("SELECT (idempotency.claim('rx-1')).outcome").fetchone()[0] == "in_progress"
+
+
+REDECLARED = {
+    "claim_many": (
+        "idempotency.claim_many(text[], jsonb[], text, interval, interval)",
+        "CREATE FUNCTION idempotency.claim_many(keys text[], requests jsonb[] DEFAULT NULL, "
+        "scope text DEFAULT '', ttl interval DEFAULT NULL, lease interval DEFAULT NULL) "
+        "RETURNS TABLE (ord integer, key text, outcome idempotency.outcome, token text, response jsonb, "
+        "response_status integer, retry_after interval, expires_at timestamptz, recovery_point text) "
+        "LANGUAGE c AS '$libdir/idempotency', 'idempotency_claim_many'",
+        "SELECT * FROM idempotency.claim_many(ARRAY['rd-1'])",
+        "attribute 4 of the result of idempotency.claim_many is token text"),
+    "_shared_stats": (
+        "idempotency._shared_stats()",
+        "CREATE FUNCTION idempotency._shared_stats(OUT preloaded text, OUT claims_new bigint, "
+        "OUT claims_replay bigint, OUT claims_in_progress bigint, OUT claims_mismatch bigint, "
+        "OUT completions bigint, OUT releases bigint, OUT rows_swept bigint, "
+        "OUT last_sweep_at timestamptz, OUT last_sweep_rows bigint) "
+        "LANGUAGE c AS '$libdir/idempotency', 'idempotency_shared_stats'",
+        "SELECT * FROM idempotency._shared_stats()",
+        "attribute 1 of the result of idempotency._shared_stats is preloaded text"),
+}
+
+
+@pytest.mark.parametrize("function", sorted(REDECLARED))
+def test_a_result_redeclared_with_other_column_types_is_refused_not_a_crash(connect, reinstall, function):
+    """The other rows the library forms itself (claim_many's, _shared_stats's) are checked the
+    same way: a superuser's redeclaration with a column of another type is 55000 naming the
+    attribute, not a datum read as the wrong type."""
+    signature, create, call, words = REDECLARED[function]
+    a = connect()
+    started = postmaster_start(a)
+    a.execute(f"ALTER EXTENSION idempotency DROP FUNCTION {signature}")
+    a.execute(f"DROP FUNCTION {signature} CASCADE")
+    a.execute(create)
+    a.execute(f"ALTER EXTENSION idempotency ADD FUNCTION {signature}")  # dropped with it
+    state, message = error_of(lambda: a.execute(call).fetchall())
+    assert state == "55000", (state, message)
+    assert words in message, message
+    assert rows_of(a, "rd-1") == 0
+    assert postmaster_start(connect()) == started

@@ -48,14 +48,44 @@ pub(crate) const CONSTRAINTS_SQL: &str = "SELECT pg_catalog.string_agg(c.contype
      FROM pg_catalog.pg_constraint AS c WHERE c.conrelid OPERATOR(pg_catalog.=) $1 \
       AND c.contype OPERATOR(pg_catalog.<>) 'n'";
 
+/// The table's column defaults as the extension creates them, one line each: column name and
+/// `pg_get_expr` of the default (under the pinned search path), ordered by name, with the
+/// identity and generated flags where set. The direct insert writes every column the INSERT
+/// statement names and leaves the others NULL, which is what the statement stores only while
+/// those others have no default: any other set (a default added, changed or dropped, an
+/// identity or generated column) goes through SQL, where the executor applies it.
+pub(crate) const OWN_DEFAULTS: &str = "created_at now()\nscope ''::text";
+
+pub(crate) const DEFAULTS_SQL: &str = "SELECT pg_catalog.string_agg(pg_catalog.concat_ws(' ', \
+       a.attname::pg_catalog.text, pg_catalog.pg_get_expr(d.adbin, d.adrelid), \
+       NULLIF(a.attidentity::pg_catalog.text, ''), NULLIF(a.attgenerated::pg_catalog.text, '')), \
+       E'\\n' ORDER BY a.attname) \
+     FROM pg_catalog.pg_attribute AS a \
+     LEFT JOIN pg_catalog.pg_attrdef AS d \
+       ON d.adrelid OPERATOR(pg_catalog.=) a.attrelid AND d.adnum OPERATOR(pg_catalog.=) a.attnum \
+     WHERE a.attrelid OPERATOR(pg_catalog.=) $1 AND a.attnum OPERATOR(pg_catalog.>) 0 \
+      AND NOT a.attisdropped \
+      AND (a.atthasdef OR d.oid IS NOT NULL \
+           OR a.attidentity OPERATOR(pg_catalog.<>) '' OR a.attgenerated OPERATOR(pg_catalog.<>) '')";
+
+/// Whether the table `relid` inherits from another table (as an inheritance child, or as a
+/// partition of a partitioned table).
+pub(crate) const HAS_PARENT_SQL: &str = "SELECT EXISTS (SELECT FROM pg_catalog.pg_inherits AS i \
+      WHERE i.inhrelid OPERATOR(pg_catalog.=) $1)";
+
 /// The direct-write layout, or None when the table differs from the extension's own; then the
 /// INSERT and UPDATE statements run, with everything PostgreSQL would do for them. Checked
-/// once per relcache invalidation of the table (ALTER TABLE, constraints, rules, triggers,
-/// publications all send one), never per call:
+/// once per relcache invalidation of the table (ALTER TABLE, constraints, defaults, rules,
+/// triggers, publications, ATTACH and DETACH PARTITION, INHERIT all send one), never per call:
 /// - a plain table (not partitioned), no triggers, no rules (a rewrite rule replaces or adds
 ///   to the statement), no row-level security;
+/// - not a partition of another table nor an inheritance child (`relispartition`,
+///   `pg_inherits`): an INSERT or UPDATE of a partition checks its partition bound, which the
+///   direct writes would not;
 /// - exactly the extension's columns, each of the type (typmod, length, by-value, alignment)
 ///   whose datums the writes build, and the ones a fresh claim leaves NULL nullable;
+/// - exactly the extension's column defaults, and no identity or generated column
+///   ([`OWN_DEFAULTS`]);
 /// - exactly the extension's constraints, by name and definition ([`OWN_CONSTRAINTS`]);
 /// - not in any publication: the executor checks a published table's replica identity and
 ///   the publications' row filters and column lists on UPDATE (`CheckCmdReplicaIdentity`),
@@ -119,6 +149,7 @@ pub(crate) unsafe fn build_direct_layout(
         let published =
             actions.pubinsert || actions.pubupdate || actions.pubdelete || actions.pubtruncate;
         let plain = (*form).relkind == pg_sys::RELKIND_RELATION as std::ffi::c_char
+            && !(*form).relispartition
             && (*rel).trigdesc.is_null()
             && (*rel).rd_rules.is_null()
             && !(*form).relhasrules
@@ -152,6 +183,18 @@ pub(crate) unsafe fn build_direct_layout(
             .ok()
             .flatten()?;
         if constraints != OWN_CONSTRAINTS {
+            return None;
+        }
+        let defaults = Spi::get_one_with_args::<String>(DEFAULTS_SQL, &[relid.into()])
+            .ok()
+            .flatten()?;
+        if defaults != OWN_DEFAULTS {
+            return None;
+        }
+        let has_parent = Spi::get_one_with_args::<bool>(HAS_PARENT_SQL, &[relid.into()])
+            .ok()
+            .flatten()?;
+        if has_parent {
             return None;
         }
         let position = |name: &std::ffi::CStr| {

@@ -67,16 +67,32 @@ pub(crate) struct Layout {
     /// The table is partitioned (`PARTITION BY HASH (scope)`, see `idempotency.partitions`):
     /// its own relation and primary-key index hold no rows, its partitions do.
     pub(crate) partitioned: bool,
+    /// A table that inherits from the (plain) store table, InvalidOid when none does: its rows
+    /// are not in the store's primary key, so the look-up cannot see them, the primary key does
+    /// not keep their keys unique with the store's, and the sweep's statement (which matches
+    /// rows by ctid) could take one of its rows for one of the store's. Claims, completions and
+    /// sweeps are refused ([`check_layout`]), naming the table. Checked again on every refused
+    /// call, so dropping the table (which sends the store no invalidation) is seen at once.
+    pub(crate) child: pg_sys::Oid,
 }
 
-/// A column whose type differs from the extension's table.
+/// A column or index of the store that differs from the extension's table.
 #[derive(Clone, Copy)]
 pub(crate) struct Mismatch {
     pub(crate) column: &'static str,
     pub(crate) expected: &'static str,
-    /// The column's type and typmod (InvalidOid: the column is missing).
-    pub(crate) found: pg_sys::Oid,
-    pub(crate) typmod: i32,
+    pub(crate) found: Found,
+}
+
+/// What was found in place of the extension's column or index.
+#[derive(Clone, Copy)]
+pub(crate) enum Found {
+    /// A column of this type and typmod.
+    Type(pg_sys::Oid, i32),
+    /// No such column, or one that is not as created.
+    Missing,
+    /// The primary key differs: how.
+    Index(&'static str),
 }
 
 /// Whether attribute `a` is a live column of type `typid` with no typmod, stored as that
@@ -137,8 +153,7 @@ pub(crate) unsafe fn check_lookup_columns(
                 mismatch = Some(Mismatch {
                     column: name.to_str().unwrap_or("?"),
                     expected,
-                    found: a.map_or(pg_sys::InvalidOid, |a| a.atttypid),
-                    typmod: a.map_or(-1, |a| a.atttypmod),
+                    found: a.map_or(Found::Missing, |a| Found::Type(a.atttypid, a.atttypmod)),
                 });
             }
         };
@@ -165,41 +180,207 @@ pub(crate) unsafe fn check_lookup_columns(
         }
         pg_sys::table_close(rel, pg_sys::NoLock as pg_sys::LOCKMODE);
         let index = pg_sys::index_open(idxid, lock);
-        let form = (*index).rd_index;
-        let ok = !form.is_null()
-            && (*form).indisunique
-            && (*form).indnatts == 2
-            && (*form).indnkeyatts == 2
-            && (*(*index).rd_rel).relam == pg_sys::BTREE_AM_OID
-            && (*form).indkey.values.as_slice(2) == key_columns;
+        let differs = index_differs(index, relid, key_columns);
         pg_sys::index_close(index, pg_sys::NoLock as pg_sys::LOCKMODE);
-        if !ok {
-            note(
-                c"idempotency_keys_pkey",
-                "a btree primary key on (scope, key)",
-                None,
-            );
+        if let Some(how) = differs {
+            if mismatch.is_none() {
+                mismatch = Some(Mismatch {
+                    column: "idempotency_keys_pkey",
+                    expected: PRIMARY_KEY,
+                    found: Found::Index(how),
+                });
+            }
         }
         mismatch
     }
 }
 
-/// Refuses a table whose look-up columns were altered (see `Layout::mismatch`): claim and
-/// complete read and write those columns below SQL and cannot work on other types.
+/// The primary key as the extension makes it, as messages name it.
+const PRIMARY_KEY: &str = "a valid, immediate, non-partial unique btree index on (scope, key) \
+     with collation \"C\" and operator class text_ops, as its primary key";
+
+/// How the index `index` (the store's `idempotency_keys_pkey`) differs from the primary key
+/// the look-up scans and every statement's `ON CONFLICT (scope, key)` takes as its arbiter
+/// (None: it does not): a unique btree index of the table `relid` on exactly the columns
+/// `key_columns` (scope, key), without expressions or a predicate (a partial index keeps
+/// keys unique only among the rows it covers, and the look-up through it misses every other
+/// row: a second `new` for one key), valid, ready and live (an index left behind by a failed
+/// `CREATE INDEX CONCURRENTLY` is not maintained or not checked), immediate (a deferrable
+/// key checks uniqueness at commit, and `ON CONFLICT` refuses it), with collation "C" and the
+/// default operator class of text (another collation or operator class defines another
+/// equality, e.g. a case-insensitive one).
+///
+/// # Safety
+/// `index` is an open index relation.
+unsafe fn index_differs(
+    index: pg_sys::Relation,
+    relid: pg_sys::Oid,
+    key_columns: [i16; 2],
+) -> Option<&'static str> {
+    // SAFETY: the caller's contract: every pointer read is the relcache entry's; the
+    // per-column arrays have `indnkeyatts` (checked to be 2) entries; indclass is read from
+    // the entry's own pg_index tuple, as the relcache reads it.
+    unsafe {
+        let form = (*index).rd_index;
+        if form.is_null() || (*form).indrelid != relid {
+            return Some("not an index of idempotency.idempotency_keys");
+        }
+        let f = &*form;
+        if (*(*index).rd_rel).relam != pg_sys::BTREE_AM_OID || !f.indisunique {
+            return Some("not a unique btree index");
+        }
+        if f.indnatts != 2 || f.indnkeyatts != 2 || f.indkey.values.as_slice(2) != key_columns {
+            return Some("not on (scope, key)");
+        }
+        let tuple = (*index).rd_indextuple;
+        let column_isnull = |attnum: u32| {
+            pg_sys::heap_attisnull(tuple, attnum as std::ffi::c_int, std::ptr::null_mut())
+        };
+        if !column_isnull(pg_sys::Anum_pg_index_indexprs) {
+            return Some("an index on expressions");
+        }
+        if !column_isnull(pg_sys::Anum_pg_index_indpred) {
+            return Some("a partial index (it has a WHERE clause)");
+        }
+        if !f.indisvalid || !f.indisready || !f.indislive {
+            return Some("an index that is not valid (a failed or unfinished build)");
+        }
+        if !f.indimmediate {
+            return Some("deferrable (uniqueness checked at commit)");
+        }
+        let collations = std::slice::from_raw_parts((*index).rd_indcollation, 2);
+        if collations.iter().any(|&c| c != pg_sys::C_COLLATION_OID) {
+            return Some("an index of another collation than \"C\"");
+        }
+        let mut isnull = true;
+        let classes = pg_sys::SysCacheGetAttr(
+            pg_sys::SysCacheIdentifier::INDEXRELID as std::ffi::c_int,
+            tuple,
+            pg_sys::Anum_pg_index_indclass as pg_sys::AttrNumber,
+            &mut isnull,
+        );
+        let classes = classes.cast_mut_ptr::<pg_sys::oidvector>();
+        if isnull
+            || classes.is_null()
+            || (*classes).dim1 != 2
+            || (*classes)
+                .values
+                .as_slice(2)
+                .iter()
+                .any(|&c| c != pg_sys::TEXT_BTREE_OPS_OID)
+        {
+            return Some("an index of another operator class than text_ops");
+        }
+        None
+    }
+}
+
+/// The first table (by OID) that inherits from the table `relid`, InvalidOid when none does.
+/// A table none ever inherited from (`relhassubclass` false) is answered without a query.
+fn inheritance_child(relid: pg_sys::Oid) -> pg_sys::Oid {
+    // SAFETY: opens and closes an existing relation by OID (AccessShareLock, kept to the end
+    // of the transaction); reads a flag of its relcache entry.
+    let maybe = unsafe {
+        let rel = pg_sys::table_open(relid, pg_sys::AccessShareLock as pg_sys::LOCKMODE);
+        let maybe = (*(*rel).rd_rel).relhassubclass;
+        pg_sys::table_close(rel, pg_sys::NoLock as pg_sys::LOCKMODE);
+        maybe
+    };
+    if !maybe {
+        return pg_sys::InvalidOid;
+    }
+    let _path = PinnedSearchPath::pin();
+    Spi::get_one_with_args::<pg_sys::Oid>(
+        "SELECT i.inhrelid FROM pg_catalog.pg_inherits AS i \
+          WHERE i.inhparent OPERATOR(pg_catalog.=) $1 ORDER BY i.inhrelid LIMIT 1",
+        &[relid.into()],
+    )
+    .ok()
+    .flatten()
+    .unwrap_or(pg_sys::InvalidOid)
+}
+
+/// A relation's name, schema-qualified and quoted as needed.
+fn qualified_name(relid: pg_sys::Oid) -> String {
+    // SAFETY: catalog look-ups of a relation by OID; a relation dropped meanwhile gives NULL
+    // names, which are not read.
+    unsafe {
+        let name = pg_sys::get_rel_name(relid);
+        let nsp = pg_sys::get_namespace_name(pg_sys::get_rel_namespace(relid));
+        if name.is_null() || nsp.is_null() {
+            return format!("relation {}", relid.to_u32());
+        }
+        let q = pg_sys::quote_qualified_identifier(nsp, name);
+        std::ffi::CStr::from_ptr(q).to_string_lossy().into_owned()
+    }
+}
+
+/// Refuses a store that another table inherits from (see `Layout::child`), after looking
+/// again: the table may have been dropped or detached since the layout was read, which sends
+/// the store no invalidation.
+pub(crate) fn check_no_inheritance_children(l: &Layout) {
+    if l.child == pg_sys::InvalidOid {
+        return;
+    }
+    let child = inheritance_child(l.relid);
+    if child == pg_sys::InvalidOid {
+        if layout_is(l.relid) {
+            update_cache(|c| {
+                if let Some(cached) = c.layout.as_mut() {
+                    cached.child = pg_sys::InvalidOid;
+                }
+            });
+        }
+        return;
+    }
+    raise(
+        PgSqlErrorCode::ERRCODE_OBJECT_NOT_IN_PREREQUISITE_STATE,
+        format!(
+            "idempotency: table {} inherits from idempotency.idempotency_keys: the extension \
+             cannot keep keys unique across an inheritance tree nor see the rows of the \
+             inheriting table through its primary key",
+            qualified_name(child)
+        ),
+        Some(
+            "the table was altered by hand: detach the inheriting table \
+             (ALTER TABLE ... NO INHERIT idempotency.idempotency_keys) or drop it",
+        ),
+    );
+}
+
+/// Refuses a table whose look-up columns or primary key were altered (see `Layout::mismatch`):
+/// claim and complete read and write those columns below SQL and cannot work on other types,
+/// and every statement relies on the primary key; and a table other tables inherit from
+/// ([`check_no_inheritance_children`]).
 pub(crate) fn check_layout(l: &Layout) {
+    check_no_inheritance_children(l);
     let Some(m) = l.mismatch else {
         return;
     };
-    let found = if m.found == pg_sys::InvalidOid {
-        "missing or not as created".to_string()
-    } else {
+    if let Found::Index(how) = m.found {
+        raise(
+            PgSqlErrorCode::ERRCODE_OBJECT_NOT_IN_PREREQUISITE_STATE,
+            format!(
+                "idempotency: index idempotency.{} is {how}, but the extension needs {}",
+                m.column, m.expected
+            ),
+            Some(
+                "the index was replaced by hand: drop it and put the primary key back \
+                 (ALTER TABLE idempotency.idempotency_keys ADD CONSTRAINT idempotency_keys_pkey \
+                 PRIMARY KEY (scope, key)), or reinstall the extension",
+            ),
+        );
+    }
+    let found = match m.found {
+        Found::Type(typid, typmod) =>
         // SAFETY: formats an existing type's name (palloc'd in the current context).
         unsafe {
-            let name = pg_sys::format_type_with_typemod(m.found, m.typmod);
+            let name = pg_sys::format_type_with_typemod(typid, typmod);
             std::ffi::CStr::from_ptr(name)
                 .to_string_lossy()
                 .into_owned()
-        }
+        },
+        _ => "missing or not as created".to_string(),
     };
     raise(
         PgSqlErrorCode::ERRCODE_OBJECT_NOT_IN_PREREQUISITE_STATE,
@@ -334,6 +515,12 @@ pub(crate) fn layout() -> Layout {
         let mismatch = check_lookup_columns(relid, idxid, &mut att);
         let partitioned =
             pg_sys::get_rel_relkind(relid) == pg_sys::RELKIND_PARTITIONED_TABLE as std::ffi::c_char;
+        // A partitioned store's partitions are its own (`idempotency.partitions`).
+        let child = if partitioned {
+            pg_sys::InvalidOid
+        } else {
+            inheritance_child(relid)
+        };
         let l = Layout {
             relid,
             idxid,
@@ -341,6 +528,7 @@ pub(crate) fn layout() -> Layout {
             checked_for: pg_sys::InvalidOid,
             mismatch,
             partitioned,
+            child,
         };
         update_cache(|c| c.layout = Some(l));
         l
