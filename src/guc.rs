@@ -36,7 +36,8 @@ pub static MAX_RECOVERY_POINT_SIZE: GucSetting<i32> = GucSetting::<i32>::new(64)
 
 /// Calls `f` with the session's scope prefix ("" when unset), read in place: the setting's
 /// memory stays valid until it is changed, which cannot happen during `f`. Refuses (42501) a
-/// session whose prefix may not be the one a superuser set (see [`prefix_untrusted`]).
+/// session whose prefix may not be the one a superuser set (see [`prefix_untrusted`]), and
+/// (22021) a prefix that is not valid text in the database encoding.
 pub fn with_scope_prefix<R>(f: impl FnOnce(&str) -> R) -> R {
     if prefix_untrusted() {
         crate::error::raise(
@@ -59,14 +60,10 @@ pub fn with_scope_prefix<R>(f: impl FnOnce(&str) -> R) -> R {
     // SAFETY: non-NULL, so a NUL-terminated string the GUC machinery owns; it is not changed
     // while `f` runs (no SET can run inside these functions' argument checks).
     let raw = unsafe { std::ffi::CStr::from_ptr(raw) };
-    if crate::encoding::utf8_database() {
-        // Checked: a value from postgresql.conf is not verified against any encoding.
-        return f(&raw.to_string_lossy());
-    }
-    // The setting's text is in the database encoding, as any text the session sends.
-    let prefix = crate::encoding::to_utf8(raw.to_bytes())
-        .unwrap_or_else(|m| crate::encoding::untranslatable("idempotency.scope_prefix", m));
-    f(&prefix)
+    f(&crate::encoding::checked_setting_text(
+        "idempotency.scope_prefix",
+        raw.to_bytes(),
+    ))
 }
 
 // Binding settings ------------------------------------------------------------------------
