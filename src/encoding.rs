@@ -341,7 +341,8 @@ pub fn checked_setting_text<'a>(what: &str, bytes: &'a [u8]) -> Cow<'a, str> {
             Some(
                 "a value written from a database of another encoding (ALTER ROLE ... SET applies to \
                  every database), in the configuration file or as a startup option is not converted: \
-                 set it from a session of this database (ALTER ROLE ... IN DATABASE ... SET)",
+                 set it from a session of this database (ALTER ROLE ... IN DATABASE ... SET), or bind \
+                 the role's prefix in idempotency.role_settings",
             ),
         )
     })
