@@ -338,3 +338,18 @@ def test_role_settings_are_dumped_with_their_rows(bcluster, su):
                              "FROM idempotency.role_settings").fetchall() == [("tenant", "tenant:", True, 1024, 1)]
     finally:
         su.execute(f"DROP DATABASE {restored} WITH (FORCE)")
+
+
+def test_an_altered_table_is_refused_not_misread(bcluster, su):
+    """The row is read below SQL: a column of another type is refused (55000, naming it)."""
+    bind_tenant(su)
+    su.execute("ALTER TABLE idempotency.role_settings ALTER COLUMN max_response_size TYPE bigint")
+    try:
+        with connect(bcluster, "tenant") as t:
+            with pytest.raises(psycopg.errors.ObjectNotInPrerequisiteState) as e:
+                t.execute("SELECT idempotency.claim('k', NULL, 'tenant:1')")
+            assert "idempotency.role_settings.max_response_size" in str(e.value) and "integer" in str(e.value)
+    finally:
+        su.execute("ALTER TABLE idempotency.role_settings ALTER COLUMN max_response_size TYPE integer")
+    with connect(bcluster, "tenant") as t:
+        assert claim(t, "k", scope="tenant:1")[0] == "new"

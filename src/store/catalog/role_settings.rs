@@ -94,15 +94,12 @@ pub fn role_settings() -> Rc<RoleSettings> {
     settings
 }
 
-/// A column of the table that is not as the extension made it: refused (55000), never misread.
-fn refuse_column(column: &str, expected: &str) -> ! {
+/// A table or column that is not as the extension made it: refused (55000), never misread.
+fn refuse(what: &str, expected: &str) -> ! {
     raise(
         PgSqlErrorCode::ERRCODE_OBJECT_NOT_IN_PREREQUISITE_STATE,
-        format!(
-            "idempotency: idempotency.role_settings.{column} is missing or altered, but the \
-             extension needs {expected}"
-        ),
-        Some("the table was altered by hand: alter it back, or reinstall the extension"),
+        format!("idempotency: {what} is missing or altered, but the extension needs {expected}"),
+        Some("it was altered by hand: alter it back, or reinstall the extension"),
     )
 }
 
@@ -128,7 +125,7 @@ fn read(relid: pg_sys::Oid, role: pg_sys::Oid) -> RoleSettings {
             || (*rel).rd_tableam.is_null()
         {
             pg_sys::table_close(rel, pg_sys::NoLock as pg_sys::LOCKMODE);
-            refuse_column("role", "a table");
+            refuse("idempotency.role_settings", "a table");
         }
         let mut att = [0usize; 5];
         for (i, (name, typid, type_name)) in COLUMNS.iter().enumerate() {
@@ -136,7 +133,8 @@ fn read(relid: pg_sys::Oid, role: pg_sys::Oid) -> RoleSettings {
                 Some(a) if column_is(a, *typid) => att[i] = a.attnum as usize,
                 _ => {
                     pg_sys::table_close(rel, pg_sys::NoLock as pg_sys::LOCKMODE);
-                    refuse_column(name.to_str().unwrap_or("?"), type_name);
+                    let column = name.to_str().unwrap_or("?");
+                    refuse(&format!("idempotency.role_settings.{column}"), type_name);
                 }
             }
         }
