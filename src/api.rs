@@ -587,12 +587,7 @@ pub extern "C-unwind" fn idempotency_complete(fcinfo: pg_sys::FunctionCallInfo) 
         let ttl = optional_ttl(pg_getarg(fcinfo, 5));
         let response = Jsonb::arg(fcinfo, 1).map(Jsonb::datum);
         if let Some(response) = response {
-            check_size(
-                "response",
-                response,
-                "idempotency.max_response_size",
-                &guc::MAX_RESPONSE_SIZE,
-            );
+            check_size("response", response, guc::max_response_size());
         }
         store::refuse_read_only("complete");
         let request = store::CompleteRequest {
@@ -618,20 +613,15 @@ pub extern "C-unwind" fn idempotency_complete(fcinfo: pg_sys::FunctionCallInfo) 
 ///
 /// # Safety
 /// `value` is a non-NULL varlena argument of the current call.
-unsafe fn check_size(
-    arg: &str,
-    value: pg_sys::Datum,
-    setting: &str,
-    limit: &'static pgrx::GucSetting<i32>,
-) {
+unsafe fn check_size(arg: &str, value: pg_sys::Datum, (limit, setting): (i32, &str)) {
     // SAFETY: `value` is a varlena argument of the call; toast_raw_datum_size reads its header.
     let size = unsafe { pg_sys::toast_raw_datum_size(value) } as i64;
-    let max = guc::int(limit) as i64 * 1024;
+    let max = limit as i64 * 1024;
     if size > max {
         raise(
             PgSqlErrorCode::ERRCODE_PROGRAM_LIMIT_EXCEEDED,
             format!("{arg} is too large: {size} bytes, {setting} allows {max}"),
-            Some("store a reference to large results (a row id, an object store key) instead, or raise the setting"),
+            Some("store a reference to large results (a row id, an object store key) instead, or raise the limit"),
         );
     }
 }
@@ -807,6 +797,37 @@ pub extern "C-unwind" fn idempotency_claim_many(fcinfo: pg_sys::FunctionCallInfo
                 stats::count(outcome_slot(outcome).1, n);
             }
         }
+        pg_sys::Datum::from(0usize)
+    }
+}
+
+v1!(pg_finfo_idempotency_role_settings_changed);
+/// `idempotency._role_settings_changed()`: the statement-level trigger of
+/// `idempotency.role_settings`. Invalidates the table's relation cache entry, which makes every
+/// backend read its row again once the changing transaction commits (this backend at its next
+/// command); see `store::catalog::role_settings`.
+#[pg_guard]
+#[unsafe(no_mangle)]
+pub extern "C-unwind" fn idempotency_role_settings_changed(
+    fcinfo: pg_sys::FunctionCallInfo,
+) -> pg_sys::Datum {
+    // SAFETY: `fcinfo` is the server's call; its context is a TriggerData node exactly when the
+    // function is called as a trigger (checked by its tag before the cast), whose relation is
+    // open for the trigger's statement. A trigger function cannot be called any other way from
+    // SQL, but the check keeps a hand-made call from reading a wrong node.
+    unsafe {
+        let context = (*fcinfo).context;
+        if context.is_null() || (*context).type_ != pg_sys::NodeTag::T_TriggerData {
+            raise(
+                PgSqlErrorCode::ERRCODE_E_R_I_E_TRIGGER_PROTOCOL_VIOLATED,
+                "idempotency._role_settings_changed() must be called as a trigger".into(),
+                None,
+            );
+        }
+        let trigger = context.cast::<pg_sys::TriggerData>();
+        pg_sys::CacheInvalidateRelcache((*trigger).tg_relation);
+        // A statement-level AFTER trigger's result is ignored, but must not be SQL NULL: a
+        // null pointer, as C triggers return.
         pg_sys::Datum::from(0usize)
     }
 }

@@ -325,3 +325,39 @@ pub fn spi_text<'a>(text: &str, what: &str) -> pgrx::datum::DatumWithOid<'a> {
     // SAFETY: a text datum, declared as text.
     unsafe { pgrx::datum::DatumWithOid::new(text_datum(text, what), pg_sys::TEXTOID) }
 }
+
+/// A setting's text (`what` names it in errors) as UTF-8. Unlike text the session sent, a
+/// setting's bytes were never checked against the database encoding: `pg_db_role_setting` is
+/// shared by every database (a value written from a LATIN1 database is LATIN1 bytes here),
+/// and neither the configuration file nor a startup option is checked. Bytes that are not
+/// valid in the database encoding are refused (22021 character_not_in_repertoire), never
+/// decoded lossily (two different prefixes must never become the same one).
+pub fn checked_setting_text<'a>(what: &str, bytes: &'a [u8]) -> Cow<'a, str> {
+    let len = i32::try_from(bytes.len()).unwrap_or(i32::MAX);
+    // SAFETY: `bytes` is `len` readable bytes (a setting is far shorter than 2 GB); with
+    // noError the function only reports whether they are valid, it raises nothing.
+    let valid = unsafe { pg_sys::pg_verify_mbstr(encoding().id, bytes.as_ptr().cast(), len, true) }
+        && len as usize == bytes.len();
+    let text = if !valid {
+        None
+    } else if utf8_database() {
+        std::str::from_utf8(bytes).ok().map(Cow::Borrowed)
+    } else {
+        Some(to_utf8(bytes).unwrap_or_else(|m| untranslatable(what, m)))
+    };
+    text.unwrap_or_else(|| {
+        raise(
+            PgSqlErrorCode::ERRCODE_CHARACTER_NOT_IN_REPERTOIRE,
+            format!(
+                "{what} is not valid text in the database encoding \"{}\"",
+                encoding_name()
+            ),
+            Some(
+                "a value written from a database of another encoding (ALTER ROLE ... SET applies to \
+                 every database), in the configuration file or as a startup option is not converted: \
+                 set it from a session of this database (ALTER ROLE ... IN DATABASE ... SET), or bind \
+                 the role's prefix in idempotency.role_settings",
+            ),
+        )
+    })
+}

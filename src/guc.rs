@@ -34,10 +34,16 @@ pub static MAX_RESPONSE_SIZE: GucSetting<i32> = GucSetting::<i32>::new(4096);
 /// Largest recovery point `checkpoint` stores, in kB.
 pub static MAX_RECOVERY_POINT_SIZE: GucSetting<i32> = GucSetting::<i32>::new(64);
 
-/// Calls `f` with the session's scope prefix ("" when unset), read in place: the setting's
-/// memory stays valid until it is changed, which cannot happen during `f`. Refuses (42501) a
-/// session whose prefix may not be the one a superuser set (see [`prefix_untrusted`]).
+/// Calls `f` with the session's scope prefix ("" when none): the one `idempotency.role_settings`
+/// binds the session user to, else `idempotency.scope_prefix`, read in place (the setting's
+/// memory stays valid until it is changed, which cannot happen during `f`). Refuses (42501) a
+/// session whose setting may not be the one a superuser set (see [`prefix_untrusted`]), and
+/// (22021) a setting that is not valid text in the database encoding.
 pub fn with_scope_prefix<R>(f: impl FnOnce(&str) -> R) -> R {
+    let bound = crate::store::role_settings();
+    if let Some(prefix) = bound.scope_prefix.as_deref() {
+        return f(prefix);
+    }
     if prefix_untrusted() {
         crate::error::raise(
             pgrx::PgSqlErrorCode::ERRCODE_INSUFFICIENT_PRIVILEGE,
@@ -59,20 +65,57 @@ pub fn with_scope_prefix<R>(f: impl FnOnce(&str) -> R) -> R {
     // SAFETY: non-NULL, so a NUL-terminated string the GUC machinery owns; it is not changed
     // while `f` runs (no SET can run inside these functions' argument checks).
     let raw = unsafe { std::ffi::CStr::from_ptr(raw) };
-    if crate::encoding::utf8_database() {
-        // Checked: a value from postgresql.conf is not verified against any encoding.
-        return f(&raw.to_string_lossy());
+    f(&crate::encoding::checked_setting_text(
+        "idempotency.scope_prefix",
+        raw.to_bytes(),
+    ))
+}
+
+/// The largest response `complete` stores, in kB, and what sets it: the lower of
+/// `idempotency.max_response_size` and the session user's limit in `idempotency.role_settings`.
+pub fn max_response_size() -> (i32, &'static str) {
+    lower_limit(
+        int(&MAX_RESPONSE_SIZE),
+        "idempotency.max_response_size",
+        crate::store::role_settings().max_response_size,
+        "idempotency.role_settings.max_response_size",
+    )
+}
+
+/// As [`max_response_size`], for the recovery points `checkpoint` stores.
+pub fn max_recovery_point_size() -> (i32, &'static str) {
+    lower_limit(
+        int(&MAX_RECOVERY_POINT_SIZE),
+        "idempotency.max_recovery_point_size",
+        crate::store::role_settings().max_recovery_point_size,
+        "idempotency.role_settings.max_recovery_point_size",
+    )
+}
+
+/// A session may lower a limit the extension's owner bound its role to, never raise it.
+fn lower_limit(
+    setting: i32,
+    setting_name: &'static str,
+    bound: Option<i32>,
+    bound_name: &'static str,
+) -> (i32, &'static str) {
+    match bound {
+        Some(b) if b < setting => (b, bound_name),
+        _ => (setting, setting_name),
     }
-    // The setting's text is in the database encoding, as any text the session sends.
-    let prefix = crate::encoding::to_utf8(raw.to_bytes())
-        .unwrap_or_else(|m| crate::encoding::untranslatable("idempotency.scope_prefix", m));
-    f(&prefix)
 }
 
 // Binding settings ------------------------------------------------------------------------
 //
-// `idempotency.scope_prefix` and `idempotency.audit` are a superuser's choice for a role
-// (ALTER ROLE / ALTER DATABASE ... SET, postgresql.conf) that the role must not undo.
+// What binds a role is its row in `idempotency.role_settings` (`store::role_settings`): a table
+// only the extension's owner writes. PostgreSQL lets a role ALTER ROLE itself for any setting
+// it may SET (and the owner of a database ALTER DATABASE it), so a value in pg_db_role_setting
+// is only a default. The row's prefix replaces the setting, its audit adds to it, its size
+// limits lower the settings'.
+//
+// Without a row, `idempotency.scope_prefix` and `idempotency.audit` are still guarded as far as
+// the settings allow: a superuser's choice for a role (ALTER ROLE / ALTER DATABASE ... SET,
+// postgresql.conf) that the session must not undo.
 //
 // scope_prefix is superuser-only, so PostgreSQL refuses a role's own SET once the library is
 // loaded. Before that (no shared_preload_libraries) the setting is a placeholder, which takes
@@ -199,11 +242,15 @@ unsafe extern "C-unwind" fn audit_check(
     true
 }
 
-/// Whether `complete` writes an audit row: the session's `idempotency.audit`, or a
-/// superuser's choice for the session's role and database.
+/// Whether `complete` writes an audit row: the session's `idempotency.audit`, a superuser's
+/// choice for the session's role and database, or the session user's `audit` in
+/// `idempotency.role_settings` (the only one of them the role cannot undo).
 pub fn audit() -> bool {
     // SAFETY: the GUC machinery keeps the variable valid for the backend's lifetime.
     if unsafe { *AUDIT.as_ptr() } || AUDIT_FLOOR.with(Cell::get) != 0 {
+        return true;
+    }
+    if crate::store::role_settings().audit {
         return true;
     }
     if !LOADED_LATE.with(Cell::get) {
@@ -335,8 +382,8 @@ pub fn init() {
     GucRegistry::define_string_guc(
         c"idempotency.scope_prefix",
         c"Every scope this session passes to the extension must start with this prefix.",
-        c"Set per application role by a superuser (ALTER ROLE app SET idempotency.scope_prefix = 'tenant_a:') \
-          to keep tenants apart; the role itself cannot change it. Empty: every scope.",
+        c"Keeps tenants apart. What binds a role is its row in idempotency.role_settings, which replaces \
+          this setting; set per role (ALTER ROLE) it is a default. Only superusers can set it. Empty: every scope.",
         &SCOPE_PREFIX,
         GucContext::Suset,
         GucFlags::default(),
@@ -348,8 +395,8 @@ pub fn init() {
             c"idempotency.audit".as_ptr(),
             c"Whether complete also appends a row to idempotency.audit, in the same transaction.".as_ptr(),
             c"Turn it on where an audit trail is needed, e.g. SET LOCAL in a payment procedure; \
-              on set by a superuser (postgresql.conf, ALTER ROLE/DATABASE ... SET) cannot be turned off \
-              by the role."
+              on set by a superuser (postgresql.conf, ALTER ROLE/DATABASE ... SET) cannot be SET off; \
+              audit in a role's row of idempotency.role_settings binds."
                 .as_ptr(),
             AUDIT.as_ptr(),
             false,
@@ -384,7 +431,8 @@ pub fn init() {
     GucRegistry::define_int_guc(
         c"idempotency.max_response_size",
         c"Largest response complete stores.",
-        c"A larger response is refused (54000) before anything is written.",
+        c"A larger response is refused (54000) before anything is written; a lower max_response_size \
+          in the role's row of idempotency.role_settings applies instead.",
         &MAX_RESPONSE_SIZE,
         1,
         1024 * 1024,
@@ -394,7 +442,8 @@ pub fn init() {
     GucRegistry::define_int_guc(
         c"idempotency.max_recovery_point_size",
         c"Largest recovery point checkpoint stores.",
-        c"A larger recovery point is refused (54000) before anything is written.",
+        c"A larger recovery point is refused (54000) before anything is written; a lower \
+          max_recovery_point_size in the role's row of idempotency.role_settings applies instead.",
         &MAX_RECOVERY_POINT_SIZE,
         1,
         1024 * 1024,

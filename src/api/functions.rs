@@ -184,7 +184,7 @@ fn sweep_prefix(function: &str) -> String {
         raise(
             PgSqlErrorCode::ERRCODE_INSUFFICIENT_PRIVILEGE,
             format!("idempotency.{function} of the whole store is for the extension's owner and superusers"),
-            Some("run it as the owner (the background sweeper or pg_cron do), or give this role a scope prefix (ALTER ROLE ... SET idempotency.scope_prefix) to sweep only its own scopes"),
+            Some("run it as the owner (the background sweeper or pg_cron do), or bind this role to a scope prefix (idempotency.role_settings) to sweep only its own scopes"),
         );
     }
     prefix
@@ -390,8 +390,7 @@ fn idempotency_check_recovery_point(recovery_point: Option<Text<'_>>) {
             check_size(
                 "recovery_point",
                 point.datum(),
-                "idempotency.max_recovery_point_size",
-                &guc::MAX_RECOVERY_POINT_SIZE,
+                guc::max_recovery_point_size(),
             )
         };
     }

@@ -10,7 +10,8 @@
 //!   made it;
 //! - [`catalog`]: facts about the table read from the catalog and cached per backend (its
 //!   columns and their positions, the access checks, the key storage mode, whether direct
-//!   writes are allowed) and the search-path pin.
+//!   writes are allowed), the session user's row of `idempotency.role_settings` (the settings
+//!   that bind it, read by `guc`) and the search-path pin.
 //!
 //! Calls flow one way: algorithm -> SQL or heap -> catalog, never back up. The catalog calls
 //! neither `sql` nor `heap` (it reads the catalog with queries of its own), `sql` and `heap`
@@ -31,7 +32,7 @@ mod sql;
 mod sweep;
 
 pub(crate) use catalog::column_is;
-pub use catalog::{key_label, stored_key, PinnedSearchPath};
+pub use catalog::{key_label, role_settings, stored_key, PinnedSearchPath, RoleSettings};
 pub use claim::{claim, claim_fresh_batch};
 pub use complete::complete;
 pub use heap::{now_plus, transaction_start};

@@ -197,6 +197,57 @@ def test_non_ascii_scope_prefix(session, name):
     assert e.value.sqlstate == "42501"
 
 
+@pytest.mark.parametrize("name", ["enc_utf8", "enc_eucjp"])
+def test_a_prefix_set_from_a_latin1_database_is_refused_not_decoded_lossily(databases, session, name):
+    """0.4.0: ALTER ROLE ... SET applies to every database, so 'müller:' and 'möller:' set from a
+    LATIN1 database are LATIN1 bytes in every other one; a UTF-8 database decoded both lossily as
+    'm\uFFFDller:', and each tenant read, replayed and forgot the other's keys (an EUC_JP
+    database answered 22P05, "no equivalent in Unicode"). A prefix that is not valid text in the
+    database encoding refuses every scoped call with 22021, naming the setting."""
+    from psycopg import sql
+    roles = {"enc_mueller": "müller:", "enc_moeller": "möller:"}
+    latin1 = session("enc_latin1")
+    target = session(name)  # its table emptied
+    try:
+        for role, prefix in roles.items():
+            latin1.execute(f"DROP ROLE IF EXISTS {role}")
+            latin1.execute(f"CREATE ROLE {role} LOGIN")
+            latin1.execute(sql.SQL("ALTER ROLE {} SET idempotency.scope_prefix = {}").format(
+                sql.Identifier(role), sql.Literal(prefix)))
+            assert latin1.execute("SELECT setconfig FROM pg_db_role_setting WHERE setrole = %s::regrole",
+                                  (role,)).fetchone()[0] == [f"idempotency.scope_prefix={prefix}"]
+            for db in ("enc_latin1", name):
+                with psycopg.connect(conninfo(databases, db), autocommit=True) as su:
+                    su.execute(f"GRANT USAGE ON SCHEMA idempotency TO {role}")
+        # Where it was set, the prefix is the one meant.
+        with psycopg.connect(conninfo(databases, "enc_latin1").replace("user=postgres", "user=enc_mueller"),
+                             autocommit=True) as m:
+            assert m.execute("SELECT outcome::text FROM idempotency.claim('k', scope => 'müller:1')").fetchone()[0] == "new"
+            with pytest.raises(psycopg.errors.InsufficientPrivilege):
+                m.execute("SELECT idempotency.claim('k', scope => 'möller:1')")
+        scopes = ["m\ufffdller:1", "müller:1"] if name == "enc_utf8" else ["müller:1"]
+        for role in roles:
+            with psycopg.connect(conninfo(databases, name).replace("user=postgres", f"user={role}"),
+                                 autocommit=True) as t:
+                for scope in scopes:
+                    for call in ("SELECT idempotency.claim('k', scope => %s)",
+                                 "SELECT idempotency.lookup('k', %s)",
+                                 "SELECT idempotency.forget('k', %s)"):
+                        with pytest.raises(psycopg.Error) as e:
+                            t.execute(call, (scope,))
+                        assert e.value.sqlstate == "22021", (role, call, e.value.sqlstate, str(e.value))
+                        assert "idempotency.scope_prefix" in e.value.diag.message_primary
+        assert target.execute("SELECT count(*) FROM idempotency.idempotency_keys").fetchone()[0] == 0
+    finally:
+        for db in ("enc_latin1", name):
+            with psycopg.connect(conninfo(databases, db), autocommit=True) as su:
+                for role in roles:
+                    su.execute(f"DO $$ BEGIN IF EXISTS (SELECT FROM pg_roles WHERE rolname = '{role}') "
+                               f"THEN EXECUTE 'DROP OWNED BY {role}'; END IF; END $$")
+        for role in roles:
+            latin1.execute(f"DROP ROLE IF EXISTS {role}")
+
+
 @pytest.mark.parametrize("name", list(DATABASES))
 def test_derivations_and_fingerprints_match_utf8(session, name):
     db, utf8 = session(name), session("enc_utf8")

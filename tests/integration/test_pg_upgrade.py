@@ -46,6 +46,10 @@ def test_keys_and_sweeper_survive_pg_upgrade():
             claim(db, "expiring", scope="s", ttl="3 seconds", lease="1 second")
             rows = db.execute("SELECT count(*) FROM idempotency.idempotency_keys").fetchone()[0]
             assert rows == 4
+            # A binding row (its role column is a regrole: pg_upgrade keeps role OIDs).
+            db.execute("CREATE ROLE tenant LOGIN")
+            db.execute("GRANT USAGE ON SCHEMA idempotency TO tenant")
+            db.execute("INSERT INTO idempotency.role_settings (role, scope_prefix) VALUES ('tenant', 'tenant:')")
             assert db.execute("SHOW server_version_num").fetchone()[0].startswith(str(version(FROM)))
         old.stop()
 
@@ -82,6 +86,12 @@ def test_keys_and_sweeper_survive_pg_upgrade():
             assert claim(db, "fresh", scope="s")[1] > taken[1]  # the token sequence carried on
             db.execute("SELECT idempotency.complete('leased', '{\"ok\": 1}', scope => 's', token => %s)", (leased[1],))
             assert claim(db, "leased", {"b": 2}, scope="s")[2] == {"ok": 1}
+            assert db.execute("SELECT role::text, scope_prefix FROM idempotency.role_settings").fetchall() \
+                == [("tenant", "tenant:")]
+            with psycopg.connect(new.conninfo().replace("user=postgres", "user=tenant"), autocommit=True) as t:
+                with pytest.raises(psycopg.errors.InsufficientPrivilege):
+                    t.execute("SELECT idempotency.claim('k', NULL, 's')")
+                assert claim(t, "k", scope="tenant:1")[0] == "new"
             # 'expiring' counts as absent once its TTL is over, and the sweeper deletes it.
             deadline = time.time() + 30
             while time.time() < deadline:

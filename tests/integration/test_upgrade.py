@@ -207,3 +207,71 @@ def test_keys_stored_hashed_by_0_2_0_are_rekeyed(cluster, fresh_db):
             assert claim(c, "bob@example.com", scope="s")[0] == "in_progress"
         new.execute("SELECT idempotency.complete('bob@example.com', '{}', scope => 's', token => %s)", (leased[1],))
         assert claim(db, "bob@example.com", scope="s")[0] == "replay"
+
+
+def test_per_role_settings_become_binding_rows(cluster, db, fresh_db):
+    """0.4.0 bound a role through ALTER ROLE ... SET, which the role could undo; the update
+    copies each role's scope prefix, audit = on and size limits in force in the database (this
+    database's value over the one for every database) into idempotency.role_settings, where they
+    bind. A prefix written from a database of another encoding is not valid text here: left out,
+    with a WARNING, never decoded lossily."""
+    from psycopg import sql
+    roles = ["mig_a", "mig_b", "mig_c", "mig_d", "mig_e"]
+    for r in roles:
+        db.execute(f"DROP ROLE IF EXISTS {r}")
+        db.execute(f"CREATE ROLE {r} LOGIN")
+    up = fresh_db("upgrade_roles")
+    fresh_db("upgrade_roles_other")
+    db.execute("DROP DATABASE IF EXISTS upgrade_roles_latin1")
+    db.execute("CREATE DATABASE upgrade_roles_latin1 ENCODING 'LATIN1' LC_COLLATE 'C' LC_CTYPE 'C' TEMPLATE template0")
+    try:
+        up.execute(f"CREATE EXTENSION idempotency VERSION '{PREVIOUS[-1]}'")
+        for statement in [
+            "ALTER ROLE mig_a SET idempotency.scope_prefix = 'a:'",
+            "ALTER ROLE mig_a IN DATABASE upgrade_roles SET idempotency.scope_prefix = 'a2:'",
+            "ALTER ROLE mig_b SET idempotency.audit = on",
+            "ALTER ROLE mig_b SET idempotency.max_response_size = '1.5MB'",
+            "ALTER ROLE mig_c IN DATABASE upgrade_roles_other SET idempotency.scope_prefix = 'x:'",
+            "ALTER ROLE mig_c IN DATABASE upgrade_roles SET idempotency.max_recovery_point_size = 16",
+            "ALTER ROLE mig_c SET idempotency.audit = off",
+            "ALTER ROLE mig_d SET idempotency.scope_prefix = 'd:'",
+            "ALTER ROLE mig_d IN DATABASE upgrade_roles SET idempotency.scope_prefix = ''",
+            "ALTER ROLE mig_e SET idempotency.audit = yes",
+            "ALTER DATABASE upgrade_roles SET idempotency.audit = on",
+        ]:
+            up.execute(statement)
+        with psycopg.connect(cluster.conninfo().replace("dbname=idem", "dbname=upgrade_roles_latin1")
+                             + " client_encoding=UTF8", autocommit=True) as latin1:
+            latin1.execute(sql.SQL("ALTER ROLE mig_e SET idempotency.scope_prefix = {}").format(sql.Literal("müller:")))
+        assert up.execute("SELECT count(*) FROM pg_db_role_setting WHERE setrole = ANY (%s::regrole[])",
+                          (roles,)).fetchone()[0] == 9
+        warnings = []
+        up.add_notice_handler(lambda d: warnings.append(d.message_primary) if d.severity == "WARNING" else None)
+        up.execute("ALTER EXTENSION idempotency UPDATE")
+        rows = up.execute("SELECT role::text, scope_prefix, audit, max_response_size, max_recovery_point_size "
+                          "FROM idempotency.role_settings ORDER BY 1").fetchall()
+        assert rows == [("mig_a", "a2:", False, None, None),
+                        ("mig_b", None, True, 1536, None),
+                        ("mig_c", None, False, None, 16),
+                        ("mig_e", None, True, None, None)]
+        assert len(warnings) == 1 and "idempotency.scope_prefix of role mig_e" in warnings[0], warnings
+        # Bound: mig_b's own RESET ALL (which removes its audit = on) leaves auditing on.
+        up.execute("GRANT USAGE ON SCHEMA idempotency TO mig_b")
+        info = cluster.conninfo().replace("dbname=idem", "dbname=upgrade_roles").replace("user=postgres", "user=mig_b")
+        with psycopg.connect(info, autocommit=True) as b:
+            b.execute("SELECT idempotency.canonical_json('{}')")
+            b.execute("ALTER ROLE mig_b RESET ALL")
+        assert up.execute("SELECT setconfig FROM pg_db_role_setting WHERE setrole = 'mig_b'::regrole").fetchone()[0] \
+            == ["idempotency.max_response_size=1.5MB"]
+        up.execute("ALTER DATABASE upgrade_roles RESET ALL")
+        with psycopg.connect(info, autocommit=True) as b:
+            assert b.execute("SELECT current_setting('idempotency.audit', true)").fetchone()[0] in (None, "off")
+            b.execute("SELECT idempotency.complete('k', '{}', token => %s)", (claim(b, "k")[1],))
+        assert up.execute("SELECT key, completed_by FROM idempotency.audit").fetchall() == [("k", "mig_b")]
+        up.execute("DROP OWNED BY mig_b")
+    finally:
+        up.close()
+        for name in ("upgrade_roles", "upgrade_roles_other", "upgrade_roles_latin1"):
+            db.execute(f"DROP DATABASE IF EXISTS {name} WITH (FORCE)")
+        for r in roles:
+            db.execute(f"DROP ROLE IF EXISTS {r}")

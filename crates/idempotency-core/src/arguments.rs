@@ -69,7 +69,8 @@ pub fn abbreviate(value: &str) -> String {
     }
 }
 
-/// Checks `scope` against the role's `idempotency.scope_prefix` (empty: every scope allowed).
+/// Checks `scope` against the role's scope prefix (`idempotency.role_settings`, else
+/// `idempotency.scope_prefix`; empty: every scope allowed).
 pub fn check_scope_allowed(scope: &str, prefix: &str) -> Result<(), ArgError> {
     if scope.starts_with(prefix) {
         return Ok(());
@@ -77,7 +78,7 @@ pub fn check_scope_allowed(scope: &str, prefix: &str) -> Result<(), ArgError> {
     Err(ArgError {
         kind: ArgErrorKind::Forbidden,
         message: format!(
-            "scope {scope:?} is outside this role's scopes: idempotency.scope_prefix is {prefix:?}"
+            "scope {scope:?} is outside this role's scopes: its scope prefix is {prefix:?}"
         ),
     })
 }

@@ -1,8 +1,9 @@
 //! Facts about the store table read from the catalog, cached per backend: its OIDs and column
 //! positions ([`columns`]: the one definition of its columns), whether its columns are of the
 //! types the below-SQL access reads and writes, the access checks, the key storage mode
-//! ([`key_storage`]) and whether direct writes are allowed ([`direct`]). And the search-path
-//! pin the statements run under.
+//! ([`key_storage`]) and whether direct writes are allowed ([`direct`]); the session user's row
+//! of `idempotency.role_settings` ([`role_settings`]). And the search-path pin the statements
+//! run under.
 //!
 //! The bottom layer of the store: it calls neither `sql` nor `heap`.
 
@@ -16,11 +17,13 @@ mod citus;
 mod columns;
 mod direct;
 mod key_storage;
+mod role_settings;
 
 pub(crate) use columns::{looked_up_index, Column, COLUMNS, LOOKED_UP, LOOKED_UP_COUNT};
 pub(crate) use direct::{direct_layout_for_write, DirectLayout};
 pub use key_storage::{key_label, stored_key};
 pub(crate) use key_storage::{keys_hashed, KeyStorage};
+pub use role_settings::{role_settings, RoleSettings};
 
 /// Pins the search path to `pg_catalog` while the extension runs its own statements, whatever
 /// the caller's `search_path`: what a pinning `SET search_path` clause would give, without its
@@ -453,6 +456,7 @@ fn layout_is(relid: pg_sys::Oid) -> bool {
 /// is invalidated: the table may have been altered or dropped, e.g. by DROP EXTENSION.
 #[pg_guard]
 unsafe extern "C-unwind" fn forget(_arg: pg_sys::Datum, relid: pg_sys::Oid) {
+    role_settings::forget(relid);
     update_cache(|c| {
         if c.layout
             .is_some_and(|l| relid == pg_sys::InvalidOid || l.relid == relid || l.idxid == relid)
@@ -463,6 +467,18 @@ unsafe extern "C-unwind" fn forget(_arg: pg_sys::Datum, relid: pg_sys::Oid) {
             c.citus = None;
         }
     });
+}
+
+/// Registers [`forget`] (for this cache and the role settings' cache), once per backend.
+fn register_callback() {
+    if cache().callback_registered {
+        return;
+    }
+    // SAFETY: registers a callback that only clears this backend's caches (it calls no
+    // server function, so it is safe at any point an invalidation is processed); once per
+    // backend, as the callback table is fixed-size and entries cannot be removed.
+    unsafe { pg_sys::CacheRegisterRelcacheCallback(Some(forget), pg_sys::Datum::from(0usize)) };
+    update_cache(|c| c.callback_registered = true);
 }
 
 /// Whether the store is a Citus table: then only SQL touches it (no probe, no direct writes,
@@ -493,11 +509,7 @@ pub(crate) fn layout() -> Layout {
         return l;
     }
     if !known.callback_registered {
-        // SAFETY: registers a callback that only clears this backend's cache (it calls no
-        // server function, so it is safe at any point an invalidation is processed); once per
-        // backend, as the callback table is fixed-size and entries cannot be removed.
-        unsafe { pg_sys::CacheRegisterRelcacheCallback(Some(forget), pg_sys::Datum::from(0usize)) };
-        update_cache(|c| c.callback_registered = true);
+        register_callback();
     }
     let relid = relation_oid(c"idempotency_keys");
     let idxid = relation_oid(c"idempotency_keys_pkey");
