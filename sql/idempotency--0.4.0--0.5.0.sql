@@ -5,6 +5,165 @@
 
 \echo Use "ALTER EXTENSION idempotency UPDATE TO '0.5.0'" to load this file. \quit
 
+-- The encodings without a conversion to UTF-8: SQL_ASCII (refused since 0.3.0) and
+-- MULE_INTERNAL, which 0.4.0 accepted and then failed every call in (42883).
+DO $encoding$
+BEGIN
+    IF pg_catalog.getdatabaseencoding() OPERATOR(pg_catalog.=) 'SQL_ASCII' THEN
+        RAISE EXCEPTION USING
+            ERRCODE = 'feature_not_supported',
+            MESSAGE = 'idempotency does not support databases with encoding SQL_ASCII: their text has no defined characters, so it cannot be hashed as Unicode',
+            HINT = 'create the database with ENCODING ''UTF8'' and install the extension there';
+    END IF;
+    IF pg_catalog.getdatabaseencoding() OPERATOR(pg_catalog.=) 'MULE_INTERNAL' THEN
+        RAISE EXCEPTION USING
+            ERRCODE = 'feature_not_supported',
+            MESSAGE = 'idempotency does not support databases with encoding MULE_INTERNAL: PostgreSQL has no conversion between it and UTF-8, so its text cannot be hashed as Unicode',
+            HINT = 'create the database with ENCODING ''UTF8'' and install the extension there';
+    END IF;
+END
+$encoding$;
+
+-- Keys stored hashed: no caller learns the stored form of a key. lookup returns the key as given;
+-- messages name a hashed key as (hashed); the helpers only the SECURITY DEFINER functions call
+-- are no longer executable by PUBLIC.
+CREATE OR REPLACE FUNCTION idempotency._raise_not_claimed(p_key text, p_scope text, p_token bigint, p_action text)
+RETURNS timestamptz
+LANGUAGE plpgsql VOLATILE SECURITY DEFINER
+SET search_path = pg_catalog, pg_temp
+AS $fn$
+DECLARE
+    r record;
+    v_key text := idempotency._stored_key(p_key, p_scope);
+    -- Messages name a hashed key as (hashed): nothing of its stored form, which the caller
+    -- could otherwise have computed for any key and matched against a copy of the table.
+    v_label text := CASE WHEN v_key OPERATOR(pg_catalog.=) p_key THEN pg_catalog.quote_literal(p_key)
+                         ELSE '(hashed)' END;
+BEGIN
+    SELECT k.status, k.token, k.expires_at OPERATOR(pg_catalog.>) pg_catalog.now() AS live
+      INTO r
+      FROM idempotency.idempotency_keys AS k
+     WHERE k.scope OPERATOR(pg_catalog.=) p_scope AND k.key OPERATOR(pg_catalog.=) v_key;
+    IF NOT FOUND OR NOT r.live THEN
+        RAISE EXCEPTION USING
+            ERRCODE = 'IK001',
+            MESSAGE = pg_catalog.format('cannot %s key %s in scope %L: no live claim', p_action, v_label, p_scope),
+            HINT = 'claim the key first; a claim that expired, was released or rolled back is gone';
+    ELSIF r.status OPERATOR(pg_catalog.=) 'completed'::idempotency.key_status THEN
+        RAISE EXCEPTION USING
+            ERRCODE = 'IK002',
+            MESSAGE = pg_catalog.format('cannot %s key %s in scope %L: it is already completed', p_action, v_label, p_scope),
+            HINT = 'a completed key replays its stored response; claim it to read that response';
+    ELSIF p_token OPERATOR(pg_catalog.<) r.token THEN
+        RAISE EXCEPTION USING
+            ERRCODE = 'IK003',
+            MESSAGE = pg_catalog.format('cannot %s key %s in scope %L: token %s is stale, the current token is %s',
+                                        p_action, v_label, p_scope, p_token, r.token),
+            HINT = 'another worker took the key over after this lease ran out (or the token is another key''s); abandon this attempt';
+    ELSE
+        RAISE EXCEPTION USING
+            ERRCODE = 'IK003',
+            MESSAGE = pg_catalog.format('cannot %s key %s in scope %L: token %s was never issued for it, the current token is %s',
+                                        p_action, v_label, p_scope, p_token, r.token),
+            HINT = 'pass the token that claim returned for this key';
+    END IF;
+    RETURN NULL;  -- not reached
+END
+$fn$;
+
+CREATE OR REPLACE FUNCTION idempotency.lookup(key text, scope text DEFAULT '')
+RETURNS idempotency.idempotency_keys
+LANGUAGE plpgsql STABLE SECURITY DEFINER
+SET search_path = pg_catalog, pg_temp
+AS $fn$
+#variable_conflict use_column
+DECLARE
+    v_key text;
+    r idempotency.idempotency_keys;
+BEGIN
+    v_key := idempotency._stored_key(lookup.key, lookup.scope);
+    SELECT k.* INTO r
+      FROM idempotency.idempotency_keys AS k
+     WHERE k.scope OPERATOR(pg_catalog.=) lookup.scope
+       AND k.key OPERATOR(pg_catalog.=) v_key
+       AND k.expires_at OPERATOR(pg_catalog.>) pg_catalog.now();
+    IF NOT FOUND THEN
+        RETURN NULL;
+    END IF;
+    -- The key as the caller gave it: where keys are stored hashed, the stored form is not
+    -- returned (it would let the caller check a dictionary against a copy of the table).
+    r.key := lookup.key;
+    RETURN r;
+END
+$fn$;
+
+REVOKE EXECUTE ON FUNCTION idempotency._stored_key(text, text), idempotency._check_recovery_point(text),
+    idempotency._sign(text, integer, bytea), idempotency._signed_kid(text), idempotency._verify(text, bytea)
+    FROM PUBLIC;
+
+-- Monitoring gets a schema of its own (the recipe of 0.4.0 granted USAGE on schema idempotency,
+-- i.e. the whole API). Application grants (USAGE on schema idempotency) are unchanged.
+CREATE SCHEMA idempotency_monitor;
+COMMENT ON SCHEMA idempotency_monitor IS
+    'The counters of idempotency.stats for monitoring roles: GRANT USAGE ON SCHEMA idempotency_monitor TO <role>';
+CREATE VIEW idempotency_monitor.stats AS
+SELECT pg_catalog.current_database() AS database,
+       t.rows_in_progress,
+       t.rows_completed,
+       t.rows_expired,
+       t.oldest_expiry,
+       s.last_sweep_at,
+       s.last_sweep_rows,
+       s.claims_new,
+       s.claims_replay,
+       s.claims_in_progress,
+       s.claims_mismatch,
+       s.completions,
+       s.releases,
+       s.rows_swept,
+       s.preloaded AS sweeper_enabled
+  FROM (SELECT pg_catalog.count(*) FILTER (
+                   WHERE k.status OPERATOR(pg_catalog.=) 'in_progress'::idempotency.key_status
+                     AND k.expires_at OPERATOR(pg_catalog.>) pg_catalog.now()) AS rows_in_progress,
+               pg_catalog.count(*) FILTER (
+                   WHERE k.status OPERATOR(pg_catalog.=) 'completed'::idempotency.key_status
+                     AND k.expires_at OPERATOR(pg_catalog.>) pg_catalog.now()) AS rows_completed,
+               pg_catalog.count(*) FILTER (
+                   WHERE k.expires_at OPERATOR(pg_catalog.<=) pg_catalog.now()) AS rows_expired,
+               pg_catalog.min(k.expires_at) AS oldest_expiry
+          FROM idempotency.idempotency_keys AS k) AS t,
+       -- Without Citus, this server's counters straight from the C function, which checks the
+       -- querying role itself: the PL/pgSQL _cluster_stats would name idempotency._shared_stats
+       -- as that role, and a role granted only the monitoring schema may name nothing in schema
+       -- idempotency. Where Citus is installed, every node's (_cluster_stats). The conditions
+       -- are evaluated once, before either function runs.
+       (SELECT * FROM idempotency._shared_stats()
+         WHERE pg_catalog.to_regclass('pg_catalog.pg_dist_partition') IS NULL
+        UNION ALL
+        SELECT * FROM idempotency._cluster_stats()
+         WHERE pg_catalog.to_regclass('pg_catalog.pg_dist_partition') IS NOT NULL) AS s;
+GRANT SELECT ON idempotency_monitor.stats TO PUBLIC;
+
+-- Roles set up by the earlier monitoring recipe keep the API: say which, and how to move them.
+DO $monitors$
+DECLARE
+    v_roles text;
+BEGIN
+    SELECT pg_catalog.string_agg(pg_catalog.quote_ident(r.rolname), ', ' ORDER BY r.rolname) INTO v_roles
+      FROM pg_catalog.pg_roles AS r
+     WHERE NOT r.rolsuper
+       AND r.rolname OPERATOR(pg_catalog.!~) '^pg_'
+       AND r.oid OPERATOR(pg_catalog.<>) (SELECT n.nspowner FROM pg_catalog.pg_namespace AS n
+                                           WHERE n.nspname OPERATOR(pg_catalog.=) 'idempotency')
+       AND pg_catalog.has_schema_privilege(r.oid, 'idempotency', 'USAGE')
+       AND pg_catalog.has_table_privilege(r.oid, 'idempotency.stats', 'SELECT');
+    IF v_roles IS NOT NULL THEN
+        RAISE WARNING 'idempotency: roles % may read idempotency.stats and hold USAGE on schema idempotency, which is the whole API', v_roles
+            USING HINT = 'a monitoring role needs only the counters: REVOKE USAGE ON SCHEMA idempotency FROM <role>; GRANT USAGE ON SCHEMA idempotency_monitor TO <role>; (docs/security.md)';
+    END IF;
+END
+$monitors$;
+
 -- Binding settings (0.5.0) ----------------------------------------------------------------------
 
 -- What binds a role, kept by the extension's owner: one row per login role, applied to the

@@ -12,17 +12,25 @@
 -- functions (set_key_storage, rotate_signing_secret, retire_signing_secret) are for
 -- superusers only. A scope prefix per login role (idempotency.role_settings, kept by the
 -- extension's owner) keeps tenants apart.
+-- A monitoring role is granted schema idempotency_monitor instead: the counters, nothing else.
 
 -- Encodings: keys, scopes and documents are hashed as Unicode, converted from the database
 -- encoding. SQL_ASCII has no defined characters (any byte is taken as it comes), so no
 -- conversion exists: refuse it here, clearly, rather than hash bytes whose meaning is unknown.
--- The library refuses it at call time too (an extension created before this check).
+-- MULE_INTERNAL has characters, but PostgreSQL has no conversion between it and UTF-8.
+-- The library refuses both at call time too (an extension created before this check).
 DO $encoding$
 BEGIN
     IF pg_catalog.getdatabaseencoding() OPERATOR(pg_catalog.=) 'SQL_ASCII' THEN
         RAISE EXCEPTION USING
             ERRCODE = 'feature_not_supported',
             MESSAGE = 'idempotency does not support databases with encoding SQL_ASCII: their text has no defined characters, so it cannot be hashed as Unicode',
+            HINT = 'create the database with ENCODING ''UTF8'' and install the extension there';
+    END IF;
+    IF pg_catalog.getdatabaseencoding() OPERATOR(pg_catalog.=) 'MULE_INTERNAL' THEN
+        RAISE EXCEPTION USING
+            ERRCODE = 'feature_not_supported',
+            MESSAGE = 'idempotency does not support databases with encoding MULE_INTERNAL: PostgreSQL has no conversion between it and UTF-8, so its text cannot be hashed as Unicode',
             HINT = 'create the database with ENCODING ''UTF8'' and install the extension there';
     END IF;
 END
@@ -173,9 +181,10 @@ AS $fn$
 DECLARE
     r record;
     v_key text := idempotency._stored_key(p_key, p_scope);
-    -- Messages show a hashed key only as a prefix of its hash.
+    -- Messages name a hashed key as (hashed): nothing of its stored form, which the caller
+    -- could otherwise have computed for any key and matched against a copy of the table.
     v_label text := CASE WHEN v_key OPERATOR(pg_catalog.=) p_key THEN pg_catalog.quote_literal(p_key)
-                         ELSE 'sha256:' OPERATOR(pg_catalog.||) pg_catalog.left(v_key, 12) OPERATOR(pg_catalog.||) '...' END;
+                         ELSE '(hashed)' END;
 BEGIN
     SELECT k.status, k.token, k.expires_at OPERATOR(pg_catalog.>) pg_catalog.now() AS live
       INTO r
@@ -322,6 +331,9 @@ BEGIN
     IF NOT FOUND THEN
         RETURN NULL;
     END IF;
+    -- The key as the caller gave it: where keys are stored hashed, the stored form is not
+    -- returned (it would let the caller check a dictionary against a copy of the table).
+    r.key := lookup.key;
     RETURN r;
 END
 $fn$;
@@ -868,6 +880,52 @@ SELECT pg_catalog.current_database() AS database,
           FROM idempotency.idempotency_keys AS k) AS t,
        idempotency._cluster_stats() AS s;
 
+-- Monitoring: a schema of its own, so that a monitoring role is granted the counters and
+-- nothing else (GRANT USAGE ON SCHEMA idempotency_monitor TO monitor). USAGE on schema
+-- idempotency is the application's grant, the whole API. The view is idempotency.stats (the
+-- same columns, kept in step: test_privileges.py); it reads the table as its owner, and its
+-- counters (_shared_stats) answer roles granted this schema.
+CREATE SCHEMA idempotency_monitor;
+COMMENT ON SCHEMA idempotency_monitor IS
+    'The counters of idempotency.stats for monitoring roles: GRANT USAGE ON SCHEMA idempotency_monitor TO <role>';
+CREATE VIEW idempotency_monitor.stats AS
+SELECT pg_catalog.current_database() AS database,
+       t.rows_in_progress,
+       t.rows_completed,
+       t.rows_expired,
+       t.oldest_expiry,
+       s.last_sweep_at,
+       s.last_sweep_rows,
+       s.claims_new,
+       s.claims_replay,
+       s.claims_in_progress,
+       s.claims_mismatch,
+       s.completions,
+       s.releases,
+       s.rows_swept,
+       s.preloaded AS sweeper_enabled
+  FROM (SELECT pg_catalog.count(*) FILTER (
+                   WHERE k.status OPERATOR(pg_catalog.=) 'in_progress'::idempotency.key_status
+                     AND k.expires_at OPERATOR(pg_catalog.>) pg_catalog.now()) AS rows_in_progress,
+               pg_catalog.count(*) FILTER (
+                   WHERE k.status OPERATOR(pg_catalog.=) 'completed'::idempotency.key_status
+                     AND k.expires_at OPERATOR(pg_catalog.>) pg_catalog.now()) AS rows_completed,
+               pg_catalog.count(*) FILTER (
+                   WHERE k.expires_at OPERATOR(pg_catalog.<=) pg_catalog.now()) AS rows_expired,
+               pg_catalog.min(k.expires_at) AS oldest_expiry
+          FROM idempotency.idempotency_keys AS k) AS t,
+       -- Without Citus, this server's counters straight from the C function, which checks the
+       -- querying role itself: the PL/pgSQL _cluster_stats would name idempotency._shared_stats
+       -- as that role, and a role granted only the monitoring schema may name nothing in schema
+       -- idempotency. Where Citus is installed, every node's (_cluster_stats). The conditions
+       -- are evaluated once, before either function runs.
+       (SELECT * FROM idempotency._shared_stats()
+         WHERE pg_catalog.to_regclass('pg_catalog.pg_dist_partition') IS NULL
+        UNION ALL
+        SELECT * FROM idempotency._cluster_stats()
+         WHERE pg_catalog.to_regclass('pg_catalog.pg_dist_partition') IS NOT NULL) AS s;
+GRANT SELECT ON idempotency_monitor.stats TO PUBLIC;
+
 CREATE FUNCTION idempotency._announce()
 RETURNS void
 LANGUAGE c VOLATILE PARALLEL UNSAFE
@@ -893,6 +951,11 @@ REVOKE EXECUTE ON FUNCTION idempotency.set_key_storage(text), idempotency.rotate
     idempotency.retire_signing_secret(integer), idempotency._store_changed(),
     idempotency._random_secret(), idempotency._count(text), idempotency._announce(),
     idempotency._rekey(bytea, bytea), idempotency.distribute(integer)
+    FROM PUBLIC;
+-- Helpers that only the SECURITY DEFINER functions call (as the owner). _stored_key in
+-- particular computes a key's stored form (its keyed hash): no caller may have that computed.
+REVOKE EXECUTE ON FUNCTION idempotency._stored_key(text, text), idempotency._check_recovery_point(text),
+    idempotency._sign(text, integer, bytea), idempotency._signed_kid(text), idempotency._verify(text, bytea)
     FROM PUBLIC;
 
 -- Batches (0.4.0): claim_many and complete_many, one call for a batch of messages (a queue

@@ -297,3 +297,18 @@ impl Drop for SearchPathPin {
         };
     }
 }
+
+/// Whether `role` has USAGE on schema `nsp` (`pg_namespace_aclcheck` before PostgreSQL 16).
+///
+/// # Safety
+/// A catalog look-up: call inside a transaction.
+pub unsafe fn has_schema_usage(nsp: pg_sys::Oid, role: pg_sys::Oid) -> bool {
+    let mode = pg_sys::ACL_USAGE as pg_sys::AclMode;
+    #[cfg(feature = "pg15")]
+    // SAFETY: the caller's contract.
+    let result = unsafe { pg_sys::pg_namespace_aclcheck(nsp, role, mode) };
+    #[cfg(not(feature = "pg15"))]
+    // SAFETY: the caller's contract.
+    let result = unsafe { pg_sys::object_aclcheck(pg_sys::NamespaceRelationId, nsp, role, mode) };
+    result == pg_sys::AclResult::ACLCHECK_OK
+}

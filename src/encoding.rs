@@ -8,7 +8,8 @@
 //! as `&str`. In any other database, ASCII-only text needs no conversion either (every server
 //! encoding is a superset of ASCII); anything else goes through PostgreSQL's conversion
 //! functions. SQL_ASCII is refused: its bytes have no defined characters, so no conversion to
-//! Unicode exists (README, "Encodings").
+//! Unicode exists; so is MULE_INTERNAL, between which and UTF-8 PostgreSQL has no conversion
+//! (README, "Encodings").
 
 use crate::error::raise;
 use pgrx::{pg_sys, PgSqlErrorCode};
@@ -55,22 +56,38 @@ fn encoding_name() -> String {
         .into_owned()
 }
 
-/// Raises the refusal of a SQL_ASCII database (also raised by `CREATE EXTENSION`).
-pub fn refuse_sql_ascii() -> ! {
+/// Raises the refusal of a database whose text cannot be converted to Unicode (also raised by
+/// `CREATE EXTENSION` and the update): SQL_ASCII, whose bytes have no defined characters, or an
+/// encoding between which and UTF-8 PostgreSQL has no conversion (MULE_INTERNAL).
+pub fn refuse_encoding() -> ! {
+    let hint = Some("create the database with ENCODING 'UTF8' and install the extension there");
+    if encoding().id == pg_sys::pg_enc::PG_SQL_ASCII as i32 {
+        raise(
+            PgSqlErrorCode::ERRCODE_FEATURE_NOT_SUPPORTED,
+            "idempotency does not support databases with encoding SQL_ASCII: their text has no \
+             defined characters, so it cannot be hashed as Unicode"
+                .into(),
+            hint,
+        )
+    }
     raise(
         PgSqlErrorCode::ERRCODE_FEATURE_NOT_SUPPORTED,
-        "idempotency does not support databases with encoding SQL_ASCII: their text has no \
-         defined characters, so it cannot be hashed as Unicode"
-            .into(),
-        Some("create the database with ENCODING 'UTF8' and install the extension there"),
+        format!(
+            "idempotency does not support databases with encoding {}: PostgreSQL has no \
+             conversion between it and UTF-8, so its text cannot be hashed as Unicode",
+            encoding_name()
+        ),
+        hint,
     )
 }
 
-/// The conversion functions of a database that is neither UTF-8 nor SQL_ASCII.
+/// The conversion functions of a database that is not UTF-8; refuses one without them.
 fn procs() -> (pg_sys::Oid, pg_sys::Oid) {
     let e = encoding();
-    if e.id == pg_sys::pg_enc::PG_SQL_ASCII as i32 {
-        refuse_sql_ascii();
+    if e.id == pg_sys::pg_enc::PG_SQL_ASCII as i32
+        || e.id == pg_sys::pg_enc::PG_MULE_INTERNAL as i32
+    {
+        refuse_encoding();
     }
     if let Some(p) = e.procs {
         return p;
@@ -85,14 +102,7 @@ fn procs() -> (pg_sys::Oid, pg_sys::Oid) {
         )
     };
     if p.0 == pg_sys::InvalidOid || p.1 == pg_sys::InvalidOid {
-        raise(
-            PgSqlErrorCode::ERRCODE_UNDEFINED_FUNCTION,
-            format!(
-                "no default conversion between encoding {} and UTF8",
-                encoding_name()
-            ),
-            None,
-        );
+        refuse_encoding();
     }
     ENCODING.with(|c| {
         c.set(Some(Encoding {

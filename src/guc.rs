@@ -301,8 +301,11 @@ pub fn int(setting: &'static GucSetting<i32>) -> i32 {
     unsafe { *setting.as_ptr() }
 }
 
-/// Longest TTL or lease a setting accepts: ten years in seconds.
-const MAX_SECONDS: i32 = 10 * 366 * 86_400;
+/// Longest TTL or lease a setting accepts: 3651 days, in seconds. A claim refuses a duration
+/// that ends more than ten calendar years after now, and ten calendar years are at least 3651
+/// days (every ten years hold a 29 February, 2100 holds none): a larger setting would be
+/// accepted here and then fail every claim that relies on it.
+const MAX_SECONDS: i32 = 3651 * 86_400;
 
 pub fn init() {
     GucRegistry::define_int_guc(

@@ -429,25 +429,29 @@ fn idempotency_shared_stats() -> Row {
 }
 
 /// The counters are the whole database's: only for roles that may read `idempotency.stats`
-/// (its owner, superusers, roles granted SELECT on it, e.g. a monitoring role), not for
-/// every tenant that has USAGE on the schema.
+/// (its owner, superusers, roles granted SELECT on it) or are granted the monitoring schema
+/// `idempotency_monitor` (whose view shows the same row), not for every tenant that has USAGE
+/// on schema `idempotency`.
 fn refuse_stats_to_tenants() {
     // SAFETY: catalog look-ups inside the calling transaction; `_shared_stats` is not SECURITY
-    // DEFINER (it is also called from the view), so GetUserId() is the role asking.
+    // DEFINER (it is also called from the views), so GetUserId() is the role asking.
     let allowed = unsafe {
         let role = pg_sys::GetUserId();
         let nsp = pg_sys::get_namespace_oid(c"idempotency".as_ptr(), false);
         let view = pg_sys::get_relname_relid(c"stats".as_ptr(), nsp);
+        // Missing in a store not yet updated to 0.5.0.
+        let monitor = pg_sys::get_namespace_oid(c"idempotency_monitor".as_ptr(), true);
         pg_sys::superuser_arg(role)
             || (view != pg_sys::InvalidOid
                 && pg_sys::pg_class_aclcheck(view, role, pg_sys::ACL_SELECT as pg_sys::AclMode)
                     == pg_sys::AclResult::ACLCHECK_OK)
+            || (monitor != pg_sys::InvalidOid && crate::compat::has_schema_usage(monitor, role))
     };
     if !allowed {
         raise(
             PgSqlErrorCode::ERRCODE_INSUFFICIENT_PRIVILEGE,
             "idempotency._shared_stats: the database-wide counters are for roles that may read idempotency.stats".into(),
-            Some("GRANT SELECT ON idempotency.stats TO <role>; (see the README's Privileges and tenants)"),
+            Some("for a monitoring role: GRANT USAGE ON SCHEMA idempotency_monitor TO <role>; (see the README's Privileges and tenants)"),
         );
     }
 }

@@ -288,7 +288,8 @@ pub(crate) fn in_progress(row: Row) -> ClaimResult {
 /// of the keys meanwhile, as for one key in [`probe_or_insert`]. Then, on a table the direct
 /// writes apply to, each key is looked at with the dirty probe alone and the absent ones are
 /// written below SQL at once ([`heap::insert_direct_batch`]); elsewhere one `INSERT ... ON
-/// CONFLICT DO NOTHING` inserts every key that is absent, without looking at them first.
+/// CONFLICT DO NOTHING` inserts every key that is absent, without looking at them first (on a
+/// table with rules, which refuses ON CONFLICT, the keys are probed and inserted as below).
 /// Neither may wait ([`without_waiting`]): a key another open transaction is inserting or
 /// changing would make it wait for that transaction, where `claim` answers `in_progress` at
 /// once. If it would wait (or, below SQL, the unique index finds a key the probe missed), it
@@ -356,7 +357,13 @@ pub fn claim_fresh_batch(
                 })
                 .unwrap_or_default()
         }
-        None => match without_waiting(|| insert(&firsts, true)) {
+        // One INSERT ... ON CONFLICT DO NOTHING, which PostgreSQL refuses on a table with
+        // rules: there each key is probed (under its lock, a confirmed miss) and the absent ones
+        // inserted without ON CONFLICT, as `claim` inserts a key it found absent.
+        None => match (!store_has_rules())
+            .then(|| without_waiting(|| insert(&firsts, true)))
+            .flatten()
+        {
             Some(rows) => rows,
             None => {
                 let fresh: Vec<usize> = firsts
@@ -380,6 +387,23 @@ pub fn claim_fresh_batch(
         out[i] = Some(r);
     }
     out
+}
+
+/// Whether the store has rewrite rules (an owner's change): `INSERT ... ON CONFLICT` is refused
+/// on a table with INSERT or UPDATE rules.
+fn store_has_rules() -> bool {
+    let relid = super::catalog::layout().relid;
+    // SAFETY: opens the relation cache entry of the store (which exists: the layout just found
+    // it, and the caller holds its write lock) and closes it again after reading one field.
+    unsafe {
+        let rel = pg_sys::RelationIdGetRelation(relid);
+        if rel.is_null() {
+            return false;
+        }
+        let rules = (*(*rel).rd_rel).relhasrules || !(*rel).rd_rules.is_null();
+        pg_sys::RelationClose(rel);
+        rules
+    }
 }
 
 /// Runs `f` (writes) in a subtransaction in which a lock wait ends after 1 ms with `55P03`:

@@ -450,3 +450,29 @@ def test_error_messages_quote_bad_values_abbreviated(connect, call):
     assert exc.value.sqlstate == "22023"
     message = exc.value.diag.message_primary or ""
     assert len(message) < 4096, f"{len(message)} characters"
+
+
+@pytest.mark.parametrize("setting", ["idempotency.default_ttl", "idempotency.default_lease"])
+def test_default_durations_every_claim_would_refuse_are_refused_when_set(connect, setting):
+    """0.4.0 accepted idempotency.default_ttl (and default_lease) up to 3660 days, with which
+    every claim that relied on the setting failed "must be at most 10 years". The setting now
+    refuses what a claim would: more than 3651 days (the shortest ten calendar years)."""
+    db = connect()
+    db.execute("SELECT idempotency.canonical_json('{}')")  # loads the library: the setting is defined
+    for value in ("3660d", "3652d", "315446401"):
+        for sql in (f"SET {setting} = '{value}'", f"SELECT set_config('{setting}', '{value}', false)"):
+            with pytest.raises(psycopg.Error) as exc:
+                db.execute(sql)
+            assert exc.value.sqlstate == "22023", (sql, exc.value.sqlstate, str(exc.value))
+            assert setting in str(exc.value), str(exc.value)
+    # Refused for a role or database too (ALTER ROLE ... SET checks the value when it is set).
+    with pytest.raises(psycopg.Error) as exc:
+        db.execute(f"ALTER ROLE postgres IN DATABASE idem SET {setting} = '3660d'")
+    assert exc.value.sqlstate == "22023" and setting in str(exc.value)
+    assert db.execute(f"SHOW {setting}").fetchone()[0] in ("1d", "5min")
+    # The largest value the setting takes is one every claim takes.
+    db.execute(f"SET {setting} = '3651d'")
+    db.execute("SET idempotency.default_ttl = '3651d'")
+    out = db.execute("SELECT outcome::text, expires_at > now() + interval '3650 days' "
+                     "FROM idempotency.claim('ttl-max')").fetchone()
+    assert out == ("new", True)

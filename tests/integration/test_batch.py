@@ -347,3 +347,36 @@ def test_batch_inside_a_plpgsql_exception_block(db):
             PERFORM * FROM idempotency.claim_many(ARRAY['blk-3']);
         END $$""")
     assert [r[1] for r in rows(db)] == ["blk-3", "exists"]
+
+
+@pytest.mark.parametrize("isolation", ["read committed", "repeatable read"])
+def test_claim_many_agrees_with_claim_on_a_store_with_an_insert_rule(db, isolation):
+    """0.4.0: with an ON INSERT rule on the store (an owner's change, which claim handles through
+    its SQL insert), claim_many failed ("INSERT with ON CONFLICT clause cannot be used with table
+    that has INSERT or UPDATE rules") where claim of the same keys answered new."""
+    db.execute("CREATE TABLE public.seen_by_rule (key text)")
+    db.execute("CREATE RULE note_insert AS ON INSERT TO idempotency.idempotency_keys "
+               "DO ALSO INSERT INTO public.seen_by_rule VALUES (NEW.key)")
+    try:
+        assert db.execute("SELECT count(*) FROM pg_rules WHERE tablename = 'idempotency_keys'").fetchone()[0] == 1
+
+        def outcome(f):
+            with db.transaction():
+                db.execute(f"SET TRANSACTION ISOLATION LEVEL {isolation}")
+                try:
+                    return "ok", f()
+                except psycopg.Error as e:
+                    return "error", e.sqlstate
+
+        one = outcome(lambda: [claim(db, k)[0] for k in ("r-1", "r-2")])
+        many = outcome(lambda: [r[2] for r in claim_many(db, ["m-1", "m-2", "r-1"])])
+        if one[0] == "ok":
+            assert one == ("ok", ["new", "new"])
+            assert many == ("ok", ["new", "new", "in_progress"]), many
+            assert sorted(r[0] for r in db.execute("SELECT key FROM public.seen_by_rule").fetchall()) \
+                == ["m-1", "m-2", "r-1", "r-2"]
+        else:
+            assert many == one, (one, many)
+        assert isolation == "repeatable read" or one[0] == "ok", one
+    finally:
+        db.execute("DROP TABLE public.seen_by_rule CASCADE")

@@ -362,6 +362,53 @@ def test_sql_ascii_is_refused(databases):
         assert db.execute("SELECT extversion FROM pg_extension WHERE extname = 'idempotency'").fetchone()[0] == "0.2.0"
 
 
+def test_mule_internal_is_refused(databases):
+    """0.4.0: a MULE_INTERNAL database accepted CREATE EXTENSION, then every call that reads text
+    failed with 42883 (PostgreSQL has no conversion between MULE_INTERNAL and UTF-8). Refused
+    as SQL_ASCII is: at CREATE EXTENSION, at ALTER EXTENSION UPDATE, and by the library."""
+    frozen_release_installed("0.4.0")
+    with psycopg.connect(databases.conninfo(), autocommit=True) as admin:
+        admin.execute("DROP DATABASE IF EXISTS enc_mule")
+        admin.execute("CREATE DATABASE enc_mule WITH ENCODING 'MULE_INTERNAL' LC_COLLATE 'C' LC_CTYPE 'C' "
+                      "TEMPLATE template0")
+    try:
+        # No conversion to UTF8 exists: the session speaks SQL_ASCII (ASCII statements only).
+        info = conninfo(databases, "enc_mule").replace("client_encoding=UTF8", "client_encoding=SQL_ASCII")
+        with psycopg.connect(info, autocommit=True) as db:
+            # (text comes back as bytes in a SQL_ASCII session)
+            assert db.execute("SELECT pg_catalog.getdatabaseencoding()").fetchone()[0] in ("MULE_INTERNAL", b"MULE_INTERNAL")
+            with pytest.raises(psycopg.Error) as e:
+                db.execute("CREATE EXTENSION idempotency")
+            assert e.value.sqlstate == "0A000", str(e.value)
+            assert "MULE_INTERNAL" in e.value.diag.message_primary
+            assert "ENCODING 'UTF8'" in e.value.diag.message_hint
+            assert db.execute("SELECT count(*) FROM pg_namespace WHERE nspname = 'idempotency'").fetchone()[0] == 0
+            # An extension created by 0.4.0 (which did not check): the library refuses every call
+            # with 0A000 (not 42883), and the update says why and changes nothing.
+            db.execute("CREATE EXTENSION idempotency VERSION '0.4.0'")
+            for sql in [
+                "SELECT idempotency.claim('k')",
+                "SELECT idempotency.claim('k', '{\"a\": \"x\"}', 's')",
+                "SELECT idempotency.canonical_hash('{\"a\": \"x\"}')",
+                "SELECT idempotency.canonical_json('[1]')",
+                "SELECT idempotency.derive_key('a', 'b')",
+                "SELECT idempotency.lookup('k')",
+            ]:
+                with pytest.raises(psycopg.Error) as e:
+                    db.execute(sql)
+                assert e.value.sqlstate == "0A000", (sql, e.value.sqlstate, str(e.value))
+                assert "MULE_INTERNAL" in e.value.diag.message_primary
+            with pytest.raises(psycopg.Error) as e:
+                db.execute("ALTER EXTENSION idempotency UPDATE")
+            assert e.value.sqlstate == "0A000", str(e.value)
+            assert "MULE_INTERNAL" in e.value.diag.message_primary
+            assert db.execute("SELECT extversion = '0.4.0' FROM pg_extension WHERE extname = 'idempotency'").fetchone()[0]
+            assert db.execute("SELECT count(*) FROM idempotency.idempotency_keys").fetchone()[0] == 0
+    finally:
+        with psycopg.connect(databases.conninfo(), autocommit=True) as admin:
+            admin.execute("DROP DATABASE IF EXISTS enc_mule WITH (FORCE)")
+
+
 def test_install_scripts_are_ascii():
     """Extension scripts are read in the database's encoding: only ASCII means the same in all."""
     for path in ["sql/idempotency.sql", "sql/idempotency--0.2.0--0.3.0.sql", "sql/idempotency--0.3.0--0.4.0.sql",

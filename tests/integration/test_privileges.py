@@ -1,15 +1,25 @@
 """The privilege model: after CREATE EXTENSION, PUBLIC can neither call the functions nor touch
 the tables; the README's one grant (USAGE on the schema) gives an application role everything it
 needs; that role still cannot read, rewrite or delete rows except through the functions; the
-administrative functions are for superusers; and idempotency.scope_prefix keeps two tenants
-apart, without a way for a tenant to lift it."""
+administrative functions are for superusers; idempotency.scope_prefix keeps two tenants
+apart, without a way for a tenant to lift it; the monitoring recipe gives the counters and
+nothing else; a granted role cannot compute the stored form of a key; and what the shared token
+sequence tells a tenant is what docs/security.md says."""
+
+import os
+import re
 
 import psycopg
 import pytest
 
+from cluster import Cluster
 from helpers import claim
 
 GRANT = "GRANT USAGE ON SCHEMA idempotency TO {role}"
+# The monitoring recipe of the README and docs/security.md, verbatim.
+MONITOR_RECIPE = "GRANT USAGE ON SCHEMA idempotency_monitor TO monitor;"
+ROOT = os.path.join(os.path.dirname(__file__), "..", "..")
+ROLES = ("app", "shop_a", "shop_b", "monitor")
 
 
 @pytest.fixture
@@ -17,7 +27,7 @@ def tenants(cluster, db):
     """A database with the extension and three login roles: app (no grant yet), shop_a and
     shop_b (granted, with scope prefixes 'a:' and 'b:' set by the superuser)."""
     db.execute("DROP DATABASE IF EXISTS privileges")
-    for r in ("app", "shop_a", "shop_b"):
+    for r in ROLES:
         db.execute(f"DROP ROLE IF EXISTS {r}")
         db.execute(f"CREATE ROLE {r} LOGIN")
     db.execute("CREATE DATABASE privileges")
@@ -38,7 +48,7 @@ def tenants(cluster, db):
     for c in conns:
         c.close()
     db.execute("DROP DATABASE privileges")
-    for r in ("app", "shop_a", "shop_b"):
+    for r in ROLES:
         db.execute(f"DROP ROLE {r}")
 
 
@@ -150,11 +160,12 @@ def test_tenants_are_kept_apart(tenants):
         "SELECT idempotency.checkpoint('order-2', 'x', 'a:client-1')",
         "SELECT idempotency._complete('order-2', '{}', 200, 'a:client-1', NULL, NULL)",
         "SELECT idempotency._raise_not_claimed('order-1', 'a:client-1', NULL, 'complete')",
-        "SELECT idempotency._stored_key('order-1', 'a:client-1')",
         "SELECT idempotency.claim('order-1', '{\"x\": 1}')",  # the default scope '' too
     ]:
         message = denied(b, sql)
         assert 'scope "a:client-1"' in message or 'scope ""' in message, message
+    # (_stored_key is refused to every granted role: test_granted_role_cannot_compute_the_stored_form_of_a_key)
+    denied(b, "SELECT idempotency._stored_key('order-1', 'a:client-1')")
     # ... and shop_b cannot lift its prefix.
     for sql in [
         "SET idempotency.scope_prefix = ''",
@@ -189,3 +200,147 @@ def test_prefix_cannot_be_dodged_before_the_library_loads(cluster, tenants):
         pass  # already loaded in this session: refused outright, which is as good
     denied(b, "SELECT idempotency.lookup('k', 'a:1')")
     assert b.execute("SHOW idempotency.scope_prefix").fetchone()[0] == "b:"
+
+
+def read(path):
+    with open(os.path.join(ROOT, path), encoding="utf-8") as f:
+        return f.read()
+
+
+def test_monitoring_recipe_reads_the_counters_and_nothing_else(tenants):
+    """0.4.0: the recipe (GRANT USAGE ON SCHEMA idempotency, SELECT ON idempotency.stats TO
+    monitor, itself a syntax error) gave the monitor the schema, and with it the whole API with
+    no prefix: claim('mon-victim', ..., 'a:orders') replayed shop_a's stored card number, and
+    forget deleted it."""
+    owner, login = tenants
+    for doc in ("README.md", "docs/security.md"):
+        assert MONITOR_RECIPE in read(doc), doc
+        assert "GRANT USAGE ON SCHEMA idempotency, SELECT" not in read(doc), doc
+    owner.execute(MONITOR_RECIPE)
+    # The monitoring view is idempotency.stats: the same columns, in the same order.
+    columns = "SELECT array_agg(attname::text || ':' || format_type(atttypid, atttypmod) ORDER BY attnum) " \
+              "FROM pg_attribute WHERE attrelid = %s::regclass AND attnum > 0"
+    assert owner.execute(columns, ("idempotency.stats",)).fetchone() \
+        == owner.execute(columns, ("idempotency_monitor.stats",)).fetchone()
+    a = login("shop_a")
+    token = claim(a, "mon-victim", {"a": 1}, scope="a:orders")[1]
+    a.execute("SELECT idempotency.complete('mon-victim', '{\"card\": \"4242\"}', scope => 'a:orders', token => %s)",
+              (token,))
+    m = login("monitor")
+    row = m.execute("SELECT database, rows_completed, rows_in_progress, claims_new IS NULL OR claims_new >= 1 "
+                    "FROM idempotency_monitor.stats").fetchone()
+    assert row == ("privileges", 1, 0, True)
+    for sql in [
+        "SELECT * FROM idempotency.claim('mon-victim', '{\"a\":1}', 'a:orders')",
+        "SELECT idempotency.forget('mon-victim', 'a:orders')",
+        "SELECT idempotency.lookup('mon-victim', 'a:orders')",
+        "SELECT idempotency.release('mon-victim', 'a:orders')",
+        "SELECT idempotency.complete('mon-victim', '{}', scope => 'a:orders')",
+        "SELECT idempotency.claim_many('{mon-victim}', NULL, 'a:orders')",
+        "SELECT idempotency.sign_key('k')",
+        "SELECT idempotency.canonical_hash('{}')",
+        "SELECT idempotency.sweep()",
+        "SELECT * FROM idempotency.stats",
+        "SELECT * FROM idempotency._shared_stats()",
+        "SELECT * FROM idempotency.idempotency_keys",
+        "SELECT * FROM idempotency.audit",
+        "SELECT nextval('idempotency.token_seq')",
+        "SELECT 'idempotency.forget(text,text)'::regprocedure",
+        "CREATE VIEW idempotency_monitor.evil AS SELECT 1",
+    ]:
+        denied(m, sql)
+    assert owner.execute("SELECT response FROM idempotency.idempotency_keys WHERE key = 'mon-victim'").fetchone() \
+        == ({"card": "4242"},)
+    # An application role's grant does not give the counters (they are the whole database's).
+    for role in ("shop_a", "app"):
+        denied(login(role), "SELECT * FROM idempotency_monitor.stats")
+
+
+def test_granted_role_cannot_compute_the_stored_form_of_a_key(tenants):
+    """0.4.0, keys stored hashed: _stored_key was executable by PUBLIC, lookup returned the stored
+    hash and error messages its first 12 hex digits, so any granted role could hash a dictionary
+    and check it against a leaked copy of the table."""
+    owner, login = tenants
+    owner.execute(GRANT.format(role="app"))
+    assert owner.execute("SELECT idempotency.set_key_storage('sha256')").fetchone()[0] == 0
+    c = login("app")
+    key = "alice@example.com"
+    first = claim(c, key, {"a": 1})
+    stored = owner.execute("SELECT key FROM idempotency.idempotency_keys").fetchone()[0]
+    assert re.fullmatch(r"[0-9a-f]{64}", stored) and stored != key
+    for sql in [
+        "SELECT idempotency._stored_key(%s, '')",
+        "SELECT idempotency._check_recovery_point(%s)",
+        "SELECT idempotency._signed_kid(%s)",
+        "SELECT idempotency._verify(%s, '\\x00')",
+        "SELECT idempotency._sign(%s, 1, '\\x00')",
+    ]:
+        denied(c, sql, (key,))
+    # lookup gives the key as the caller gave it, never the stored hash.
+    row = c.execute("SELECT key, status::text, token FROM idempotency.lookup(%s)", (key,)).fetchone()
+    assert row == (key, "in_progress", first[1])
+    # Messages and the mismatch WARNING carry nothing of the stored form: no prefix of its hash.
+    notices = []
+    c.add_notice_handler(lambda d: notices.append(d.message_primary or ""))
+    assert claim(c, key, {"a": 2})[0] == "mismatch"
+    texts = list(notices)
+    for sql, params in [
+        ("SELECT idempotency.complete(%s, '{}', token => %s)", (key, first[1] + 1)),
+        ("SELECT idempotency.checkpoint(%s, 'x', token => %s)", (key, first[1] + 1)),
+        ("SELECT idempotency.complete('bob@example.com', '{}')", None),
+    ]:
+        with pytest.raises(psycopg.Error) as e:
+            c.execute(sql, params)
+        assert e.value.sqlstate in ("IK001", "IK003"), str(e.value)
+        texts.append(str(e.value))
+    bob = owner.execute("SELECT idempotency._stored_key('bob@example.com', '')").fetchone()[0]
+    assert len(texts) == 4 and "key reused" in texts[0]
+    for t in texts:
+        assert stored[:8] not in t and bob[:8] not in t and key not in t, t
+    # The owner still finds the key.
+    assert c.execute("SELECT idempotency.forget(%s)", (key,)).fetchone()[0] is True
+
+
+def test_tokens_show_other_scopes_claim_volume_as_documented(tenants):
+    """The token sequence is shared by every scope of the database: a tenant's next token is
+    above its last by one plus the claims of every other tenant in between (docs/security.md,
+    which says so and why). What it must keep: one key's tokens strictly increase across
+    forget, expiry and sweep (and a crash: the next test)."""
+    owner, login = tenants
+    text = " ".join(read("docs/security.md").split())
+    assert "tokens come from one sequence per database" in text
+    assert "how many claims" in text
+    a, b = login("shop_a"), login("shop_b")
+    t1 = claim(a, "a-1", scope="a:1")[1]
+    for i in range(7):
+        assert claim(b, f"b-{i}", scope="b:1")[0] == "new"
+    t2 = claim(a, "a-2", scope="a:1")[1]
+    assert t2 - t1 == 8, (t1, t2)
+    tokens = [claim(a, "same", scope="a:1")[1]]
+    assert a.execute("SELECT idempotency.forget('same', 'a:1')").fetchone()[0] is True
+    tokens.append(claim(a, "same", scope="a:1")[1])
+    owner.execute("UPDATE idempotency.idempotency_keys SET expires_at = now() - interval '1 second', "
+                  "created_at = now() - interval '2 days' WHERE key = 'same'")
+    assert owner.execute("SELECT idempotency.sweep()").fetchone()[0] >= 1
+    tokens.append(claim(a, "same", scope="a:1")[1])
+    assert tokens == sorted(set(tokens)), tokens
+
+
+def test_one_keys_tokens_increase_across_a_crash_restart():
+    """The sequence outlives every row and a crash (it is WAL-logged ahead of the values it
+    hands out): a key forgotten or expired before the crash gets a larger token after it."""
+    c = Cluster().start()
+    try:
+        with psycopg.connect(c.conninfo(), autocommit=True) as conn:
+            conn.execute("CREATE EXTENSION idempotency")
+            before = [claim(conn, "same", scope="s")[1]]
+            conn.execute("SELECT idempotency.forget('same', 's')")
+            before.append(claim(conn, "same", scope="s")[1])
+        c.stop("immediate")
+        c.restart()
+        with psycopg.connect(c.conninfo(), autocommit=True) as conn:
+            conn.execute("SELECT idempotency.forget('same', 's')")
+            after = claim(conn, "same", scope="s")[1]
+        assert before[0] < before[1] < after, (before, after)
+    finally:
+        c.destroy()

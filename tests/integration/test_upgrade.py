@@ -102,6 +102,13 @@ SELECT 'members', count(*)::text FROM pg_depend
  WHERE refobjid = (SELECT oid FROM pg_extension WHERE extname = 'idempotency') AND deptype = 'e'
 UNION ALL
 SELECT 'schema acl', coalesce(nspacl::text, '') FROM pg_namespace WHERE nspname = 'idempotency'
+UNION ALL
+SELECT 'monitoring schema', concat_ws(' | ', coalesce(nspacl::text, ''), obj_description(oid, 'pg_namespace'))
+  FROM pg_namespace WHERE nspname = 'idempotency_monitor'
+UNION ALL
+SELECT 'monitoring relation ' || c.relname,
+       concat_ws(' | ', c.relkind, c.relacl::text, pg_get_viewdef(c.oid))
+  FROM pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace WHERE n.nspname = 'idempotency_monitor'
 ORDER BY 1
 """
 
@@ -275,3 +282,40 @@ def test_per_role_settings_become_binding_rows(cluster, db, fresh_db):
             db.execute(f"DROP DATABASE IF EXISTS {name} WITH (FORCE)")
         for r in roles:
             db.execute(f"DROP ROLE IF EXISTS {r}")
+
+
+def test_grants_keep_working_and_old_monitors_are_named(cluster, fresh_db):
+    """The application grant (USAGE on schema idempotency) works unchanged after the update; a
+    role set up by 0.4.0's monitoring recipe (USAGE on the schema and SELECT on the view), which
+    holds the whole API, is named in a WARNING with how to move it to the monitoring schema."""
+    roles = ("upg_app", "upg_oldmon", "upg_mon")
+    with psycopg.connect(cluster.conninfo(), autocommit=True) as su:
+        for r in roles:
+            su.execute(f"DROP ROLE IF EXISTS {r}")
+            su.execute(f"CREATE ROLE {r} LOGIN")
+    try:
+        old = fresh_db("upgrade_grants")
+        old.execute("CREATE EXTENSION idempotency VERSION '0.4.0'")
+        old.execute("GRANT USAGE ON SCHEMA idempotency TO upg_app, upg_oldmon")
+        old.execute("GRANT SELECT ON idempotency.stats TO upg_oldmon")
+        warnings = []
+        old.add_notice_handler(lambda d: warnings.append((d.severity_nonlocalized, d.message_primary, d.message_hint)))
+        old.execute("ALTER EXTENSION idempotency UPDATE")
+        named = [w for w in warnings if w[0] == "WARNING" and "idempotency.stats" in w[1]]
+        assert len(named) == 1, warnings
+        assert "upg_oldmon" in named[0][1] and "upg_app" not in named[0][1], named
+        assert "idempotency_monitor" in named[0][2]
+        old.execute("GRANT USAGE ON SCHEMA idempotency_monitor TO upg_mon")
+        info = cluster.conninfo().replace("dbname=idem", "dbname=upgrade_grants")
+        with psycopg.connect(info.replace("user=postgres", "user=upg_app"), autocommit=True) as app:
+            assert claim(app, "k", {"a": 1})[0] == "new"
+        with psycopg.connect(info.replace("user=postgres", "user=upg_mon"), autocommit=True) as mon:
+            assert mon.execute("SELECT rows_in_progress FROM idempotency_monitor.stats").fetchone()[0] == 1
+            with pytest.raises(psycopg.errors.InsufficientPrivilege):
+                mon.execute("SELECT idempotency.forget('k')")
+        old.close()
+    finally:
+        with psycopg.connect(cluster.conninfo(), autocommit=True) as su:
+            su.execute("DROP DATABASE IF EXISTS upgrade_grants WITH (FORCE)")
+            for r in roles:
+                su.execute(f"DROP ROLE IF EXISTS {r}")

@@ -93,7 +93,7 @@ pub fn stored_key(key: String) -> String {
     }
 }
 
-/// How messages name a stored key: quoted, or only a prefix of its hash.
+/// How messages name a stored key: quoted, or `(hashed)` where keys are stored hashed.
 pub fn key_label(stored: &str) -> String {
     if keys_hashed() {
         crate::signing::hash_label(stored)
