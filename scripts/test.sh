@@ -16,7 +16,8 @@ read -r -a VERSIONS <<<"${IDEMPOTENCY_PG_VERSIONS:-15 16 17 18}"
 CORE=(test_concurrency.py test_model.py test_canonical_oracle.py test_encodings.py test_worker.py
       test_crash.py test_privileges.py test_search_path.py test_upgrade.py test_direct_writes.py
       test_direct_fidelity.py test_hardening.py test_expiry_and_dump.py test_bad_input.py
-      test_hot_updates.py test_batch.py test_partitioned.py test_damaged_jsonb.py)
+      test_hot_updates.py test_batch.py test_partitioned.py test_damaged_jsonb.py
+      test_binding_settings.py)
 
 scripts/bootstrap.sh
 
