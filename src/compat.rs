@@ -184,11 +184,99 @@ pub unsafe fn insert_index_tuples(
     }
 }
 
-/// Server functions declared directly, without pgrx's per-call error boundary, for
-/// `store/heap`, which makes its calls inside one boundary of its own.
+/// Server functions declared directly, without pgrx's per-call error boundary: those
+/// `store/heap` calls inside one boundary of its own, those that only read backend state and
+/// cannot raise an error, and the V1 functions `DirectFunctionCall` calls from C. Every
+/// declaration is checked by the compiler against pgrx's own binding of the same function for
+/// the PostgreSQL version built (`declare!`): a signature that changes in a major release fails
+/// the build instead of corrupting memory.
 pub mod raw {
     use pgrx::pg_sys;
-    use std::ffi::c_int;
+    use std::ffi::{c_char, c_int, c_long};
+
+    /// Declares server functions and, for each, a compile-time check that pgrx's binding of the
+    /// function (generated from the server's headers) has the same argument and result types.
+    macro_rules! declare {
+        ($( $(#[$meta:meta])* fn $name:ident($($arg:ident: $ty:ty),* $(,)?) $(-> $ret:ty)?; )*) => {
+            unsafe extern "C-unwind" {
+                $( $(#[$meta])* pub(crate) fn $name($($arg: $ty),*) $(-> $ret)?; )*
+            }
+            $( $(#[$meta])* const _: unsafe fn($($ty),*) $(-> $ret)? = pg_sys::$name; )*
+        };
+    }
+
+    // Backend state that cannot raise an error: called directly, no boundary needed.
+    declare! {
+        fn GetUserId() -> pg_sys::Oid;
+        fn GetSessionUserId() -> pg_sys::Oid;
+        fn GetCurrentTransactionStartTimestamp() -> pg_sys::TimestampTz;
+    }
+
+    // The V1 functions themselves, for DirectFunctionCall (which calls them from C): pgrx's
+    // `pg_sys` wrappers are Rust functions.
+    declare! {
+        fn timestamptz_pl_interval(fcinfo: pg_sys::FunctionCallInfo) -> pg_sys::Datum;
+        fn nextval_oid(fcinfo: pg_sys::FunctionCallInfo) -> pg_sys::Datum;
+    }
+
+    // The primary-key scan (store/heap/scan.rs), inside its one error boundary.
+    declare! {
+        fn table_open(relation_id: pg_sys::Oid, lockmode: pg_sys::LOCKMODE) -> pg_sys::Relation;
+        fn index_open(relation_id: pg_sys::Oid, lockmode: pg_sys::LOCKMODE) -> pg_sys::Relation;
+        fn table_close(relation: pg_sys::Relation, lockmode: pg_sys::LOCKMODE);
+        fn index_close(relation: pg_sys::Relation, lockmode: pg_sys::LOCKMODE);
+        fn cstring_to_text_with_len(s: *const c_char, len: c_int) -> *mut pg_sys::text;
+        fn ScanKeyInit(
+            entry: pg_sys::ScanKey,
+            attribute_number: pg_sys::AttrNumber,
+            strategy: pg_sys::StrategyNumber,
+            procedure: pg_sys::RegProcedure,
+            argument: pg_sys::Datum,
+        );
+        fn index_rescan(
+            scan: pg_sys::IndexScanDesc,
+            keys: pg_sys::ScanKey,
+            nkeys: c_int,
+            orderbys: pg_sys::ScanKey,
+            norderbys: c_int,
+        );
+        fn table_slot_create(
+            rel: pg_sys::Relation,
+            reglist: *mut *mut pg_sys::List,
+        ) -> *mut pg_sys::TupleTableSlot;
+        fn index_getnext_slot(
+            scan: pg_sys::IndexScanDesc,
+            direction: pg_sys::ScanDirection::Type,
+            slot: *mut pg_sys::TupleTableSlot,
+        ) -> bool;
+        fn index_getnext_tid(
+            scan: pg_sys::IndexScanDesc,
+            direction: pg_sys::ScanDirection::Type,
+        ) -> pg_sys::ItemPointer;
+        fn index_fetch_heap(scan: pg_sys::IndexScanDesc, slot: *mut pg_sys::TupleTableSlot) -> bool;
+        fn GetLatestSnapshot() -> pg_sys::Snapshot;
+        fn RegisterSnapshot(snapshot: pg_sys::Snapshot) -> pg_sys::Snapshot;
+        fn UnregisterSnapshot(snapshot: pg_sys::Snapshot);
+        #[cfg(debug_assertions)]
+        fn WaitLatch(
+            latch: *mut pg_sys::Latch,
+            wake_events: c_int,
+            timeout: c_long,
+            wait_event_info: u32,
+        ) -> c_int;
+        #[cfg(debug_assertions)]
+        fn ResetLatch(latch: *mut pg_sys::Latch);
+        fn slot_getsomeattrs_int(slot: *mut pg_sys::TupleTableSlot, attnum: c_int);
+        fn pg_detoast_datum_copy(datum: *mut pg_sys::varlena) -> *mut pg_sys::varlena;
+        fn ExecDropSingleTupleTableSlot(slot: *mut pg_sys::TupleTableSlot);
+        fn ExecFetchSlotHeapTuple(
+            slot: *mut pg_sys::TupleTableSlot,
+            materialize: bool,
+            should_free: *mut bool,
+        ) -> pg_sys::HeapTuple;
+        fn heap_copytuple(tuple: pg_sys::HeapTuple) -> pg_sys::HeapTuple;
+        fn index_endscan(scan: pg_sys::IndexScanDesc);
+    }
 
     unsafe extern "C-unwind" {
         #[cfg(not(feature = "pg18"))]
@@ -206,11 +294,41 @@ pub mod raw {
             heap: pg_sys::Relation,
             index: pg_sys::Relation,
             snapshot: pg_sys::Snapshot,
-            instrument: *mut std::ffi::c_void,
+            instrument: *mut pg_sys::IndexScanInstrumentation,
             nkeys: c_int,
             norderbys: c_int,
         ) -> pg_sys::IndexScanDesc;
     }
+
+    // Not in pgrx's bindings, so not checked by the compiler: `Datum datumCopy(Datum value,
+    // bool typByVal, int typLen)` (utils/datum.h), unchanged in 15-18.
+    unsafe extern "C-unwind" {
+        pub(crate) fn datumCopy(
+            value: pg_sys::Datum,
+            typbyval: bool,
+            typlen: c_int,
+        ) -> pg_sys::Datum;
+    }
+
+    // index_beginscan gained an instrumentation argument in 18; each declaration checked
+    // against its own version's binding.
+    #[cfg(not(feature = "pg18"))]
+    const _: unsafe fn(
+        pg_sys::Relation,
+        pg_sys::Relation,
+        pg_sys::Snapshot,
+        c_int,
+        c_int,
+    ) -> pg_sys::IndexScanDesc = pg_sys::index_beginscan;
+    #[cfg(feature = "pg18")]
+    const _: unsafe fn(
+        pg_sys::Relation,
+        pg_sys::Relation,
+        pg_sys::Snapshot,
+        *mut pg_sys::IndexScanInstrumentation,
+        c_int,
+        c_int,
+    ) -> pg_sys::IndexScanDesc = pg_sys::index_beginscan;
 
     /// `index_beginscan` without a boundary: call only inside `pg_guard_ffi_boundary`, from
     /// plain old frames (see store/heap).

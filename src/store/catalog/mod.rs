@@ -31,10 +31,7 @@ pub use role_settings::{role_settings, RoleSettings};
 /// statement is schema-qualified as well.
 pub use crate::compat::SearchPathPin as PinnedSearchPath;
 
-// Reads backend state and cannot raise an error: called directly, no boundary needed.
-unsafe extern "C-unwind" {
-    fn GetUserId() -> pg_sys::Oid;
-}
+use crate::compat::raw::GetUserId;
 
 /// The current role (under SECURITY DEFINER, the function's owner).
 fn current_role() -> pg_sys::Oid {

@@ -57,9 +57,7 @@ pub(super) fn forget(relid: pg_sys::Oid) {
 
 // Reads backend state and cannot raise an error: called directly, without pgrx's per-call
 // error boundary (this runs on every claim).
-unsafe extern "C-unwind" {
-    fn GetSessionUserId() -> pg_sys::Oid;
-}
+use crate::compat::raw::GetSessionUserId;
 
 /// The settings that bind the session user, from `idempotency.role_settings`.
 pub fn role_settings() -> Rc<RoleSettings> {

@@ -11,22 +11,13 @@ mod write;
 pub(crate) use scan::{newest_version, probe, Newest, Probe};
 pub(crate) use write::{complete_direct, insert_direct, insert_direct_batch};
 
-// One that reads backend state and cannot raise an error: called directly, no boundary needed.
-unsafe extern "C-unwind" {
-    fn GetCurrentTransactionStartTimestamp() -> pg_sys::TimestampTz;
-}
+use crate::compat::raw::GetCurrentTransactionStartTimestamp;
+pub(crate) use crate::compat::raw::{nextval_oid, timestamptz_pl_interval};
 
 /// The start of the current transaction (what `now()` returns).
 pub fn transaction_start() -> pg_sys::TimestampTz {
     // SAFETY: reads a backend variable; never raises an error.
     unsafe { GetCurrentTransactionStartTimestamp() }
-}
-
-// The V1 functions themselves, for DirectFunctionCall (which calls them from C): pgrx's
-// `pg_sys` wrappers are Rust functions.
-unsafe extern "C-unwind" {
-    pub(crate) fn timestamptz_pl_interval(fcinfo: pg_sys::FunctionCallInfo) -> pg_sys::Datum;
-    pub(crate) fn nextval_oid(fcinfo: pg_sys::FunctionCallInfo) -> pg_sys::Datum;
 }
 
 /// `locktag_field4` of the extension's advisory locks; the SQL advisory lock functions use 1

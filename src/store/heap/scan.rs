@@ -13,6 +13,13 @@
 //! What makes that sound: everything between the boundary and the C functions is a plain old
 //! frame. [`look_up`], [`newest_version`] and their callees hold raw pointers and `Copy` values only, nothing with a
 //! destructor, and never panic, so a `longjmp` out of a C call skips nothing that had to run.
+//! The compiler holds the module to that: no `panic!`, `unwrap`, `expect` or unchecked indexing.
+#![deny(
+    clippy::panic,
+    clippy::unwrap_used,
+    clippy::expect_used,
+    clippy::indexing_slicing
+)]
 
 use super::super::catalog::{layout, looked_up_index, Column, LOOKED_UP_COUNT};
 use super::super::{OwnedJsonb, Row};
@@ -21,66 +28,17 @@ use crate::{encoding, guc};
 use pgrx::datum::TimestampWithTimeZone;
 use pgrx::pg_sys;
 use pgrx::prelude::*;
-use std::ffi::{c_char, c_int};
+use std::ffi::c_int;
 
-unsafe extern "C-unwind" {
-    fn table_open(relation_id: pg_sys::Oid, lockmode: pg_sys::LOCKMODE) -> pg_sys::Relation;
-    fn index_open(relation_id: pg_sys::Oid, lockmode: pg_sys::LOCKMODE) -> pg_sys::Relation;
-    fn table_close(relation: pg_sys::Relation, lockmode: pg_sys::LOCKMODE);
-    fn index_close(relation: pg_sys::Relation, lockmode: pg_sys::LOCKMODE);
-    fn cstring_to_text_with_len(s: *const c_char, len: c_int) -> *mut pg_sys::text;
-    fn ScanKeyInit(
-        entry: pg_sys::ScanKey,
-        attribute_number: pg_sys::AttrNumber,
-        strategy: pg_sys::StrategyNumber,
-        procedure: pg_sys::RegProcedure,
-        argument: pg_sys::Datum,
-    );
-    fn index_rescan(
-        scan: pg_sys::IndexScanDesc,
-        keys: pg_sys::ScanKey,
-        nkeys: c_int,
-        orderbys: pg_sys::ScanKey,
-        norderbys: c_int,
-    );
-    fn table_slot_create(
-        rel: pg_sys::Relation,
-        reglist: *mut *mut pg_sys::List,
-    ) -> *mut pg_sys::TupleTableSlot;
-    fn index_getnext_slot(
-        scan: pg_sys::IndexScanDesc,
-        direction: pg_sys::ScanDirection::Type,
-        slot: *mut pg_sys::TupleTableSlot,
-    ) -> bool;
-    fn index_getnext_tid(
-        scan: pg_sys::IndexScanDesc,
-        direction: pg_sys::ScanDirection::Type,
-    ) -> pg_sys::ItemPointer;
-    fn index_fetch_heap(scan: pg_sys::IndexScanDesc, slot: *mut pg_sys::TupleTableSlot) -> bool;
-    fn GetLatestSnapshot() -> pg_sys::Snapshot;
-    fn RegisterSnapshot(snapshot: pg_sys::Snapshot) -> pg_sys::Snapshot;
-    fn UnregisterSnapshot(snapshot: pg_sys::Snapshot);
-    #[cfg(debug_assertions)]
-    fn WaitLatch(
-        latch: *mut pg_sys::Latch,
-        wake_events: c_int,
-        timeout: std::ffi::c_long,
-        wait_event_info: u32,
-    ) -> c_int;
-    #[cfg(debug_assertions)]
-    fn ResetLatch(latch: *mut pg_sys::Latch);
-    fn slot_getsomeattrs_int(slot: *mut pg_sys::TupleTableSlot, attnum: c_int);
-    fn pg_detoast_datum_copy(datum: *mut pg_sys::varlena) -> *mut pg_sys::varlena;
-    fn datumCopy(value: pg_sys::Datum, typbyval: bool, typlen: c_int) -> pg_sys::Datum;
-    fn ExecDropSingleTupleTableSlot(slot: *mut pg_sys::TupleTableSlot);
-    fn ExecFetchSlotHeapTuple(
-        slot: *mut pg_sys::TupleTableSlot,
-        materialize: bool,
-        should_free: *mut bool,
-    ) -> pg_sys::HeapTuple;
-    fn heap_copytuple(tuple: pg_sys::HeapTuple) -> pg_sys::HeapTuple;
-    fn index_endscan(scan: pg_sys::IndexScanDesc);
-}
+use crate::compat::raw::{
+    cstring_to_text_with_len, datumCopy, heap_copytuple, index_close, index_endscan,
+    index_fetch_heap, index_getnext_slot, index_getnext_tid, index_open, index_rescan,
+    pg_detoast_datum_copy, slot_getsomeattrs_int, table_close, table_open, table_slot_create,
+    ExecDropSingleTupleTableSlot, ExecFetchSlotHeapTuple, GetLatestSnapshot, RegisterSnapshot,
+    ScanKeyInit, UnregisterSnapshot,
+};
+#[cfg(debug_assertions)]
+use crate::compat::raw::{ResetLatch, WaitLatch};
 
 /// The columns the look-up reads, in the order of `catalog::LOOKED_UP`.
 const N: usize = LOOKED_UP_COUNT;
@@ -108,7 +66,10 @@ impl Version {
     /// Column `c` (one of `catalog::LOOKED_UP`), None when NULL.
     pub(crate) fn get(&self, c: Column) -> Option<pg_sys::Datum> {
         let i = looked_up_index(c);
-        (!self.nulls[i]).then_some(self.values[i])
+        match (self.nulls.get(i), self.values.get(i)) {
+            (Some(false), Some(&value)) => Some(value),
+            _ => None,
+        }
     }
 }
 
@@ -186,7 +147,8 @@ unsafe fn copy_columns(slot: *mut pg_sys::TupleTableSlot, att: &[i32; N], found:
         }
         let desc = (*slot).tts_tupleDescriptor;
         let natts = (*desc).natts as usize;
-        for (i, &n) in att.iter().enumerate() {
+        let slots = found.nulls.iter_mut().zip(found.values.iter_mut());
+        for (&n, (found_null, found_value)) in att.iter().zip(slots) {
             let at = (n - 1) as usize;
             if at >= natts {
                 continue;
@@ -194,8 +156,8 @@ unsafe fn copy_columns(slot: *mut pg_sys::TupleTableSlot, att: &[i32; N], found:
             let column = &*crate::compat::attribute(desc, at);
             let null = *(*slot).tts_isnull.add(at);
             let value = *(*slot).tts_values.add(at);
-            found.nulls[i] = null;
-            found.values[i] = if null || column.attbyval {
+            *found_null = null;
+            *found_value = if null || column.attbyval {
                 value
             } else if column.attlen == -1 {
                 pg_sys::Datum::from(pg_detoast_datum_copy(value.cast_mut_ptr()))
@@ -207,6 +169,9 @@ unsafe fn copy_columns(slot: *mut pg_sys::TupleTableSlot, att: &[i32; N], found:
 }
 
 /// Waits `ms` milliseconds (debug builds only: the test hook between index and heap).
+///
+/// # Safety
+/// Called on the backend's main thread, inside the scan's error boundary.
 #[cfg(debug_assertions)]
 unsafe fn pause(ms: i32) {
     if ms > 0 {
@@ -224,6 +189,10 @@ unsafe fn pause(ms: i32) {
     }
 }
 
+/// Release builds: nothing.
+///
+/// # Safety
+/// None needed; unsafe as the debug build's.
 #[cfg(not(debug_assertions))]
 #[inline(always)]
 unsafe fn pause(_ms: i32) {}
@@ -302,9 +271,9 @@ unsafe fn scan_key(
         snapshot.snapshot_type = pg_sys::SnapshotType::SNAPSHOT_DIRTY;
         let mut keys: [pg_sys::ScanKeyData; 2] = std::mem::zeroed();
         // The key columns are COLLATE "C", which is what ScanKeyInit assumes.
-        for (i, part) in [scope, key].iter().enumerate() {
+        for ((i, part), entry) in [scope, key].iter().enumerate().zip(keys.iter_mut()) {
             ScanKeyInit(
-                &mut keys[i],
+                entry,
                 (i + 1) as pg_sys::AttrNumber,
                 pg_sys::BTEqualStrategyNumber as pg_sys::StrategyNumber,
                 pg_sys::Oid::from(pg_sys::F_TEXTEQ),

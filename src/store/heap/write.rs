@@ -299,6 +299,10 @@ pub(crate) fn complete_direct(d: &DirectLayout, req: &CompleteRequest<'_>) -> Op
 /// Adds the index entries of rows just written to the heap (each in a slot, with its TID): what
 /// the executor does after an insert or a non-HOT update (or, `only_summarizing`, after a HOT
 /// update that changed a summarizing index's column).
+///
+/// # Safety
+/// `rel` is the store, open and locked for writing (RowExclusiveLock) in this transaction; each
+/// slot holds a tuple of `rel` just written to the heap by this command, with its TID set.
 pub(crate) unsafe fn insert_index_entries(
     rel: pg_sys::Relation,
     slots: &[*mut pg_sys::TupleTableSlot],
