@@ -891,6 +891,54 @@ def test_audit_ids_are_unique_across_nodes(citus, coord):
         set_on_every_node(citus, "idempotency.audit", None)
 
 
+def test_session_settings_hold_for_calls_citus_would_delegate(citus, coord):
+    """Session settings ignored by delegated calls: Citus runs a top-level call on the worker
+    in a connection of its own, without the session's SET. With idempotency.default_ttl or
+    idempotency.audit set in the session (or in its connection options) the call means what it
+    means on one node: it is kept on the coordinator (its token of the coordinator's class) and
+    reaches the shard through SQL. Without such a setting it is still delegated."""
+    scope = scope_on(coord, citus.workers[0].port, "settings")
+    group = coord.execute("SELECT groupid FROM pg_dist_node WHERE nodeport = %s",
+                          (citus.workers[0].port,)).fetchone()[0]
+
+    def stored_ttl(key):
+        return coord.execute("SELECT extract(epoch FROM expires_at - created_at)::int "
+                             "FROM idempotency.idempotency_keys WHERE scope = %s AND key = %s",
+                             (scope, key)).fetchone()[0]
+
+    plain = claim(coord, "plain", {"n": 1}, scope=scope)
+    assert plain[0] == "new" and plain[1] % STRIDE == group, plain  # delegated
+    assert stored_ttl("plain") == 24 * 3600
+
+    with citus.connect() as c:
+        c.execute("SET idempotency.default_ttl = '10min'")
+        r = claim(c, "short", {"n": 1}, scope=scope)
+        assert r[0] == "new" and stored_ttl("short") == 600, (r, stored_ttl("short"))
+        assert r[1] % STRIDE == 0, r  # kept on the coordinator
+        c.execute("RESET idempotency.default_ttl")
+        r = claim(c, "default", {"n": 1}, scope=scope)
+        assert r[1] % STRIDE == group and stored_ttl("default") == 24 * 3600, r  # delegated again
+
+        c.execute("SET idempotency.audit = on")
+        keys = ["a-1", "a-2"]
+        got = c.execute("SELECT key, token FROM idempotency.claim_many(%s::text[], scope => %s)",
+                        (keys, scope)).fetchall()
+        c.execute("SELECT * FROM idempotency.complete_many(%s::text[], %s::jsonb[], scope => %s, "
+                  "tokens => %s::bigint[])",
+                  ([k for k, _ in got], ['{}'] * len(got), scope, [t for _, t in got])).fetchall()
+        r = claim(c, "a-3", {"n": 1}, scope=scope)
+        complete(c, "a-3", {"n": 1}, scope=scope, token=r[1])
+    audited = coord.execute("SELECT key FROM idempotency.audit WHERE scope = %s ORDER BY key",
+                            (scope,)).fetchall()
+    assert [k for (k,) in audited] == ["a-1", "a-2", "a-3"], audited
+
+    # Given at connection start (PGOPTIONS), as a pooler may: the same.
+    with psycopg.connect(citus.conninfo() + " options='-c idempotency.default_ttl=5min'",
+                         autocommit=True) as c:
+        r = claim(c, "from-options", {"n": 1}, scope=scope)
+        assert r[0] == "new" and stored_ttl("from-options") == 300 and r[1] % STRIDE == 0, r
+
+
 def test_node_added_later_claims_nothing_until_it_has_its_ranges(citus, coord):
     """A worker added after distribute(): its token sequence counts from 1, tokens another
     node hands out too (the fencing failure above). A claim there is refused (55000, naming
