@@ -873,9 +873,18 @@ def test_audit_ids_are_unique_across_nodes(citus, coord):
         ids = coord.execute("SELECT count(*), count(DISTINCT id) FROM idempotency.audit "
                             "WHERE scope = ANY(%s)", (scopes,)).fetchone()
         assert ids == (4 * len(scopes), 4 * len(scopes)), ids
+    finally:
+        set_on_every_node(citus, "idempotency.audit", None)
 
-        # A store with audit rows, distributed afterwards (another database of the same nodes).
-        info = citus.add_database("audited")
+
+def test_audit_ids_stay_unique_after_distributing_an_audited_store(citus, coord):
+    """A store with audit rows (ids 1..20, written on the coordinator) distributed afterwards:
+    the rows move to the workers' shards, whose audit_id_seq counted from 1 too, so delegated
+    audited batches of those scopes failed with 23505. The workers' ids now start at their
+    own range."""
+    set_on_every_node(citus, "idempotency.audit", "on")
+    try:
+        info = citus.add_database("audited")  # another database of the same nodes
         with psycopg.connect(info(), autocommit=True) as c:
             c.execute("CREATE EXTENSION idempotency")
             before = [f"old-{i}" for i in range(20)]
@@ -907,17 +916,19 @@ def test_session_settings_hold_for_calls_citus_would_delegate(citus, coord):
                              (scope, key)).fetchone()[0]
 
     plain = claim(coord, "plain", {"n": 1}, scope=scope)
-    assert plain[0] == "new" and plain[1] % STRIDE == group, plain  # delegated
-    assert stored_ttl("plain") == 24 * 3600
+    assert plain[0] == "new" and stored_ttl("plain") == 24 * 3600, plain
 
     with citus.connect() as c:
         c.execute("SET idempotency.default_ttl = '10min'")
-        r = claim(c, "short", {"n": 1}, scope=scope)
-        assert r[0] == "new" and stored_ttl("short") == 600, (r, stored_ttl("short"))
-        assert r[1] % STRIDE == 0, r  # kept on the coordinator
+        short = claim(c, "short", {"n": 1}, scope=scope)
+        assert short[0] == "new" and stored_ttl("short") == 600, (short, stored_ttl("short"))
         c.execute("RESET idempotency.default_ttl")
-        r = claim(c, "default", {"n": 1}, scope=scope)
-        assert r[1] % STRIDE == group and stored_ttl("default") == 24 * 3600, r  # delegated again
+        again = claim(c, "default", {"n": 1}, scope=scope)
+        assert again[0] == "new" and stored_ttl("default") == 24 * 3600, again
+        # Where each ran: delegated (the worker's token class), kept on the coordinator (its
+        # class, 0) while the setting was set, delegated again after RESET.
+        assert (plain[1] % STRIDE, short[1] % STRIDE, again[1] % STRIDE) == (group, 0, group), \
+            (plain, short, again)
 
         c.execute("SET idempotency.audit = on")
         keys = ["a-1", "a-2"]
