@@ -661,6 +661,8 @@ SET search_path = pg_catalog, pg_temp
 AS $fn$
 DECLARE
     v_stride constant bigint := 65536;
+    -- room for one more class above it
+    v_max_floor constant bigint := 9223372036854775807 OPERATOR(pg_catalog.-) 131072;
     v_group bigint;
     v_increment bigint;
     v_last bigint;
@@ -668,6 +670,19 @@ DECLARE
     v_next bigint;
     v_changes text[] := '{}';
 BEGIN
+    IF floor IS NULL THEN
+        RAISE EXCEPTION USING ERRCODE = '22004', MESSAGE = 'floor must not be NULL';
+    ELSIF floor OPERATOR(pg_catalog.<) 0
+          OR floor OPERATOR(pg_catalog.>) v_max_floor THEN
+        RAISE EXCEPTION USING ERRCODE = '22023',
+            MESSAGE = pg_catalog.format('floor must be between 0 and %s (got %s)', v_max_floor, floor);
+    END IF;
+    IF pg_catalog.to_regclass('pg_catalog.pg_dist_local_group') IS NULL THEN
+        RAISE EXCEPTION USING
+            ERRCODE = 'feature_not_supported',
+            MESSAGE = 'idempotency._node_sequences needs Citus: the citus extension is not installed in this database',
+            HINT = 'idempotency.distribute() runs it on every node of a Citus cluster';
+    END IF;
     SELECT g.groupid INTO v_group FROM pg_catalog.pg_dist_local_group AS g;
     IF v_group OPERATOR(pg_catalog.>=) v_stride THEN
         RAISE EXCEPTION USING
