@@ -40,7 +40,8 @@ CREATE TYPE idempotency.key_status AS ENUM ('in_progress', 'completed');
 CREATE TYPE idempotency.outcome AS ENUM ('new', 'replay', 'in_progress', 'mismatch');
 
 -- Fencing tokens come from one sequence, so a token is never reused, not even after a key was
--- released or forgotten and claimed again.
+-- released or forgotten and claimed again. (On Citus one per node, each handing out its own
+-- class of tokens: distribute().)
 CREATE SEQUENCE idempotency.token_seq AS bigint;
 
 CREATE TABLE idempotency.idempotency_keys (
