@@ -950,6 +950,52 @@ def test_session_settings_hold_for_calls_citus_would_delegate(citus, coord):
         assert r[0] == "new" and stored_ttl("from-options") == 300 and r[1] % STRIDE == 0, r
 
 
+def test_store_with_the_old_token_ranges_is_refused_until_distribute_converts_it(citus, coord):
+    """A store distributed by 0.4.0 (each node's token sequence counting by 1 from its group
+    id << 48, the workers' audit ids from 1; set up here by hand, in another database of the
+    same nodes): claims are refused (55000) on every node until distribute() is called again,
+    which names every node it changed; then every node's tokens are of its class and above
+    every token handed out before."""
+    info = citus.add_database("old_ranges")
+    with psycopg.connect(info(), autocommit=True) as c:
+        c.execute("CREATE EXTENSION idempotency")
+        c.execute("SELECT idempotency.distribute(shard_count => 4)")
+        c.execute("SELECT run_command_on_all_nodes($$ALTER SEQUENCE idempotency.token_seq INCREMENT BY 1$$)")
+        c.execute("SELECT run_command_on_all_nodes($$SELECT setval('idempotency.token_seq', "
+                  "(groupid::bigint << 48) + 1000), setval('idempotency.audit_id_seq', 1, false) "
+                  "FROM pg_dist_local_group$$)")
+        old_max = max(int(r) for (r,) in c.execute(
+            "SELECT result FROM run_command_on_all_nodes('SELECT last_value FROM idempotency.token_seq')"))
+        assert old_max >= 2 << 48, old_max
+        for w in citus.workers[:2]:
+            with psycopg.connect(info(w), autocommit=True) as wc:
+                with pytest.raises(psycopg.Error) as e:
+                    with wc.transaction():  # on that worker itself
+                        claim(wc, "k", {"n": 1}, scope="old-ranges")
+                assert e.value.sqlstate == "55000", e.value
+        with pytest.raises(psycopg.Error) as e:
+            claim(c, "k", {"n": 1}, scope="old-ranges")  # delegated
+        assert e.value.sqlstate == "55000", e.value
+
+        notices = []
+        c.add_notice_handler(lambda d: notices.append(d.message_primary))
+        c.execute("SELECT idempotency.distribute()")
+        changed = [n for n in notices if "now hands out tokens from" in n]
+        assert len(changed) == 3, notices
+        tokens = {}
+        for i in range(40):
+            r = claim(c, "k", {"n": 1}, scope=f"old-ranges-{i}")
+            assert r[0] == "new", r
+            tokens[r[1] % STRIDE] = r[1]
+        with c.transaction():
+            r = claim(c, "k", {"n": 1}, scope="old-ranges-tx")
+            tokens[r[1] % STRIDE] = r[1]
+        groups = {g for (g,) in c.execute("SELECT groupid FROM pg_dist_node WHERE nodeport = ANY(%s)",
+                                          ([citus.coordinator.port] + [w.port for w in citus.workers[:2]],))}
+        assert set(tokens) == groups, (tokens, groups)
+        assert all(t > old_max for t in tokens.values()), (old_max, tokens)
+
+
 def test_node_added_later_claims_nothing_until_it_has_its_ranges(citus, coord):
     """A worker added after distribute(): its token sequence counts from 1, tokens another
     node hands out too (the fencing failure above). A claim there is refused (55000, naming
