@@ -293,3 +293,218 @@ BEGIN
        AND t.max_response_size IS NULL AND t.max_recovery_point_size IS NULL;
 END
 $migrate$;
+
+-- Citus: token classes and audit id ranges per node -------------------------------------------
+
+-- Each node hands out the tokens of its own class (t % 65536 = its group id) and audit ids from
+-- group id << 48; a takeover takes a token of its node's class above the key's previous one.
+-- A store distributed by 0.4.0: call SELECT idempotency.distribute() again after this update
+-- (claims on a node without its class are refused until then).
+-- On one Citus node (distribute() runs it on every node): gives this node's token sequence its
+-- class (it counts by 65536 from a value t with t % 65536 = the node's group id, above floor
+-- and above its own last value) and its audit id sequence its range (from group id << 48; the
+-- coordinator's, group 0, from 1), unless they have them. Returns what it changed ('' for
+-- nothing).
+CREATE FUNCTION idempotency._node_sequences(floor bigint)
+RETURNS text
+LANGUAGE plpgsql VOLATILE
+SET search_path = pg_catalog, pg_temp
+AS $fn$
+DECLARE
+    v_stride constant bigint := 65536;
+    -- room for one more class above it
+    v_max_floor constant bigint := 9223372036854775807 OPERATOR(pg_catalog.-) 131072;
+    v_group bigint;
+    v_increment bigint;
+    v_last bigint;
+    v_base bigint;
+    v_next bigint;
+    v_changes text[] := '{}';
+BEGIN
+    IF floor IS NULL THEN
+        RAISE EXCEPTION USING ERRCODE = '22004', MESSAGE = 'floor must not be NULL';
+    ELSIF floor OPERATOR(pg_catalog.<) 0
+          OR floor OPERATOR(pg_catalog.>) v_max_floor THEN
+        RAISE EXCEPTION USING ERRCODE = '22023',
+            MESSAGE = pg_catalog.format('floor must be between 0 and %s (got %s)', v_max_floor, floor);
+    END IF;
+    IF pg_catalog.to_regclass('pg_catalog.pg_dist_local_group') IS NULL THEN
+        RAISE EXCEPTION USING
+            ERRCODE = 'feature_not_supported',
+            MESSAGE = 'idempotency._node_sequences needs Citus: the citus extension is not installed in this database',
+            HINT = 'idempotency.distribute() runs it on every node of a Citus cluster';
+    END IF;
+    SELECT g.groupid INTO v_group FROM pg_catalog.pg_dist_local_group AS g;
+    IF v_group OPERATOR(pg_catalog.>=) v_stride THEN
+        RAISE EXCEPTION USING
+            ERRCODE = 'program_limit_exceeded',
+            MESSAGE = pg_catalog.format('idempotency: Citus group id %s is too large for a token class (at most %s)',
+                                        v_group, v_stride OPERATOR(pg_catalog.-) 1);
+    END IF;
+    SELECT s.seqincrement INTO v_increment FROM pg_catalog.pg_sequence AS s
+     WHERE s.seqrelid OPERATOR(pg_catalog.=) 'idempotency.token_seq'::pg_catalog.regclass;
+    SELECT t.last_value INTO v_last FROM idempotency.token_seq AS t;
+    IF v_increment OPERATOR(pg_catalog.<>) v_stride
+       OR (v_last OPERATOR(pg_catalog.%) v_stride) OPERATOR(pg_catalog.<>) v_group THEN
+        IF v_increment OPERATOR(pg_catalog.<>) v_stride THEN
+            ALTER SEQUENCE idempotency.token_seq INCREMENT BY 65536;
+        END IF;
+        v_base := GREATEST(floor, v_last);
+        v_next := (v_base OPERATOR(pg_catalog.-) (v_base OPERATOR(pg_catalog.%) v_stride)) OPERATOR(pg_catalog.+) v_group;
+        IF v_next OPERATOR(pg_catalog.<=) v_base THEN
+            v_next := v_next OPERATOR(pg_catalog.+) v_stride;
+        END IF;
+        PERFORM pg_catalog.setval('idempotency.token_seq', v_next, false);
+        v_changes := v_changes OPERATOR(pg_catalog.||) pg_catalog.format(
+            'tokens from %s by 65536 (group %s)', v_next, v_group);
+    END IF;
+    SELECT a.last_value INTO v_last FROM idempotency.audit_id_seq AS a;
+    IF v_group OPERATOR(pg_catalog.>) 0
+       AND (v_last OPERATOR(pg_catalog.>>) 48) OPERATOR(pg_catalog.<>) v_group THEN
+        v_next := (v_group OPERATOR(pg_catalog.<<) 48) OPERATOR(pg_catalog.+) 1;
+        PERFORM pg_catalog.setval('idempotency.audit_id_seq', GREATEST(v_next, v_last), false);
+        v_changes := v_changes OPERATOR(pg_catalog.||) pg_catalog.format('audit ids from %s', GREATEST(v_next, v_last));
+    END IF;
+    RETURN pg_catalog.array_to_string(v_changes, ', ');
+END
+$fn$;
+
+-- - token_seq and audit_id_seq on every node (_node_sequences): node g hands out the tokens
+--   t with t % 65536 = g, above every token handed out before, and audit ids from g << 48, so
+--   no two nodes hand out the same token or audit id; a takeover takes a token of its node's
+--   class above the key's previous one, whatever node gave that. A claim on a node without
+--   them (added since) is refused until this function is called again.
+CREATE OR REPLACE FUNCTION idempotency.distribute(shard_count integer DEFAULT NULL)
+RETURNS void
+LANGUAGE plpgsql VOLATILE
+SET search_path = pg_catalog, pg_temp
+AS $fn$
+DECLARE
+    v_changed boolean := false;
+    v_rel regclass;
+    v_fn regprocedure;
+    v_node record;
+    v_floor bigint := 0;
+BEGIN
+    IF NOT EXISTS (SELECT FROM pg_catalog.pg_extension AS e WHERE e.extname OPERATOR(pg_catalog.=) 'citus') THEN
+        RAISE EXCEPTION USING
+            ERRCODE = 'feature_not_supported',
+            MESSAGE = 'idempotency.distribute needs Citus: the citus extension is not installed in this database',
+            HINT = 'on a Citus coordinator run CREATE EXTENSION citus first; a single PostgreSQL node needs no distribution';
+    END IF;
+    IF (SELECT g.groupid FROM pg_catalog.pg_dist_local_group AS g) OPERATOR(pg_catalog.<>) 0 THEN
+        RAISE EXCEPTION USING
+            ERRCODE = 'object_not_in_prerequisite_state',
+            MESSAGE = 'idempotency.distribute must run on the Citus coordinator; this node is a worker',
+            HINT = 'connect to the coordinator and call idempotency.distribute() there';
+    END IF;
+
+    IF (SELECT c.relkind FROM pg_catalog.pg_class AS c
+         WHERE c.oid OPERATOR(pg_catalog.=) 'idempotency.idempotency_keys'::pg_catalog.regclass) OPERATOR(pg_catalog.=) 'p' THEN
+        RAISE EXCEPTION USING
+            ERRCODE = 'feature_not_supported',
+            MESSAGE = 'idempotency.distribute cannot distribute a partitioned store (idempotency.partitions)',
+            HINT = 'on Citus create the extension with idempotency.partitions = 0: the shards split the store instead';
+    END IF;
+    IF NOT EXISTS (SELECT FROM pg_catalog.pg_dist_partition AS p
+                    WHERE p.logicalrelid OPERATOR(pg_catalog.=) 'idempotency.idempotency_keys'::pg_catalog.regclass) THEN
+        PERFORM pg_catalog.create_distributed_table('idempotency.idempotency_keys', 'scope',
+                                                    colocate_with => 'none',
+                                                    shard_count => distribute.shard_count);
+        v_changed := true;
+    ELSIF NOT EXISTS (SELECT FROM pg_catalog.pg_dist_partition AS p
+                       WHERE p.logicalrelid OPERATOR(pg_catalog.=) 'idempotency.idempotency_keys'::pg_catalog.regclass
+                         AND p.partmethod OPERATOR(pg_catalog.=) 'h'
+                         AND pg_catalog.column_to_column_name(p.logicalrelid, p.partkey) OPERATOR(pg_catalog.=) 'scope') THEN
+        RAISE EXCEPTION USING
+            ERRCODE = 'object_not_in_prerequisite_state',
+            MESSAGE = 'idempotency.idempotency_keys is a Citus table, but not hash-distributed by scope',
+            HINT = 'undistribute it (SELECT undistribute_table(''idempotency.idempotency_keys'')) and call idempotency.distribute() again';
+    END IF;
+
+    IF NOT EXISTS (SELECT FROM pg_catalog.pg_dist_partition AS p
+                    WHERE p.logicalrelid OPERATOR(pg_catalog.=) 'idempotency.audit'::pg_catalog.regclass) THEN
+        IF NOT EXISTS (SELECT FROM pg_catalog.pg_constraint AS c
+                        WHERE c.conrelid OPERATOR(pg_catalog.=) 'idempotency.audit'::pg_catalog.regclass
+                          AND c.conname OPERATOR(pg_catalog.=) 'audit_pkey'
+                          AND c.conkey OPERATOR(pg_catalog.=) ARRAY[2, 1]::pg_catalog.int2[]) THEN
+            ALTER TABLE idempotency.audit DROP CONSTRAINT audit_pkey,
+                ADD CONSTRAINT audit_pkey PRIMARY KEY (scope, id);
+        END IF;
+        PERFORM pg_catalog.create_distributed_table('idempotency.audit', 'scope',
+                                                    colocate_with => 'idempotency.idempotency_keys');
+        v_changed := true;
+    END IF;
+
+    FOREACH v_rel IN ARRAY ARRAY['idempotency.config', 'idempotency.signing_secrets']::pg_catalog.regclass[] LOOP
+        IF NOT EXISTS (SELECT FROM pg_catalog.pg_dist_partition AS p
+                        WHERE p.logicalrelid OPERATOR(pg_catalog.=) v_rel) THEN
+            PERFORM pg_catalog.create_reference_table(v_rel);
+            v_changed := true;
+        END IF;
+    END LOOP;
+
+    FOREACH v_fn IN ARRAY ARRAY[
+        'idempotency.claim(text, jsonb, text, interval, interval)',
+        'idempotency.complete(text, jsonb, integer, text, bigint, interval)',
+        'idempotency.checkpoint(text, text, text, bigint)',
+        'idempotency.release(text, text, bigint)',
+        'idempotency.forget(text, text)',
+        'idempotency.lookup(text, text)',
+        -- A batch has one scope: delegated whole to the worker holding its shard.
+        'idempotency.claim_many(text[], jsonb[], text, interval, interval)',
+        'idempotency.complete_many(text[], jsonb[], integer[], text, bigint[], interval)']::pg_catalog.regprocedure[] LOOP
+        IF NOT EXISTS (SELECT FROM pg_catalog.pg_dist_object AS o
+                        WHERE o.classid OPERATOR(pg_catalog.=) 'pg_catalog.pg_proc'::pg_catalog.regclass
+                          AND o.objid OPERATOR(pg_catalog.=) v_fn::pg_catalog.oid
+                          AND o.distribution_argument_index IS NOT NULL) THEN
+            PERFORM pg_catalog.create_distributed_function(v_fn, distribution_arg_name => 'scope',
+                                                           colocate_with => 'idempotency.idempotency_keys');
+            v_changed := true;
+        END IF;
+    END LOOP;
+
+    -- Token classes and audit id ranges, on every node (nodes added later get theirs at the
+    -- next call; until then claims there are refused). A node given its class starts above
+    -- every token any node handed out so far (its class may hold tokens handed out before
+    -- the classes, on a single node or by an older release).
+    FOR v_node IN
+        SELECT r.nodeid, r.success, r.result FROM pg_catalog.run_command_on_all_nodes(
+            $cmd$SELECT t.last_value FROM idempotency.token_seq AS t$cmd$) AS r
+    LOOP
+        IF NOT v_node.success THEN
+            RAISE EXCEPTION USING
+                ERRCODE = 'connection_exception',
+                MESSAGE = pg_catalog.format('idempotency.distribute could not read the token sequence of Citus node %s: %s',
+                                            v_node.nodeid, v_node.result),
+                HINT = 'call idempotency.distribute() again once every node is reachable';
+        END IF;
+        v_floor := GREATEST(v_floor, v_node.result::bigint);
+    END LOOP;
+    v_floor := GREATEST(v_floor, (SELECT pg_catalog.max(k.token) FROM idempotency.idempotency_keys AS k));
+    FOR v_node IN
+        SELECT n.nodename, n.nodeport, r.success, r.result
+          FROM pg_catalog.run_command_on_all_nodes(
+                   pg_catalog.format('SELECT idempotency._node_sequences(%s)', v_floor)) AS r
+          LEFT JOIN pg_catalog.pg_dist_node AS n ON n.nodeid OPERATOR(pg_catalog.=) r.nodeid
+    LOOP
+        IF NOT v_node.success THEN
+            RAISE EXCEPTION USING
+                ERRCODE = 'connection_exception',
+                MESSAGE = pg_catalog.format('idempotency.distribute could not set the token and audit id ranges of Citus node %s:%s: %s',
+                                            v_node.nodename, v_node.nodeport, v_node.result),
+                HINT = 'call idempotency.distribute() again once every node is reachable';
+        END IF;
+        IF v_node.result OPERATOR(pg_catalog.<>) '' THEN
+            RAISE NOTICE 'idempotency.distribute: node %:% now hands out %', v_node.nodename, v_node.nodeport, v_node.result;
+            v_changed := true;
+        END IF;
+    END LOOP;
+
+    IF NOT v_changed THEN
+        RAISE NOTICE 'idempotency.distribute: the store is distributed already; nothing changed';
+    END IF;
+END
+$fn$;
+
+REVOKE EXECUTE ON FUNCTION idempotency._node_sequences(bigint) FROM PUBLIC;

@@ -40,7 +40,8 @@ CREATE TYPE idempotency.key_status AS ENUM ('in_progress', 'completed');
 CREATE TYPE idempotency.outcome AS ENUM ('new', 'replay', 'in_progress', 'mismatch');
 
 -- Fencing tokens come from one sequence, so a token is never reused, not even after a key was
--- released or forgotten and claimed again.
+-- released or forgotten and claimed again. (On Citus one per node, each handing out its own
+-- class of tokens: distribute().)
 CREATE SEQUENCE idempotency.token_seq AS bigint;
 
 CREATE TABLE idempotency.idempotency_keys (
@@ -649,8 +650,80 @@ AS 'MODULE_PATHNAME', 'idempotency_request_fingerprint';
 --   a worker hashes and verifies keys with the coordinator's secrets;
 -- - claim, complete, checkpoint, release, forget and lookup: delegated by their scope argument
 --   to the node holding the scope's shard;
--- - token_seq: each node's sequence starts at its group id << 48, so nodes hand out disjoint
---   tokens (a takeover's token is also above the key's previous one, whatever node runs it).
+-- On one Citus node (distribute() runs it on every node): gives this node's token sequence its
+-- class (it counts by 65536 from a value t with t % 65536 = the node's group id, above floor
+-- and above its own last value) and its audit id sequence its range (from group id << 48; the
+-- coordinator's, group 0, from 1), unless they have them. Returns what it changed ('' for
+-- nothing).
+CREATE FUNCTION idempotency._node_sequences(floor bigint)
+RETURNS text
+LANGUAGE plpgsql VOLATILE
+SET search_path = pg_catalog, pg_temp
+AS $fn$
+DECLARE
+    v_stride constant bigint := 65536;
+    -- room for one more class above it
+    v_max_floor constant bigint := 9223372036854775807 OPERATOR(pg_catalog.-) 131072;
+    v_group bigint;
+    v_increment bigint;
+    v_last bigint;
+    v_base bigint;
+    v_next bigint;
+    v_changes text[] := '{}';
+BEGIN
+    IF floor IS NULL THEN
+        RAISE EXCEPTION USING ERRCODE = '22004', MESSAGE = 'floor must not be NULL';
+    ELSIF floor OPERATOR(pg_catalog.<) 0
+          OR floor OPERATOR(pg_catalog.>) v_max_floor THEN
+        RAISE EXCEPTION USING ERRCODE = '22023',
+            MESSAGE = pg_catalog.format('floor must be between 0 and %s (got %s)', v_max_floor, floor);
+    END IF;
+    IF pg_catalog.to_regclass('pg_catalog.pg_dist_local_group') IS NULL THEN
+        RAISE EXCEPTION USING
+            ERRCODE = 'feature_not_supported',
+            MESSAGE = 'idempotency._node_sequences needs Citus: the citus extension is not installed in this database',
+            HINT = 'idempotency.distribute() runs it on every node of a Citus cluster';
+    END IF;
+    SELECT g.groupid INTO v_group FROM pg_catalog.pg_dist_local_group AS g;
+    IF v_group OPERATOR(pg_catalog.>=) v_stride THEN
+        RAISE EXCEPTION USING
+            ERRCODE = 'program_limit_exceeded',
+            MESSAGE = pg_catalog.format('idempotency: Citus group id %s is too large for a token class (at most %s)',
+                                        v_group, v_stride OPERATOR(pg_catalog.-) 1);
+    END IF;
+    SELECT s.seqincrement INTO v_increment FROM pg_catalog.pg_sequence AS s
+     WHERE s.seqrelid OPERATOR(pg_catalog.=) 'idempotency.token_seq'::pg_catalog.regclass;
+    SELECT t.last_value INTO v_last FROM idempotency.token_seq AS t;
+    IF v_increment OPERATOR(pg_catalog.<>) v_stride
+       OR (v_last OPERATOR(pg_catalog.%) v_stride) OPERATOR(pg_catalog.<>) v_group THEN
+        IF v_increment OPERATOR(pg_catalog.<>) v_stride THEN
+            ALTER SEQUENCE idempotency.token_seq INCREMENT BY 65536;
+        END IF;
+        v_base := GREATEST(floor, v_last);
+        v_next := (v_base OPERATOR(pg_catalog.-) (v_base OPERATOR(pg_catalog.%) v_stride)) OPERATOR(pg_catalog.+) v_group;
+        IF v_next OPERATOR(pg_catalog.<=) v_base THEN
+            v_next := v_next OPERATOR(pg_catalog.+) v_stride;
+        END IF;
+        PERFORM pg_catalog.setval('idempotency.token_seq', v_next, false);
+        v_changes := v_changes OPERATOR(pg_catalog.||) pg_catalog.format(
+            'tokens from %s by 65536 (group %s)', v_next, v_group);
+    END IF;
+    SELECT a.last_value INTO v_last FROM idempotency.audit_id_seq AS a;
+    IF v_group OPERATOR(pg_catalog.>) 0
+       AND (v_last OPERATOR(pg_catalog.>>) 48) OPERATOR(pg_catalog.<>) v_group THEN
+        v_next := (v_group OPERATOR(pg_catalog.<<) 48) OPERATOR(pg_catalog.+) 1;
+        PERFORM pg_catalog.setval('idempotency.audit_id_seq', GREATEST(v_next, v_last), false);
+        v_changes := v_changes OPERATOR(pg_catalog.||) pg_catalog.format('audit ids from %s', GREATEST(v_next, v_last));
+    END IF;
+    RETURN pg_catalog.array_to_string(v_changes, ', ');
+END
+$fn$;
+
+-- - token_seq and audit_id_seq on every node (_node_sequences): node g hands out the tokens
+--   t with t % 65536 = g, above every token handed out before, and audit ids from g << 48, so
+--   no two nodes hand out the same token or audit id; a takeover takes a token of its node's
+--   class above the key's previous one, whatever node gave that. A claim on a node without
+--   them (added since) is refused until this function is called again.
 CREATE FUNCTION idempotency.distribute(shard_count integer DEFAULT NULL)
 RETURNS void
 LANGUAGE plpgsql VOLATILE
@@ -661,6 +734,7 @@ DECLARE
     v_rel regclass;
     v_fn regprocedure;
     v_node record;
+    v_floor bigint := 0;
 BEGIN
     IF NOT EXISTS (SELECT FROM pg_catalog.pg_extension AS e WHERE e.extname OPERATOR(pg_catalog.=) 'citus') THEN
         RAISE EXCEPTION USING
@@ -740,16 +814,41 @@ BEGIN
         END IF;
     END LOOP;
 
-    -- Disjoint token ranges, on every node (nodes added later get theirs at the next call).
+    -- Token classes and audit id ranges, on every node (nodes added later get theirs at the
+    -- next call; until then claims there are refused). A node given its class starts above
+    -- every token any node handed out so far (its class may hold tokens handed out before
+    -- the classes, on a single node or by an older release).
     FOR v_node IN
-        SELECT r.nodeid, r.result FROM pg_catalog.run_command_on_all_nodes(
-            $cmd$SELECT pg_catalog.setval('idempotency.token_seq',
-                       GREATEST(s.last_value, (g.groupid::bigint OPERATOR(pg_catalog.<<) 48) OPERATOR(pg_catalog.+) 1))
-                   FROM idempotency.token_seq AS s, pg_catalog.pg_dist_local_group AS g$cmd$) AS r
-         WHERE NOT r.success
+        SELECT r.nodeid, r.success, r.result FROM pg_catalog.run_command_on_all_nodes(
+            $cmd$SELECT t.last_value FROM idempotency.token_seq AS t$cmd$) AS r
     LOOP
-        RAISE WARNING 'idempotency.distribute: could not set the token range of node %: %', v_node.nodeid, v_node.result
-            USING HINT = 'call idempotency.distribute() again once every node is reachable';
+        IF NOT v_node.success THEN
+            RAISE EXCEPTION USING
+                ERRCODE = 'connection_exception',
+                MESSAGE = pg_catalog.format('idempotency.distribute could not read the token sequence of Citus node %s: %s',
+                                            v_node.nodeid, v_node.result),
+                HINT = 'call idempotency.distribute() again once every node is reachable';
+        END IF;
+        v_floor := GREATEST(v_floor, v_node.result::bigint);
+    END LOOP;
+    v_floor := GREATEST(v_floor, (SELECT pg_catalog.max(k.token) FROM idempotency.idempotency_keys AS k));
+    FOR v_node IN
+        SELECT n.nodename, n.nodeport, r.success, r.result
+          FROM pg_catalog.run_command_on_all_nodes(
+                   pg_catalog.format('SELECT idempotency._node_sequences(%s)', v_floor)) AS r
+          LEFT JOIN pg_catalog.pg_dist_node AS n ON n.nodeid OPERATOR(pg_catalog.=) r.nodeid
+    LOOP
+        IF NOT v_node.success THEN
+            RAISE EXCEPTION USING
+                ERRCODE = 'connection_exception',
+                MESSAGE = pg_catalog.format('idempotency.distribute could not set the token and audit id ranges of Citus node %s:%s: %s',
+                                            v_node.nodename, v_node.nodeport, v_node.result),
+                HINT = 'call idempotency.distribute() again once every node is reachable';
+        END IF;
+        IF v_node.result OPERATOR(pg_catalog.<>) '' THEN
+            RAISE NOTICE 'idempotency.distribute: node %:% now hands out %', v_node.nodename, v_node.nodeport, v_node.result;
+            v_changed := true;
+        END IF;
     END LOOP;
 
     IF NOT v_changed THEN
@@ -950,7 +1049,7 @@ $notice$;
 REVOKE EXECUTE ON FUNCTION idempotency.set_key_storage(text), idempotency.rotate_signing_secret(),
     idempotency.retire_signing_secret(integer), idempotency._store_changed(),
     idempotency._random_secret(), idempotency._count(text), idempotency._announce(),
-    idempotency._rekey(bytea, bytea), idempotency.distribute(integer)
+    idempotency._rekey(bytea, bytea), idempotency.distribute(integer), idempotency._node_sequences(bigint)
     FROM PUBLIC;
 -- Helpers that only the SECURITY DEFINER functions call (as the owner). _stored_key in
 -- particular computes a key's stored form (its keyed hash): no caller may have that computed.

@@ -19,6 +19,7 @@
 pub mod api;
 pub use idempotency_core::{arguments, canonical, decision, derivation, signing};
 pub mod compat;
+pub mod delegation;
 pub mod encoding;
 pub mod error;
 pub mod guc;
@@ -50,6 +51,7 @@ pub extern "C-unwind" fn _PG_init() {
     // (_PG_init runs on the process's only thread, before any backtrace was captured.)
     std::env::set_var("RUST_LIB_BACKTRACE", "0");
     guc::init();
+    delegation::install();
     // Shared memory and the background sweeper exist only when the library is preloaded
     // (shared_preload_libraries); loaded later, every SQL function still works.
     // SAFETY: a flag of the server, read on the process's only thread while it loads us.

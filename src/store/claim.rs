@@ -1,7 +1,9 @@
 //! The claim algorithm: the outcome table ([`crate::decision`]) applied to the key's row, read
 //! below SQL where it can be ([`heap`]) and through the statements ([`sql`]) where it must.
 
-use super::catalog::{check_access, direct_layout_for_write, key_label, sql_only};
+use super::catalog::{
+    check_access, check_citus_node, direct_layout_for_write, key_label, sql_only,
+};
 use super::heap::{self, probe, KeyInsertLock, Probe};
 use super::sql::{insert_batch, read_row, with_spi, write_claim, Write};
 use super::{spi_failed, ClaimRequest, ClaimResult, Outcome, Row, MAX_ROUNDS};
@@ -78,6 +80,10 @@ pub fn claim(req: &ClaimRequest<'_>) -> ClaimResult {
     // SAFETY: reads a backend variable, set for the transaction.
     let snapshot_reads = unsafe { pg_sys::XactIsoLevel } >= pg_sys::XACT_REPEATABLE_READ as i32;
     let sql_only = sql_only();
+    if sql_only {
+        // On Citus: this node must hand out tokens of its own range.
+        check_citus_node();
+    }
     let mut rounds = 0;
     while rounds < MAX_ROUNDS {
         let step = if sql_only {
@@ -243,10 +249,16 @@ pub(crate) fn decide(
             };
             match decision::decide(stored(&locked), request_hash(req)) {
                 Decision::Restart => {
-                    Ok(write_claim(client, Write::Restart, req)?.map_or(Step::Again, Step::Done))
+                    Ok(
+                        write_claim(client, Write::Restart(locked.token.unwrap_or(0)), req)?
+                            .map_or(Step::Again, Step::Done),
+                    )
                 }
                 Decision::TakeOver => {
-                    Ok(write_claim(client, Write::TakeOver, req)?.map_or(Step::Again, Step::Done))
+                    Ok(
+                        write_claim(client, Write::TakeOver(locked.token.unwrap_or(0)), req)?
+                            .map_or(Step::Again, Step::Done),
+                    )
                 }
                 d => Ok(Step::Done(answer(req, d, locked))),
             }

@@ -2,7 +2,7 @@
 //! READ COMMITTED on a table as the extension made it, through the UPDATE statement otherwise.
 
 use super::catalog::{
-    check_access, check_layout, direct_layout_for_write, layout, PinnedSearchPath,
+    check_access, check_citus_node, check_layout, direct_layout_for_write, layout, PinnedSearchPath,
 };
 use super::{heap, sql, CompleteRequest};
 use crate::guc;
@@ -36,6 +36,8 @@ pub fn complete(req: &CompleteRequest<'_>) -> Option<TimestampWithTimeZone> {
     };
     let done = done?;
     if guc::audit() {
+        // On Citus: this node's audit ids must be of its own range.
+        check_citus_node();
         sql::audit(req, &done);
     }
     done.expires_at

@@ -67,32 +67,37 @@ pub(crate) fn insert_batch_on_conflict_sql() -> String {
     )
 }
 
-/// Rewrites an expired row as a fresh claim (it counted as absent). $6 is the next value of the
-/// token sequence, taken by its own statement ([`NEXT_TOKEN_SQL`]): Citus refuses volatile
-/// functions in an UPDATE of a distributed table. Tokens grow per key even where the sequence
-/// is one per node (Citus: a shard moved to a node whose sequence is behind the row's token):
-/// the new token is above the old one whatever the sequence gives.
+/// Rewrites an expired row as a fresh claim (it counted as absent). $6 is the new token, a
+/// value of this node's token sequence above the row's token ([`next_token_above`]), taken by
+/// statements of its own: Citus refuses volatile functions in an UPDATE of a distributed
+/// table. Never `old token + 1`: on Citus each node has a sequence of its own, and that value
+/// may be one another node hands out later, to a new claim of the same key once this row is
+/// gone, which a stale holder's `complete` would then pass for its own. The row is locked (the
+/// claim read it FOR UPDATE), so its token is still the one $6 was chosen above; the condition
+/// on it only guards that.
 pub(crate) const RESTART_SQL: &str = "UPDATE idempotency.idempotency_keys AS k SET \
        request_hash = $3, status = 'in_progress', \
-       token = GREATEST($6, k.token OPERATOR(pg_catalog.+) 1), \
+       token = $6, \
        response = NULL, response_status = NULL, recovery_point = NULL, \
        created_at = pg_catalog.now(), completed_at = NULL, \
        locked_until = pg_catalog.now() OPERATOR(pg_catalog.+) $4, \
        expires_at = pg_catalog.now() OPERATOR(pg_catalog.+) $5, ttl = $5 \
      WHERE k.scope OPERATOR(pg_catalog.=) $1 AND k.key OPERATOR(pg_catalog.=) $2 \
+       AND k.token OPERATOR(pg_catalog.<) $6 \
      RETURNING k.token, k.expires_at, k.recovery_point";
 
 /// The token of a restart or takeover, before the UPDATE (see [`RESTART_SQL`]).
 pub(crate) const NEXT_TOKEN_SQL: &str = "SELECT pg_catalog.nextval('idempotency.token_seq')";
 
 /// Takes over an in-progress row whose lease ran out; keeps its recovery point. The new token
-/// is above the old one (see [`RESTART_SQL`]).
+/// is a value of this node's sequence above the old one (see [`RESTART_SQL`]).
 pub(crate) const TAKEOVER_SQL: &str = "UPDATE idempotency.idempotency_keys AS k SET \
        request_hash = COALESCE(k.request_hash, $3), \
-       token = GREATEST($6, k.token OPERATOR(pg_catalog.+) 1), \
+       token = $6, \
        locked_until = pg_catalog.now() OPERATOR(pg_catalog.+) $4, \
        expires_at = pg_catalog.now() OPERATOR(pg_catalog.+) $5, ttl = $5 \
      WHERE k.scope OPERATOR(pg_catalog.=) $1 AND k.key OPERATOR(pg_catalog.=) $2 \
+       AND k.token OPERATOR(pg_catalog.<) $6 \
      RETURNING k.token, k.expires_at, k.recovery_point";
 
 /// The statements claim and sweep run, each prepared once per backend (SPI_keepplan) when it
@@ -258,8 +263,10 @@ pub(crate) fn recovery_point(
 pub(crate) enum Write {
     Insert,
     InsertFresh,
-    Restart,
-    TakeOver,
+    /// A restart of an expired row whose token is this.
+    Restart(i64),
+    /// A takeover of an in-progress row whose lease ran out, whose token is this.
+    TakeOver(i64),
 }
 
 pub(crate) fn write_claim(
@@ -273,8 +280,8 @@ pub(crate) fn write_claim(
         match write {
             Write::Insert => Plan::Insert,
             Write::InsertFresh => Plan::InsertFresh,
-            Write::Restart => Plan::Restart,
-            Write::TakeOver => Plan::TakeOver,
+            Write::Restart(_) => Plan::Restart,
+            Write::TakeOver(_) => Plan::TakeOver,
         },
     )?;
     let mut args = vec![
@@ -284,12 +291,8 @@ pub(crate) fn write_claim(
         req.lease.into(),
         req.ttl.into(),
     ];
-    if matches!(write, Write::Restart | Write::TakeOver) {
-        let next = client
-            .update(plan(client, Plan::NextToken)?, Some(1), &[])?
-            .first()
-            .get::<i64>(1)?;
-        args.push(next.into());
+    if let Write::Restart(old) | Write::TakeOver(old) = write {
+        args.push(next_token_above(client, old)?.into());
     }
     let table = client.update(stmt, None, &args)?;
     if table.is_empty() {
@@ -303,6 +306,75 @@ pub(crate) fn write_claim(
         result.recovery_point = recovery_point(&t, 3)?;
     }
     Ok(Some(result))
+}
+
+fn next_token(client: &mut SpiClient<'_>) -> Result<i64, pgrx::spi::Error> {
+    Ok(client
+        .update(plan(client, Plan::NextToken)?, Some(1), &[])?
+        .first()
+        .get::<i64>(1)?
+        .unwrap_or(0))
+}
+
+/// Steps of the sequence a token above the old one may be this far ahead, and is still reached
+/// by taking values one by one.
+const STEPS_TAKEN_ONE_BY_ONE: i64 = 1000;
+
+/// The token of a restart or takeover: the next value of this node's token sequence, and if
+/// that is not above `old` (on Citus, `old` came from a node whose sequence is ahead, or from
+/// before a shard moved here), the least value above `old` that this node's sequence hands out
+/// (the sequence counts by its increment: 1, or on Citus the stride of the node classes), with
+/// the sequence moved past it, so that it never hands that value out again.
+///
+/// Moves of the sequence are serialized by a lock on it (SHARE UPDATE EXCLUSIVE, which claims'
+/// `nextval` does not wait for), released at once: each move reads the sequence again under
+/// the lock. A value at most [`STEPS_TAKEN_ONE_BY_ONE`] steps ahead is reached by `nextval`
+/// alone (every value taken is this call's or another claim's, never both); a farther one is
+/// set with `setval` right after a `nextval`, which would go back over values handed out only
+/// if other claims took that many values of this node's sequence in between.
+fn next_token_above(client: &mut SpiClient<'_>, old: i64) -> Result<i64, pgrx::spi::Error> {
+    let next = next_token(client)?;
+    if next > old {
+        return Ok(next);
+    }
+    let seq = relation_oid(c"token_seq");
+    // SAFETY: locks a relation that exists (found just now in the catalog) in this transaction;
+    // released below, or with the transaction if an error comes first.
+    unsafe { pg_sys::LockRelationOid(seq, pg_sys::ShareUpdateExclusiveLock as pg_sys::LOCKMODE) };
+    let result = (|| {
+        let increment = client
+            .select(
+                "SELECT s.seqincrement FROM pg_catalog.pg_sequence AS s \
+                  WHERE s.seqrelid OPERATOR(pg_catalog.=) $1",
+                Some(1),
+                &[seq.into()],
+            )?
+            .first()
+            .get::<i64>(1)?
+            .unwrap_or(1)
+            .max(1);
+        let mut next = next_token(client)?;
+        if next > old {
+            return Ok(next);
+        }
+        let steps = (old - next) / increment + 1;
+        if steps <= STEPS_TAKEN_ONE_BY_ONE {
+            while next <= old {
+                next = next_token(client)?;
+            }
+            return Ok(next);
+        }
+        let target = next.saturating_add(steps.saturating_mul(increment));
+        client.update(
+            "SELECT pg_catalog.setval('idempotency.token_seq', $1)",
+            Some(1),
+            &[target.into()],
+        )?;
+        Ok(target)
+    })();
+    // SAFETY: releases the lock taken above, held by this transaction.
+    unsafe { pg_sys::UnlockRelationOid(seq, pg_sys::ShareUpdateExclusiveLock as pg_sys::LOCKMODE) };
+    result
 }
 
 /// A key a batch inserted (its index in the `keys` given), its token and its expiry.

@@ -50,6 +50,7 @@ class CitusCluster:
     def __init__(self, workers=2, settings=None):
         merged = dict(SETTINGS)
         merged.update(settings or {})
+        self.settings = merged
         self.coordinator = Cluster(settings=merged, bin=CITUS_PG_BIN)
         self.workers = [Cluster(settings=merged, bin=CITUS_PG_BIN) for _ in range(workers)]
 
@@ -74,6 +75,18 @@ class CitusCluster:
             self.destroy()
             raise
         return self
+
+    def add_worker(self):
+        """Starts another worker and adds it to the running cluster (Citus creates the extensions
+        of the coordinator's database on it, as it activates the node); returns it."""
+        w = Cluster(settings=self.settings, bin=CITUS_PG_BIN)
+        self.workers.append(w)
+        w.start()
+        with psycopg.connect(w.conninfo(), autocommit=True) as c:
+            c.execute("CREATE EXTENSION citus")
+        with psycopg.connect(self.coordinator.conninfo(), autocommit=True) as c:
+            c.execute("SELECT citus_add_node('127.0.0.1', %s)", (w.port,))
+        return w
 
     def add_database(self, name):
         """Another database made a Citus cluster of its own on the same nodes (Citus keeps its

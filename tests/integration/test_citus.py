@@ -24,6 +24,8 @@ if MISSING:
     pytestmark.append(pytest.mark.skip(reason=MISSING))
 
 SHARDS = 8
+# Node g hands out the tokens t with t % STRIDE == g (the coordinator's group is 0).
+STRIDE = 1 << 16
 
 
 @pytest.fixture(scope="module")
@@ -111,12 +113,17 @@ def test_distribute_made_the_store_distributed_and_is_idempotent(citus, coord):
     coord.add_notice_handler(lambda d: notices.append(d.message_primary))
     coord.execute("SELECT idempotency.distribute()")
     assert any("distributed already" in n for n in notices), notices
-    # Each node's token sequence has its own range: group id << 48.
+    # Each node's token sequence has its own class (t % STRIDE == group id), its audit id
+    # sequence its own range (from group id << 48).
     for i, node in enumerate(citus.nodes):
         with citus.connect(node) as c:
             group = c.execute("SELECT groupid FROM pg_dist_local_group").fetchone()[0]
-            last = c.execute("SELECT last_value FROM idempotency.token_seq").fetchone()[0]
-            assert last >= group << 48, (i, group, last)
+            last, inc = c.execute("SELECT last_value, (SELECT seqincrement FROM pg_sequence WHERE "
+                                  "seqrelid = 'idempotency.token_seq'::regclass) "
+                                  "FROM idempotency.token_seq").fetchone()
+            assert inc == STRIDE and last % STRIDE == group, (i, group, last, inc)
+            audit = c.execute("SELECT last_value FROM idempotency.audit_id_seq").fetchone()[0]
+            assert group == 0 or audit >> 48 == group, (i, group, audit)
 
 
 def test_distribute_refuses_off_the_coordinator_and_without_citus(citus, coord):
@@ -155,7 +162,7 @@ def test_claim_complete_replay_mismatch_over_many_scopes(citus, coord):
         assert r[:4] == ("replay", tokens[s], {"ok": s}, 201), (s, r)
         assert claim(coord, "order-1", {"amount": 11}, scope=s)[0] == "mismatch"
     # Delegated calls ran on the workers: their tokens come from the workers' ranges.
-    assert {t >> 48 for t in tokens.values()} - {0}, "no claim ran on a worker"
+    assert {t % STRIDE for t in tokens.values()} - {0}, "no claim ran on a worker"
 
     # In the shards on both workers, nowhere else.
     rows = shard_rows(citus)
@@ -171,7 +178,7 @@ def test_claim_complete_replay_mismatch_over_many_scopes(citus, coord):
     with coord.transaction():
         assert claim(coord, "order-1", {"amount": 10}, scope="tenant-7")[0] == "replay"
         tx = claim(coord, "tx-key", {"a": 1}, scope="tenant-7")
-        assert tx[0] == "new" and tx[1] >> 48 == 0, tx  # not delegated: the coordinator's token
+        assert tx[0] == "new" and tx[1] % STRIDE == 0, tx  # not delegated: the coordinator's token
     got = coord.execute(
         "SELECT s, (idempotency.claim('order-1', '{\"amount\": 10}', s)).outcome::text "
         "FROM unnest(%s::text[]) AS s", (scopes[:20],)).fetchall()
@@ -224,7 +231,7 @@ def test_claim_order_complete_in_one_transaction(citus, coord):
 
 
 def test_takeover_after_a_shard_move_gets_a_larger_token(citus, coord):
-    # A scope whose shard is on the worker with the larger group id (the larger token range).
+    # A scope whose shard is on the worker with the larger group id.
     groups = dict(coord.execute("SELECT nodeport, groupid FROM pg_dist_node").fetchall())
     high = max((w.port for w in citus.workers), key=lambda p: groups[p])
     low = min((w.port for w in citus.workers), key=lambda p: groups[p])
@@ -239,7 +246,7 @@ def test_takeover_after_a_shard_move_gets_a_larger_token(citus, coord):
             break
     assert scope
     first = claim(coord, "job", {"n": 1}, scope=scope, ttl="1 hour", lease="1 second")
-    assert first[0] == "new" and first[1] >> 48 == groups[high], first
+    assert first[0] == "new" and first[1] % STRIDE == groups[high], first
     shard = coord.execute("SELECT get_shard_id_for_distribution_column('idempotency.idempotency_keys', %s::text)",
                           (scope,)).fetchone()[0]
     coord.execute("SELECT citus_move_shard_placement(%s, '127.0.0.1', %s, '127.0.0.1', %s, "
@@ -386,7 +393,7 @@ def test_keys_stored_hashed_chosen_before_distributing(citus, coord):
             assert t[0] == "new", (s, t)
             tokens.append(t[1])
             complete(c, "secret-key", {"v": 2}, scope=s, token=t[1])
-        assert {t >> 48 for t in tokens} - {0}, "no claim ran on a worker"
+        assert {t % STRIDE for t in tokens} - {0}, "no claim ran on a worker"
         # Inside a transaction (run on the coordinator) the same keys are found.
         with c.transaction():
             for s in scopes[:10]:
@@ -427,7 +434,7 @@ def test_stats_show_the_whole_cluster_on_every_node(citus, coord):
         assert claim(coord, "k", {"a": 2}, scope=s)[0] == "mismatch"
     with coord.transaction():  # runs on the coordinator, counted there
         r = claim(coord, "in-tx", {"a": 1}, scope="stats-0", lease="1 minute")
-        assert r[0] == "new" and r[1] >> 48 == 0, r
+        assert r[0] == "new" and r[1] % STRIDE == 0, r
         assert coord.execute("SELECT idempotency.release('in-tx', 'stats-0', %s)", (r[1],)).fetchone()[0]
     after = coord.execute(f"SELECT {COUNTERS} FROM idempotency.stats").fetchone()
     assert [a - b for a, b in zip(after, before)] == [41, 40, 40, 40, 1], (before, after)
@@ -502,7 +509,7 @@ def test_stats_refuse_to_show_part_of_the_cluster(citus, coord):
 def test_shard_split_keeps_keys_and_fences_the_stale_token(citus, coord):
     """citus_split_shard_by_split_points on the store's shard (its colocated shards split with
     it): the keys stay, claims and completes keep working, and a key taken over after the split
-    on the worker with the lower token range gets a larger token; the stale one is refused."""
+    on the other worker gets a larger token; the stale one is refused."""
     groups = dict(coord.execute("SELECT nodeport, groupid FROM pg_dist_node").fetchall())
     nodeids = dict(coord.execute("SELECT nodeport, nodeid FROM pg_dist_node").fetchall())
     high = max((w.port for w in citus.workers), key=lambda p: groups[p])
@@ -511,7 +518,7 @@ def test_shard_split_keeps_keys_and_fences_the_stale_token(citus, coord):
     done = claim(coord, "done", {"n": 0}, scope=scope)
     complete(coord, "done", {"kept": True}, scope=scope, token=done[1])
     first = claim(coord, "job", {"n": 1}, scope=scope, ttl="1 hour", lease="1 second")
-    assert first[0] == "new" and first[1] >> 48 == groups[high], first
+    assert first[0] == "new" and first[1] % STRIDE == groups[high], first
 
     shard, lo, hi, h = coord.execute(
         "SELECT s.shardid, s.shardminvalue::int, s.shardmaxvalue::int, worker_hash(%s::text) FROM pg_dist_shard s "
@@ -676,7 +683,7 @@ def test_create_extension_fails_while_a_worker_lacks_the_extension():
             c.execute("CREATE EXTENSION idempotency")
             c.execute("SELECT idempotency.distribute(shard_count => 2)")
             r = claim(c, "k", {"a": 1}, scope="lacking")
-            assert r[0] == "new" and r[1] >> 48 == 1, r  # ran on the worker
+            assert r[0] == "new" and r[1] % STRIDE == 1, r  # ran on the worker
             complete(c, "k", {"ok": 1}, scope="lacking", token=r[1])
             assert claim(c, "k", {"a": 1}, scope="lacking")[0] == "replay"
             assert c.execute("SELECT sweeper_enabled FROM idempotency.stats").fetchone()[0] is False
@@ -749,7 +756,7 @@ def test_claim_many_and_complete_many_from_the_coordinator(citus, coord):
     assert [(o, k, out) for o, k, out, _ in rows] == [
         (1, "m-1", "new"), (2, "m-2", "new"), (3, "m-1", "in_progress"), (4, "m-3", "new")]
     tokens = {k: t for _, k, out, t in rows if out == "new"}
-    assert {t >> 48 for t in tokens.values()} - {0}, "the batch did not run on a worker"
+    assert {t % STRIDE for t in tokens.values()} - {0}, "the batch did not run on a worker"
     done = coord.execute(
         "SELECT * FROM idempotency.complete_many(%s::text[], %s::jsonb[], scope => 'batch-tenant', "
         "tokens => %s::bigint[])",
@@ -772,3 +779,258 @@ def test_claim_many_and_complete_many_from_the_coordinator(citus, coord):
     left = coord.execute("SELECT count(*) FROM idempotency.idempotency_keys WHERE scope = 'batch-tenant' "
                          "AND key IN ('m-4', 'm-5') AND status = 'in_progress'").fetchone()[0]
     assert left == 2
+
+
+def sequence_of(conn):
+    """(last_value, increment) of the token sequence of the node `conn` is connected to."""
+    return conn.execute("SELECT last_value, (SELECT seqincrement FROM pg_sequence WHERE "
+                        "seqrelid = 'idempotency.token_seq'::regclass) FROM idempotency.token_seq").fetchone()
+
+
+@pytest.mark.parametrize("ahead", [10, 100_000])
+def test_takeover_on_a_node_whose_sequence_is_behind_never_hands_out_a_stale_token(citus, coord, ahead):
+    """Fencing across nodes: A claims on a worker whose token sequence is ahead of the
+    coordinator's (token T); B takes the key over inside a coordinator transaction, on the
+    coordinator, whose sequence is behind T; the row is swept; C claims the key again with
+    another request, on the worker. B's token must be one no node hands out again (not T + 1,
+    the worker's next): B's late complete is refused (IK003) and C's claim stands. `ahead`
+    is how many of its own steps the coordinator's sequence is behind (taken one by one, or
+    jumped over)."""
+    worker = citus.workers[0]
+    scope = scope_on(coord, worker.port, f"behind-{ahead}")
+    coord_last, coord_inc = sequence_of(coord)
+    with citus.connect(worker) as w:
+        last, inc = sequence_of(w)
+        # The worker is the busier node: its sequence `ahead` coordinator steps past the
+        # coordinator's, in its own class.
+        target = coord_last + ahead * coord_inc
+        if last < target:
+            w.execute("SELECT setval('idempotency.token_seq', %s)", (last + ((target - last) // inc + 1) * inc,))
+    a = claim(coord, "job", {"n": 1}, scope=scope, ttl="1 hour", lease="1 second")
+    assert a[0] == "new" and a[1] > coord.execute("SELECT last_value FROM idempotency.token_seq").fetchone()[0], a
+    time.sleep(1.2)
+    with coord.transaction():  # not delegated: runs on the coordinator
+        b = claim(coord, "job", {"n": 1}, scope=scope, ttl="1 second", lease="1 second")
+    assert b[0] == "new" and b[1] > a[1], (a, b)
+    time.sleep(1.2)
+    coord.execute("SELECT run_command_on_all_nodes('SELECT idempotency.sweep()')")
+    assert coord.execute("SELECT count(*) FROM idempotency.idempotency_keys WHERE scope = %s",
+                         (scope,)).fetchone()[0] == 0, "the row was not swept"
+    c = claim(coord, "job", {"n": 2}, scope=scope, lease="1 minute")  # delegated to the worker
+    assert c[0] == "new", c
+    with pytest.raises(psycopg.Error) as e:
+        complete(coord, "job", {"stale": "B"}, scope=scope, token=b[1])
+    assert e.value.sqlstate == "IK003", (a, b, c, e.value)
+    complete(coord, "job", {"by": "C"}, scope=scope, token=c[1])
+    assert claim(coord, "job", {"n": 2}, scope=scope)[:3] == ("replay", c[1], {"by": "C"})
+    assert len({a[1], b[1], c[1]}) == 3, (a, b, c)
+
+
+def set_on_every_node(citus, setting, value):
+    """ALTER SYSTEM on every node and reload (NULL: RESET), so that calls delegated to the
+    workers see it as calls on the coordinator do."""
+    for n in citus.nodes:
+        with citus.connect(n) as c:
+            if value is None:
+                c.execute(sql.SQL("ALTER SYSTEM RESET {}").format(sql.Identifier(*setting.split("."))))
+            else:
+                c.execute(sql.SQL("ALTER SYSTEM SET {} = {}").format(
+                    sql.Identifier(*setting.split(".")), sql.Literal(value)))
+            c.execute("SELECT pg_reload_conf()")
+    time.sleep(0.5)
+
+
+def audited_batches(conn, scopes, keys):
+    """Per scope: a delegated claim_many and complete_many of `keys`; returns the SQLSTATEs of
+    the calls that failed."""
+    failed = []
+    for s in scopes:
+        try:
+            got = conn.execute("SELECT key, token FROM idempotency.claim_many(%s::text[], scope => %s)",
+                               (keys, s)).fetchall()
+            conn.execute("SELECT * FROM idempotency.complete_many(%s::text[], %s::jsonb[], scope => %s, "
+                         "tokens => %s::bigint[])",
+                         ([k for k, _ in got], [json.dumps({"k": k}) for k, _ in got], s,
+                          [t for _, t in got])).fetchall()
+        except psycopg.Error as e:
+            failed.append((s, e.sqlstate, e.diag.message_primary))
+    return failed
+
+
+def test_audit_ids_are_unique_across_nodes(citus, coord):
+    """Audit ids collide across nodes: the audit table's key is (scope, id) and every node's
+    audit_id_seq counted from 1, so a scope completed both on the coordinator (inside a
+    transaction) and on its worker (delegated batches) got the same id twice (23505), and so
+    did a store distributed with audit rows in it. Each node now has its own id range."""
+    set_on_every_node(citus, "idempotency.audit", "on")
+    try:
+        scopes = [scope_on(coord, w.port, f"audited-{i}") for w in citus.workers for i in range(3)]
+        for s in scopes:
+            with coord.transaction():  # on the coordinator: its audit ids
+                r = claim(coord, "in-tx", {"n": 0}, scope=s)
+                complete(coord, "in-tx", {"n": 0}, scope=s, token=r[1])
+        assert audited_batches(coord, scopes, ["b-1", "b-2", "b-3"]) == []
+        ids = coord.execute("SELECT count(*), count(DISTINCT id) FROM idempotency.audit "
+                            "WHERE scope = ANY(%s)", (scopes,)).fetchone()
+        assert ids == (4 * len(scopes), 4 * len(scopes)), ids
+    finally:
+        set_on_every_node(citus, "idempotency.audit", None)
+
+
+def test_audit_ids_stay_unique_after_distributing_an_audited_store(citus, coord):
+    """A store with audit rows (ids 1..20, written on the coordinator) distributed afterwards:
+    the rows move to the workers' shards, whose audit_id_seq counted from 1 too, so delegated
+    audited batches of those scopes failed with 23505. The workers' ids now start at their
+    own range."""
+    set_on_every_node(citus, "idempotency.audit", "on")
+    try:
+        info = citus.add_database("audited")  # another database of the same nodes
+        with psycopg.connect(info(), autocommit=True) as c:
+            c.execute("CREATE EXTENSION idempotency")
+            before = [f"old-{i}" for i in range(20)]
+            for s in before:
+                r = claim(c, "before", {"n": 1}, scope=s)
+                complete(c, "before", {"n": 1}, scope=s, token=r[1])
+            assert c.execute("SELECT count(*) FROM idempotency.audit").fetchone()[0] == len(before)
+            c.execute("SELECT idempotency.distribute(shard_count => 4)")
+            assert audited_batches(c, before, ["after-1", "after-2"]) == []
+            total, distinct = c.execute("SELECT count(*), count(DISTINCT id) FROM idempotency.audit").fetchone()
+            assert total == distinct == 3 * len(before), (total, distinct)
+    finally:
+        set_on_every_node(citus, "idempotency.audit", None)
+
+
+def test_session_settings_hold_for_calls_citus_would_delegate(citus, coord):
+    """Session settings ignored by delegated calls: Citus runs a top-level call on the worker
+    in a connection of its own, without the session's SET. With idempotency.default_ttl or
+    idempotency.audit set in the session (or in its connection options) the call means what it
+    means on one node: it is kept on the coordinator (its token of the coordinator's class) and
+    reaches the shard through SQL. Without such a setting it is still delegated."""
+    scope = scope_on(coord, citus.workers[0].port, "settings")
+    group = coord.execute("SELECT groupid FROM pg_dist_node WHERE nodeport = %s",
+                          (citus.workers[0].port,)).fetchone()[0]
+
+    def stored_ttl(key):
+        return coord.execute("SELECT extract(epoch FROM expires_at - created_at)::int "
+                             "FROM idempotency.idempotency_keys WHERE scope = %s AND key = %s",
+                             (scope, key)).fetchone()[0]
+
+    plain = claim(coord, "plain", {"n": 1}, scope=scope)
+    assert plain[0] == "new" and stored_ttl("plain") == 24 * 3600, plain
+
+    with citus.connect() as c:
+        c.execute("SET idempotency.default_ttl = '10min'")
+        short = claim(c, "short", {"n": 1}, scope=scope)
+        assert short[0] == "new" and stored_ttl("short") == 600, (short, stored_ttl("short"))
+        c.execute("RESET idempotency.default_ttl")
+        again = claim(c, "default", {"n": 1}, scope=scope)
+        assert again[0] == "new" and stored_ttl("default") == 24 * 3600, again
+        # Where each ran: delegated (the worker's token class), kept on the coordinator (its
+        # class, 0) while the setting was set, delegated again after RESET.
+        assert (plain[1] % STRIDE, short[1] % STRIDE, again[1] % STRIDE) == (group, 0, group), \
+            (plain, short, again)
+
+        c.execute("SET idempotency.audit = on")
+        keys = ["a-1", "a-2"]
+        got = c.execute("SELECT key, token FROM idempotency.claim_many(%s::text[], scope => %s)",
+                        (keys, scope)).fetchall()
+        c.execute("SELECT * FROM idempotency.complete_many(%s::text[], %s::jsonb[], scope => %s, "
+                  "tokens => %s::bigint[])",
+                  ([k for k, _ in got], ['{}'] * len(got), scope, [t for _, t in got])).fetchall()
+        r = claim(c, "a-3", {"n": 1}, scope=scope)
+        complete(c, "a-3", {"n": 1}, scope=scope, token=r[1])
+    audited = coord.execute("SELECT key FROM idempotency.audit WHERE scope = %s ORDER BY key",
+                            (scope,)).fetchall()
+    assert [k for (k,) in audited] == ["a-1", "a-2", "a-3"], audited
+
+    # Given at connection start (PGOPTIONS), as a pooler may: the same.
+    with psycopg.connect(citus.conninfo() + " options='-c idempotency.default_ttl=5min'",
+                         autocommit=True) as c:
+        r = claim(c, "from-options", {"n": 1}, scope=scope)
+        assert r[0] == "new" and stored_ttl("from-options") == 300 and r[1] % STRIDE == 0, r
+
+
+def test_store_with_the_old_token_ranges_is_refused_until_distribute_converts_it(citus, coord):
+    """A store distributed by 0.4.0 (each node's token sequence counting by 1 from its group
+    id << 48, the workers' audit ids from 1; set up here by hand, in another database of the
+    same nodes): claims are refused (55000) on every node until distribute() is called again,
+    which names every node it changed; then every node's tokens are of its class and above
+    every token handed out before."""
+    info = citus.add_database("old_ranges")
+    with psycopg.connect(info(), autocommit=True) as c:
+        c.execute("CREATE EXTENSION idempotency")
+        c.execute("SELECT idempotency.distribute(shard_count => 4)")
+        c.execute("SELECT run_command_on_all_nodes($$ALTER SEQUENCE idempotency.token_seq INCREMENT BY 1$$)")
+        c.execute("SELECT run_command_on_all_nodes($$SELECT setval('idempotency.token_seq', "
+                  "(groupid::bigint << 48) + 1000), setval('idempotency.audit_id_seq', 1, false) "
+                  "FROM pg_dist_local_group$$)")
+        old_max = max(int(r) for (r,) in c.execute(
+            "SELECT result FROM run_command_on_all_nodes('SELECT last_value FROM idempotency.token_seq')"))
+        assert old_max >= 2 << 48, old_max
+        for w in citus.workers[:2]:
+            with psycopg.connect(info(w), autocommit=True) as wc:
+                with pytest.raises(psycopg.Error) as e:
+                    with wc.transaction():  # on that worker itself
+                        claim(wc, "k", {"n": 1}, scope="old-ranges")
+                assert e.value.sqlstate == "55000", e.value
+        with pytest.raises(psycopg.Error) as e:
+            claim(c, "k", {"n": 1}, scope="old-ranges")  # delegated
+        assert e.value.sqlstate == "55000", e.value
+
+        notices = []
+        c.add_notice_handler(lambda d: notices.append(d.message_primary))
+        c.execute("SELECT idempotency.distribute()")
+        changed = [n for n in notices if "now hands out tokens from" in n]
+        assert len(changed) == 3, notices
+        tokens = {}
+        for i in range(40):
+            r = claim(c, "k", {"n": 1}, scope=f"old-ranges-{i}")
+            assert r[0] == "new", r
+            tokens[r[1] % STRIDE] = r[1]
+        with c.transaction():
+            r = claim(c, "k", {"n": 1}, scope="old-ranges-tx")
+            tokens[r[1] % STRIDE] = r[1]
+        groups = {g for (g,) in c.execute("SELECT groupid FROM pg_dist_node WHERE nodeport = ANY(%s)",
+                                          ([citus.coordinator.port] + [w.port for w in citus.workers[:2]],))}
+        assert set(tokens) == groups, (tokens, groups)
+        assert all(t > old_max for t in tokens.values()), (old_max, tokens)
+
+
+def test_node_added_later_claims_nothing_until_it_has_its_ranges(citus, coord):
+    """A worker added after distribute(): its token sequence counts from 1, tokens another
+    node hands out too (the fencing failure above). A claim there is refused (55000, naming
+    the fix) and writes nothing; distribute() run again gives it its ranges and says so; then
+    its claims get tokens of its own class. (Last in this module: the cluster has three
+    workers afterwards.)"""
+    new = citus.add_worker()
+    group = coord.execute("SELECT groupid FROM pg_dist_node WHERE nodeport = %s", (new.port,)).fetchone()[0]
+    with citus.connect(new) as w:
+        assert w.execute("SELECT extversion FROM pg_extension WHERE extname = 'idempotency'").fetchone()
+        with pytest.raises(psycopg.Error) as e:
+            with w.transaction():  # runs on the new worker itself, not delegated
+                claim(w, "added", {"n": 1}, scope="added-node")
+        assert e.value.sqlstate == "55000", e.value
+        assert "idempotency.distribute()" in e.value.diag.message_hint
+    assert coord.execute("SELECT count(*) FROM idempotency.idempotency_keys WHERE scope = 'added-node'"
+                         ).fetchone()[0] == 0
+
+    notices = []
+    with citus.connect() as c:
+        c.add_notice_handler(lambda d: notices.append(d.message_primary))
+        c.execute("SELECT idempotency.distribute()")
+    assert any(f":{new.port} now hands out tokens from" in n for n in notices), notices
+    assert not any("nothing changed" in n for n in notices), notices
+    with citus.connect(new) as w:
+        with w.transaction():
+            r = claim(w, "added", {"n": 1}, scope="added-node")
+            assert r[0] == "new" and r[1] % STRIDE == group, (group, r)
+            complete(w, "added", {"ok": 1}, scope="added-node", token=r[1])
+        last, inc = sequence_of(w)
+        assert inc == STRIDE and last % STRIDE == group
+        assert w.execute("SELECT last_value >> 48 FROM idempotency.audit_id_seq").fetchone()[0] == group
+    assert claim(coord, "added", {"n": 1}, scope="added-node")[:3] == ("replay", r[1], {"ok": 1})
+    notices.clear()
+    with citus.connect() as c:
+        c.add_notice_handler(lambda d: notices.append(d.message_primary))
+        c.execute("SELECT idempotency.distribute()")
+    assert any("nothing changed" in n for n in notices), notices

@@ -56,3 +56,31 @@ def test_cached_plans_survive_reinstalling_the_extension_in_one_session(cluster,
         assert claim(c, "k")[0] == "in_progress"
         assert c.execute("SELECT idempotency.sweep()").fetchone()[0] == 0
     db.execute("DROP DATABASE reinstall")
+
+
+def test_takeover_with_the_sequence_set_back_never_hands_out_its_token_again(db):
+    """A token sequence behind a key's token (set back by hand, or restored from an older dump;
+    on Citus: another node's sequence): the takeover's token is above the key's and the
+    sequence is moved past it, so a later claim of the key (after forget) never gets the
+    taken-over holder's token, whose late complete is refused (IK003). Before, the takeover
+    wrote old + 1, a value the sequence then handed out again."""
+    db.execute("SELECT setval('idempotency.token_seq', GREATEST(last_value, 100)) FROM idempotency.token_seq")
+    first = claim(db, "set-back", {"a": 1}, ttl="1 hour", lease="1 second")
+    assert first[0] == "new"
+    db.execute("SELECT setval('idempotency.token_seq', %s)", (first[1] - 5,))
+    time.sleep(1.2)
+    taken = claim(db, "set-back", {"a": 1}, lease="1 minute")
+    assert taken[0] == "new" and taken[1] > first[1], (first, taken)
+    later = []
+    for _ in range(8):
+        assert db.execute("SELECT idempotency.forget('set-back')").fetchone()[0] is True
+        r = claim(db, "set-back", {"a": 2}, lease="1 minute")
+        assert r[0] == "new"
+        later.append(r[1])
+    assert taken[1] not in later, (taken, later)
+    try:
+        db.execute("SELECT idempotency.complete('set-back', '{\"stale\": true}', token => %s)", (taken[1],))
+    except psycopg.Error as e:
+        assert e.sqlstate == "IK003", e
+    else:
+        raise AssertionError(f"the taken-over holder's token {taken[1]} completed the claim of {later[-1]}")

@@ -492,6 +492,15 @@ pub(crate) fn citus_table() -> bool {
     citus
 }
 
+/// On Citus, refuses a claim or an audited completion on a node whose token and audit id
+/// sequences have no range of their own yet (see [`citus::check_node_sequences`]); elsewhere
+/// nothing.
+pub(crate) fn check_citus_node() {
+    if citus_table() {
+        citus::check_node_sequences();
+    }
+}
+
 /// Whether only SQL may touch the store's rows: where the table's own relation holds none (a
 /// Citus table's shell, a partitioned table's parent) the probe and the direct writes, which use
 /// the relation and its primary key by OID, would see and write nothing of the store. Claims
