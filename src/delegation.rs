@@ -53,9 +53,11 @@ unsafe extern "C-unwind" fn planner(
     // before planning (as any planner hook may); the previous hook or the standard planner
     // plans it.
     unsafe {
-        if let Some(quals) = delegable_call_quals(parse) {
-            if citus_loaded() && session_setting_set() {
-                *quals = always_true();
+        if citus_in_process() {
+            if let Some(quals) = delegable_call_quals(parse) {
+                if citus_loaded() && session_setting_set() {
+                    *quals = always_true();
+                }
             }
         }
         match PREV_PLANNER.with(std::cell::Cell::get) {
@@ -149,6 +151,23 @@ unsafe fn always_true() -> *mut pg_sys::Node {
         (*test).location = -1;
         test as *mut pg_sys::Node
     }
+}
+
+/// Whether the Citus library is loaded in this process (it must be preloaded to work, so this
+/// is settled at the first look): without it every statement goes straight to the planner,
+/// with no catalog look-up of its own (the hook runs for every statement planned).
+fn citus_in_process() -> bool {
+    static LOADED: crate::local::BackendLocal<std::cell::Cell<Option<bool>>> =
+        crate::local::BackendLocal::new(std::cell::Cell::new(None));
+    LOADED.with(|l| match l.get() {
+        Some(loaded) => loaded,
+        None => {
+            // SAFETY: a look-up of a setting by name; null when no library defined it.
+            let loaded = unsafe { !crate::compat::find_setting(c"citus.node_conninfo").is_null() };
+            l.set(Some(loaded));
+            loaded
+        }
+    })
 }
 
 /// Whether Citus is installed in this database (its catalog exists).
