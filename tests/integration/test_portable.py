@@ -1,0 +1,404 @@
+"""The portable edition (dist/, built by scripts/portable.sh from sql/portable/): canonical_json
+and canonical_hash in SQL and PL/pgSQL only, installed where no library of ours is loaded, must
+give the native edition's bytes, errors and messages on the oracle's generated documents and on
+the hard cases (UTF-16 order of supplementary characters against U+E000..U+FFFF, control
+characters, -0, 1e21, 5e-324, the exact rounding bounds of doubles, huge exact numbers, nesting
+of 1000 and 1001 levels, exclusions applied one after the other, malformed pointers).
+
+Two routes: the plain script, in a database of the test cluster where the extension was never
+created; pg_tle, on a copy of the server that has no file of the native extension at all
+(scripts/pg-tle.sh), compared with the native edition of the test cluster."""
+
+import json
+import os
+import random
+import re
+import subprocess
+
+import psycopg
+import pytest
+
+from cluster import PG_BIN, Cluster
+from test_canonical_oracle import SEED, oracle, rand_doc, rand_string, wide_doc
+
+ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
+PLAIN = os.path.join(ROOT, "dist", "idempotency-portable.sql")
+PGTLE = os.path.join(ROOT, "dist", "pgtle-idempotency.sql")
+DOCS = int(os.environ.get("PORTABLE_DOCS", "2000"))
+
+# Each call's result, or its error as SQLSTATE, message and hint: both editions must agree on all.
+HELPER = r"""
+CREATE OR REPLACE FUNCTION pg_temp.call(d text, mode text, excl text) RETURNS text
+LANGUAGE plpgsql AS $$
+DECLARE
+    v_state text; v_msg text; v_hint text;
+BEGIN
+    RETURN CASE mode
+        WHEN 'hash' THEN encode(idempotency.canonical_hash(d::jsonb,
+                             ARRAY(SELECT jsonb_array_elements_text(excl::jsonb))), 'hex')
+        ELSE idempotency.canonical_json(d::jsonb, mode) END;
+EXCEPTION WHEN OTHERS THEN
+    GET STACKED DIAGNOSTICS v_state = RETURNED_SQLSTATE, v_msg = MESSAGE_TEXT, v_hint = PG_EXCEPTION_HINT;
+    RETURN '!error ' || v_state || ' ' || v_msg || ' / ' || v_hint;
+END $$;
+"""
+
+
+def psql(cluster, dbname, path):
+    return subprocess.run(
+        [f"{cluster.bin}/psql", "-X", "-q", "-v", "ON_ERROR_STOP=1", "-h", cluster.dir, "-p", str(cluster.port),
+         "-U", "postgres", "-d", dbname, "-f", path],
+        capture_output=True, text=True,
+    )
+
+
+def conninfo(cluster, dbname):
+    return f"host={cluster.dir} port={cluster.port} user=postgres dbname={dbname}"
+
+
+def run(conn, docs, mode, excludes=None):
+    conn.execute(HELPER)
+    excludes = excludes or ["[]"] * len(docs)
+    rows = conn.execute(
+        """SELECT pg_temp.call(d, %s, x) FROM unnest(%s::text[], %s::text[]) WITH ORDINALITY AS t(d, x, i)
+            ORDER BY i""",
+        (mode, docs, excludes),
+    ).fetchall()
+    return [r[0] for r in rows]
+
+
+def differences(docs, expected, got):
+    assert len(expected) == len(got) == len(docs)
+    return [(d[:200], e if e is None else e[:300], g if g is None else g[:300])
+            for d, e, g in zip(docs, expected, got) if e != g]
+
+
+def no_library(conn):
+    """The database has no function of the library and no extension idempotency."""
+    c_functions = conn.execute(
+        """SELECT count(*) FROM pg_proc
+            WHERE probin = '$libdir/idempotency'
+               OR pronamespace = 'idempotency'::regnamespace
+                  AND prolang = (SELECT oid FROM pg_language WHERE lanname = 'c')"""
+    ).fetchone()[0]
+    portable = conn.execute(
+        """SELECT count(*) FROM pg_proc
+            WHERE pronamespace = 'idempotency'::regnamespace
+              AND proname IN ('canonical_json', 'canonical_hash')
+              AND prolang = (SELECT oid FROM pg_language WHERE lanname = 'plpgsql')"""
+    ).fetchone()[0]
+    return c_functions, portable
+
+
+# --- the documents ---------------------------------------------------------------------------
+
+def _bounds():
+    import decimal
+    ctx = decimal.Context(prec=2000)
+    tiny = ctx.divide(decimal.Decimal(1), ctx.power(decimal.Decimal(2), 1075))  # rounds to 0 (tie to even)
+    huge = 2 ** 1024 - 2 ** 970  # rounds to infinity (tie to even)
+    return format(tiny, "f"), str(huge)
+
+
+TINY, HUGE = _bounds()
+
+HARD = [
+    # UTF-16 order: supplementary characters (surrogates D800..DBFF) before U+E000..U+FFFF.
+    json.dumps({"\ue000": 1, "\U0001F600": 2, "\uffff": 3, "\U00010000": 4, "\U0010FFFF": 5, "\ud7ff": 6,
+                "a\ue000": 7, "a\U0001F600": 8, "\U0010FFFF\ue000": 9, "\U0010FFFF\U0010FFFF": 10,
+                "\ufb33": 11, "\uef00x": 12, "\U0001F600\ue000": 13, "": 14, "\u0080": 15}),
+    json.dumps({"\ue000": 1, "\U0001F600": 2}, ensure_ascii=False),
+    json.dumps({"\U0001F600" * 3 + "\uffff": 1, "\U0001F600" * 3: 2, "\U0001F600" * 3 + "\U00010000": 3}),
+    # Control characters, quotes, backslashes, DEL, C1, line separators, in names and values.
+    json.dumps({"".join(chr(c) for c in range(1, 32)): "".join(chr(c) for c in range(1, 32)),
+                "\"\\/\x7f\x80\x9f\u2028\u2029": "</script>\"\\"}),
+    # Numbers.
+    "[-0, 0.0, -0.000, 1e21, 1e-7, 0.000001, 5e-324, -5e-324, 4.9e-324, 1e15, 1e16, 123e-20, 1E+2]",
+    "[2.4703282292062327e-324, 2.4703282292062328e-324, -2.4703282292062327e-324, 1e-400, -1e-400]",
+    f"[{TINY}]", f"[-{TINY}]", f"[{TINY}1]", f"[{HUGE}]", f"[-{HUGE}]", f"[{int(HUGE) - 1}]",
+    "[1.7976931348623157e308, 1.7976931348623158e308, 1.7976931348623159e308]",
+    "[9007199254740993, 123456789012345678901234567890, 0.10000000000000001, -12.5e-1, 333333333.33333329]",
+    "[1e100000]", "[-1e-16000]", "[1" + "0" * 5000 + ".5]", "1e400", "-0", "5e-324", "1e21",
+    # Nesting: 1000 is allowed, 1001 is not, whatever the containers; the first failure in
+    # canonical order is the one reported.
+    "[" * 1000 + "]" * 1000, "[" * 1001 + "]" * 1001,
+    '{"a":' * 1000 + "1" + "}" * 1000, '{"a":' * 1001 + "1" + "}" * 1001,
+    '{"z": [1e400], "a": ' + "[" * 1000 + "]" * 1000 + "}",
+    '{"a": [1e400], "b": ' + "[" * 1000 + "]" * 1000 + "}",
+    '{"b": [1e400], "a": ' + "[" * 1000 + "]" * 1000 + "}",
+    "[" * 999 + '{"x": 1e400}' + "]" * 999,
+    # Empty and scalar documents.
+    "{}", "[]", '""', '{"":""}', "null", "true", "false", '"\\u00e9\\ud83d\\ude00"',
+]
+
+
+def corpus(seed, exact, n):
+    r = random.Random(seed)
+    random.seed(seed)
+    docs = [rand_doc(r, exact=exact) for _ in range(n)]
+    docs += [wide_doc(r, m) for m in (31, 33, 200)]
+    docs.append('{"items":[' + ",".join(wide_doc(r, 40) for _ in range(30)) + "]}")  # ~100 KB
+    return docs + HARD
+
+
+def pointer(tokens):
+    return "".join("/" + t.replace("~", "~0").replace("/", "~1") for t in tokens)
+
+
+def paths(value, prefix=()):
+    yield prefix
+    if isinstance(value, dict):
+        for k, v in value.items():
+            yield from paths(v, prefix + (k,))
+    elif isinstance(value, list):
+        for i, v in enumerate(value):
+            yield from paths(v, prefix + (str(i),))
+
+
+def exclusions(r, doc):
+    """0 to 5 entries: pointers to existing members and items (some twice, so the second one
+    meets what the first left), plain names, non-canonical indices, missing paths, malformed
+    pointers now and then."""
+    try:
+        value = json.loads(doc, parse_float=str, parse_int=str)
+    except (ValueError, RecursionError):
+        return []
+    found = [p for p in paths(value) if p]
+    entries = []
+    for _ in range(r.randint(0, 5)):
+        kind = r.randrange(10)
+        if kind <= 4 and found:
+            p = pointer(r.choice(found))
+            entries += [p, p] if kind == 0 else [p]
+        elif kind == 5 and isinstance(value, dict) and value:
+            entries.append(r.choice(list(value)))
+        elif kind == 6 and found:
+            p = list(r.choice(found))
+            p[-1] = r.choice(["01", "-1", "1.0", "+1", "99999999999", "", "-"])
+            entries.append(pointer(p))
+        elif kind == 7:
+            entries.append(r.choice(["/", "//", "/missing/deeper", rand_string(r), "/" + rand_string(r)]))
+        elif kind == 8 and r.random() < 0.3:
+            entries.append(r.choice(["/a~2", "/a~", "~x", "/~/x", "/ok/b~3c"]))
+        elif found:
+            entries.append(pointer(r.choice(found)[:1]))
+    return entries
+
+
+# --- the plain script --------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def editions(cluster):
+    """(native, portable): the test cluster's database with the extension, and a database of
+    the same cluster where only dist/idempotency-portable.sql was run."""
+    with psycopg.connect(cluster.conninfo(), autocommit=True) as c:
+        c.execute("DROP DATABASE IF EXISTS portable")
+        c.execute("CREATE DATABASE portable")
+    result = psql(cluster, "portable", PLAIN)
+    assert result.returncode == 0, result.stderr
+    native = psycopg.connect(cluster.conninfo(), autocommit=True)
+    portable = psycopg.connect(conninfo(cluster, "portable"), autocommit=True)
+    yield native, portable
+    native.close()
+    portable.close()
+    with psycopg.connect(cluster.conninfo(), autocommit=True) as c:
+        c.execute("DROP DATABASE portable")
+
+
+def test_dist_is_current():
+    """dist/ is what scripts/portable.sh writes from the sources (CI fails on a stale dist/)."""
+    result = subprocess.run([os.path.join(ROOT, "scripts", "portable.sh"), "--check"], capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
+
+
+def test_the_portable_database_has_no_library(editions):
+    native, portable = editions
+    assert no_library(portable) == (0, 2)
+    assert portable.execute("SELECT count(*) FROM pg_extension WHERE extname = 'idempotency'").fetchone()[0] == 0
+    # The native database does hold the library's functions (what the check above looks for).
+    assert native.execute("SELECT count(*) FROM pg_proc WHERE probin = '$libdir/idempotency'").fetchone()[0] > 10
+
+
+def test_plain_script_refuses_a_database_with_the_extension(cluster):
+    """Run where the native extension exists, the script would replace its functions: refused,
+    nothing changed."""
+    result = psql(cluster, cluster.dbname, PLAIN)
+    assert result.returncode != 0 and 'extension "idempotency" is installed in this database' in result.stderr
+    with psycopg.connect(cluster.conninfo(), autocommit=True) as c:
+        assert c.execute("SELECT count(*) FROM pg_proc WHERE probin = '$libdir/idempotency' "
+                         "AND proname = 'canonical_json'").fetchone()[0] == 1
+
+
+@pytest.mark.parametrize("mode", ["exact", "rfc8785"])
+def test_canonical_json_matches_the_native_edition(editions, mode):
+    native, portable = editions
+    docs = corpus(SEED + (10 if mode == "exact" else 11), mode == "exact", DOCS)
+    expected, got = run(native, docs, mode), run(portable, docs, mode)
+    # The corpus reaches what it means to: errors of both kinds and long outputs.
+    assert sum(e.startswith("!error 54001") for e in expected) >= 3
+    assert mode == "exact" or sum(e.startswith("!error 22003") for e in expected) >= 5
+    assert mode == "rfc8785" or max(len(e) for e in expected) > 100_000
+    diff = differences(docs, expected, got)
+    assert not diff, f"{len(diff)} of {len(docs)} differ, first: {diff[0]!r}"
+    if mode == "exact":
+        # And both agree with the independent oracle, where it answers: Python's json module
+        # cannot read the deepest documents, and the oracle knows no depth limit.
+        want = oracle(docs, "--numbers", "exact")
+        kept = [i for i, w in enumerate(want) if not w.startswith("!error parse: maximum recursion")
+                and not got[i].startswith("!error 54001")]
+        assert len(kept) >= len(docs) - 12
+        diff = differences([docs[i] for i in kept], [want[i] for i in kept], [got[i] for i in kept])
+        assert not diff, f"{len(diff)} differ from the oracle, first: {diff[0]!r}"
+
+
+def test_canonical_hash_with_exclusions_matches_the_native_edition(editions):
+    native, portable = editions
+    r = random.Random(SEED + 12)
+    docs = corpus(SEED + 12, True, DOCS)
+    docs += ['{"l":[1,2,3]}'] * 4 + ['{"l":[{"a":1},{"a":2,"b":3}]}', '{"a":{"b":1},"c":2}', "[1,2]", "7"]
+    excludes = [exclusions(r, d) for d in docs[:-8]]
+    excludes += [["/l/0", "/l/0"], ["/l/1", "/l/1"], ["/l/2", "/l/0"], ["/l/1", "/l/01", "/l/-", "/l/0/x"],
+                 ["/l/0", "/l/0/a"], ["/a", "/a/b"], ["0", "/1"], ["/a", "a", "/"]]
+    excludes = [json.dumps(x) for x in excludes]
+    expected = run(native, docs, "hash", excludes)
+    got = run(portable, docs, "hash", excludes)
+    assert sum(e.startswith("!error 22P02") for e in expected) >= 10
+    assert sum(x != "[]" for x in excludes) >= len(docs) // 3
+    diff = differences([d + " minus " + x for d, x in zip(docs, excludes)], expected, got)
+    assert not diff, f"{len(diff)} of {len(docs)} differ, first: {diff[0]!r}"
+    # The same documents without exclusions: the hash of the exact form.
+    diff = differences(docs, run(native, docs, "hash"), run(portable, docs, "hash"))
+    assert not diff, f"{len(diff)} of {len(docs)} differ, first: {diff[0]!r}"
+
+
+BAD_CALLS = [
+    "idempotency.canonical_json('1', NULL)",
+    "idempotency.canonical_json('1', 'fast')",
+    "idempotency.canonical_json('1', '')",
+    "idempotency.canonical_json('1', E'quote\" back\\\\ tab\\t nl\\n ' || repeat('x', 50))",
+    "idempotency.canonical_json(NULL, 'bogus')",
+    "idempotency.canonical_json(NULL)",
+    "idempotency.canonical_hash(NULL)",
+    "idempotency.canonical_hash('1', NULL)",
+    "idempotency.canonical_hash(NULL, NULL)",
+    "idempotency.canonical_hash('{\"a\":1}', ARRAY['a', NULL])",
+    "idempotency.canonical_hash(NULL, ARRAY['/a~2'])",
+    "idempotency.canonical_hash('{\"a\":1}', ARRAY['/a~2', NULL])",
+    "idempotency.canonical_hash('{\"a\":1}', ARRAY['/' || repeat('y', 100) || '~'])",
+    "idempotency.canonical_hash('{\"a\":1}', '{{a,b},{/a,/b}}')",
+    "idempotency.canonical_hash(repeat('[', 1001)::text || repeat(']', 1001), ARRAY['/a~2'])",
+    "idempotency.canonical_json('[' || repeat('9', 400) || ']', 'rfc8785')",
+]
+
+
+def test_arguments_and_errors_match_the_native_edition(editions):
+    native, portable = editions
+    for call in BAD_CALLS:
+        answers = []
+        for conn in (native, portable):
+            try:
+                value = conn.execute(f"SELECT ({call})::text").fetchone()[0]
+                answers.append(("ok", value))
+            except psycopg.Error as e:
+                answers.append((e.sqlstate, e.diag.message_primary, e.diag.message_hint))
+        assert answers[0] == answers[1], call
+        assert answers[0][0] != "XX000", call
+
+
+def test_declarations_match_the_native_edition(editions):
+    """Same arguments, defaults, result types, volatility, strictness and parallel safety."""
+    query = """SELECT p.proname, pg_get_function_arguments(p.oid), pg_get_function_result(p.oid),
+                      p.provolatile, p.proisstrict, p.proparallel, p.prosecdef
+                 FROM pg_proc p WHERE p.pronamespace = 'idempotency'::regnamespace
+                  AND p.proname IN ('canonical_json', 'canonical_hash') ORDER BY 1"""
+    native, portable = editions
+    assert native.execute(query).fetchall() == portable.execute(query).fetchall()
+    config = portable.execute(
+        """SELECT bool_and('search_path=pg_catalog, pg_temp' = ANY (proconfig)), count(*)
+             FROM pg_proc WHERE pronamespace = 'idempotency'::regnamespace""").fetchone()
+    assert config[0] is True and config[1] >= 2
+
+
+def test_a_latin1_database_hashes_the_utf8_bytes(cluster):
+    """In a database whose encoding is not UTF-8, the canonical form comes back in that
+    encoding and the hash is of its UTF-8 bytes, as the native edition does."""
+    docs = ['{"é": "ü", "a": "ß\\u00ff", "Ça": [1.50, "x\\u0001"], "\\u00a0": 1e21}', '"\\u00e9"', '{"b": 1, "a": 2}']
+    with psycopg.connect(cluster.conninfo(), autocommit=True) as c:
+        for db in ("latin1_native", "latin1_portable"):
+            c.execute(f"DROP DATABASE IF EXISTS {db}")
+            c.execute(f"CREATE DATABASE {db} TEMPLATE template0 ENCODING 'LATIN1' LC_COLLATE 'C' LC_CTYPE 'C'")
+    try:
+        with psycopg.connect(conninfo(cluster, "latin1_native") + " client_encoding=UTF8", autocommit=True) as c:
+            c.execute("CREATE EXTENSION idempotency")
+            expected = [run(c, docs, "exact"), run(c, docs, "hash", ['["a"]'] * 3), run(c, docs, "hash")]
+        result = psql(cluster, "latin1_portable", PLAIN)
+        assert result.returncode == 0, result.stderr
+        with psycopg.connect(conninfo(cluster, "latin1_portable") + " client_encoding=UTF8", autocommit=True) as c:
+            got = [run(c, docs, "exact"), run(c, docs, "hash", ['["a"]'] * 3), run(c, docs, "hash")]
+        assert got == expected
+        assert expected[0][0] == '{"a":"ßÿ","\u00a0":1e+21,"Ça":[1.5,"x\\u0001"],"é":"ü"}'
+    finally:
+        with psycopg.connect(cluster.conninfo(), autocommit=True) as c:
+            c.execute("DROP DATABASE latin1_native")
+            c.execute("DROP DATABASE latin1_portable")
+
+
+# --- pg_tle -----------------------------------------------------------------------------------
+
+def _major():
+    out = subprocess.run([f"{PG_BIN}/pg_config", "--version"], capture_output=True, text=True, check=True).stdout
+    return int(re.search(r"PostgreSQL (\d+)", out).group(1))
+
+
+@pytest.fixture(scope="module")
+def pgtle_cluster():
+    tarballs = os.environ.get("PG_TLE_TARBALL_DIR", os.path.join(ROOT, "..", "shared", "vendor", "pg_tle"))
+    if not os.path.exists(os.path.join(tarballs, "SHA256SUMS")):
+        pytest.skip(f"no pg_tle source tarball in {tarballs} (set PG_TLE_TARBALL_DIR): the pg_tle route is not tested")
+    major = _major()
+    result = subprocess.run([os.path.join(ROOT, "scripts", "pg-tle.sh"), str(major)], capture_output=True, text=True)
+    if result.returncode == 2:
+        pytest.skip(f"pg_tle route not prepared for PostgreSQL {major} here: {result.stderr.strip()}")
+    assert result.returncode == 0, result.stderr
+    bin_dir = os.path.dirname(result.stdout.strip())
+    c = Cluster(settings={"shared_preload_libraries": "'pg_tle'"}, dbname="tle", bin=bin_dir).start()
+    try:
+        yield c
+    finally:
+        c.destroy()
+
+
+def test_the_pgtle_route_matches_the_native_edition(editions, pgtle_cluster):
+    native, _ = editions
+    c = pgtle_cluster
+    pkglib = subprocess.run([f"{c.bin}/pg_config", "--pkglibdir"], capture_output=True, text=True,
+                            check=True).stdout.strip()
+    share = subprocess.run([f"{c.bin}/pg_config", "--sharedir"], capture_output=True, text=True,
+                           check=True).stdout.strip()
+    # No file of the native extension on this server at all.
+    assert not [f for f in os.listdir(pkglib) if f.startswith("idempotency")]
+    assert not [f for f in os.listdir(os.path.join(share, "extension")) if f.startswith("idempotency")]
+    assert os.path.exists(os.path.join(pkglib, "pg_tle.so"))
+    with psycopg.connect(c.conninfo(), autocommit=True) as conn:
+        conn.execute("CREATE EXTENSION pg_tle")
+    result = psql(c, "tle", PGTLE)
+    assert result.returncode == 0, result.stderr
+    with psycopg.connect(c.conninfo(), autocommit=True) as conn:
+        conn.execute("CREATE EXTENSION idempotency")
+        row = conn.execute("""SELECT extversion, extnamespace::regnamespace::text FROM pg_extension
+                               WHERE extname = 'idempotency'""").fetchone()
+        assert row == ("0.5.0", "idempotency")
+        assert no_library(conn) == (0, 2)
+        for mode in ("exact", "rfc8785"):
+            docs = corpus(SEED + 13, mode == "exact", DOCS // 2)
+            diff = differences(docs, run(native, docs, mode), run(conn, docs, mode))
+            assert not diff, f"{mode}: {len(diff)} of {len(docs)} differ, first: {diff[0]!r}"
+        r = random.Random(SEED + 14)
+        docs = corpus(SEED + 14, True, DOCS // 2)
+        excludes = [json.dumps(exclusions(r, d)) for d in docs]
+        diff = differences(docs, run(native, docs, "hash", excludes), run(conn, docs, "hash", excludes))
+        assert not diff, f"hash: {len(diff)} of {len(docs)} differ, first: {diff[0]!r}"
+        # DROP EXTENSION takes everything with it.
+        conn.execute("DROP EXTENSION idempotency")
+        assert conn.execute("SELECT count(*) FROM pg_namespace WHERE nspname = 'idempotency'").fetchone()[0] in (0, 1)
+        assert conn.execute("SELECT count(*) FROM pg_proc WHERE proname = 'canonical_json'").fetchone()[0] == 0
