@@ -17,9 +17,12 @@ CORE=(test_concurrency.py test_model.py test_canonical_oracle.py test_encodings.
       test_crash.py test_privileges.py test_search_path.py test_upgrade.py test_direct_writes.py
       test_direct_fidelity.py test_hardening.py test_expiry_and_dump.py test_bad_input.py
       test_hot_updates.py test_batch.py test_partitioned.py test_damaged_jsonb.py
-      test_binding_settings.py)
+      test_binding_settings.py test_portable.py)
 
 scripts/bootstrap.sh
+
+echo "== dist/: the portable edition is what scripts/portable.sh builds from the sources"
+scripts/portable.sh --check
 
 echo "== cargo fmt --check, cargo clippy (PostgreSQL ${VERSIONS[*]})"
 cargo fmt --all -- --check
