@@ -20,7 +20,7 @@ esac
 version=$(sed -n 's/^version = "\(.*\)"$/\1/p' Cargo.toml | head -n 1)
 comment=$(sed -n "s/^comment = '\(.*\)'$/\1/p" idempotency.control)
 # What the portable edition holds so far, in the order the sources are applied.
-sources=(sql/portable/canonical.sql)
+sources=(sql/portable/canonical.sql sql/portable/derivation.sql)
 [ -n "$version" ] && [ -n "$comment" ] || { echo "portable.sh: no version or comment found" >&2; exit 1; }
 
 # The native install script's encoding check (SQL_ASCII and MULE_INTERNAL refused), verbatim.
@@ -37,8 +37,8 @@ header() {
 --
 -- The portable edition is written only in SQL and PL/pgSQL, for managed PostgreSQL services
 -- where no shared library can be loaded (docs/managed.md). It holds the canonical functions
--- only so far: idempotency.canonical_json and idempotency.canonical_hash, byte-identical to
--- the native edition's. The store (claim, complete, ...) is not in it yet.
+-- only so far: canonical_json, canonical_hash, derive_key, cron_key and request_fingerprint,
+-- with the native edition's bytes. The store (claim, complete, ...) is not in it yet.
 EOF
 }
 

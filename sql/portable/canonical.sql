@@ -233,8 +233,10 @@ END
 $fn$;
 
 -- The canonical form of a non-NULL document; `exact` chooses the number mode; `arg` names
--- the argument in errors ("doc: document is nested deeper than 1000 levels").
-CREATE FUNCTION idempotency._canon_text(doc jsonb, exact boolean, arg text)
+-- the argument in errors ("doc: document is nested deeper than 1000 levels"). `depth` is the
+-- nesting allowed: 1000, as for any argument; request_fingerprint writes its arguments, each
+-- checked, one level down.
+CREATE FUNCTION idempotency._canon_text(doc jsonb, exact boolean, arg text, depth integer DEFAULT 1000)
 RETURNS text
 LANGUAGE plpgsql IMMUTABLE STRICT PARALLEL SAFE
 SET search_path = pg_catalog, pg_temp
@@ -286,7 +288,7 @@ BEGIN
                                        ELSE '[]'::pg_catalog.jsonb END)
                               WITH ORDINALITY AS a(value, pos)
                    ) AS c
-             WHERE n.level OPERATOR(pg_catalog.<) 1000
+             WHERE n.level OPERATOR(pg_catalog.<) depth
                AND n.kind OPERATOR(pg_catalog.=) ANY ('{object,array}'::pg_catalog.text[])
         ),
         piece(path, level, kind, v, text) AS (
@@ -313,7 +315,7 @@ BEGIN
           LEFT JOIN LATERAL (
               SELECT p.kind, p.v FROM piece AS p
                WHERE p.kind OPERATOR(pg_catalog.=) 'number' AND p.text IS NULL
-                  OR p.level OPERATOR(pg_catalog.>=) 1000
+                  OR p.level OPERATOR(pg_catalog.>=) depth
                      AND p.kind OPERATOR(pg_catalog.=) ANY ('{object,array}'::pg_catalog.text[])
                ORDER BY p.path LIMIT 1) AS f ON true;
         IF v_fail IS NULL THEN

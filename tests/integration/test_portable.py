@@ -239,7 +239,7 @@ def test_canonical_json_matches_the_native_edition(editions, mode):
     assert mode == "exact" or sum(e.startswith("!error 22003") for e in expected) >= 5
     assert mode == "rfc8785" or max(len(e) for e in expected) > 100_000
     diff = differences(docs, expected, got)
-    assert not diff, f"{len(diff)} of {len(docs)} differ, first: {diff[0]!r}"
+    assert not diff, f"{len(diff)} of {len(docs)} differ, first: {diff[:5]!r}"
     if mode == "exact":
         # And both agree with the independent oracle, where it answers: Python's json module
         # cannot read the deepest documents, and the oracle knows no depth limit.
@@ -248,7 +248,7 @@ def test_canonical_json_matches_the_native_edition(editions, mode):
                 and not got[i].startswith("!error 54001")]
         assert len(kept) >= len(docs) - 12
         diff = differences([docs[i] for i in kept], [want[i] for i in kept], [got[i] for i in kept])
-        assert not diff, f"{len(diff)} differ from the oracle, first: {diff[0]!r}"
+        assert not diff, f"{len(diff)} differ from the oracle, first: {diff[:5]!r}"
 
 
 def test_canonical_hash_with_exclusions_matches_the_native_edition(editions):
@@ -265,10 +265,10 @@ def test_canonical_hash_with_exclusions_matches_the_native_edition(editions):
     assert sum(e.startswith("!error 22P02") for e in expected) >= 10
     assert sum(x != "[]" for x in excludes) >= len(docs) // 3
     diff = differences([d + " minus " + x for d, x in zip(docs, excludes)], expected, got)
-    assert not diff, f"{len(diff)} of {len(docs)} differ, first: {diff[0]!r}"
+    assert not diff, f"{len(diff)} of {len(docs)} differ, first: {diff[:5]!r}"
     # The same documents without exclusions: the hash of the exact form.
     diff = differences(docs, run(native, docs, "hash"), run(portable, docs, "hash"))
-    assert not diff, f"{len(diff)} of {len(docs)} differ, first: {diff[0]!r}"
+    assert not diff, f"{len(diff)} of {len(docs)} differ, first: {diff[:5]!r}"
 
 
 BAD_CALLS = [
@@ -310,13 +310,14 @@ def test_declarations_match_the_native_edition(editions):
     query = """SELECT p.proname, pg_get_function_arguments(p.oid), pg_get_function_result(p.oid),
                       p.provolatile, p.proisstrict, p.proparallel, p.prosecdef
                  FROM pg_proc p WHERE p.pronamespace = 'idempotency'::regnamespace
-                  AND p.proname IN ('canonical_json', 'canonical_hash') ORDER BY 1"""
+                  AND p.proname IN ('canonical_json', 'canonical_hash', 'derive_key', 'cron_key',
+                                    'request_fingerprint') ORDER BY 1"""
     native, portable = editions
     assert native.execute(query).fetchall() == portable.execute(query).fetchall()
     config = portable.execute(
         """SELECT bool_and('search_path=pg_catalog, pg_temp' = ANY (proconfig)), count(*)
              FROM pg_proc WHERE pronamespace = 'idempotency'::regnamespace""").fetchone()
-    assert config[0] is True and config[1] >= 2
+    assert config[0] is True and config[1] >= 5
 
 
 def test_a_latin1_database_hashes_the_utf8_bytes(cluster):
@@ -341,6 +342,84 @@ def test_a_latin1_database_hashes_the_utf8_bytes(cluster):
         with psycopg.connect(cluster.conninfo(), autocommit=True) as c:
             c.execute("DROP DATABASE latin1_native")
             c.execute("DROP DATABASE latin1_portable")
+
+
+def lit(value, cast):
+    return "NULL" if value is None else "'" + value.replace("'", "''") + "'::" + cast
+
+
+TRY = r"""
+CREATE OR REPLACE FUNCTION pg_temp.try(q text) RETURNS text LANGUAGE plpgsql AS $$
+DECLARE
+    v text; v_state text; v_msg text; v_hint text;
+BEGIN
+    EXECUTE q INTO v;
+    RETURN v;
+EXCEPTION WHEN OTHERS THEN
+    GET STACKED DIAGNOSTICS v_state = RETURNED_SQLSTATE, v_msg = MESSAGE_TEXT, v_hint = PG_EXCEPTION_HINT;
+    RETURN '!error ' || v_state || ' ' || v_msg || ' / ' || v_hint;
+END $$;
+"""
+
+
+def run_calls(conn, calls):
+    conn.execute(TRY)
+    rows = conn.execute(
+        "SELECT pg_temp.try(q) FROM unnest(%s::text[]) WITH ORDINALITY AS t(q, i) ORDER BY i", (calls,)
+    ).fetchall()
+    return [r[0] for r in rows]
+
+
+def derivation_calls(seed, n):
+    r = random.Random(seed)
+    random.seed(seed)
+    docs = [None, "{}", '{"b":1.0,"a":[1]}', "[" * 999 + "]" * 999, "[" * 1000 + "]" * 1000,
+            "[" * 1001 + "]" * 1001, '"x"', "[1e400]", "5"]
+    texts = [None, "", "x" * 255, "y" * 256, "order-1", "a:b", "0123456789abcdef", "0123456789ABCDEF",
+             "0123456789abcde", "é" * 200, "\U0001F600"]
+    calls = []
+    for _ in range(n):
+        doc = r.choice(docs) if r.random() < 0.3 else rand_doc(r, exact=True)
+        parent = r.choice(texts) if r.random() < 0.3 else rand_string(r) or "p"
+        step = r.choice(texts) if r.random() < 0.3 else rand_string(r) or "s"
+        calls.append(f"SELECT idempotency.derive_key({lit(parent, 'text')}, {lit(step, 'text')}, {lit(doc, 'jsonb')})")
+    stamps = [None, "infinity", "-infinity", "2026-12-01 16:47:12.5+00", "1969-12-31 23:59:59.999999+00",
+              "1900-02-28 12:00:00+05", "0001-01-01 00:00:00+00", "9999-12-31 23:59:59.999999+00",
+              "2000-01-01 00:00:00+00", "1970-01-01 00:00:00+00", "2024-02-29 23:30:00-08"]
+    slots = [None, "1 month", "3 months", "-1 month", "1 month 1 day", "1 month 1 second", "5 minutes", "1 day",
+             "2 days 3 hours", "1.5 seconds", "00:00:00.000001", "0", "-1 hour", "7 days", "1 year", "13 months",
+             "25 hours", "1 day -1 second", "00:00:00.1234", "100 years"]
+    for _ in range(n):
+        job = r.choice(texts) if r.random() < 0.2 else rand_string(r) or "job"
+        stamp = r.choice(stamps) if r.random() < 0.5 else \
+            f"{r.randint(1, 4000):04d}-{r.randint(1, 12):02d}-{r.randint(1, 28):02d} " \
+            f"{r.randint(0, 23):02d}:{r.randint(0, 59):02d}:{r.randint(0, 59):02d}.{r.randint(0, 999999):06d}+00"
+        slot = r.choice(slots)
+        calls.append(f"SELECT idempotency.cron_key({lit(job, 'text')}, {lit(stamp, 'timestamptz')}, "
+                     f"{lit(slot, 'interval')})")
+    methods = [None, "post", "GET", "", "bad method", "PÖST", "m-._~!#$%&'*+^`|", "get\n", "Ğet"]
+    for _ in range(n):
+        method = r.choice(methods) if r.random() < 0.4 else r.choice(["post", "GET", "Put"])
+        path = None if r.random() < 0.05 else "/" + rand_string(r)
+        query = r.choice(docs) if r.random() < 0.4 else '{"q": ' + rand_doc(r, exact=True) + "}"
+        body = r.choice(docs) if r.random() < 0.3 else rand_doc(r, exact=True)
+        calls.append(f"SELECT encode(idempotency.request_fingerprint({lit(method, 'text')}, {lit(path, 'text')}, "
+                     f"{lit(query, 'jsonb')}, {lit(body, 'jsonb')}), 'hex')")
+    return calls
+
+
+def test_derivations_match_the_native_edition(editions):
+    """derive_key, cron_key and request_fingerprint: results, SQLSTATEs and messages."""
+    native, portable = editions
+    calls = derivation_calls(SEED + 15, DOCS // 2)
+    expected, got = run_calls(native, calls), run_calls(portable, calls)
+    # The calls reach both results and errors of each function.
+    for fn in ("derive_key", "cron_key", "request_fingerprint"):
+        mine = [e for c, e in zip(calls, expected) if fn in c]
+        assert sum(not e.startswith("!error") for e in mine) >= len(mine) // 3, fn
+        assert len({e for e in mine if e.startswith("!error")}) >= 4, fn
+    diff = differences(calls, expected, got)
+    assert not diff, f"{len(diff)} of {len(calls)} differ, first: {diff[:5]!r}"
 
 
 # --- pg_tle -----------------------------------------------------------------------------------
@@ -392,12 +471,15 @@ def test_the_pgtle_route_matches_the_native_edition(editions, pgtle_cluster):
         for mode in ("exact", "rfc8785"):
             docs = corpus(SEED + 13, mode == "exact", DOCS // 2)
             diff = differences(docs, run(native, docs, mode), run(conn, docs, mode))
-            assert not diff, f"{mode}: {len(diff)} of {len(docs)} differ, first: {diff[0]!r}"
+            assert not diff, f"{mode}: {len(diff)} of {len(docs)} differ, first: {diff[:5]!r}"
         r = random.Random(SEED + 14)
         docs = corpus(SEED + 14, True, DOCS // 2)
         excludes = [json.dumps(exclusions(r, d)) for d in docs]
         diff = differences(docs, run(native, docs, "hash", excludes), run(conn, docs, "hash", excludes))
-        assert not diff, f"hash: {len(diff)} of {len(docs)} differ, first: {diff[0]!r}"
+        assert not diff, f"hash: {len(diff)} of {len(docs)} differ, first: {diff[:5]!r}"
+        calls = derivation_calls(SEED + 16, DOCS // 4)
+        diff = differences(calls, run_calls(native, calls), run_calls(conn, calls))
+        assert not diff, f"derivations: {len(diff)} of {len(calls)} differ, first: {diff[:5]!r}"
         # DROP EXTENSION takes everything with it.
         conn.execute("DROP EXTENSION idempotency")
         assert conn.execute("SELECT count(*) FROM pg_namespace WHERE nspname = 'idempotency'").fetchone()[0] in (0, 1)

@@ -1,0 +1,249 @@
+-- Portable edition: derive_key, cron_key and request_fingerprint in PL/pgSQL, with the native
+-- edition's results, checks, SQLSTATEs and messages (crates/idempotency-core/src/derivation.rs
+-- and arguments.rs). Every function pins search_path; every reference is schema-qualified.
+
+-- Refuses a document nested deeper than 1000 levels, naming the argument (as reading a jsonb
+-- argument does in the native edition, before any other check of the call).
+CREATE FUNCTION idempotency._canon_check_depth(doc jsonb, arg text)
+RETURNS void
+LANGUAGE plpgsql IMMUTABLE STRICT PARALLEL SAFE
+SET search_path = pg_catalog, pg_temp
+AS $fn$
+BEGIN
+    IF pg_catalog.jsonb_path_exists(doc,
+           'strict $.**{1000 to last} ? (@.type() == "object" || @.type() == "array")') THEN
+        RAISE EXCEPTION USING
+            ERRCODE = 'statement_too_complex',
+            MESSAGE = arg OPERATOR(pg_catalog.||) ': document is nested deeper than 1000 levels';
+    END IF;
+END
+$fn$;
+
+-- A key-like argument: not NULL, not empty (unless allowed), at most 255 characters.
+CREATE FUNCTION idempotency._canon_check_key(arg text, value text, allow_empty boolean)
+RETURNS void
+LANGUAGE plpgsql IMMUTABLE PARALLEL SAFE
+SET search_path = pg_catalog, pg_temp
+AS $fn$
+BEGIN
+    IF value IS NULL THEN
+        RAISE EXCEPTION USING ERRCODE = 'null_value_not_allowed', MESSAGE = arg OPERATOR(pg_catalog.||) ' must not be NULL';
+    END IF;
+    IF NOT allow_empty AND value OPERATOR(pg_catalog.=) '' THEN
+        RAISE EXCEPTION USING ERRCODE = 'invalid_parameter_value', MESSAGE = arg OPERATOR(pg_catalog.||) ' must not be empty';
+    END IF;
+    IF pg_catalog.length(value) OPERATOR(pg_catalog.>) 255 THEN
+        RAISE EXCEPTION USING
+            ERRCODE = 'invalid_parameter_value',
+            MESSAGE = pg_catalog.format('%s must be at most 255 characters (got %s)', arg, pg_catalog.length(value));
+    END IF;
+END
+$fn$;
+
+CREATE FUNCTION idempotency.derive_key(parent text, step text, params jsonb DEFAULT NULL)
+RETURNS text
+LANGUAGE plpgsql IMMUTABLE PARALLEL SAFE
+SET search_path = pg_catalog, pg_temp
+AS $fn$
+DECLARE
+    v_key text;
+BEGIN
+    IF params IS NOT NULL THEN
+        PERFORM idempotency._canon_check_depth(params, 'params');
+    END IF;
+    PERFORM idempotency._canon_check_key('parent', parent, false);
+    IF step IS NULL THEN
+        RAISE EXCEPTION USING ERRCODE = 'null_value_not_allowed', MESSAGE = 'step must not be NULL';
+    END IF;
+    IF step OPERATOR(pg_catalog.=) '' THEN
+        RAISE EXCEPTION USING ERRCODE = 'invalid_parameter_value', MESSAGE = 'step must not be empty';
+    END IF;
+    IF pg_catalog.strpos(step, ':') OPERATOR(pg_catalog.>) 0 THEN
+        RAISE EXCEPTION USING
+            ERRCODE = 'invalid_parameter_value',
+            MESSAGE = 'step must not contain '':'' (it separates the parts of a derived key)';
+    END IF;
+    IF step OPERATOR(pg_catalog.~) '^[0-9a-f]{16}$' THEN
+        RAISE EXCEPTION USING
+            ERRCODE = 'invalid_parameter_value',
+            MESSAGE = pg_catalog.format('step must not be 16 lowercase hex digits (got "%s"): that form marks the params hash, so the key could equal another derivation''s', step);
+    END IF;
+    v_key := parent OPERATOR(pg_catalog.||) ':' OPERATOR(pg_catalog.||) step;
+    IF params IS NOT NULL THEN
+        v_key := v_key OPERATOR(pg_catalog.||) ':' OPERATOR(pg_catalog.||) pg_catalog.left(pg_catalog.encode(
+                     pg_catalog.sha256(pg_catalog.convert_to(idempotency._canon_text(params, true, 'params'), 'UTF8')),
+                     'hex'), 16);
+    END IF;
+    IF pg_catalog.length(v_key) OPERATOR(pg_catalog.>) 255 THEN
+        RAISE EXCEPTION USING
+            ERRCODE = 'invalid_parameter_value',
+            MESSAGE = 'derived key would be longer than 255 characters: shorten parent or step';
+    END IF;
+    RETURN v_key;
+END
+$fn$;
+
+-- A date's year counted astronomically (1 BC is 0, 2 BC is -1), as the native edition does.
+CREATE FUNCTION idempotency._canon_year(day date)
+RETURNS numeric
+LANGUAGE sql IMMUTABLE STRICT PARALLEL SAFE
+SET search_path = pg_catalog, pg_temp
+AS $fn$
+    SELECT CASE WHEN pg_catalog.extract('year', day) OPERATOR(pg_catalog.<) 0
+                THEN pg_catalog.extract('year', day) OPERATOR(pg_catalog.+) 1
+                ELSE pg_catalog.extract('year', day) END
+$fn$;
+
+-- job:<slot start, UTC>/<slot length>: a slot is whole months (floored to calendar months
+-- since 1970-01) or a fixed length without months (floored on the Unix epoch).
+CREATE FUNCTION idempotency.cron_key(job text, scheduled_at timestamptz, slot interval)
+RETURNS text
+LANGUAGE plpgsql IMMUTABLE PARALLEL SAFE
+SET search_path = pg_catalog, pg_temp
+AS $fn$
+DECLARE
+    c_day    CONSTANT numeric := 86400000000;
+    v_months numeric;
+    v_days   numeric;
+    v_micros numeric;
+    v_unix   numeric;
+    v_start  numeric;
+    v_len    numeric;
+    v_index  numeric;
+    v_day    date;
+    v_length text;
+    v_in_day numeric;
+    v_secs   numeric;
+    v_frac   numeric;
+    v_key    text;
+    v_year   numeric;
+BEGIN
+    PERFORM idempotency._canon_check_key('job', job, false);
+    IF scheduled_at IS NULL THEN
+        RAISE EXCEPTION USING ERRCODE = 'null_value_not_allowed', MESSAGE = 'scheduled_at must not be NULL';
+    END IF;
+    IF slot IS NULL THEN
+        RAISE EXCEPTION USING ERRCODE = 'null_value_not_allowed', MESSAGE = 'slot must not be NULL';
+    END IF;
+    IF NOT pg_catalog.isfinite(scheduled_at) THEN
+        RAISE EXCEPTION USING ERRCODE = 'invalid_parameter_value', MESSAGE = 'scheduled_at must be finite';
+    END IF;
+    v_months := pg_catalog.trunc((pg_catalog.extract('year', slot) OPERATOR(pg_catalog.*) 12)
+                OPERATOR(pg_catalog.+) pg_catalog.extract('month', slot));
+    v_days := pg_catalog.trunc(pg_catalog.extract('day', slot));
+    -- Whole microseconds, without the scale extract gives them.
+    v_micros := pg_catalog.trunc(pg_catalog.extract('hour', slot) OPERATOR(pg_catalog.*) 3600000000
+                OPERATOR(pg_catalog.+) (pg_catalog.extract('minute', slot) OPERATOR(pg_catalog.*) 60000000)
+                OPERATOR(pg_catalog.+) pg_catalog.extract('microseconds', slot));
+    v_unix := pg_catalog.trunc(pg_catalog.extract('epoch', scheduled_at) OPERATOR(pg_catalog.*) 1000000);
+    IF v_months OPERATOR(pg_catalog.<>) 0 THEN
+        IF v_days OPERATOR(pg_catalog.<>) 0 OR v_micros OPERATOR(pg_catalog.<>) 0 OR v_months OPERATOR(pg_catalog.<) 0 THEN
+            RAISE EXCEPTION USING
+                ERRCODE = 'invalid_parameter_value',
+                MESSAGE = 'slot must be whole months, or a positive length without months';
+        END IF;
+        v_day := '1970-01-01'::pg_catalog.date
+                 OPERATOR(pg_catalog.+) pg_catalog.floor(v_unix OPERATOR(pg_catalog./) c_day)::pg_catalog.int4;
+        v_index := (idempotency._canon_year(v_day) OPERATOR(pg_catalog.-) 1970)
+                   OPERATOR(pg_catalog.*) 12
+                   OPERATOR(pg_catalog.+) (pg_catalog.extract('month', v_day) OPERATOR(pg_catalog.-) 1);
+        -- Floored to a multiple of the slot's months (a Euclidean remainder: never negative).
+        v_index := v_index OPERATOR(pg_catalog.-)
+                   pg_catalog.mod(pg_catalog.mod(v_index, v_months) OPERATOR(pg_catalog.+) v_months, v_months);
+        v_year := 1970 OPERATOR(pg_catalog.+) pg_catalog.floor(v_index OPERATOR(pg_catalog./) 12);
+        v_day := pg_catalog.make_date(
+                     -- make_date counts 1 BC as -1
+                     (CASE WHEN v_year OPERATOR(pg_catalog.<=) 0 THEN v_year OPERATOR(pg_catalog.-) 1 ELSE v_year END)::pg_catalog.int4,
+                     (pg_catalog.mod(pg_catalog.mod(v_index, 12) OPERATOR(pg_catalog.+) 12, 12) OPERATOR(pg_catalog.+) 1)::pg_catalog.int4,
+                     1);
+        v_start := (v_day OPERATOR(pg_catalog.-) '1970-01-01'::pg_catalog.date)::pg_catalog.numeric OPERATOR(pg_catalog.*) c_day;
+        v_length := 'P' OPERATOR(pg_catalog.||) v_months::pg_catalog.text OPERATOR(pg_catalog.||) 'M';
+    ELSE
+        v_len := (v_days OPERATOR(pg_catalog.*) c_day) OPERATOR(pg_catalog.+) v_micros;
+        IF v_len OPERATOR(pg_catalog.<=) 0 THEN
+            RAISE EXCEPTION USING ERRCODE = 'invalid_parameter_value', MESSAGE = 'slot must be a positive interval';
+        END IF;
+        v_start := v_unix OPERATOR(pg_catalog.-)
+                   pg_catalog.mod(pg_catalog.mod(v_unix, v_len) OPERATOR(pg_catalog.+) v_len, v_len);
+        IF pg_catalog.mod(v_len, c_day) OPERATOR(pg_catalog.=) 0 THEN
+            v_length := pg_catalog.format('P%sD', pg_catalog.div(v_len, c_day));
+        ELSE
+            v_secs := pg_catalog.div(v_len, 1000000);
+            v_frac := pg_catalog.mod(v_len, 1000000);
+            v_length := 'PT' OPERATOR(pg_catalog.||) v_secs::pg_catalog.text
+                        OPERATOR(pg_catalog.||) CASE WHEN v_frac OPERATOR(pg_catalog.=) 0 THEN ''
+                            ELSE '.' OPERATOR(pg_catalog.||) pg_catalog.rtrim(pg_catalog.lpad(v_frac::pg_catalog.text, 6, '0'), '0') END
+                        OPERATOR(pg_catalog.||) 'S';
+        END IF;
+    END IF;
+    -- The start as YYYY-MM-DDTHH:MM:SS[.fraction]Z.
+    v_day := '1970-01-01'::pg_catalog.date
+             OPERATOR(pg_catalog.+) pg_catalog.floor(v_start OPERATOR(pg_catalog./) c_day)::pg_catalog.int4;
+    v_in_day := v_start OPERATOR(pg_catalog.-)
+                ((v_day OPERATOR(pg_catalog.-) '1970-01-01'::pg_catalog.date)::pg_catalog.numeric OPERATOR(pg_catalog.*) c_day);
+    v_secs := pg_catalog.div(v_in_day, 1000000);
+    v_frac := pg_catalog.mod(v_in_day, 1000000);
+    v_key := job OPERATOR(pg_catalog.||) ':'
+             OPERATOR(pg_catalog.||) CASE WHEN idempotency._canon_year(v_day) OPERATOR(pg_catalog.<) 0
+                 THEN '-' OPERATOR(pg_catalog.||) pg_catalog.lpad(pg_catalog.abs(idempotency._canon_year(v_day))::pg_catalog.text, 3, '0')
+                 ELSE pg_catalog.lpad(idempotency._canon_year(v_day)::pg_catalog.text, 4, '0') END
+             OPERATOR(pg_catalog.||) pg_catalog.to_char(v_day, '-MM-DD')
+             OPERATOR(pg_catalog.||) pg_catalog.format('T%s:%s:%s',
+                 pg_catalog.lpad(pg_catalog.div(v_secs, 3600)::pg_catalog.text, 2, '0'),
+                 pg_catalog.lpad(pg_catalog.mod(pg_catalog.div(v_secs, 60), 60)::pg_catalog.text, 2, '0'),
+                 pg_catalog.lpad(pg_catalog.mod(v_secs, 60)::pg_catalog.text, 2, '0'))
+             OPERATOR(pg_catalog.||) CASE WHEN v_frac OPERATOR(pg_catalog.=) 0 THEN ''
+                 ELSE '.' OPERATOR(pg_catalog.||) pg_catalog.rtrim(pg_catalog.lpad(v_frac::pg_catalog.text, 6, '0'), '0') END
+             OPERATOR(pg_catalog.||) 'Z/' OPERATOR(pg_catalog.||) v_length;
+    IF pg_catalog.length(v_key) OPERATOR(pg_catalog.>) 255 THEN
+        RAISE EXCEPTION USING
+            ERRCODE = 'invalid_parameter_value',
+            MESSAGE = 'cron key would be longer than 255 characters: shorten job';
+    END IF;
+    RETURN v_key;
+END
+$fn$;
+
+-- SHA-256 of the canonical form of {"body": body, "method": METHOD, "path": path, "query": query}
+-- (query NULL: {}; body NULL: null).
+CREATE FUNCTION idempotency.request_fingerprint(
+    method text,
+    path   text,
+    query  jsonb DEFAULT NULL,
+    body   jsonb DEFAULT NULL
+) RETURNS bytea
+LANGUAGE plpgsql IMMUTABLE PARALLEL SAFE
+SET search_path = pg_catalog, pg_temp
+AS $fn$
+BEGIN
+    IF query IS NOT NULL THEN
+        PERFORM idempotency._canon_check_depth(query, 'query');
+        IF pg_catalog.jsonb_typeof(query) OPERATOR(pg_catalog.<>) 'object' THEN
+            RAISE EXCEPTION USING
+                ERRCODE = 'invalid_parameter_value',
+                MESSAGE = 'query must be a JSON object of parameter names to values';
+        END IF;
+    END IF;
+    IF body IS NOT NULL THEN
+        PERFORM idempotency._canon_check_depth(body, 'body');
+    END IF;
+    IF method IS NULL THEN
+        RAISE EXCEPTION USING ERRCODE = 'null_value_not_allowed', MESSAGE = 'method must not be NULL';
+    END IF;
+    IF method OPERATOR(pg_catalog.!~) '^[A-Za-z0-9!#$%&''*+.^_`|~-]+$' THEN
+        RAISE EXCEPTION USING
+            ERRCODE = 'invalid_parameter_value',
+            MESSAGE = 'method must be a non-empty HTTP token such as POST';
+    END IF;
+    IF path IS NULL THEN
+        RAISE EXCEPTION USING ERRCODE = 'null_value_not_allowed', MESSAGE = 'path must not be NULL';
+    END IF;
+    RETURN pg_catalog.sha256(pg_catalog.convert_to(idempotency._canon_text(
+        pg_catalog.jsonb_build_object(
+            'body', COALESCE(body, 'null'::pg_catalog.jsonb),
+            'method', pg_catalog.translate(method, 'abcdefghijklmnopqrstuvwxyz', 'ABCDEFGHIJKLMNOPQRSTUVWXYZ'),
+            'path', path,
+            'query', COALESCE(query, '{}'::pg_catalog.jsonb)),
+        true, 'body', 1001), 'UTF8'));
+END
+$fn$;
