@@ -135,9 +135,9 @@ $fn$;
 
 -- A number in 'rfc8785' mode: the nearest double (ties to even), written as ECMAScript writes
 -- it; NULL when it is outside the double range (the caller raises 22003). The rounding is
--- done here in exact numeric arithmetic, not by float8in (strtod), which not every build
--- rounds correctly (some give 9.999999999999999e+22 for 1e23): m * 2^e with m an integer
--- below 2^53, then made a float8 without rounding (halves of m, times an exact power of 2).
+-- done here in exact numeric arithmetic rather than left to the C library's strtod (through
+-- float8in): m * 2^e with m an integer below 2^53, then made a float8 without rounding (halves
+-- of m, times an exact power of 2).
 -- Bounds, exactly: |x| >= 2^1024 - 2^970 rounds to infinity; |x| <= 2^-1075 rounds to zero.
 -- float8's output with extra_float_digits > 0 is the shortest spelling that reads back as the
 -- same double: the digits ECMAScript chooses.
@@ -160,7 +160,6 @@ DECLARE
     v_c      numeric;
     v_f      integer;
     v_n      numeric;
-    v_k      integer;
     v_digits integer;
     v_i      integer;
 BEGIN
@@ -208,36 +207,31 @@ BEGIN
     -- this double (PostgreSQL's Ryu leaves its bounds out). ECMAScript also takes a bound when
     -- it reads back as this double, which it does when m is even (ties go to even): 1e+23, not
     -- 9.999999999999999e+22. A bound with fewer digits than float8's spelling is the answer.
+    -- The bounds are c * 2^f: (2m - 1) and (2m + 1) times 2^(e - 1); below a power of two
+    -- (m = 2^52, not the smallest normal) the lower gap is half as wide: (4m - 1) * 2^(e - 2).
+    -- With f < 0 a bound is an odd number times 5^-f over 10^-f: at least 17 significant digits,
+    -- never fewer than float8's; so only integer bounds (f >= 0) are looked at.
     v_text := v_d::pg_catalog.text;
-    IF pg_catalog.mod(v_m, 2::pg_catalog.numeric) OPERATOR(pg_catalog.=) 0 THEN
+    IF v_e OPERATOR(pg_catalog.>=) 1 AND pg_catalog.mod(v_m, 2::pg_catalog.numeric) OPERATOR(pg_catalog.=) 0 THEN
         v_best := pg_catalog.length(pg_catalog.rtrim(pg_catalog.ltrim(pg_catalog.replace(
                       pg_catalog.split_part(v_text, 'e', 1), '.', ''), '0'), '0'));
-        -- The bounds c * 2^f: (2m - 1) and (2m + 1) times 2^(e - 1); below a power of two
-        -- (m = 2^52, not the smallest normal) the lower gap is half as wide: (4m - 1) * 2^(e - 2).
         FOR v_i IN 1 .. 2 LOOP
             IF v_i OPERATOR(pg_catalog.=) 2 THEN
                 v_c := (2 OPERATOR(pg_catalog.*) v_m) OPERATOR(pg_catalog.+) 1;
                 v_f := v_e OPERATOR(pg_catalog.-) 1;
-            ELSIF v_m OPERATOR(pg_catalog.=) 4503599627370496::pg_catalog.numeric
-                  AND v_e OPERATOR(pg_catalog.>) -1074 THEN
+            ELSIF v_m OPERATOR(pg_catalog.=) 4503599627370496::pg_catalog.numeric THEN
                 v_c := (4 OPERATOR(pg_catalog.*) v_m) OPERATOR(pg_catalog.-) 1;
                 v_f := v_e OPERATOR(pg_catalog.-) 2;
             ELSE
                 v_c := (2 OPERATOR(pg_catalog.*) v_m) OPERATOR(pg_catalog.-) 1;
                 v_f := v_e OPERATOR(pg_catalog.-) 1;
             END IF;
-            -- The bound's exact decimal value: N * 10^-k.
-            IF v_f OPERATOR(pg_catalog.>=) 0 THEN
-                v_n := pg_catalog.trunc(v_c OPERATOR(pg_catalog.*) pg_catalog.power(2::pg_catalog.numeric, v_f::pg_catalog.numeric));
-                v_k := 0;
-            ELSE
-                v_n := pg_catalog.trunc(v_c OPERATOR(pg_catalog.*) pg_catalog.power(5::pg_catalog.numeric, (OPERATOR(pg_catalog.-) v_f)::pg_catalog.numeric));
-                v_k := OPERATOR(pg_catalog.-) v_f;
-            END IF;
+            CONTINUE WHEN v_f OPERATOR(pg_catalog.<) 0;
+            v_n := pg_catalog.trunc(v_c OPERATOR(pg_catalog.*) pg_catalog.power(2::pg_catalog.numeric, v_f::pg_catalog.numeric));
             v_digits := pg_catalog.length(pg_catalog.rtrim(v_n::pg_catalog.text, '0'));
             IF v_digits OPERATOR(pg_catalog.<) v_best THEN
                 v_best := v_digits;
-                v_text := v_n::pg_catalog.text OPERATOR(pg_catalog.||) 'e-' OPERATOR(pg_catalog.||) v_k::pg_catalog.text;
+                v_text := v_n::pg_catalog.text;
             END IF;
         END LOOP;
     END IF;
