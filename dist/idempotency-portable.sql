@@ -10,6 +10,9 @@
 
 BEGIN;
 
+-- Names in this script resolve in pg_catalog first, whatever the session's search_path.
+SET LOCAL search_path = pg_catalog, pg_temp;
+
 DO $encoding$
 BEGIN
     IF pg_catalog.getdatabaseencoding() OPERATOR(pg_catalog.=) 'SQL_ASCII' THEN

@@ -100,6 +100,8 @@ trap 'rm -rf "$out"' EXIT
 {
     header "plain script (psql -v ON_ERROR_STOP=1 -f idempotency-portable.sql)"
     printf '\nBEGIN;\n\n'
+    printf -- '-- Names in this script resolve in pg_catalog first, whatever the session'"'"'s search_path.\n'
+    printf 'SET LOCAL search_path = pg_catalog, pg_temp;\n\n'
     encoding_check
     refuse_extension
     for f in "${sources[@]}"; do
