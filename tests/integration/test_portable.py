@@ -44,16 +44,16 @@ END $$;
 """
 
 
-def psql(cluster, dbname, path):
+def psql(cluster, dbname, path, user="postgres"):
     return subprocess.run(
         [f"{cluster.bin}/psql", "-X", "-q", "-v", "ON_ERROR_STOP=1", "-h", cluster.dir, "-p", str(cluster.port),
-         "-U", "postgres", "-d", dbname, "-f", path],
+         "-U", user, "-d", dbname, "-f", path],
         capture_output=True, text=True,
     )
 
 
-def conninfo(cluster, dbname):
-    return f"host={cluster.dir} port={cluster.port} user=postgres dbname={dbname}"
+def conninfo(cluster, dbname, user="postgres"):
+    return f"host={cluster.dir} port={cluster.port} user={user} dbname={dbname}"
 
 
 def run(conn, docs, mode, excludes=None):
@@ -344,6 +344,38 @@ def test_a_latin1_database_hashes_the_utf8_bytes(cluster):
             c.execute("DROP DATABASE latin1_portable")
 
 
+def test_plain_script_installed_by_a_role_that_is_not_a_superuser(cluster, editions):
+    """As on a managed service: the database's owner (CREATEROLE CREATEDB, no superuser) runs the
+    plain script; an application role with only USAGE on the schema calls the functions."""
+    native, _ = editions
+    with psycopg.connect(cluster.conninfo(), autocommit=True) as c:
+        c.execute("DROP DATABASE IF EXISTS portable_owned")
+        c.execute("DROP ROLE IF EXISTS portable_owner")
+        c.execute("DROP ROLE IF EXISTS portable_app")
+        c.execute("CREATE ROLE portable_owner LOGIN CREATEROLE CREATEDB")
+        c.execute("CREATE ROLE portable_app LOGIN")
+        c.execute("CREATE DATABASE portable_owned OWNER portable_owner")
+    try:
+        result = psql(cluster, "portable_owned", PLAIN, user="portable_owner")
+        assert result.returncode == 0, result.stderr
+        with psycopg.connect(conninfo(cluster, "portable_owned", "portable_owner"), autocommit=True) as c:
+            assert c.execute("SELECT nspowner::regrole::text FROM pg_namespace WHERE nspname = 'idempotency'"
+                             ).fetchone()[0] == "portable_owner"
+            c.execute("GRANT USAGE ON SCHEMA idempotency TO portable_app")
+        docs = corpus(SEED + 19, True, 100)
+        with psycopg.connect(conninfo(cluster, "portable_owned", "portable_app"), autocommit=True) as c:
+            assert c.execute("SELECT rolsuper FROM pg_roles WHERE rolname = current_user").fetchone()[0] is False
+            assert run(c, docs, "exact") == run(native, docs, "exact")
+            assert run(c, docs, "hash", ['["a"]'] * len(docs)) == run(native, docs, "hash", ['["a"]'] * len(docs))
+            assert c.execute("SELECT idempotency.derive_key('o', 's', '{\"a\": 1}')").fetchone()[0] == \
+                native.execute("SELECT idempotency.derive_key('o', 's', '{\"a\": 1}')").fetchone()[0]
+    finally:
+        with psycopg.connect(cluster.conninfo(), autocommit=True) as c:
+            c.execute("DROP DATABASE portable_owned")
+            c.execute("DROP ROLE portable_owner")
+            c.execute("DROP ROLE portable_app")
+
+
 def test_plain_script_refuses_sql_ascii(cluster):
     """The native install's encoding check, shared: a SQL_ASCII database is refused, nothing made."""
     with psycopg.connect(cluster.conninfo(), autocommit=True) as c:
@@ -569,12 +601,24 @@ def test_the_pgtle_route_matches_the_native_edition(editions, pgtle_cluster):
     assert not [f for f in os.listdir(pkglib) if f.startswith("idempotency")]
     assert not [f for f in os.listdir(os.path.join(share, "extension")) if f.startswith("idempotency")]
     assert os.path.exists(os.path.join(pkglib, "pg_tle.so"))
+    # As on RDS: pg_tle is there; a role that is not a superuser, with CREATEROLE, CREATEDB and
+    # pgtle_admin, owning the database, installs the extension; an application role with only
+    # USAGE on the schema calls it.
     with psycopg.connect(c.conninfo(), autocommit=True) as conn:
         conn.execute("CREATE EXTENSION pg_tle")
-    result = psql(c, "tle", PGTLE)
+        conn.execute("CREATE ROLE tle_owner LOGIN CREATEROLE CREATEDB")
+        conn.execute("GRANT pgtle_admin TO tle_owner")
+        conn.execute("ALTER DATABASE tle OWNER TO tle_owner")
+        conn.execute("CREATE ROLE tle_app LOGIN")
+    result = psql(c, "tle", PGTLE, user="tle_owner")
     assert result.returncode == 0, result.stderr
-    with psycopg.connect(c.conninfo(), autocommit=True) as conn:
+    with psycopg.connect(conninfo(c, "tle", "tle_owner"), autocommit=True) as conn:
         conn.execute("CREATE EXTENSION idempotency")
+        conn.execute("GRANT USAGE ON SCHEMA idempotency TO tle_app")
+        assert conn.execute("SELECT extowner::regrole::text FROM pg_extension WHERE extname = 'idempotency'"
+                            ).fetchone()[0] == "tle_owner"
+    with psycopg.connect(conninfo(c, "tle", "tle_app"), autocommit=True) as conn:
+        assert conn.execute("SELECT rolsuper FROM pg_roles WHERE rolname = current_user").fetchone()[0] is False
         row = conn.execute("""SELECT extversion, extnamespace::regnamespace::text FROM pg_extension
                                WHERE extname = 'idempotency'""").fetchone()
         assert row == ("0.5.0", "idempotency")
@@ -591,6 +635,7 @@ def test_the_pgtle_route_matches_the_native_edition(editions, pgtle_cluster):
         calls = derivation_calls(SEED + 16, DOCS // 4)
         diff = differences(calls, run_calls(native, calls), run_calls(conn, calls))
         assert not diff, f"derivations: {len(diff)} of {len(calls)} differ, first: {diff[:5]!r}"
+    with psycopg.connect(conninfo(c, "tle", "tle_owner"), autocommit=True) as conn:
         # DROP EXTENSION takes everything with it.
         conn.execute("DROP EXTENSION idempotency")
         assert conn.execute("SELECT count(*) FROM pg_proc WHERE proname = 'canonical_json'").fetchone()[0] == 0
