@@ -288,8 +288,8 @@ BEGIN
     ELSE
         -- Every value: its path (per level, its 4-byte rank in canonical order), its level
         -- (the document is level 0; a container at level 1000 is nested 1001 deep), and what
-        -- is written before it ("," and the member's name). Containers at level 1000 are not
-        -- opened. The pieces: each value's head and opening (or scalar), and each container's
+        -- is written before it ("," and the member's name). Containers at level `depth` are
+        -- not opened (they are the error). The pieces: each value's head and opening (or scalar), and each container's
         -- closing at its path followed by \xff, after all its children's paths.
         WITH RECURSIVE node(path, level, kind, v, head) AS (
             SELECT ''::pg_catalog.bytea, 0, v_kind, doc, ''::pg_catalog.text
