@@ -45,6 +45,45 @@ $encoding$;
 -- query lists every value with its position, and the pieces are joined in that order.
 -- Every function pins search_path; every reference is schema-qualified.
 
+-- In a database whose encoding is not UTF-8, text is hashed as Unicode: a character without a
+-- Unicode equivalent (EUC_JP 0xA2AF, say) is refused with 22P05 naming the argument, as the
+-- native edition refuses it. Nothing to check in a UTF-8 database.
+CREATE FUNCTION idempotency._canon_unicode(value text, arg text)
+RETURNS void
+LANGUAGE plpgsql IMMUTABLE PARALLEL SAFE
+SET search_path = pg_catalog, pg_temp
+AS $fn$
+DECLARE
+    v_msg text;
+BEGIN
+    IF value IS NULL OR pg_catalog.getdatabaseencoding() OPERATOR(pg_catalog.=) 'UTF8' THEN
+        RETURN;
+    END IF;
+    BEGIN
+        PERFORM pg_catalog.convert_to(value, 'UTF8');
+    EXCEPTION WHEN untranslatable_character THEN
+        GET STACKED DIAGNOSTICS v_msg = MESSAGE_TEXT;
+        RAISE EXCEPTION USING
+            ERRCODE = 'untranslatable_character',
+            MESSAGE = arg OPERATOR(pg_catalog.||) ': '
+                      OPERATOR(pg_catalog.||) pg_catalog.replace(v_msg, 'in encoding "UTF8"', 'in Unicode');
+    END;
+END
+$fn$;
+
+-- The same for the strings of a document.
+CREATE FUNCTION idempotency._canon_unicode_doc(value jsonb, arg text)
+RETURNS void
+LANGUAGE plpgsql IMMUTABLE PARALLEL SAFE
+SET search_path = pg_catalog, pg_temp
+AS $fn$
+BEGIN
+    IF value IS NOT NULL AND pg_catalog.getdatabaseencoding() OPERATOR(pg_catalog.<>) 'UTF8' THEN
+        PERFORM idempotency._canon_unicode(value::pg_catalog.text, arg);
+    END IF;
+END
+$fn$;
+
 -- The ECMAScript Number::toString layout of an exact decimal number written as
 -- -?digits(.digits)?([eE][+-]?digits)? (numeric's output, or float8's shortest output).
 CREATE FUNCTION idempotency._canon_layout(num text)
@@ -399,8 +438,49 @@ BEGIN
                 THEN pg_catalog.format(E'\\u{%s}', pg_catalog.to_hex(v_cp))
             ELSE v_c END;
     END LOOP;
-    RETURN '"' OPERATOR(pg_catalog.||) v_out OPERATOR(pg_catalog.||) '"'
-           OPERATOR(pg_catalog.||) CASE WHEN v_cut THEN '…' ELSE '' END;
+    v_out := '"' OPERATOR(pg_catalog.||) v_out OPERATOR(pg_catalog.||) '"';
+    IF v_cut AND v_utf8 THEN
+        -- An ellipsis (a statement of its own: chr(8230) does not exist in other encodings).
+        v_out := v_out OPERATOR(pg_catalog.||) pg_catalog.chr(8230);
+    ELSIF v_cut THEN
+        v_out := v_out OPERATOR(pg_catalog.||) '...';
+    END IF;
+    RETURN v_out;
+END
+$fn$;
+
+-- A message for a database whose encoding is not UTF-8, as the native edition writes it there:
+-- every character outside ASCII as \u{hex of its code point}.
+CREATE FUNCTION idempotency._canon_message(message text)
+RETURNS text
+LANGUAGE plpgsql IMMUTABLE STRICT PARALLEL SAFE
+SET search_path = pg_catalog, pg_temp
+AS $fn$
+DECLARE
+    v_out text := '';
+    v_c   text;
+    v_b   bytea;
+    v_cp  integer;
+BEGIN
+    IF pg_catalog.getdatabaseencoding() OPERATOR(pg_catalog.=) 'UTF8'
+       OR pg_catalog.octet_length(message) OPERATOR(pg_catalog.=) pg_catalog.length(message) THEN
+        RETURN message;  -- UTF-8, or ASCII only (every multibyte encoding's other characters take 2+ bytes)
+    END IF;
+    FOREACH v_c IN ARRAY pg_catalog.regexp_split_to_array(message, '') LOOP
+        v_b := pg_catalog.convert_to(v_c, 'UTF8');
+        IF pg_catalog.length(v_b) OPERATOR(pg_catalog.=) 1 AND pg_catalog.get_byte(v_b, 0) OPERATOR(pg_catalog.<) 128 THEN
+            v_out := v_out OPERATOR(pg_catalog.||) v_c;
+            CONTINUE;
+        END IF;
+        -- The code point from its UTF-8 bytes.
+        v_cp := pg_catalog.get_byte(v_b, 0) OPERATOR(pg_catalog.&)
+                CASE pg_catalog.length(v_b) WHEN 2 THEN 31 WHEN 3 THEN 15 ELSE 7 END;
+        FOR v_i IN 1 .. pg_catalog.length(v_b) OPERATOR(pg_catalog.-) 1 LOOP
+            v_cp := (v_cp OPERATOR(pg_catalog.*) 64) OPERATOR(pg_catalog.+) (pg_catalog.get_byte(v_b, v_i) OPERATOR(pg_catalog.&) 63);
+        END LOOP;
+        v_out := v_out OPERATOR(pg_catalog.||) pg_catalog.format(E'\\u{%s}', pg_catalog.to_hex(v_cp));
+    END LOOP;
+    RETURN v_out;
 END
 $fn$;
 
@@ -439,11 +519,11 @@ BEGIN
             IF v_tokens[v_i] OPERATOR(pg_catalog.~) '~([^01]|$)' THEN
                 RAISE EXCEPTION USING
                     ERRCODE = 'invalid_text_representation',
-                    MESSAGE = pg_catalog.format(
+                    MESSAGE = idempotency._canon_message(pg_catalog.format(
                         'exclude: "%s" is not a member name or an RFC 6901 JSON Pointer',
                         CASE WHEN pg_catalog.length(v_entry) OPERATOR(pg_catalog.>) 80
                              THEN pg_catalog.left(v_entry, 80) OPERATOR(pg_catalog.||) '...'
-                             ELSE v_entry END),
+                             ELSE v_entry END)),
                     HINT = 'use ~0 for ''~'' and ~1 for ''/'' inside a pointer token';
             END IF;
             v_tokens[v_i] := pg_catalog.replace(pg_catalog.replace(v_tokens[v_i], '~1', '/'), '~0', '~');
@@ -478,18 +558,20 @@ LANGUAGE plpgsql IMMUTABLE PARALLEL SAFE
 SET search_path = pg_catalog, pg_temp
 AS $fn$
 BEGIN
+    PERFORM idempotency._canon_unicode(numbers, 'numbers');
     IF numbers IS NULL THEN
         RAISE EXCEPTION USING ERRCODE = 'null_value_not_allowed', MESSAGE = 'numbers must not be NULL';
     END IF;
     IF numbers OPERATOR(pg_catalog.<>) 'exact' AND numbers OPERATOR(pg_catalog.<>) 'rfc8785' THEN
         RAISE EXCEPTION USING
             ERRCODE = 'invalid_parameter_value',
-            MESSAGE = pg_catalog.format('numbers must be ''exact'' or ''rfc8785'' (got %s)',
-                                        idempotency._canon_quote(numbers));
+            MESSAGE = idempotency._canon_message(pg_catalog.format(
+                'numbers must be ''exact'' or ''rfc8785'' (got %s)', idempotency._canon_quote(numbers)));
     END IF;
     IF doc IS NULL THEN
         RETURN NULL;
     END IF;
+    PERFORM idempotency._canon_unicode_doc(doc, 'doc');
     RETURN idempotency._canon_text(doc, numbers OPERATOR(pg_catalog.=) 'exact', 'doc');
 END
 $fn$;
@@ -505,9 +587,15 @@ BEGIN
     IF exclude IS NULL THEN
         RAISE EXCEPTION USING ERRCODE = 'null_value_not_allowed', MESSAGE = 'exclude must not be NULL';
     END IF;
+    IF pg_catalog.getdatabaseencoding() OPERATOR(pg_catalog.<>) 'UTF8' THEN
+        FOREACH v_entry IN ARRAY exclude LOOP
+            PERFORM idempotency._canon_unicode(v_entry, 'exclude');
+        END LOOP;
+    END IF;
     IF doc IS NULL THEN
         RETURN NULL;
     END IF;
+    PERFORM idempotency._canon_unicode_doc(doc, 'doc');
     IF pg_catalog.cardinality(exclude) OPERATOR(pg_catalog.>) 0 THEN
         FOREACH v_entry IN ARRAY exclude LOOP
             IF v_entry IS NULL THEN
@@ -580,6 +668,9 @@ AS $fn$
 DECLARE
     v_key text;
 BEGIN
+    PERFORM idempotency._canon_unicode(parent, 'parent');
+    PERFORM idempotency._canon_unicode(step, 'step');
+    PERFORM idempotency._canon_unicode_doc(params, 'params');
     IF params IS NOT NULL THEN
         PERFORM idempotency._canon_check_depth(params, 'params');
     END IF;
@@ -650,6 +741,7 @@ DECLARE
     v_key    text;
     v_year   numeric;
 BEGIN
+    PERFORM idempotency._canon_unicode(job, 'job');
     PERFORM idempotency._canon_check_key('job', job, false);
     IF scheduled_at IS NULL THEN
         RAISE EXCEPTION USING ERRCODE = 'null_value_not_allowed', MESSAGE = 'scheduled_at must not be NULL';
@@ -748,6 +840,9 @@ LANGUAGE plpgsql IMMUTABLE PARALLEL SAFE
 SET search_path = pg_catalog, pg_temp
 AS $fn$
 BEGIN
+    PERFORM idempotency._canon_unicode(method, 'method');
+    PERFORM idempotency._canon_unicode(path, 'path');
+    PERFORM idempotency._canon_unicode_doc(query, 'query');
     IF query IS NOT NULL THEN
         PERFORM idempotency._canon_check_depth(query, 'query');
         IF pg_catalog.jsonb_typeof(query) OPERATOR(pg_catalog.<>) 'object' THEN
@@ -756,6 +851,7 @@ BEGIN
                 MESSAGE = 'query must be a JSON object of parameter names to values';
         END IF;
     END IF;
+    PERFORM idempotency._canon_unicode_doc(body, 'body');
     IF body IS NOT NULL THEN
         PERFORM idempotency._canon_check_depth(body, 'body');
     END IF;

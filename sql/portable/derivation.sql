@@ -48,6 +48,9 @@ AS $fn$
 DECLARE
     v_key text;
 BEGIN
+    PERFORM idempotency._canon_unicode(parent, 'parent');
+    PERFORM idempotency._canon_unicode(step, 'step');
+    PERFORM idempotency._canon_unicode_doc(params, 'params');
     IF params IS NOT NULL THEN
         PERFORM idempotency._canon_check_depth(params, 'params');
     END IF;
@@ -118,6 +121,7 @@ DECLARE
     v_key    text;
     v_year   numeric;
 BEGIN
+    PERFORM idempotency._canon_unicode(job, 'job');
     PERFORM idempotency._canon_check_key('job', job, false);
     IF scheduled_at IS NULL THEN
         RAISE EXCEPTION USING ERRCODE = 'null_value_not_allowed', MESSAGE = 'scheduled_at must not be NULL';
@@ -216,6 +220,9 @@ LANGUAGE plpgsql IMMUTABLE PARALLEL SAFE
 SET search_path = pg_catalog, pg_temp
 AS $fn$
 BEGIN
+    PERFORM idempotency._canon_unicode(method, 'method');
+    PERFORM idempotency._canon_unicode(path, 'path');
+    PERFORM idempotency._canon_unicode_doc(query, 'query');
     IF query IS NOT NULL THEN
         PERFORM idempotency._canon_check_depth(query, 'query');
         IF pg_catalog.jsonb_typeof(query) OPERATOR(pg_catalog.<>) 'object' THEN
@@ -224,6 +231,7 @@ BEGIN
                 MESSAGE = 'query must be a JSON object of parameter names to values';
         END IF;
     END IF;
+    PERFORM idempotency._canon_unicode_doc(body, 'body');
     IF body IS NOT NULL THEN
         PERFORM idempotency._canon_check_depth(body, 'body');
     END IF;

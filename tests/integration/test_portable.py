@@ -565,6 +565,58 @@ def test_derivations_match_the_native_edition(editions):
     assert not diff, f"{len(diff)} of {len(calls)} differ, first: {diff[:5]!r}"
 
 
+def test_an_euc_jp_database_refuses_what_has_no_unicode_character(cluster):
+    """EUC_JP byte pairs such as 0xA2AF are valid there but have no Unicode character: 22P05
+    naming the argument, the same message as the native edition's; Japanese text hashes as its
+    UTF-8 bytes."""
+    odd = "pg_catalog.convert_from('\\xa2af'::bytea, 'EUC_JP')"
+    calls = [
+        f"SELECT idempotency.canonical_hash(pg_catalog.jsonb_build_object('a', {odd}))",
+        f"SELECT idempotency.canonical_hash(pg_catalog.jsonb_build_object('a', {odd}), '{{a}}')",
+        f"SELECT idempotency.canonical_hash('{{}}', ARRAY[{odd}])",
+        f"SELECT idempotency.canonical_json(pg_catalog.jsonb_build_object({odd}, 1))",
+        f"SELECT idempotency.canonical_json('1', {odd})",
+        f"SELECT idempotency.derive_key({odd}, 'step')",
+        f"SELECT idempotency.derive_key('p', {odd})",
+        f"SELECT idempotency.derive_key('p', 's', pg_catalog.jsonb_build_array({odd}))",
+        f"SELECT idempotency.cron_key({odd}, now(), '1 hour')",
+        f"SELECT idempotency.request_fingerprint('GET', {odd})::text",
+        f"SELECT idempotency.request_fingerprint({odd}, '/')::text",
+        f"SELECT idempotency.request_fingerprint('GET', '/', pg_catalog.jsonb_build_object('q', {odd}))::text",
+        f"SELECT idempotency.request_fingerprint('GET', '/', NULL, pg_catalog.jsonb_build_array({odd}))::text",
+        "SELECT idempotency.canonical_json('{\"漢字\": \"かな\", \"a\": [\"ｶﾅ\", 1.50]}')",
+        "SELECT idempotency.canonical_hash('{\"漢字\": \"かな\", \"a\": [\"ｶﾅ\", 1.50]}')::text",
+        "SELECT idempotency.canonical_hash('{\"漢字\": \"かな\", \"a\": [\"ｶﾅ\", 1.50]}', '{/a/0}')::text",
+        "SELECT idempotency.derive_key('注文', '請求', '{\"額\": 5}')",
+        "SELECT idempotency.request_fingerprint('post', '/注文', '{\"q\": \"漢\"}', '[\"字\"]')::text",
+        # Messages quoting text outside ASCII, as the native edition writes them in such a database.
+        "SELECT idempotency.canonical_json('1', 'かな')",
+        "SELECT idempotency.canonical_json('1', repeat('漢', 50))",
+        "SELECT idempotency.canonical_json('1', E'\\t' || repeat('é', 50))",
+        "SELECT idempotency.canonical_hash('{}', ARRAY['/漢~2'])::text",
+        "SELECT idempotency.canonical_hash('{}', ARRAY['/' || repeat('字', 90) || '~'])::text",
+    ]
+    with psycopg.connect(cluster.conninfo(), autocommit=True) as c:
+        for db in ("eucjp_native", "eucjp_portable"):
+            c.execute(f"DROP DATABASE IF EXISTS {db}")
+            c.execute(f"CREATE DATABASE {db} TEMPLATE template0 ENCODING 'EUC_JP' LC_COLLATE 'C' LC_CTYPE 'C'")
+    try:
+        with psycopg.connect(conninfo(cluster, "eucjp_native") + " client_encoding=UTF8", autocommit=True) as c:
+            c.execute("CREATE EXTENSION idempotency")
+            expected = run_calls(c, calls)
+        result = psql(cluster, "eucjp_portable", PLAIN)
+        assert result.returncode == 0, result.stderr
+        with psycopg.connect(conninfo(cluster, "eucjp_portable") + " client_encoding=UTF8", autocommit=True) as c:
+            got = run_calls(c, calls)
+        assert sum(e.startswith("!error 22P05") for e in expected) == 13
+        diff = differences(calls, expected, got)
+        assert not diff, f"{len(diff)} of {len(calls)} differ, first: {diff[:5]!r}"
+    finally:
+        with psycopg.connect(cluster.conninfo(), autocommit=True) as c:
+            c.execute("DROP DATABASE eucjp_native")
+            c.execute("DROP DATABASE eucjp_portable")
+
+
 # --- pg_tle -----------------------------------------------------------------------------------
 
 def _major():
