@@ -412,7 +412,8 @@ fn store_has_rules() -> bool {
         if rel.is_null() {
             return false;
         }
-        let rules = (*(*rel).rd_rel).relhasrules || !(*rel).rd_rules.is_null();
+        // The rules themselves (relhasrules stays true after the last one is dropped).
+        let rules = !(*rel).rd_rules.is_null();
         pg_sys::RelationClose(rel);
         rules
     }

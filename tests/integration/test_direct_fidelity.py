@@ -246,6 +246,25 @@ def test_a_publication_row_filter_outside_the_replica_identity_is_checked(connec
         == "in_progress"
 
 
+def test_the_direct_writes_come_back_when_the_last_rule_is_dropped(connect, reinstall):
+    """pg_class.relhasrules stays true after the last rule is dropped (until a VACUUM): judged by
+    it, the store kept going through the statements for the rest of the server's life (every
+    later direct-path test of a shared cluster failed). The rules themselves decide now."""
+    a = connect()
+    a.execute("CREATE TABLE public.seen_by_a_rule (key text)")
+    a.execute("CREATE RULE note_insert AS ON INSERT TO idempotency.idempotency_keys "
+              "DO ALSO INSERT INTO public.seen_by_a_rule VALUES (NEW.key)")
+    a.execute("DROP TABLE public.seen_by_a_rule CASCADE")
+    assert a.execute("SELECT relhasrules FROM pg_class WHERE oid = 'idempotency.idempotency_keys'::regclass "
+                     "AND NOT EXISTS (SELECT FROM pg_rewrite WHERE ev_class = oid)").fetchone() == (True,)
+    first = claim(a, "rule-gone", {"x": 3}, lease="10 minutes")
+    assert first[0] == "new"
+    box, in_window = race(connect, "rule-gone", lambda b: complete(b, "rule-gone", {"done": 3}, token=first[1]))
+    assert "error" not in box, box
+    # The completion's look-up (the direct path) ran, and paused where the test waits for it.
+    assert in_window >= 2, f"the completion did not go through the direct path ({in_window})"
+
+
 def test_rules_on_the_table_send_writes_through_sql(connect, reinstall):
     a = connect()
     warm_direct_path(a, "rule-0")

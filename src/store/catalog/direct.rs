@@ -151,8 +151,9 @@ pub(crate) unsafe fn build_direct_layout(
         let plain = (*form).relkind == pg_sys::RELKIND_RELATION as std::ffi::c_char
             && !(*form).relispartition
             && (*rel).trigdesc.is_null()
+            // The rules themselves, not pg_class.relhasrules: that stays true after the last
+            // rule is dropped (until a VACUUM), and would keep the direct writes off meanwhile.
             && (*rel).rd_rules.is_null()
-            && !(*form).relhasrules
             && !(*form).relrowsecurity
             && !published;
         let ours = (0..natts)
