@@ -648,11 +648,11 @@ mod tests {
 
     #[pg_test]
     fn dump_keeps_the_rows() {
-        // The keys, their token sequence, the key storage mode and the audit trail are dumped;
-        // the signing secrets deliberately are not.
+        // The keys, their token sequence, the key storage mode, the audit trail and the
+        // settings that bind roles are dumped; the signing secrets deliberately are not.
         assert_eq!(
             text("SELECT string_agg(c::regclass::text, ' ' ORDER BY c::regclass::text) FROM pg_extension e, unnest(e.extconfig) c WHERE e.extname = 'idempotency'"),
-            "idempotency.audit idempotency.audit_id_seq idempotency.config idempotency.idempotency_keys idempotency.token_seq"
+            "idempotency.audit idempotency.audit_id_seq idempotency.config idempotency.idempotency_keys idempotency.role_settings idempotency.token_seq"
         );
     }
 
