@@ -343,19 +343,7 @@ pub fn spi_text<'a>(text: &str, what: &str) -> pgrx::datum::DatumWithOid<'a> {
 /// valid in the database encoding are refused (22021 character_not_in_repertoire), never
 /// decoded lossily (two different prefixes must never become the same one).
 pub fn checked_setting_text<'a>(what: &str, bytes: &'a [u8]) -> Cow<'a, str> {
-    let len = i32::try_from(bytes.len()).unwrap_or(i32::MAX);
-    // SAFETY: `bytes` is `len` readable bytes (a setting is far shorter than 2 GB); with
-    // noError the function only reports whether they are valid, it raises nothing.
-    let valid = unsafe { pg_sys::pg_verify_mbstr(encoding().id, bytes.as_ptr().cast(), len, true) }
-        && len as usize == bytes.len();
-    let text = if !valid {
-        None
-    } else if utf8_database() {
-        std::str::from_utf8(bytes).ok().map(Cow::Borrowed)
-    } else {
-        Some(to_utf8(bytes).unwrap_or_else(|m| untranslatable(what, m)))
-    };
-    text.unwrap_or_else(|| {
+    if !valid_in_database(bytes) {
         raise(
             PgSqlErrorCode::ERRCODE_CHARACTER_NOT_IN_REPERTOIRE,
             format!(
@@ -369,5 +357,6 @@ pub fn checked_setting_text<'a>(what: &str, bytes: &'a [u8]) -> Cow<'a, str> {
                  the role's prefix in idempotency.role_settings",
             ),
         )
-    })
+    }
+    to_utf8(bytes).unwrap_or_else(|m| untranslatable(what, m))
 }
