@@ -344,6 +344,92 @@ RETURNS bigint
 LANGUAGE c VOLATILE PARALLEL UNSAFE SECURITY DEFINER
 AS 'MODULE_PATHNAME', 'idempotency_sweep';
 
+-- Sweeping without the background sweeper: a pg_cron job (the portable edition, a server that
+-- does not preload the library). Creates or replaces the caller's pg_cron job named
+-- 'idempotency-sweep' in this database (pg_cron's own, cron.database_name) and returns its id.
+-- Not SECURITY DEFINER: the job runs as the role that schedules it, which needs pg_cron's
+-- own grants (USAGE on schema cron) and EXECUTE on idempotency.sweep.
+CREATE FUNCTION idempotency.schedule_sweep(every interval DEFAULT '1 minute')
+RETURNS bigint
+LANGUAGE plpgsql VOLATILE
+SET search_path = pg_catalog, pg_temp
+AS $fn$
+DECLARE
+    v_seconds bigint;
+    v_schedule text;
+    v_version text;
+    v_database text := pg_catalog.current_setting('cron.database_name', true);
+    v_job bigint;
+BEGIN
+    IF every IS NULL OR every OPERATOR(pg_catalog.<=) '0'::interval OR NOT pg_catalog.isfinite(every) THEN
+        RAISE EXCEPTION USING
+            ERRCODE = 'invalid_parameter_value',
+            MESSAGE = pg_catalog.format('invalid every %s for idempotency.schedule_sweep: it must be a positive, finite interval',
+                                        COALESCE(every::text, 'NULL')),
+            HINT = 'pass how often to sweep, e.g. ''1 minute'' or ''30 seconds''';
+    END IF;
+    -- pg_cron takes whole seconds below a minute (1.5 and later) and cron expressions above;
+    -- only periods a cron expression repeats evenly are taken, so the period is the one asked.
+    IF pg_catalog.date_part('epoch', every) OPERATOR(pg_catalog.<>) pg_catalog.trunc(pg_catalog.date_part('epoch', every)) THEN
+        v_seconds := 0;  -- a fraction of a second: refused below
+    ELSE
+        v_seconds := pg_catalog.date_part('epoch', every);
+    END IF;
+    IF v_seconds OPERATOR(pg_catalog.=) 0 THEN
+        v_schedule := NULL;
+    ELSIF v_seconds OPERATOR(pg_catalog.<) 60 THEN
+        v_schedule := pg_catalog.format('%s seconds', v_seconds);
+    ELSIF v_seconds OPERATOR(pg_catalog.<) 3600 AND v_seconds OPERATOR(pg_catalog.%) 60 OPERATOR(pg_catalog.=) 0
+          AND 3600 OPERATOR(pg_catalog.%) v_seconds OPERATOR(pg_catalog.=) 0 THEN
+        v_schedule := CASE WHEN v_seconds OPERATOR(pg_catalog.=) 60 THEN '* * * * *'
+                           ELSE pg_catalog.format('*/%s * * * *', v_seconds OPERATOR(pg_catalog./) 60) END;
+    ELSIF v_seconds OPERATOR(pg_catalog.<) 86400 AND v_seconds OPERATOR(pg_catalog.%) 3600 OPERATOR(pg_catalog.=) 0
+          AND 86400 OPERATOR(pg_catalog.%) v_seconds OPERATOR(pg_catalog.=) 0 THEN
+        v_schedule := CASE WHEN v_seconds OPERATOR(pg_catalog.=) 3600 THEN '0 * * * *'
+                           ELSE pg_catalog.format('0 */%s * * *', v_seconds OPERATOR(pg_catalog./) 3600) END;
+    ELSIF v_seconds OPERATOR(pg_catalog.=) 86400 THEN
+        v_schedule := '0 0 * * *';
+    END IF;
+    IF v_schedule IS NULL THEN
+        RAISE EXCEPTION USING
+            ERRCODE = 'invalid_parameter_value',
+            MESSAGE = pg_catalog.format('invalid every %s for idempotency.schedule_sweep: pg_cron cannot repeat it evenly', every),
+            HINT = 'pass 1 to 59 seconds, a number of minutes that divides an hour, a number of hours that divides a day, or 1 day';
+    END IF;
+
+    SELECT e.extversion INTO v_version FROM pg_catalog.pg_extension AS e
+     WHERE e.extname OPERATOR(pg_catalog.=) 'pg_cron';
+    IF v_version IS NULL THEN
+        RAISE EXCEPTION USING
+            ERRCODE = 'feature_not_supported',
+            MESSAGE = pg_catalog.format('idempotency.schedule_sweep needs pg_cron, which is not installed in database %s',
+                                        pg_catalog.current_database()),
+            HINT = CASE WHEN v_database IS NOT NULL AND v_database OPERATOR(pg_catalog.<>) pg_catalog.current_database()
+                        THEN pg_catalog.format('pg_cron runs jobs from database %s (cron.database_name); there, run '
+                                               'SELECT cron.schedule_in_database(%L, %L, %L, %L)', v_database,
+                                               'idempotency-sweep-' OPERATOR(pg_catalog.||) pg_catalog.current_database(),
+                                               v_schedule, 'SELECT idempotency.sweep()', pg_catalog.current_database())
+                        ELSE 'preload pg_cron and CREATE EXTENSION pg_cron, or run SELECT idempotency.sweep() from a scheduler of your own; '
+                             'with the native edition preloaded, its background sweeper sweeps' END;
+    END IF;
+
+    IF v_schedule OPERATOR(pg_catalog.~) 'seconds$'
+       AND pg_catalog.string_to_array(pg_catalog.split_part(v_version, '-', 1), '.')::integer[]
+           OPERATOR(pg_catalog.<) ARRAY[1, 5] THEN
+        RAISE EXCEPTION USING
+            ERRCODE = 'feature_not_supported',
+            MESSAGE = pg_catalog.format('invalid every %s for idempotency.schedule_sweep: pg_cron %s schedules by the minute',
+                                        every, v_version),
+            HINT = 'pass a whole number of minutes, or update pg_cron to 1.5 or later for seconds';
+    END IF;
+
+    -- cron.schedule replaces the caller's job of the same name.
+    EXECUTE 'SELECT cron.schedule($1, $2, $3)' INTO v_job
+      USING 'idempotency-sweep', v_schedule, 'SELECT idempotency.sweep()';
+    RETURN v_job;
+END
+$fn$;
+
 -- Keys stored hashed ------------------------------------------------------------------------
 
 -- How the store keeps keys: no row (or 'plain') keeps them as given, 'sha256' keeps the hex
@@ -1040,7 +1126,8 @@ BEGIN
         PERFORM pg_catalog.set_config('client_min_messages', 'notice', true);
         RAISE NOTICE 'idempotency: no background sweeper runs: the library is not in shared_preload_libraries'
             USING HINT = 'Add idempotency to shared_preload_libraries and restart PostgreSQL, '
-                         'or schedule SELECT idempotency.sweep(); expired keys count as absent either way.';
+                         'or schedule SELECT idempotency.sweep() (with pg_cron: SELECT idempotency.schedule_sweep()); '
+                         'expired keys count as absent either way.';
     END IF;
 END
 $notice$;
