@@ -11,13 +11,13 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 
 read -r -a VERSIONS <<<"${IDEMPOTENCY_PG_VERSIONS:-15 16 17 18}"
-# The integration suite's core, run on every version (the rest needs pg_cron, the HTTP and
-# Node examples, a standby or minutes of soak, and runs on the first version).
+# The integration suite's core, run on every version (the rest needs the HTTP and Node
+# examples, a standby or minutes of soak, and runs on the first version).
 CORE=(test_concurrency.py test_model.py test_canonical_oracle.py test_encodings.py test_worker.py
       test_crash.py test_privileges.py test_search_path.py test_upgrade.py test_direct_writes.py
       test_direct_fidelity.py test_hardening.py test_expiry_and_dump.py test_bad_input.py
       test_hot_updates.py test_batch.py test_partitioned.py test_damaged_jsonb.py
-      test_binding_settings.py test_portable.py)
+      test_binding_settings.py test_portable.py test_pg_cron.py)
 
 scripts/bootstrap.sh
 
@@ -57,6 +57,7 @@ for v in "${VERSIONS[@]}"; do
 
     echo "== PostgreSQL $v: integration tests (pytest, real sessions against throwaway clusters)"
     cargo pgrx install --pg-config "$pg_config" >/dev/null
+    scripts/pg-cron.sh "$v" >/dev/null  # schedule_sweep's tests (Debian's package on 15, built on 16-18)
     # No -m: the tests marked slow (pytest.ini) run too; `-m "not slow"` is only for quick local runs.
     if [ "$v" = "$first" ]; then
         PG_BIN=$(dirname "$pg_config") python3 -m pytest -q tests/integration
