@@ -142,8 +142,12 @@ def test_distribute_refuses_off_the_coordinator_and_without_citus(citus, coord):
             assert e.value.sqlstate == "0A000"
             assert "citus" in e.value.diag.message_primary
             assert "CREATE EXTENSION citus" in e.value.diag.message_hint
-            # Without Citus the store works as on any single node.
+            # Without Citus the store works as on any single node, complete inlined into the
+            # caller's statement.
             assert claim(p, "k")[0] == "new"
+            plan = "\n".join(x[0] for x in p.execute(
+                "EXPLAIN (VERBOSE) SELECT idempotency.complete('k', '{}', 200, '', 1)").fetchall())
+            assert "_complete(" in plan, plan
     finally:
         coord.execute("DROP DATABASE plain WITH (FORCE)")
 
@@ -228,6 +232,59 @@ def test_claim_order_complete_in_one_transaction(citus, coord):
             raise RuntimeError("payment failed")
     assert coord.execute("SELECT count(*) FROM shop.orders WHERE client_id = 'client-b'").fetchone()[0] == 0
     assert claim(coord, "buy-2", {"sku": 2}, scope="client-b")[0] == "new"
+
+
+def remote_commands(conn, statement):
+    """The commands the coordinator sent to other nodes while it ran `statement`
+    (citus.log_remote_commands), and the statement's first row."""
+    notices = []
+
+    def handler(d):
+        notices.append(d.message_primary)
+    conn.add_notice_handler(handler)
+    conn.execute("SET citus.log_remote_commands = on")
+    try:
+        row = conn.execute(statement).fetchone()
+    finally:
+        conn.execute("RESET citus.log_remote_commands")
+        conn.remove_notice_handler(handler)
+    return [n.removeprefix("issuing ") for n in notices if n.startswith("issuing ")], row
+
+
+def test_complete_is_one_delegated_call_not_begin_update_commit(citus, coord):
+    """complete, a SQL function the planner inlines, would reach Citus as _complete's expression
+    and run on the coordinator, sending BEGIN, UPDATE and COMMIT to the worker: on a distributed
+    store a top-level complete goes to the worker as one call of itself (an error included); a
+    single node keeps it inlined."""
+    r = claim(coord, "one-call", {"n": 1}, scope="delegated-complete")
+    assert r[0] == "new"
+    stmt = sql.SQL("SELECT idempotency.complete('one-call', '{{\"ok\": 1}}'::jsonb, 201, "
+                   "'delegated-complete', {})")
+    sent, row = remote_commands(coord, stmt.format(sql.Literal(r[1])))
+    assert row[0] is not None
+    assert len(sent) == 1 and "idempotency.complete(" in sent[0], sent
+    assert not any("UPDATE" in c or c.startswith("BEGIN") or c.startswith("COMMIT") for c in sent), sent
+    assert claim(coord, "one-call", {"n": 1}, scope="delegated-complete")[:4] == ("replay", r[1], {"ok": 1}, 201)
+    # Its errors come back with their SQLSTATE (IK002: completed already), from the same one call.
+    with pytest.raises(psycopg.Error) as e:
+        remote_commands(coord, stmt.format(sql.Literal(r[1])))
+    assert e.value.sqlstate == "IK002", e.value
+    # A session setting keeps the call here (it reaches the shard through SQL), as before.
+    r2 = claim(coord, "one-call-2", {"n": 2}, scope="delegated-complete")
+    coord.execute("SET idempotency.audit = on")
+    try:
+        sent, _ = remote_commands(coord, sql.SQL("SELECT idempotency.complete('one-call-2', '{{}}'::jsonb, 200, "
+                                                 "'delegated-complete', {})").format(sql.Literal(r2[1])))
+    finally:
+        coord.execute("RESET idempotency.audit")
+    assert not any("idempotency.complete(" in c for c in sent), sent
+    # Every node calls complete as itself (not inlined), so the node it is delegated to knows
+    # the call as delegated (a single node keeps it inlined: test_distribute_refuses_...).
+    for node in citus.nodes:
+        with citus.connect(node) as c:
+            plan = "\n".join(x[0] for x in c.execute(
+                "EXPLAIN (VERBOSE) SELECT idempotency.complete('k', '{}', 200, 's', 1)").fetchall())
+            assert "_complete(" not in plan, plan
 
 
 def test_takeover_after_a_shard_move_gets_a_larger_token(citus, coord):
