@@ -348,6 +348,55 @@ def test_expired_keys_are_swept_on_the_workers(citus, coord):
         assert "idempotency.sweep" not in log, log[-2000:]
 
 
+def scopes_on_port(coord, port, prefix, n):
+    """n scopes whose shard of the store is placed on the worker at `port`."""
+    found = []
+    for i in range(10_000):
+        s = f"{prefix}-{i}"
+        if coord.execute(
+                "SELECT nodeport FROM pg_dist_shard_placement WHERE shardid = "
+                "get_shard_id_for_distribution_column('idempotency.idempotency_keys', %s::text)",
+                (s,)).fetchone()[0] == port:
+            found.append(s)
+            if len(found) == n:
+                return found
+    raise AssertionError(f"no {n} scopes on port {port}")
+
+
+def local_key_rows(citus, worker, key):
+    """Rows of `key` in the shards of the store placed on `worker`, read there."""
+    with citus.connect(worker) as w:
+        shards = [r[0] for r in w.execute(
+            "SELECT shard_name(s.logicalrelid, s.shardid) FROM pg_dist_shard s JOIN pg_dist_placement p "
+            "USING (shardid) WHERE s.logicalrelid = 'idempotency.idempotency_keys'::regclass "
+            "AND p.groupid = (SELECT groupid FROM pg_dist_local_group)").fetchall()]
+        return sum(w.execute(sql.SQL("SELECT count(*) FROM {} WHERE key = %s").format(
+            sql.Identifier(*name.split("."))), (key,)).fetchone()[0] for name in shards)
+
+
+def test_one_worker_down_the_other_still_sweeps_its_shards(citus, coord):
+    """Attack: one node down stops sweeping everywhere. A sweeper that reads the distributed
+    table (it counted the rows expired since its last look) reaches every node, and fails each
+    round while one is down. Each node sweeps its own shards without reaching another: with one
+    worker stopped, the other's expired keys are swept."""
+    survivor, victim = citus.workers[0], citus.workers[1]
+    live = scopes_on_port(coord, survivor.port, "down-sweep", 20)
+    for s in live + scopes_on_port(coord, victim.port, "down-sweep", 5):
+        t = claim(coord, "down", scope=s, ttl="2 seconds", lease="2 seconds")[1]
+        complete(coord, "down", {"ok": True}, scope=s, token=t)
+    assert local_key_rows(citus, survivor, "down") == len(live)
+    victim.stop()
+    try:
+        time.sleep(2.5)  # every key expired, the victim down
+        deadline = time.monotonic() + 30
+        while local_key_rows(citus, survivor, "down") and time.monotonic() < deadline:
+            time.sleep(0.5)
+        assert local_key_rows(citus, survivor, "down") == 0, survivor.server_log()[-3000:]
+    finally:
+        victim.restart()
+        victim.wait_ready()
+
+
 def test_tenant_prefixes_hold_on_every_node(citus, coord):
     """Roles and their scope prefixes, set on the coordinator, bind the calls Citus delegates to
     the workers too."""
