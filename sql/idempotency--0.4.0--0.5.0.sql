@@ -484,6 +484,18 @@ BEGIN
         END IF;
     END LOOP;
 
+    -- Citus copies the rows of a table it distributes into the shards, and leaves them in the
+    -- coordinator's own (shell) table too, where nothing reads or sweeps them: empty it. Every
+    -- call looks, so a store distributed before with its rows left there is emptied as well.
+    FOREACH v_rel IN ARRAY ARRAY['idempotency.idempotency_keys', 'idempotency.audit',
+                                 'idempotency.config', 'idempotency.signing_secrets']::pg_catalog.regclass[] LOOP
+        IF pg_catalog.pg_relation_size(v_rel) OPERATOR(pg_catalog.>) 0 THEN
+            PERFORM pg_catalog.truncate_local_data_after_distributing_table(v_rel);
+            RAISE NOTICE 'idempotency.distribute: emptied the coordinator''s local table of % (its rows are in the shards)', v_rel;
+            v_changed := true;
+        END IF;
+    END LOOP;
+
     -- Token classes and audit id ranges, on every node (nodes added later get theirs at the
     -- next call; until then claims there are refused). A node given its class starts above
     -- every token any node handed out so far (its class may hold tokens handed out before

@@ -1006,6 +1006,36 @@ def test_audit_ids_stay_unique_after_distributing_an_audited_store(citus, coord)
         set_on_every_node(citus, "idempotency.audit", None)
 
 
+def test_distributing_a_store_with_keys_leaves_no_rows_in_the_coordinators_table(citus, coord):
+    """Citus copies a distributed table's rows into its shards and left them in the
+    coordinator's own table as well, where nothing reads or sweeps them (expired keys and audit
+    rows kept for ever). distribute() empties that table, and says so; the keys live on in the
+    shards."""
+    info = citus.add_database("leftover")
+    with psycopg.connect(info(), autocommit=True) as c:
+        c.execute("CREATE EXTENSION idempotency")
+        c.execute("SET idempotency.audit = on")
+        scopes = [f"kept-{i}" for i in range(10)]
+        for s in scopes:
+            r = claim(c, "k", {"n": 1}, scope=s)
+            complete(c, "k", {"s": s}, scope=s, token=r[1])
+        c.execute("RESET idempotency.audit")
+        assert c.execute("SELECT count(*) FROM idempotency.idempotency_keys").fetchone()[0] == len(scopes)
+        notices = []
+        c.add_notice_handler(lambda d: notices.append(d.message_primary))
+        c.execute("SELECT idempotency.distribute(shard_count => 4)")
+        for table in ("idempotency.idempotency_keys", "idempotency.audit"):
+            assert c.execute("SELECT pg_relation_size(%s::regclass)", (table,)).fetchone()[0] == 0, table
+            assert any(f"local table of {table}" in n for n in notices), notices
+        assert c.execute("SELECT count(*) FROM idempotency.idempotency_keys").fetchone()[0] == len(scopes)
+        assert c.execute("SELECT count(*) FROM idempotency.audit").fetchone()[0] == len(scopes)
+        for s in scopes:
+            assert claim(c, "k", {"n": 1}, scope=s)[:3][0::2] == ("replay", {"s": s})
+        notices.clear()
+        c.execute("SELECT idempotency.distribute()")
+        assert any("nothing changed" in n for n in notices), notices
+
+
 def test_session_settings_hold_for_calls_citus_would_delegate(citus, coord):
     """Session settings ignored by delegated calls: Citus runs a top-level call on the worker
     in a connection of its own, without the session's SET. With idempotency.default_ttl or
