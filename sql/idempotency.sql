@@ -789,7 +789,7 @@ BEGIN
         RAISE EXCEPTION USING
             ERRCODE = 'object_not_in_prerequisite_state',
             MESSAGE = 'idempotency.idempotency_keys is a Citus table, but not hash-distributed by scope',
-            HINT = 'undistribute it (SELECT undistribute_table(''idempotency.idempotency_keys'')) and call idempotency.distribute() again';
+            HINT = 'Citus cannot convert the tables of an extension (undistribute_table refuses them): copy the store out, re-create the extension and copy it back (docs/scaling.md, "Undistributing the store"), then call idempotency.distribute()';
     END IF;
 
     IF NOT EXISTS (SELECT FROM pg_catalog.pg_dist_partition AS p

@@ -1036,6 +1036,108 @@ def test_distributing_a_store_with_keys_leaves_no_rows_in_the_coordinators_table
         assert any("nothing changed" in n for n in notices), notices
 
 
+# docs/scaling.md, "Undistributing the store": the same statements.
+UNDISTRIBUTE_COPY = [
+    "CREATE TABLE public.idem_keys AS SELECT to_jsonb(k) AS r FROM idempotency.idempotency_keys AS k",
+    "CREATE TABLE public.idem_audit AS SELECT to_jsonb(a) AS r FROM idempotency.audit AS a",
+    "CREATE TABLE public.idem_config AS SELECT to_jsonb(c) AS r FROM idempotency.config AS c",
+    "CREATE TABLE public.idem_secrets AS SELECT to_jsonb(s) AS r FROM idempotency.signing_secrets AS s",
+    "CREATE TABLE public.idem_tokens AS SELECT max(result::bigint) AS last_token "
+    "FROM run_command_on_all_nodes('SELECT last_value FROM idempotency.token_seq')",
+]
+UNDISTRIBUTE_RECREATE = ["DROP EXTENSION idempotency CASCADE", "CREATE EXTENSION idempotency"]
+UNDISTRIBUTE_RESTORE = [
+    "DELETE FROM idempotency.config",
+    "INSERT INTO idempotency.config SELECT (jsonb_populate_record(NULL::idempotency.config, r)).* "
+    "FROM public.idem_config",
+    "INSERT INTO idempotency.signing_secrets OVERRIDING SYSTEM VALUE "
+    "SELECT (jsonb_populate_record(NULL::idempotency.signing_secrets, r)).* FROM public.idem_secrets",
+    "SELECT setval(pg_get_serial_sequence('idempotency.signing_secrets', 'id'), max(id)) "
+    "FROM idempotency.signing_secrets",
+    "INSERT INTO idempotency.idempotency_keys "
+    "SELECT (jsonb_populate_record(NULL::idempotency.idempotency_keys, r)).* FROM public.idem_keys",
+    "INSERT INTO idempotency.audit "
+    "SELECT (jsonb_populate_record(NULL::idempotency.audit, r)).* FROM public.idem_audit",
+    "SELECT setval('idempotency.token_seq', last_token) FROM public.idem_tokens",
+    "SELECT setval('idempotency.audit_id_seq', max(id)) FROM idempotency.audit",
+]
+UNDISTRIBUTE_DROP = ["DROP TABLE public.idem_keys, public.idem_audit, public.idem_config, "
+                     "public.idem_secrets, public.idem_tokens"]
+
+
+def test_a_store_citus_converted_wrongly_is_undistributed_by_the_documented_route(citus, coord):
+    """Attack: the store made a Citus table of the wrong kind (a reference table, by hand);
+    distribute() refuses it (55000), and its hint named undistribute_table, which Citus refuses
+    for a table that belongs to an extension (XX000): a route that cannot be followed. The hint
+    now names the documented route (copy out, re-create the extension, copy back), which keeps
+    every key, the hashing secret and the fencing (a new claim's token is above every token
+    handed out before), and distribute() then works."""
+    info = citus.add_database("wrongly")
+    with psycopg.connect(info(), autocommit=True) as c:
+        c.execute("CREATE EXTENSION idempotency")
+        c.execute("SELECT idempotency.set_key_storage('sha256')")
+        c.execute("SELECT idempotency.rotate_signing_secret()")
+        signed = c.execute("SELECT idempotency.sign_key('signed-1')").fetchone()[0]
+        c.execute("SET idempotency.audit = on")
+        scopes = [f"w-{i}" for i in range(8)]
+        for s in scopes:
+            r = claim(c, "k", {"n": 1}, scope=s)
+            complete(c, "k", {"s": s}, scope=s, token=r[1])
+        c.execute("RESET idempotency.audit")
+        taken = claim(c, "open", {"n": 1}, scope="w-0", ttl="1 hour", lease="1 second")
+        c.execute("SELECT create_reference_table('idempotency.idempotency_keys')")
+        with pytest.raises(psycopg.Error) as e:
+            c.execute("SELECT idempotency.distribute()")
+        assert e.value.sqlstate == "55000"
+        hint = e.value.diag.message_hint
+        assert "Undistributing the store" in hint and "SELECT undistribute_table" not in hint, hint
+        # Citus's own conversion is refused for the extension's table, as the hint says.
+        with pytest.raises(psycopg.Error) as e:
+            c.execute("SELECT undistribute_table('idempotency.idempotency_keys')")
+        assert "extension" in e.value.diag.message_primary
+
+        for stmt in UNDISTRIBUTE_COPY + UNDISTRIBUTE_RECREATE:
+            c.execute(stmt)
+        with c.transaction():
+            for stmt in UNDISTRIBUTE_RESTORE:
+                c.execute(stmt)
+        for stmt in UNDISTRIBUTE_DROP:
+            c.execute(stmt)
+        # A plain table again, every key kept (hashed with the old secret, so they replay).
+        assert c.execute("SELECT count(*) FROM pg_dist_partition WHERE logicalrelid = "
+                         "'idempotency.idempotency_keys'::regclass").fetchone()[0] == 0
+        for s in scopes:
+            assert claim(c, "k", {"n": 1}, scope=s)[:3][0::2] == ("replay", {"s": s})
+        assert c.execute("SELECT idempotency.verify_key(%s)", (signed,)).fetchone()[0] == "signed-1"
+        assert c.execute("SELECT count(*) FROM idempotency.audit").fetchone()[0] == len(scopes)
+        c.execute("SELECT idempotency.distribute(shard_count => 4)")
+        for s in scopes:
+            assert claim(c, "k", {"n": 1}, scope=s)[:3][0::2] == ("replay", {"s": s})
+        time.sleep(1.1)
+        again = claim(c, "open", {"n": 1}, scope="w-0", lease="1 minute")
+        assert again[0] == "new" and again[1] > taken[1], (taken, again)
+        fresh = claim(c, "fresh", {"n": 1}, scope="w-9")
+        assert fresh[0] == "new" and fresh[1] > taken[1], (taken, fresh)
+        complete(c, "fresh", {"f": 1}, scope="w-9", token=fresh[1])
+
+        # The same route takes a distributed store back to one node (the coordinator).
+        top = max(again[1], fresh[1])
+        for stmt in UNDISTRIBUTE_COPY + UNDISTRIBUTE_RECREATE:
+            c.execute(stmt)
+        with c.transaction():
+            for stmt in UNDISTRIBUTE_RESTORE:
+                c.execute(stmt)
+        for stmt in UNDISTRIBUTE_DROP:
+            c.execute(stmt)
+        assert c.execute("SELECT count(*) FROM pg_dist_partition WHERE logicalrelid::text LIKE "
+                         "'idempotency.%'").fetchone()[0] == 0
+        assert c.execute("SELECT pg_relation_size('idempotency.idempotency_keys')").fetchone()[0] > 0
+        for s in scopes:
+            assert claim(c, "k", {"n": 1}, scope=s)[:3][0::2] == ("replay", {"s": s})
+        assert claim(c, "fresh", {"n": 1}, scope="w-9")[:3][0::2] == ("replay", {"f": 1})
+        assert claim(c, "after", {"n": 1}, scope="w-9")[1] > top
+
+
 def test_session_settings_hold_for_calls_citus_would_delegate(citus, coord):
     """Session settings ignored by delegated calls: Citus runs a top-level call on the worker
     in a connection of its own, without the session's SET. With idempotency.default_ttl or
