@@ -474,6 +474,40 @@ def test_claim_meeting_an_uncommitted_claim_waits_for_it(citus, coord):
         assert got["waited"] >= 0.9, (end, got)
 
 
+def test_claims_of_two_keys_in_opposite_order_end_in_a_deadlock(citus, coord):
+    """Two transactions claiming the same two keys in opposite order: on Citus each claim of
+    the key the other holds uncommitted waits for it, so one transaction ends with 40P01 (its
+    claims rolled back) and the other goes on and commits (docs/scaling.md says why a single node
+    answers in_progress instead)."""
+    a = citus.connect(autocommit=False)
+    b = citus.connect(autocommit=False)
+    try:
+        assert claim(a, "dl-1", scope="deadlock")[0] == "new"
+        assert claim(b, "dl-2", scope="deadlock")[0] == "new"
+        got = {}
+
+        def second(name, conn, key):
+            try:
+                got[name] = claim(conn, key, scope="deadlock")[0]
+                conn.execute("COMMIT")
+            except psycopg.Error as e:
+                got[name] = e.sqlstate
+                conn.execute("ROLLBACK")
+
+        ta = threading.Thread(target=second, args=("a", a, "dl-2"))
+        ta.start()
+        time.sleep(0.3)
+        second("b", b, "dl-1")
+        ta.join()
+    finally:
+        a.close()
+        b.close()
+    assert sorted(got.values()) == ["40P01", "new"], got
+    # The survivor's claims are committed; the deadlocked one's are gone.
+    winner = "dl-1" if got["a"] == "new" else "dl-2"
+    assert claim(coord, winner, scope="deadlock")[0] == "in_progress"
+
+
 def test_keys_stored_hashed_chosen_before_distributing(citus, coord):
     """set_key_storage('sha256') before distribute(): calls that run on the workers hash keys
     with the coordinator's secret (config is a reference table), and replays find them from
