@@ -287,6 +287,63 @@ def test_complete_is_one_delegated_call_not_begin_update_commit(citus, coord):
             assert "_complete(" not in plan, plan
 
 
+FORCE_DELEGATED = ["idempotency.claim(text,jsonb,text,interval,interval)",
+                   "idempotency.complete(text,jsonb,integer,text,bigint,interval)"]
+
+
+def force_delegation(conn, on):
+    for f in FORCE_DELEGATED:
+        conn.execute("SELECT create_distributed_function(%s, 'scope', colocate_with => "
+                     "'idempotency.idempotency_keys', force_delegation => %s)", (f, on))
+
+
+def test_one_transaction_style_with_force_delegation(citus, coord):
+    """claim, the business write and complete in one transaction, with claim and complete
+    distributed with force_delegation (docs/scaling.md): the calls run on the worker holding the
+    scope's shard, inside the transaction, the order with them; one worker, no two-phase commit;
+    a rollback leaves neither the key nor the order."""
+    groups = dict(coord.execute("SELECT nodeport, groupid FROM pg_dist_node").fetchall())
+    port = citus.workers[0].port
+    scope = scope_on(coord, port, "forced")
+    force_delegation(coord, True)
+    try:
+        notices = []
+
+        def handler(d):
+            notices.append(d.message_primary)
+        coord.add_notice_handler(handler)
+        coord.execute("SET citus.log_remote_commands = on")
+        with coord.transaction():
+            r = claim(coord, "buy", {"sku": 1}, scope=scope)
+            assert r[0] == "new" and r[1] % STRIDE == groups[port], (r, groups)  # ran on the worker
+            coord.execute("INSERT INTO shop.orders VALUES (%s, 7, 70)", (scope,))
+            complete(coord, "buy", {"order_id": 7}, scope=scope, token=r[1], status=201)
+        coord.execute("RESET citus.log_remote_commands")
+        coord.remove_notice_handler(handler)
+        sent = [n.removeprefix("issuing ") for n in notices if n.startswith("issuing ")]
+        assert any("idempotency.claim(" in c for c in sent), sent
+        assert any("idempotency.complete(" in c for c in sent), sent
+        assert not any("idempotency_keys" in c for c in sent), sent  # no statement of the store's own
+        assert not any("PREPARE TRANSACTION" in c for c in sent), sent
+        assert claim(coord, "buy", {"sku": 1}, scope=scope)[:4] == ("replay", r[1], {"order_id": 7}, 201)
+        assert coord.execute("SELECT count(*) FROM shop.orders WHERE client_id = %s",
+                             (scope,)).fetchone()[0] == 1
+
+        with pytest.raises(RuntimeError):
+            with coord.transaction():
+                assert claim(coord, "buy-2", {"sku": 2}, scope=scope)[0] == "new"
+                coord.execute("INSERT INTO shop.orders VALUES (%s, 8, 80)", (scope,))
+                raise RuntimeError("payment failed")
+        assert coord.execute("SELECT count(*) FROM shop.orders WHERE client_id = %s AND order_id = 8",
+                             (scope,)).fetchone()[0] == 0
+        assert claim(coord, "buy-2", {"sku": 2}, scope=scope)[0] == "new"
+    finally:
+        coord.execute("RESET citus.log_remote_commands")
+        force_delegation(coord, False)
+    assert not coord.execute("SELECT bool_or(force_delegation) FROM pg_dist_object WHERE objid = ANY(%s::regprocedure[])",
+                             (FORCE_DELEGATED,)).fetchone()[0]
+
+
 def test_takeover_after_a_shard_move_gets_a_larger_token(citus, coord):
     # A scope whose shard is on the worker with the larger group id.
     groups = dict(coord.execute("SELECT nodeport, groupid FROM pg_dist_node").fetchall())
