@@ -1101,8 +1101,15 @@ def test_distributing_a_store_with_keys_leaves_no_rows_in_the_coordinators_table
     """Citus copies a distributed table's rows into its shards and left them in the
     coordinator's own table as well, where nothing reads or sweeps them (expired keys and audit
     rows kept for ever). distribute() empties that table, and says so; the keys live on in the
-    shards."""
-    info = citus.add_database("leftover")
+    shards. The store is a single node's, scaled out as docs/scaling.md says (Citus installed
+    after it, the workers added, distribute())."""
+    # The scale-out of a single node's store, step by step (docs/scaling.md): the store exists
+    # first, in a database without Citus; then Citus, the workers, distribute().
+    def info(node=None):
+        return citus.conninfo(node).replace(f"dbname={citus.coordinator.dbname}", "dbname=leftover")
+    for n in citus.nodes:
+        with psycopg.connect(n.conninfo(), autocommit=True) as c:
+            c.execute("CREATE DATABASE leftover")
     with psycopg.connect(info(), autocommit=True) as c:
         c.execute("CREATE EXTENSION idempotency")
         c.execute("SET idempotency.audit = on")
@@ -1112,9 +1119,18 @@ def test_distributing_a_store_with_keys_leaves_no_rows_in_the_coordinators_table
             complete(c, "k", {"s": s}, scope=s, token=r[1])
         c.execute("RESET idempotency.audit")
         assert c.execute("SELECT count(*) FROM idempotency.idempotency_keys").fetchone()[0] == len(scopes)
+        for n in citus.nodes:
+            with psycopg.connect(info(n), autocommit=True) as x:
+                x.execute("CREATE EXTENSION citus")
+        c.execute("SELECT citus_set_coordinator_host('127.0.0.1', %s)", (citus.coordinator.port,))
+        for w in citus.workers:
+            c.execute("SELECT citus_add_node('127.0.0.1', %s)", (w.port,))
         notices = []
         c.add_notice_handler(lambda d: notices.append(d.message_primary))
         c.execute("SELECT idempotency.distribute(shard_count => 4)")
+        for w in citus.workers:  # created there by Citus as the store's dependency
+            with psycopg.connect(info(w), autocommit=True) as x:
+                assert x.execute("SELECT extversion FROM pg_extension WHERE extname = 'idempotency'").fetchone()
         for table in ("idempotency.idempotency_keys", "idempotency.audit"):
             assert c.execute("SELECT pg_relation_size(%s::regclass)", (table,)).fetchone()[0] == 0, table
             assert any(f"local table of {table}" in n for n in notices), notices
@@ -1122,6 +1138,14 @@ def test_distributing_a_store_with_keys_leaves_no_rows_in_the_coordinators_table
         assert c.execute("SELECT count(*) FROM idempotency.audit").fetchone()[0] == len(scopes)
         for s in scopes:
             assert claim(c, "k", {"n": 1}, scope=s)[:3][0::2] == ("replay", {"s": s})
+        # New keys, delegated, with the audit ids of the workers' ranges.
+        c.execute("SET idempotency.audit = on")
+        for s in scopes:
+            r = claim(c, "k2", {"n": 2}, scope=s)
+            complete(c, "k2", {"s": s}, scope=s, token=r[1])
+        c.execute("RESET idempotency.audit")
+        total, distinct = c.execute("SELECT count(*), count(DISTINCT id) FROM idempotency.audit").fetchone()
+        assert total == distinct == 2 * len(scopes), (total, distinct)
         notices.clear()
         c.execute("SELECT idempotency.distribute()")
         assert any("nothing changed" in n for n in notices), notices
@@ -1363,3 +1387,22 @@ def test_node_added_later_claims_nothing_until_it_has_its_ranges(citus, coord):
         c.add_notice_handler(lambda d: notices.append(d.message_primary))
         c.execute("SELECT idempotency.distribute()")
     assert any("nothing changed" in n for n in notices), notices
+
+    # Then the shards are spread over the new node as well (docs/scaling.md, "Adding a node"):
+    # the keys stay, and calls of the shards moved there are delegated to it.
+    kept = coord.execute("SELECT count(*) FROM idempotency.idempotency_keys").fetchone()[0]
+    coord.execute("SELECT rebalance_table_shards('idempotency.idempotency_keys', "
+                  "shard_transfer_mode => 'block_writes')")
+    assert coord.execute(
+        "SELECT count(*) FROM pg_dist_shard s JOIN pg_dist_shard_placement p USING (shardid) "
+        "WHERE s.logicalrelid = 'idempotency.idempotency_keys'::regclass AND p.nodeport = %s",
+        (new.port,)).fetchone()[0] > 0
+    assert coord.execute("SELECT count(*) FROM idempotency.idempotency_keys").fetchone()[0] == kept
+    assert claim(coord, "added", {"n": 1}, scope="added-node")[:3] == ("replay", r[1], {"ok": 1})
+    scope = scope_on(coord, new.port, "rebalanced")
+    moved = claim(coord, "moved", {"n": 1}, scope=scope)
+    assert moved[0] == "new" and moved[1] % STRIDE == group, (group, moved)  # delegated to it
+    sent, _ = remote_commands(coord, sql.SQL("SELECT idempotency.complete('moved', '{{}}'::jsonb, 200, {}, {})").format(
+        sql.Literal(scope), sql.Literal(moved[1])))
+    assert len(sent) == 1 and "idempotency.complete(" in sent[0], sent
+    assert claim(coord, "moved", {"n": 1}, scope=scope)[0] == "replay"
