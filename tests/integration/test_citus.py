@@ -760,6 +760,39 @@ def test_shard_split_keeps_keys_and_fences_the_stale_token(citus, coord):
     assert shard_rows(citus).get(low, 0) > 0
 
 
+def test_shard_split_in_the_default_mode_with_the_citus_output_plugin_allowed(citus, coord):
+    """A split in the default (logical replication) mode decodes with Citus's output plugin
+    `citus`, which a server with the setting output_plugin_libraries refuses unless listed
+    (docs/scaling.md): listed with ALTER SYSTEM and a reload on every node, the split of the
+    store's shard keeps every key and the keys of the split shard work."""
+    with citus.connect() as c:
+        if not c.execute("SELECT count(*) FROM pg_settings WHERE name = 'output_plugin_libraries'").fetchone()[0]:
+            pytest.skip("this server has no output_plugin_libraries: nothing to allow")
+    for node in citus.nodes:
+        with citus.connect(node) as c:
+            c.execute("ALTER SYSTEM SET output_plugin_libraries = pgoutput, test_decoding, citus")
+            c.execute("SELECT pg_reload_conf()")
+    scope = scope_on(coord, citus.workers[0].port, "logical-split")
+    done = claim(coord, "done", {"n": 0}, scope=scope)
+    complete(coord, "done", {"kept": True}, scope=scope, token=done[1])
+    kept = coord.execute("SELECT count(*) FROM idempotency.idempotency_keys").fetchone()[0]
+    shard, lo, hi = coord.execute(
+        "SELECT shardid, shardminvalue::int, shardmaxvalue::int FROM pg_dist_shard "
+        "WHERE shardid = get_shard_id_for_distribution_column('idempotency.idempotency_keys', %s::text)",
+        (scope,)).fetchone()
+    nodes = [r[0] for r in coord.execute("SELECT nodeid FROM pg_dist_node WHERE nodeport IN (%s, %s) ORDER BY nodeid",
+                                         (citus.workers[0].port, citus.workers[1].port)).fetchall()]
+    time.sleep(1)  # the reloads
+    coord.execute("SELECT citus_split_shard_by_split_points(%s, ARRAY[%s::text], ARRAY[%s, %s]::int[])",
+                  (shard, str(lo + (hi - lo) // 2), *nodes))
+    assert coord.execute("SELECT count(*) FROM idempotency.idempotency_keys").fetchone()[0] == kept
+    assert claim(coord, "done", {"n": 0}, scope=scope)[:3][0::2] == ("replay", {"kept": True})
+    r = claim(coord, "after-split", {"n": 1}, scope=scope)
+    assert r[0] == "new"
+    complete(coord, "after-split", {"ok": 1}, scope=scope, token=r[1])
+    assert claim(coord, "after-split", {"n": 1}, scope=scope)[0] == "replay"
+
+
 @pytest.mark.slow  # builds the example service with cargo (unless HTTP_SERVICE_BIN names a build)
 def test_http_example_works_unchanged_against_the_coordinator(citus, coord, tmp_path):
     """examples/http-service, unchanged, against the coordinator of a database whose store is
