@@ -739,8 +739,8 @@ AS 'MODULE_PATHNAME', 'idempotency_request_fingerprint';
 -- On one Citus node (distribute() runs it on every node): gives this node's token sequence its
 -- class (it counts by 65536 from a value t with t % 65536 = the node's group id, above floor
 -- and above its own last value) and its audit id sequence its range (from group id << 48; the
--- coordinator's, group 0, from 1), unless they have them. Returns what it changed ('' for
--- nothing).
+-- coordinator's, group 0, from 1), unless they have them; and keeps complete from being inlined
+-- there, so that Citus delegates it (below). Returns what it changed ('' for nothing).
 CREATE FUNCTION idempotency._node_sequences(floor bigint)
 RETURNS text
 LANGUAGE plpgsql VOLATILE
@@ -756,6 +756,7 @@ DECLARE
     v_base bigint;
     v_next bigint;
     v_changes text[] := '{}';
+    v_ddl text;
 BEGIN
     IF floor IS NULL THEN
         RAISE EXCEPTION USING ERRCODE = '22004', MESSAGE = 'floor must not be NULL';
@@ -800,6 +801,25 @@ BEGIN
         v_next := (v_group OPERATOR(pg_catalog.<<) 48) OPERATOR(pg_catalog.+) 1;
         PERFORM pg_catalog.setval('idempotency.audit_id_seq', GREATEST(v_next, v_last), false);
         v_changes := v_changes OPERATOR(pg_catalog.||) pg_catalog.format('audit ids from %s', GREATEST(v_next, v_last));
+    END IF;
+    -- complete is a one-expression SQL function, which the planner inlines into the statement
+    -- that calls it; Citus looks for a call of a distributed function only after PostgreSQL's
+    -- planner ran, and would find _complete and _raise_not_claimed instead: the call would run
+    -- on the calling node and reach the shard statement by statement (BEGIN, UPDATE, COMMIT).
+    -- A SET clause keeps a function from being inlined: complete stays a call of itself, which
+    -- Citus delegates whole, and which the node it is delegated to recognizes as delegated
+    -- (its UPDATE of the key's shard is allowed there). Each node's own catalog (not
+    -- propagated: Citus would refuse the ALTER on a worker, and a node added later gets the
+    -- extension as CREATE EXTENSION makes it). A single node keeps complete inlined.
+    IF EXISTS (SELECT FROM pg_catalog.pg_proc AS p
+                WHERE p.oid OPERATOR(pg_catalog.=) 'idempotency.complete(text, jsonb, integer, text, bigint, interval)'::pg_catalog.regprocedure
+                  AND p.proconfig IS NULL) THEN
+        v_ddl := pg_catalog.current_setting('citus.enable_ddl_propagation');
+        PERFORM pg_catalog.set_config('citus.enable_ddl_propagation', 'off', true);
+        ALTER FUNCTION idempotency.complete(text, jsonb, integer, text, bigint, interval)
+            SET search_path = pg_catalog, pg_temp;
+        PERFORM pg_catalog.set_config('citus.enable_ddl_propagation', v_ddl, true);
+        v_changes := v_changes OPERATOR(pg_catalog.||) 'complete delegable as one call'::text;
     END IF;
     RETURN pg_catalog.array_to_string(v_changes, ', ');
 END
@@ -855,7 +875,7 @@ BEGIN
         RAISE EXCEPTION USING
             ERRCODE = 'object_not_in_prerequisite_state',
             MESSAGE = 'idempotency.idempotency_keys is a Citus table, but not hash-distributed by scope',
-            HINT = 'undistribute it (SELECT undistribute_table(''idempotency.idempotency_keys'')) and call idempotency.distribute() again';
+            HINT = 'Citus cannot convert the tables of an extension (undistribute_table refuses them): copy the store out, re-create the extension and copy it back (docs/scaling.md, "Undistributing the store"), then call idempotency.distribute()';
     END IF;
 
     IF NOT EXISTS (SELECT FROM pg_catalog.pg_dist_partition AS p
@@ -896,6 +916,18 @@ BEGIN
                           AND o.distribution_argument_index IS NOT NULL) THEN
             PERFORM pg_catalog.create_distributed_function(v_fn, distribution_arg_name => 'scope',
                                                            colocate_with => 'idempotency.idempotency_keys');
+            v_changed := true;
+        END IF;
+    END LOOP;
+
+    -- Citus copies the rows of a table it distributes into the shards, and leaves them in the
+    -- coordinator's own (shell) table too, where nothing reads or sweeps them: empty it. Every
+    -- call looks, so a store distributed before with its rows left there is emptied as well.
+    FOREACH v_rel IN ARRAY ARRAY['idempotency.idempotency_keys', 'idempotency.audit',
+                                 'idempotency.config', 'idempotency.signing_secrets']::pg_catalog.regclass[] LOOP
+        IF pg_catalog.pg_relation_size(v_rel) OPERATOR(pg_catalog.>) 0 THEN
+            PERFORM pg_catalog.truncate_local_data_after_distributing_table(v_rel);
+            RAISE NOTICE 'idempotency.distribute: emptied the coordinator''s local table of % (its rows are in the shards)', v_rel;
             v_changed := true;
         END IF;
     END LOOP;

@@ -667,6 +667,26 @@ const PARTITIONS_SQL: &str = "SELECT t.relid::pg_catalog.regclass::pg_catalog.te
        FROM pg_catalog.pg_partition_tree($1::pg_catalog.regclass) AS t \
       WHERE t.isleaf ORDER BY t.relid";
 
+/// The parts of `table` this node holds, schema-qualified: on Citus its shards placed on this
+/// node (read from this node's own metadata: no other node is asked), else its leaf partitions.
+pub(crate) fn local_parts(
+    client: &pgrx::spi::SpiClient<'_>,
+    table: &str,
+) -> Result<Vec<String>, pgrx::spi::Error> {
+    Ok(client
+        .select(
+            if super::catalog::citus_table() {
+                LOCAL_SHARDS_SQL
+            } else {
+                PARTITIONS_SQL
+            },
+            None,
+            &[table.into()],
+        )?
+        .filter_map(|r| r.get::<String>(1).ok().flatten())
+        .collect())
+}
+
 /// A sweep on Citus or of a partitioned store: runs `statement`, a DELETE that names `table` (schema-qualified, as in
 /// the statement), on each of this node's shards of `table` in its place, until `batch` rows
 /// are deleted; `args(left)` gives the statement's arguments for at most `left` more rows.
@@ -682,18 +702,7 @@ pub(crate) fn sweep_local_shards<'a>(
 ) -> Result<i64, pgrx::spi::Error> {
     let _path = super::catalog::PinnedSearchPath::pin();
     Spi::connect_mut(|client| {
-        let shards: Vec<String> = client
-            .select(
-                if super::catalog::citus_table() {
-                    LOCAL_SHARDS_SQL
-                } else {
-                    PARTITIONS_SQL
-                },
-                None,
-                &[table.into()],
-            )?
-            .filter_map(|r| r.get::<String>(1).ok().flatten())
-            .collect();
+        let shards = local_parts(client, table)?;
         let mut deleted = 0;
         for shard in shards {
             if deleted >= batch {
