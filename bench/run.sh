@@ -5,14 +5,18 @@
 # Takes about 20 minutes with the defaults; pass --quick for a smoke run of the harness.
 # --pg NN benchmarks PostgreSQL NN (15, the default, 16, 17, 18: scripts/pg-server.sh) and
 # writes bench/RESULTS-pgNN.md instead; the per-version runs of bench/RESULTS.md's table pass
-# --no-redis --no-scale too (docs/benchmarks.md). Other options go to bench/bench.py.
+# --no-redis --no-scale too (docs/benchmarks.md). --hot-in-flight runs only the case of
+# completions with 200 claims in flight (bench/hot_in_flight.py, a few minutes; its own options,
+# e.g. --fillfactor 90, follow), which a full run includes. Other options go to bench/bench.py.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 pg=15
 args=()
+in_flight=
 while (($#)); do
     case "$1" in
         --pg) pg=$2; shift 2 ;;
+        --hot-in-flight) in_flight=1; shift ;;
         *) args+=("$1"); shift ;;
     esac
 done
@@ -20,6 +24,10 @@ IDEMPOTENCY_PG_VERSIONS="$pg" scripts/bootstrap.sh
 pg_config=$(scripts/pg-server.sh "$pg")
 export PG_BIN
 PG_BIN=$(dirname "$pg_config")
+if [ -n "$in_flight" ]; then
+    cargo pgrx install --release --pg-config "$pg_config" >/dev/null
+    exec python3 bench/hot_in_flight.py "${args[@]}"
+fi
 [ "$pg" = 15 ] || args=(--out "RESULTS-pg$pg" "${args[@]}")
 if ! command -v redis-server >/dev/null || ! command -v redis-benchmark >/dev/null; then
     apt-get update -qq
