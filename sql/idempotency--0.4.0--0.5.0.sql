@@ -626,3 +626,24 @@ END
 $fn$;
 
 REVOKE EXECUTE ON FUNCTION idempotency._node_sequences(bigint) FROM PUBLIC;
+
+-- The store's fill factor from 90 to 25 (docs/architecture.md#fill-factor): the room a page keeps
+-- for the completions of its claims, so that they stay HOT updates with many claims in flight.
+-- A table (or partition) whose fill factor was changed from 90 keeps its own. New pages only:
+-- the pages written so far fill up as before until the table is rewritten (VACUUM FULL).
+DO $fillfactor$
+DECLARE
+    v_rel pg_catalog.regclass;
+BEGIN
+    FOR v_rel IN
+        SELECT c.oid::pg_catalog.regclass FROM pg_catalog.pg_class AS c
+         WHERE (c.oid OPERATOR(pg_catalog.=) 'idempotency.idempotency_keys'::pg_catalog.regclass
+                OR c.oid IN (SELECT i.inhrelid FROM pg_catalog.pg_inherits AS i
+                              WHERE i.inhparent OPERATOR(pg_catalog.=) 'idempotency.idempotency_keys'::pg_catalog.regclass))
+           AND c.relkind OPERATOR(pg_catalog.=) 'r'
+           AND c.reloptions OPERATOR(pg_catalog.@>) ARRAY['fillfactor=90']::pg_catalog.text[]
+    LOOP
+        EXECUTE pg_catalog.format('ALTER TABLE %s SET (fillfactor = 25)', v_rel);
+    END LOOP;
+END
+$fillfactor$;

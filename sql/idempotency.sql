@@ -67,7 +67,11 @@ CREATE TABLE idempotency.idempotency_keys (
                AND response_status OPERATOR(pg_catalog.<=) 599),
     CONSTRAINT idempotency_keys_lease_check
         CHECK ((status OPERATOR(pg_catalog.=) 'in_progress'::idempotency.key_status) = (locked_until IS NOT NULL))
-) WITH (fillfactor = 90);
+) WITH (fillfactor = 25);
+-- fillfactor 25: a page takes claims until a quarter of it is full; the rest is the room their
+-- completions (each with its response, next to the claim until pruning frees the claim) need to
+-- stay HOT updates when many claims are in flight, up to responses of about 400 bytes (larger
+-- ones are TOASTed out of the row). docs/architecture.md#fill-factor.
 
 COMMENT ON TABLE idempotency.idempotency_keys IS
     'One row per claimed idempotency key; rows past expires_at count as absent and are swept.';
@@ -118,7 +122,7 @@ BEGIN
         v_part := 'idempotency_keys_p' OPERATOR(pg_catalog.||) i;
         EXECUTE pg_catalog.format(
             'CREATE TABLE idempotency.%I PARTITION OF idempotency.idempotency_keys '
-            'FOR VALUES WITH (MODULUS %s, REMAINDER %s) WITH (fillfactor = 90)', v_part, v_parts, i);
+            'FOR VALUES WITH (MODULUS %s, REMAINDER %s) WITH (fillfactor = 25)', v_part, v_parts, i);
         PERFORM pg_catalog.pg_extension_config_dump(pg_catalog.format('idempotency.%I', v_part)::pg_catalog.regclass, '');
     END LOOP;
     DROP TABLE idempotency.idempotency_keys_template;
