@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # Runs every test, on every supported PostgreSQL major version: installs the prerequisites,
 # checks formatting and lints (each version's code paths), runs the unit and #[pg_test] tests
-# (cargo pgrx test pgNN) and the integration tests against throwaway clusters (concurrency,
-# crashes, oracle, dump, upgrades, ...): the whole suite on PostgreSQL 15, its core on 16, 17
+# (cargo pgrx test pgNN), the isolation specs (tests/isolation, PostgreSQL's isolation tester)
+# and the integration tests against throwaway clusters (concurrency, crashes, oracle, dump,
+# upgrades, ...): the whole suite on PostgreSQL 15, its core on 16, 17
 # and 18 (README, "Tests", says which files).
 #
 # IDEMPOTENCY_PG_VERSIONS (default "15 16 17 18") chooses the versions, e.g. "15" for a quick
@@ -55,8 +56,11 @@ for v in "${VERSIONS[@]}"; do
     # in_progress at once, by design).
     cargo pgrx test "pg$v" --runas postgres --pgdata "$pgdata"
 
-    echo "== PostgreSQL $v: integration tests (pytest, real sessions against throwaway clusters)"
     cargo pgrx install --pg-config "$pg_config" >/dev/null
+    echo "== PostgreSQL $v: isolation specs (tests/isolation: races as deterministic permutations)"
+    scripts/isolation.sh "$pg_config"
+
+    echo "== PostgreSQL $v: integration tests (pytest, real sessions against throwaway clusters)"
     scripts/pg-cron.sh "$v" >/dev/null  # schedule_sweep's tests (Debian's package on 15, built on 16-18)
     # No -m: the tests marked slow (pytest.ini) run too; `-m "not slow"` is only for quick local runs.
     if [ "$v" = "$first" ]; then
