@@ -8,8 +8,9 @@
 //! is written with typed arguments (`functions`, `#[pg_extern(sql = false)]`), exported under
 //! the name the SQL declarations give it ([`export_as`]).
 //!
-//! The counters (`stats`) are counted here, and only here: each event once the store has done
-//! it (the background sweeper sweeps through [`sweep_batch`] too).
+//! The counters (`stats`) of the calls' outcomes are counted here, each event once the store
+//! has done it; the rows a sweep deletes are counted by the store's sweep, which the background
+//! sweeper calls too.
 
 mod args;
 mod functions;
@@ -299,7 +300,7 @@ fn checked_key_and_scope(key: Option<Text<'_>>, scope: Option<Text<'_>>) -> (Str
     check(arguments::check_key("scope", scope.as_deref(), true));
     // Both were checked to be non-NULL above.
     let (key, scope) = (key.unwrap_or_default(), scope.unwrap_or_default());
-    check(guc::with_scope_prefix(|prefix| {
+    check(crate::binding::with_scope_prefix(|prefix| {
         arguments::check_scope_allowed(&scope, prefix)
     }));
     (key.into_owned(), scope.into_owned())
@@ -315,14 +316,6 @@ fn key_and_scope(key: Option<Text<'_>>, scope: Option<Text<'_>>) -> (String, Str
 /// An optional `ttl` argument (NULL: the caller's default applies), checked when given.
 fn optional_ttl(ttl: Option<Interval>) -> Option<Interval> {
     ttl.map(|t| duration("ttl", t).value)
-}
-
-/// Deletes up to `batch` expired rows whose scope starts with `prefix` ("": every row) and
-/// counts them: `idempotency.sweep` and the background sweeper sweep through here.
-pub fn sweep_batch(batch: i64, prefix: &str) -> i64 {
-    let deleted = store::sweep_batch(batch, prefix);
-    stats::count(Event::Swept, deleted as u64);
-    deleted
 }
 
 v1!(pg_finfo_idempotency_claim);
@@ -587,7 +580,7 @@ pub extern "C-unwind" fn idempotency_complete(fcinfo: pg_sys::FunctionCallInfo) 
         let ttl = optional_ttl(pg_getarg(fcinfo, 5));
         let response = Jsonb::arg(fcinfo, 1).map(Jsonb::datum);
         if let Some(response) = response {
-            check_size("response", response, guc::max_response_size());
+            check_size("response", response, crate::binding::max_response_size());
         }
         store::refuse_read_only("complete");
         let request = store::CompleteRequest {
@@ -597,6 +590,7 @@ pub extern "C-unwind" fn idempotency_complete(fcinfo: pg_sys::FunctionCallInfo) 
             response_status,
             token: pg_getarg::<i64>(fcinfo, 4),
             ttl,
+            audit: crate::binding::audit(),
         };
         match store::complete(&request) {
             Some(expires_at) => {
@@ -712,7 +706,7 @@ pub extern "C-unwind" fn idempotency_claim_many(fcinfo: pg_sys::FunctionCallInfo
         same_length("requests", requests.as_ref(), keys.len());
         let scope = Text::arg(fcinfo, 2).map(|t| t.utf8("scope"));
         let scope = check(arguments::check_key("scope", scope.as_deref(), true)).to_string();
-        check(guc::with_scope_prefix(|prefix| {
+        check(crate::binding::with_scope_prefix(|prefix| {
             arguments::check_scope_allowed(&scope, prefix)
         }));
         let mut stored = Vec::with_capacity(keys.len());

@@ -301,26 +301,6 @@ pub fn text_datum(text: &str, arg: &str) -> pg_sys::Datum {
     pg_sys::Datum::from(unsafe { pg_sys::cstring_to_text_with_len(bytes.as_ptr().cast(), len) })
 }
 
-/// A message for the server log and the client: unchanged in a UTF-8 database; in any other,
-/// each non-ASCII character written as `\u{…}` (PostgreSQL sends a message's bytes as text in
-/// the database encoding, and a Rust message is UTF-8).
-pub fn for_message(message: String) -> String {
-    if message.is_ascii() || utf8_database() {
-        return message;
-    }
-    let mut out = String::with_capacity(message.len() + 16);
-    for c in message.chars() {
-        if c.is_ascii() {
-            out.push(c);
-        } else if c == '\u{2026}' {
-            out.push_str("...");
-        } else {
-            out.push_str(&format!("\\u{{{:x}}}", c as u32));
-        }
-    }
-    out
-}
-
 /// `text` as the database encoding's bytes; a character the encoding cannot represent raises
 /// 22P05 naming `what`.
 pub fn server_bytes<'a>(text: &'a str, what: &str) -> Cow<'a, [u8]> {

@@ -13,10 +13,13 @@
 //! - `worker`: the background sweeper (launcher and per-database sweepers);
 //! - `stats`: counters in shared memory;
 //! - `encoding`: text between the database encoding and UTF-8;
+//! - `binding`: what binds a role (scope prefix, audit, size limits), from the settings and
+//!   its row in `idempotency.role_settings`;
 //! - `guc`, `error`: settings and error reporting;
 //! - `local`: per-backend state in plain statics.
 
 pub mod api;
+pub mod binding;
 pub use idempotency_core::{arguments, canonical, decision, derivation, signing};
 pub mod compat;
 pub mod delegation;

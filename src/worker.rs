@@ -275,7 +275,7 @@ pub extern "C-unwind" fn idempotency_sweeper_main(arg: pg_sys::Datum) {
     lower_priority(guc::SWEEP_NICE.get());
     store::sweep_start();
     let total = sweep_in_batches(
-        |batch| Some(crate::api::sweep_batch(batch, "")),
+        |batch| Some(store::sweep_batch(batch, "")),
         Some(store::expired_since),
     );
     stats::sweep_finished(total);

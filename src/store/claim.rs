@@ -9,7 +9,7 @@ use super::sql::{insert_batch, read_row, with_spi, write_claim, Write};
 use super::{spi_failed, ClaimRequest, ClaimResult, Outcome, Row, MAX_ROUNDS};
 use crate::decision::{self, Decision, Stored};
 use crate::error::raise;
-use crate::{encoding, guc};
+use crate::guc;
 use pgrx::datum::Interval;
 use pgrx::pg_sys;
 use pgrx::spi::SpiClient;
@@ -62,7 +62,7 @@ pub(crate) fn log_mismatch(req: &ClaimRequest<'_>, stored: Option<&[u8]>) {
         prefix(stored),
         prefix(req.hash.as_ref().map(|h| &h[..]))
     );
-    pgrx::warning!("{}", encoding::for_message(message));
+    pgrx::warning!("{}", crate::error::for_message(message));
 }
 
 /// The claim algorithm. Never waits on another transaction's claim of the same key beyond

@@ -175,6 +175,8 @@ pub struct CompleteRequest<'a> {
     pub response_status: i32,
     pub token: Option<i64>,
     pub ttl: Option<Interval>,
+    /// Whether the completion writes an audit row (`binding::audit`, decided by the caller).
+    pub audit: bool,
 }
 
 /// What a completion changed: the new expiry, and the claim's request hash and token (for the

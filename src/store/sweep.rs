@@ -91,8 +91,15 @@ pub fn sweep_start() {
 
 /// Deletes up to `batch` expired rows whose scope starts with `prefix` ("": every row),
 /// skipping rows other transactions hold, in sweep-key order from where the last batch of this
-/// sweep ([`sweep_start`]) ended; returns how many.
+/// sweep ([`sweep_start`]) ended; counts them (`rows_swept`) and returns how many.
+/// `idempotency.sweep` and the background sweeper sweep through here.
 pub fn sweep_batch(batch: i64, prefix: &str) -> i64 {
+    let deleted = delete_expired(batch, prefix);
+    crate::stats::count(crate::stats::Event::Swept, deleted as u64);
+    deleted
+}
+
+fn delete_expired(batch: i64, prefix: &str) -> i64 {
     let _path = PinnedSearchPath::pin();
     // The statement matches rows by ctid, which a table inheriting from the store shares.
     check_no_inheritance_children(&layout());
