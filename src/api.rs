@@ -16,7 +16,7 @@ mod args;
 mod functions;
 mod result;
 
-pub use args::{DbText, Jsonb, Row, Text, TextArray};
+use args::{Jsonb, Text};
 
 use crate::arguments;
 use crate::arguments::ArgError;

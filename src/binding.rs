@@ -113,7 +113,7 @@ fn lower_limit(
 }
 
 /// Whether the scope prefix in force may not be the one a superuser set (see above).
-pub fn prefix_untrusted() -> bool {
+fn prefix_untrusted() -> bool {
     if let Some(v) = PREFIX_VERDICT.with(Cell::get) {
         return v;
     }

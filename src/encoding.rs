@@ -59,7 +59,7 @@ fn encoding_name() -> String {
 /// Raises the refusal of a database whose text cannot be converted to Unicode (also raised by
 /// `CREATE EXTENSION` and the update): SQL_ASCII, whose bytes have no defined characters, or an
 /// encoding between which and UTF-8 PostgreSQL has no conversion (MULE_INTERNAL).
-pub fn refuse_encoding() -> ! {
+fn refuse_encoding() -> ! {
     let hint = Some("create the database with ENCODING 'UTF8' and install the extension there");
     if encoding().id == pg_sys::pg_enc::PG_SQL_ASCII as i32 {
         raise(
@@ -219,7 +219,7 @@ pub fn valid_in_database(bytes: &[u8]) -> bool {
 
 /// UTF-8 text as the database encoding's bytes. Err: a message naming the first character the
 /// database encoding cannot represent.
-pub fn to_server(text: &str) -> Result<Cow<'_, [u8]>, String> {
+fn to_server(text: &str) -> Result<Cow<'_, [u8]>, String> {
     if utf8_database() {
         return Ok(Cow::Borrowed(text.as_bytes()));
     }

@@ -31,7 +31,7 @@ pub static AUDIT_RETENTION: GucSetting<i32> = GucSetting::<i32>::new(0);
 /// Milliseconds a claim that meets another open transaction's claim tells the caller to wait.
 pub static BUSY_RETRY_AFTER: GucSetting<i32> = GucSetting::<i32>::new(1000);
 /// Hash partitions CREATE EXTENSION gives the store (0: a plain table); read only then.
-pub static PARTITIONS: GucSetting<i32> = GucSetting::<i32>::new(0);
+static PARTITIONS: GucSetting<i32> = GucSetting::<i32>::new(0);
 /// Largest response `complete` stores, in kB.
 pub static MAX_RESPONSE_SIZE: GucSetting<i32> = GucSetting::<i32>::new(4096);
 /// Largest recovery point `checkpoint` stores, in kB.
@@ -337,7 +337,7 @@ pub static FORCE_SQL_PATH: GucSetting<bool> = GucSetting::<bool>::new(false);
 
 /// Debug builds only: milliseconds the key look-ups pause between index and heap.
 #[cfg(debug_assertions)]
-pub static DEBUG_PROBE_PAUSE: GucSetting<i32> = GucSetting::<i32>::new(0);
+static DEBUG_PROBE_PAUSE: GucSetting<i32> = GucSetting::<i32>::new(0);
 
 /// `idempotency.debug_probe_pause` in a debug build; 0 (no pause, no read) in a release build.
 #[inline(always)]

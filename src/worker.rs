@@ -20,7 +20,7 @@ use std::collections::{HashMap, HashSet};
 use std::time::{Duration, Instant};
 
 pub const LAUNCHER_TYPE: &str = "idempotency launcher";
-pub const SWEEPER_TYPE: &str = "idempotency sweeper";
+const SWEEPER_TYPE: &str = "idempotency sweeper";
 
 /// Whether this server runs for pg_upgrade (binary-upgrade mode, `-b`): then no sweeper runs.
 /// There the old cluster is dumped and the new one restored, and a sweep would delete keys

@@ -18,29 +18,6 @@ macro_rules! datum_argument {
         #[derive(Clone, Copy)]
         pub struct $name<'fcx>(pg_sys::Datum, PhantomData<&'fcx ()>);
 
-        impl<'fcx> $name<'fcx> {
-            /// The datum as the call passed it (possibly toasted).
-            pub fn datum(self) -> pg_sys::Datum {
-                self.0
-            }
-
-            /// Argument `n` of a raw fmgr call, None when NULL.
-            ///
-            /// # Safety
-            /// `fcinfo` is the current call, whose SQL declaration gives argument `n` this
-            /// type; the value is used only while the call lasts.
-            pub unsafe fn arg(fcinfo: pg_sys::FunctionCallInfo, n: usize) -> Option<Self> {
-                // SAFETY: the caller's guarantees.
-                unsafe {
-                    if pgrx::fcinfo::pg_arg_is_null(fcinfo, n) {
-                        None
-                    } else {
-                        Some($name(pgrx::fcinfo::pg_getarg_datum_raw(fcinfo, n), PhantomData))
-                    }
-                }
-            }
-        }
-
         impl FromDatum for $name<'_> {
             unsafe fn from_polymorphic_datum(
                 datum: pg_sys::Datum,
@@ -84,6 +61,41 @@ datum_argument!(
     TextArray,
     "text[]"
 );
+
+/// The raw fmgr functions' access to an argument type (`claim`, `complete`, `claim_many` read
+/// their arguments by position).
+macro_rules! raw_argument {
+    ($name:ident) => {
+        impl<'fcx> $name<'fcx> {
+            /// The datum as the call passed it (possibly toasted).
+            pub fn datum(self) -> pg_sys::Datum {
+                self.0
+            }
+
+            /// Argument `n` of a raw fmgr call, None when NULL.
+            ///
+            /// # Safety
+            /// `fcinfo` is the current call, whose SQL declaration gives argument `n` this
+            /// type; the value is used only while the call lasts.
+            pub unsafe fn arg(fcinfo: pg_sys::FunctionCallInfo, n: usize) -> Option<Self> {
+                // SAFETY: the caller's guarantees.
+                unsafe {
+                    if pgrx::fcinfo::pg_arg_is_null(fcinfo, n) {
+                        None
+                    } else {
+                        Some($name(
+                            pgrx::fcinfo::pg_getarg_datum_raw(fcinfo, n),
+                            PhantomData,
+                        ))
+                    }
+                }
+            }
+        }
+    };
+}
+
+raw_argument!(Text);
+raw_argument!(Jsonb);
 
 impl<'fcx> Text<'fcx> {
     /// The text as UTF-8: read in place when it is neither compressed nor out of line (a key

@@ -29,7 +29,7 @@ pub(crate) fn stored(r: &Row) -> Stored<'_> {
 /// in progress, come back after `idempotency.busy_retry_after` (that transaction usually ends
 /// in milliseconds: its lease says nothing about when). `expires_at` stays NULL: the row is not
 /// committed and may never be.
-pub(crate) fn busy_result() -> ClaimResult {
+fn busy_result() -> ClaimResult {
     let mut r = ClaimResult::new(Outcome::InProgress);
     r.retry_after = Interval::new(0, 0, guc::int(&guc::BUSY_RETRY_AFTER).max(1) as i64 * 1000).ok();
     r
@@ -174,7 +174,7 @@ pub(crate) enum Looked {
 /// a key across backends for a moment, so an insert never meets another claimer's
 /// half-finished insert of the same key (which would wait for that transaction to end). Under
 /// READ COMMITTED a key that exists was already answered by a look without the lock.
-pub(crate) fn probe_or_insert(
+fn probe_or_insert(
     req: &ClaimRequest<'_>,
     insert: impl FnOnce() -> Result<Step, pgrx::spi::Error>,
 ) -> Looked {
@@ -220,7 +220,7 @@ pub(crate) fn answer(req: &ClaimRequest<'_>, decision: Decision, row: Row) -> Cl
 }
 
 /// Applies the outcome table to a row that exists.
-pub(crate) fn decide(
+fn decide(
     client: &mut SpiClient<'_>,
     req: &ClaimRequest<'_>,
     row: Row,

@@ -32,7 +32,7 @@ mod sql;
 mod sweep;
 
 pub(crate) use catalog::column_is;
-pub use catalog::{key_label, role_settings, stored_key, PinnedSearchPath, RoleSettings};
+pub use catalog::{role_settings, stored_key};
 pub use claim::{claim, claim_fresh_batch};
 pub use complete::complete;
 pub use heap::{now_plus, transaction_start};

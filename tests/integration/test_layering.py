@@ -92,3 +92,13 @@ def test_the_checker_sees_an_upward_call():
     assert named_modules("fn f() { crate::api::sweep_batch(1, \"\") }", set(LAYER)) == {"api"}
     assert named_modules("use crate::{encoding, guc};\n", set(LAYER)) == {"encoding", "guc"}
     assert named_modules("// crate::api in a comment\n".split("//")[0], set(LAYER)) == set()
+
+
+def test_the_crate_keeps_its_modules_private():
+    """Nothing depends on the library crate, so its modules are private: then the compiler's
+    dead-code lint sees every item that nothing calls (a `pub mod` hides them all). Only pgrx's
+    `pg_test` module, which its test framework calls, is public."""
+    lib = code(os.path.join(SRC, "lib.rs"))
+    assert "pgrx::pg_module_magic!" in lib
+    public = re.findall(r"^\s*pub(?:\([^)]*\))?\s+(?:mod|use)\s+(\w+)", lib, re.M)
+    assert public == ["pg_test"], f"public modules or re-exports at the crate root: {public}"

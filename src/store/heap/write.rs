@@ -300,7 +300,7 @@ pub(crate) fn complete_direct(d: &DirectLayout, req: &CompleteRequest<'_>) -> Op
 /// # Safety
 /// `rel` is the store, open and locked for writing (RowExclusiveLock) in this transaction; each
 /// slot holds a tuple of `rel` just written to the heap by this command, with its TID set.
-pub(crate) unsafe fn insert_index_entries(
+unsafe fn insert_index_entries(
     rel: pg_sys::Relation,
     slots: &[*mut pg_sys::TupleTableSlot],
     only_summarizing: bool,
