@@ -677,11 +677,6 @@ fn same_length<T>(arg: &str, array: Option<&Vec<T>>, keys: usize) {
     }
 }
 
-/// Keys and positions of a batch call at most this many keys' insert locks at once (the
-/// server's lock table is shared and sized by max_locks_per_transaction): a larger batch is
-/// inserted in several statements.
-const BATCH_CHUNK: usize = 128;
-
 v1!(pg_finfo_idempotency_claim_many);
 /// `idempotency.claim_many(keys, requests, scope, ttl, lease) RETURNS SETOF (ord, key,
 /// claim_result's columns)`: one row per position of `keys`, in order, each `claim`'s answer.
@@ -747,45 +742,27 @@ pub extern "C-unwind" fn idempotency_claim_many(fcinfo: pg_sys::FunctionCallInfo
         let outcomes = outcome_labels((*crate::compat::attribute(tupdesc, 2)).atttypid);
 
         let mut counts = [0u64; 4];
-        let mut start = 0;
-        while start < keys.len() {
-            let end = (start + BATCH_CHUNK).min(keys.len());
-            let refs: Vec<&str> = stored[start..end].iter().map(String::as_str).collect();
-            let mut fresh =
-                store::claim_fresh_batch(&scope, &refs, &hashes[start..end], ttl, lease);
-            for (j, done) in fresh.iter_mut().enumerate() {
-                let i = start + j;
-                let result = done.take().unwrap_or_else(|| {
-                    store::claim(&ClaimRequest {
-                        scope: &scope,
-                        key: &stored[i],
-                        hash: hashes[i],
-                        ttl,
-                        lease,
-                    })
-                });
-                let o = outcome_slot(result.outcome).0;
-                counts[o] += 1;
-                let fields: [Option<pg_sys::Datum>; 9] = [
-                    (i as i32 + 1).into_datum(),
-                    keys[i],
-                    Some(outcomes[o]),
-                    result.token.into_datum(),
-                    result.response.and_then(|j| j.into_datum()),
-                    result.response_status.into_datum(),
-                    result.retry_after.into_datum(),
-                    result.expires_at.into_datum(),
-                    result
-                        .recovery_point
-                        .as_deref()
-                        .map(|p| encoding::text_datum(p, "recovery_point")),
-                ];
-                with_row(tupdesc, &fields, |values, nulls| {
-                    pg_sys::tuplestore_putvalues(store_, tupdesc, values, nulls)
-                });
-            }
-            start = end;
-        }
+        store::claim_many(&scope, &stored, &hashes, ttl, lease, |i, result| {
+            let o = outcome_slot(result.outcome).0;
+            counts[o] += 1;
+            let fields: [Option<pg_sys::Datum>; 9] = [
+                (i as i32 + 1).into_datum(),
+                keys[i],
+                Some(outcomes[o]),
+                result.token.into_datum(),
+                result.response.and_then(|j| j.into_datum()),
+                result.response_status.into_datum(),
+                result.retry_after.into_datum(),
+                result.expires_at.into_datum(),
+                result
+                    .recovery_point
+                    .as_deref()
+                    .map(|p| encoding::text_datum(p, "recovery_point")),
+            ];
+            with_row(tupdesc, &fields, |values, nulls| {
+                pg_sys::tuplestore_putvalues(store_, tupdesc, values, nulls)
+            });
+        });
         for (outcome, n) in OUTCOMES.into_iter().zip(counts) {
             if n > 0 {
                 stats::count(outcome_slot(outcome).1, n);

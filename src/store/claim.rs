@@ -289,6 +289,45 @@ pub(crate) fn in_progress(row: Row) -> ClaimResult {
     r
 }
 
+/// Keys of a `claim_many` call take at most this many keys' insert locks at once (the server's
+/// lock table is shared and sized by max_locks_per_transaction): a larger batch is inserted in
+/// several chunks.
+const BATCH_CHUNK: usize = 128;
+
+/// `claim_many`'s claims of `keys` (stored forms) with `hashes`, chunk by chunk: the fresh keys
+/// of each chunk inserted together ([`claim_fresh_batch`]), every other position claimed by
+/// [`claim`], in input order. Each position's answer goes to `answer(position, result)` as soon
+/// as its chunk is done.
+pub fn claim_many(
+    scope: &str,
+    keys: &[String],
+    hashes: &[Option<[u8; 32]>],
+    ttl: Interval,
+    lease: Interval,
+    mut answer: impl FnMut(usize, ClaimResult),
+) {
+    let mut start = 0;
+    while start < keys.len() {
+        let end = (start + BATCH_CHUNK).min(keys.len());
+        let refs: Vec<&str> = keys[start..end].iter().map(String::as_str).collect();
+        let fresh = claim_fresh_batch(scope, &refs, &hashes[start..end], ttl, lease);
+        for (j, done) in fresh.into_iter().enumerate() {
+            let i = start + j;
+            let result = done.unwrap_or_else(|| {
+                claim(&ClaimRequest {
+                    scope,
+                    key: &keys[i],
+                    hash: hashes[i],
+                    ttl,
+                    lease,
+                })
+            });
+            answer(i, result);
+        }
+        start = end;
+    }
+}
+
 /// The set-based part of `claim_many`: the keys of a batch (stored form, with their request
 /// hashes) that are absent are inserted in one statement, and answered `new` here; every other
 /// position is None, for the caller to claim one by one with [`claim`] (so a key that exists,
@@ -307,7 +346,7 @@ pub(crate) fn in_progress(row: Row) -> ClaimResult {
 /// once. If it would wait (or, below SQL, the unique index finds a key the probe missed), it
 /// is rolled back; the SQL insert then probes each key (still under its lock, with a confirmed
 /// miss) and inserts only the absent ones, and below SQL those keys go to `claim`.
-pub fn claim_fresh_batch(
+fn claim_fresh_batch(
     scope: &str,
     keys: &[&str],
     hashes: &[Option<[u8; 32]>],

@@ -33,7 +33,7 @@ mod sweep;
 
 pub(crate) use catalog::column_is;
 pub use catalog::{role_settings, stored_key};
-pub use claim::{claim, claim_fresh_batch};
+pub use claim::{claim, claim_many};
 pub use complete::complete;
 pub use heap::{now_plus, transaction_start};
 pub use sweep::{expired_since, sweep_audit_batch, sweep_batch, sweep_start};
