@@ -2,8 +2,8 @@
 //! arguments; their SQL is hand-written in `sql/idempotency.sql`, which names them by the
 //! symbols `api.rs` exports for them). Each is named after its SQL function.
 
+use super::args::{check_size, checked_key_and_scope, hash_arg, key_and_scope, optional_ttl};
 use super::args::{DbText, Jsonb, Row, Text, TextArray};
-use super::{check_size, checked_key_and_scope, hash_arg, key_and_scope, optional_ttl};
 use crate::arguments;
 use crate::arguments::ArgError;
 use crate::canonical::{self, NumberMode, Value};
@@ -115,7 +115,7 @@ fn idempotency_cron_key(
     let key = check(derivation::cron_key(
         job.as_deref(),
         at,
-        slot.as_ref().map(super::interval_parts),
+        slot.as_ref().map(super::args::interval_parts),
     ));
     DbText::new(&key, "cron key")
 }
