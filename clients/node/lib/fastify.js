@@ -74,10 +74,9 @@ function fastifyIdempotency(fastify, options, done) {
     const ticket = request[kTicket];
     if (!ticket) return payload;
     request[kTicket] = undefined;
-    const ct = reply.getHeader('content-type');
     const r = await core.finish(ticket, {
       status: reply.statusCode,
-      headers: ct ? { 'content-type': ct } : {},
+      headers: reply.getHeaders(),
       body: await toBuffer(payload),
     });
     reply.code(r.status).headers(r.headers);

@@ -10,6 +10,7 @@ httpSuite('fastify', async (options, handler) => {
   await app.register(fastifyIdempotency, options);
   const route = async (request, reply) => {
     const r = await handler({ headers: request.headers, body: request.body, path: request.routeOptions.url });
+    if (r.text !== undefined) return reply.code(r.status).headers(r.headers).send(r.text);
     return reply.code(r.status).send(r.body);
   };
   app.post('/orders', route);

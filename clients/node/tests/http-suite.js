@@ -54,6 +54,16 @@ function makeApp(cluster) {
       cluster.stop('fast'); // the database goes away mid-request, back after a second
       setTimeout(() => cluster.restart(), 1000);
     }
+    if (headers['x-test-headers']) {
+      return {
+        status: 201,
+        headers: {
+          location: '/orders/7', etag: '"v1"', 'set-cookie': 'session=first-caller', 'x-request-id': 'req-1',
+          'content-type': 'text/plain; charset=utf-8',
+        },
+        text: 'got 7 bytes',
+      };
+    }
     if (path === '/orders' && !(Number(body?.amount) > 0)) {
       return { status: 422, body: { type: 'https://shop.example/invalid-order', title: 'Invalid order', status: 422 } };
     }
@@ -121,6 +131,26 @@ function httpSuite(name, serve) {
     assert.equal(reordered.headers['idempotent-replayed'], 'true');
     assert.equal(reordered.headers['idempotency-key'], '"k-1";p=1');
     assert.equal(app.count('client-7', '"k-1"'), 1);
+  });
+
+  test(`${name}: header leak and loss: the first answer keeps the handler's headers; a replay only the allow-list`, async () => {
+    const first = await post('/orders', '"h-1"', { amount: 1 }, { headers: { 'x-test-headers': '1' } });
+    assert.equal(first.status, 201);
+    assert.equal(first.raw.toString(), 'got 7 bytes');
+    assert.equal(first.headers['content-type'], 'text/plain; charset=utf-8');
+    assert.equal(first.headers.location, '/orders/7');
+    assert.deepEqual(first.headers['set-cookie'], ['session=first-caller']);
+    assert.equal(first.headers['x-request-id'], 'req-1');
+    const again = await post('/orders', '"h-1"', { amount: 1 });
+    assert.equal(again.status, 201);
+    assert.equal(again.headers['idempotent-replayed'], 'true');
+    assert.equal(again.raw.toString(), 'got 7 bytes');
+    assert.equal(again.headers['content-type'], 'text/plain; charset=utf-8');
+    assert.equal(again.headers.location, '/orders/7');
+    assert.equal(again.headers.etag, '"v1"');
+    assert.equal(again.headers['set-cookie'], undefined, 'never the first caller\'s cookie');
+    assert.equal(again.headers['x-request-id'], undefined);
+    assert.equal(app.count('client-7', '"h-1"'), 1);
   });
 
   test(`${name}: the same key for another body or query is 422 problem+json with Idempotency-Expires`, async () => {

@@ -32,7 +32,9 @@ def make_app(conninfo, calls, **kw):
             raise RuntimeError("handler crashed")
         if body.get("status"):
             return JSONResponse({"error": "bad"}, status_code=body["status"])
-        return JSONResponse({"order_id": len(calls), **body}, status_code=201, headers={"location": "/orders/1"})
+        return JSONResponse({"order_id": len(calls), **body}, status_code=201,
+                            headers={"location": "/orders/1", "etag": '"v1"', "set-cookie": "session=first-caller",
+                                     "x-request-id": "req-1"})
 
     async def ping(request):
         calls.append("ping")
@@ -75,6 +77,10 @@ def test_create_then_replay(client, calls, db):
     assert r2.status_code == 201 and r2.content == r1.content
     assert r2.headers["idempotent-replayed"] == "true" and r2.headers["location"] == "/orders/1"
     assert r2.headers["content-type"] == r1.headers["content-type"]
+    # Header leak: the first answer is the handler's; a replay carries only the allow-list.
+    assert r1.headers["set-cookie"] == "session=first-caller" and r1.headers["x-request-id"] == "req-1"
+    assert r2.headers["etag"] == '"v1"'
+    assert "set-cookie" not in r2.headers and "x-request-id" not in r2.headers
     expires = expires_of(db, "k-1", "c1:POST /orders")
     assert email.utils.parsedate_to_datetime(r1.headers["idempotency-expires"]) == expires
     assert email.utils.parsedate_to_datetime(r2.headers["idempotency-expires"]) == expires

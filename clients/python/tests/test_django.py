@@ -31,7 +31,10 @@ def orders(request):
     time.sleep(float(request.headers.get("X-Delay", "0")))
     if body.get("explode"):
         raise RuntimeError("view crashed")
-    return JsonResponse({"order_id": len(CALLS), **body}, status=body.get("status", 201))
+    r = JsonResponse({"order_id": len(CALLS), **body}, status=body.get("status", 201))
+    r["Location"], r["X-Request-Id"] = "/orders/1", "req-1"
+    r.set_cookie("session", "first-caller")
+    return r
 
 
 def client_id(request):
@@ -80,6 +83,9 @@ def test_create_replay_mismatch(django_app, db):
     r2 = post(django_app, '"d-1"', '{"amount": 59.9, "item": "A"}')
     assert r2.status_code == 201 and r2.content == r1.content and r2["Idempotent-Replayed"] == "true"
     assert r2["Content-Type"] == "application/json"
+    # Header leak: the first answer is the view's; a replay carries only the allow-list.
+    assert r1["X-Request-Id"] == "req-1" and r1.cookies["session"].value == "first-caller"
+    assert r2["Location"] == "/orders/1" and "X-Request-Id" not in r2 and "session" not in r2.cookies
     (expires,) = db.execute("SELECT expires_at FROM idempotency.lookup('d-1', 'c1:POST /orders')").fetchone()
     assert email.utils.parsedate_to_datetime(r2["Idempotency-Expires"]) == expires.replace(microsecond=0)
     r3 = post(django_app, '"d-1"', {"item": "B"})

@@ -12,16 +12,15 @@ use std::time::{Duration, Instant, SystemTime};
 
 use axum::body::{Body, Bytes};
 use axum::extract::MatchedPath;
-use axum::http::header::CONTENT_TYPE;
 use axum::http::request::Parts;
-use axum::http::{HeaderMap, Method, Request, StatusCode};
+use axum::http::{HeaderName, Method, Request, StatusCode};
 use axum::response::Response;
 use deadpool_postgres::Pool;
 use tower_layer::Layer;
 use tower_service::Service;
 
 use crate::request::{read, IdemRequest};
-use crate::response::{finish, problem, stored, unavailable, Echo};
+use crate::response::{default_replay_headers, envelope, finish, problem, unavailable, Echo};
 use crate::store::{self, Outcome};
 
 /// Decides the scope of a request (who owns its key), or refuses it with a response (e.g. 401
@@ -84,6 +83,7 @@ struct Config {
     reconnect_for: Duration,
     scope: ScopeFn,
     check: Option<CheckFn>,
+    replay_headers: Vec<HeaderName>,
 }
 
 /// Makes the routes it wraps idempotent under the IETF Idempotency-Key draft, with the
@@ -109,6 +109,7 @@ impl IdempotencyLayer {
                 reconnect_for: Duration::from_secs(30),
                 scope: Arc::new(|p: &Parts| Ok(route_scope(p))),
                 check: None,
+                replay_headers: default_replay_headers(),
             }),
         }
     }
@@ -124,6 +125,7 @@ impl IdempotencyLayer {
             reconnect_for: self.cfg.reconnect_for,
             scope: self.cfg.scope.clone(),
             check: self.cfg.check.clone(),
+            replay_headers: self.cfg.replay_headers.clone(),
         };
         f(&mut cfg);
         self.cfg = Arc::new(cfg);
@@ -165,6 +167,16 @@ impl IdempotencyLayer {
     /// database went away while the inner service ran.
     pub fn reconnect_for(self, d: Duration) -> IdempotencyLayer {
         self.with(|c| c.reconnect_for = d)
+    }
+
+    /// The headers of the handler's answer that are stored and replayed besides `Content-Type`
+    /// (default [`crate::response::REPLAY_HEADERS`]: `Location`, `Content-Location`, `ETag`,
+    /// `Last-Modified`, `Link`). `Set-Cookie`, `Date`, `Content-Length` and the idempotency
+    /// headers are never stored, whatever the list says. The first answer always goes out with
+    /// all of the handler's headers.
+    pub fn replay_headers(self, names: impl IntoIterator<Item = HeaderName>) -> IdempotencyLayer {
+        let n = names.into_iter().collect();
+        self.with(|c| c.replay_headers = n)
     }
 
     /// Who owns a key: e.g. `format!("{client}:{}", route_scope(parts))` so that two clients
@@ -334,7 +346,7 @@ where
             Err(e) => return store::db_error(&e, &ir.echo),
         };
         if c.outcome != Outcome::New {
-            return store::answer(&**client, &ir, &c).await;
+            return store::answer_with(&**client, &ir, &c, &cfg.replay_headers).await;
         }
         c
     }; // the connection goes back to the pool while the inner service runs
@@ -398,28 +410,6 @@ fn finish_missing(resp: Response, mut echo: Echo) -> Response {
     finish(resp, &echo)
 }
 
-/// The response body as JSON text for the store: a JSON body as it is, any other as a JSON
-/// string, an empty body as NULL.
-fn json_text(headers: &HeaderMap, body: &Bytes) -> Option<String> {
-    if body.is_empty() {
-        return None;
-    }
-    let json = headers
-        .get(CONTENT_TYPE)
-        .and_then(|v| v.to_str().ok())
-        .map(|ct| {
-            let essence = ct.split(';').next().unwrap_or("").trim();
-            essence.eq_ignore_ascii_case("application/json") || essence.ends_with("+json")
-        })
-        .unwrap_or(false);
-    match std::str::from_utf8(body) {
-        Ok(t) if json => Some(t.to_string()),
-        _ => {
-            Some(serde_json::Value::String(String::from_utf8_lossy(body).into_owned()).to_string())
-        }
-    }
-}
-
 async fn complete(
     cfg: &Config,
     ir: &IdemRequest,
@@ -433,41 +423,33 @@ async fn complete(
         Ok(b) => b,
         Err(_) => Bytes::new(),
     };
-    let text = json_text(&rparts.headers, &body);
+    let text = envelope(&rparts.headers, &body, &cfg.replay_headers);
     let status_i = i32::from(status.as_u16());
     let deadline = Instant::now() + cfg.reconnect_for;
     let (key, scope, token) = (ir.key.as_str(), ir.scope.as_str(), c.token);
     let done = retrying(&cfg.pool, deadline, |db| {
         let text = text.clone();
         async move {
-            store::complete(
-                &**db,
-                key,
-                scope,
-                token,
-                status_i,
-                text.as_deref().unwrap_or("null"),
-                Some(ttl),
-            )
-            .await
-            .map(|(t, exp)| (text.map(|_| t), exp))
+            store::complete(&**db, key, scope, token, status_i, &text, Some(ttl))
+                .await
+                .map(|(_, exp)| exp)
         }
     })
     .await;
     match done {
-        Ok((stored_text, expires)) => {
+        Ok(expires) => {
+            // The live answer is the handler's, untouched but for the idempotency headers.
             let echo = Echo {
                 expires: Some(expires),
                 ..ir.echo.clone()
             };
-            finish(stored(status, stored_text), &echo)
+            finish_missing(Response::from_parts(rparts, Body::from(body)), echo)
         }
         Err(Some(e)) if store::is_fenced_off(&e) || store::sqlstate(&e) == Some("IK001") => {
             fenced_off(cfg, ir).await
         }
         Err(e) => {
-            // The answer cannot be stored (a JSON response that jsonb refuses, or the database
-            // stayed away): give the key back if we still can.
+            // The answer cannot be stored (the database stayed away, or refused it): give the key back if we still can.
             release(&cfg.pool, Instant::now(), ir, c.token).await;
             match e {
                 None => unavailable(&ir.echo),
@@ -516,7 +498,7 @@ async fn fenced_off(cfg: &Config, ir: &IdemRequest) -> Response {
             &echo,
         );
     }
-    store::answer(&**client, ir, &c).await
+    store::answer_with(&**client, ir, &c, &cfg.replay_headers).await
 }
 
 /// `release`, retried on new connections until `deadline`.

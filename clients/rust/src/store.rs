@@ -9,7 +9,7 @@ use axum::response::Response;
 use tokio_postgres::GenericClient;
 
 use crate::request::IdemRequest;
-use crate::response::{finish, problem, stored, Echo};
+use crate::response::{default_replay_headers, finish, problem, replayed, Echo};
 
 /// `idempotency.outcome`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -156,8 +156,19 @@ pub async fn complete_many<C: GenericClient + Sync>(
     Ok(rows.iter().map(|r| r.get(0)).collect())
 }
 
-/// The HTTP answer for `replay`, `in_progress` and `mismatch` (never called for `new`).
+/// The HTTP answer for `replay`, `in_progress` and `mismatch` (never called for `new`); a replay
+/// carries the default allow-list of headers ([`crate::response::REPLAY_HEADERS`]).
 pub async fn answer<C: GenericClient + Sync>(db: &C, ctx: &IdemRequest, c: &Claim) -> Response {
+    answer_with(db, ctx, c, &default_replay_headers()).await
+}
+
+/// [`answer`], a replay carrying `Content-Type` and the headers of `replay_headers`.
+pub async fn answer_with<C: GenericClient + Sync>(
+    db: &C,
+    ctx: &IdemRequest,
+    c: &Claim,
+    replay_headers: &[axum::http::HeaderName],
+) -> Response {
     let mut echo = Echo {
         key: ctx.echo.key.clone(),
         expires: c.expires_at,
@@ -171,7 +182,10 @@ pub async fn answer<C: GenericClient + Sync>(db: &C, ctx: &IdemRequest, c: &Clai
                 .and_then(|s| u16::try_from(s).ok())
                 .and_then(|s| StatusCode::from_u16(s).ok())
                 .unwrap_or(StatusCode::OK);
-            finish(stored(status, c.response.clone()), &echo)
+            finish(
+                replayed(status, c.response.as_deref(), replay_headers),
+                &echo,
+            )
         }
         Outcome::InProgress => {
             let secs = c.retry_after.unwrap_or(1).max(1);

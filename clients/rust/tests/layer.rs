@@ -152,12 +152,14 @@ async fn every_outcome() {
     assert_eq!(b.body, a.body);
     assert_eq!(b.header("idempotent-replayed"), Some("true"));
 
-    // A body that is not JSON is stored, and replayed, as a JSON string.
+    // An answer that is not JSON goes out and is replayed as it is, with its content type.
     let a = send(&r, pay_request(Some("c1"), Some("\"text\""), ORDER, "text")).await;
     assert_eq!(a.status, StatusCode::CREATED);
-    assert_eq!(a.body, "\"plain text\"");
+    assert_eq!(a.body, "plain text");
+    assert_eq!(a.header("content-type"), Some("text/plain; charset=utf-8"));
     let b = send(&r, pay_request(Some("c1"), Some("\"text\""), ORDER, "")).await;
     assert_eq!(b.body, a.body);
+    assert_eq!(b.header("content-type"), a.header("content-type"));
 
     // Disposition::Keep leaves the claim in progress: 409 with Retry-After until the lease ends.
     let a = send(&r, pay_request(Some("c1"), Some("\"keep\""), ORDER, "keep")).await;
@@ -171,6 +173,49 @@ async fn every_outcome() {
     );
     let retry_after: u64 = b.header("retry-after").unwrap().parse().unwrap();
     assert!((1..=60).contains(&retry_after), "{retry_after}");
+}
+
+/// Header leak and loss: the first answer is the handler's (its Location, its content type, its
+/// own JSON 400 not turned into problem+json); a replay carries the stored status, body, content
+/// type and the allow-listed headers, never the first caller's Set-Cookie or request id.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn handler_headers_live_and_allow_listed_on_replay() {
+    let cluster = Cluster::start().await;
+    let app = Arc::new(App::default());
+    let r = router(app.clone(), cluster.pool(), Duration::from_secs(60));
+    let first = send(&r, pay_request(Some("c"), Some("\"h\""), ORDER, "headers")).await;
+    assert_eq!(first.status, StatusCode::CREATED);
+    assert_eq!(first.body, "got 7 bytes");
+    assert_eq!(
+        first.header("content-type"),
+        Some("text/plain; charset=utf-8")
+    );
+    assert_eq!(first.header("location"), Some("/orders/7"));
+    assert_eq!(first.header("set-cookie"), Some("session=first-caller"));
+    assert_eq!(first.header("x-request-id"), Some("req-1"));
+    assert_eq!(first.header("idempotency-key"), Some("\"h\""));
+    let again = send(&r, pay_request(Some("c"), Some("\"h\""), ORDER, "")).await;
+    assert_eq!(again.status, StatusCode::CREATED);
+    assert_eq!(again.body, "got 7 bytes");
+    assert_eq!(
+        again.header("content-type"),
+        Some("text/plain; charset=utf-8")
+    );
+    assert_eq!(again.header("location"), Some("/orders/7"));
+    assert_eq!(again.header("etag"), Some("\"v1\""));
+    assert_eq!(again.header("set-cookie"), None);
+    assert_eq!(again.header("x-request-id"), None);
+    assert_eq!(again.header("idempotent-replayed"), Some("true"));
+    assert_eq!(app.runs(), 1);
+
+    let own = send(&r, pay_request(Some("c"), Some("\"o\""), ORDER, "own400")).await;
+    assert_eq!(own.status, StatusCode::BAD_REQUEST);
+    assert_eq!(own.header("content-type"), Some("application/json"));
+    assert_eq!(own.json()["error"], "bad order");
+    let again = send(&r, pay_request(Some("c"), Some("\"o\""), ORDER, "")).await;
+    assert_eq!(again.status, StatusCode::BAD_REQUEST);
+    assert_eq!(again.header("content-type"), Some("application/json"));
+    assert_eq!(again.body, own.body);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -14,7 +14,7 @@ import time
 from typing import Callable, Iterable, Optional
 
 from ._core import IN_PROGRESS, MISMATCH, NEW, AsyncStore, ClaimResult, Fenced
-from .http import (CLAIM_HTTP_SQL, EXPIRES_SQL, HEADER, KeyError400, Policy, Request, Response, claim_error,
+from .http import (REPLAY_HEADERS, CLAIM_HTTP_SQL, EXPIRES_SQL, HEADER, KeyError400, Policy, Request, Response, claim_error,
                    claim_params, encode_response, finish, outcome_response, parse_key, problem, scope_of,
                    should_store)
 
@@ -58,12 +58,14 @@ class IdempotencyMiddleware:
                  client: Callable = default_client, ttl: Optional[dt.timedelta] = None,
                  lease: Optional[dt.timedelta] = None, wait: dt.timedelta = dt.timedelta(0),
                  methods: Iterable[str] = ("POST", "PATCH"), required: bool = True,
-                 store_server_errors: bool = False, problem_base: Optional[str] = None):
+                 store_server_errors: bool = False, problem_base: Optional[str] = None,
+                 replay_headers: Iterable[str] = REPLAY_HEADERS):
         self.app = app
         self.store = store or AsyncStore(conninfo, application_name="pg_idempotency_asgi")
         self.client = client
         self.policy = Policy(ttl=ttl, lease=lease, wait=wait, methods=frozenset(m.upper() for m in methods),
-                             required=required, store_server_errors=store_server_errors)
+                             required=required, store_server_errors=store_server_errors,
+                             replay_headers=frozenset(h.lower() for h in replay_headers))
         if problem_base is not None:
             self.policy.problem_base = problem_base
 
@@ -104,7 +106,7 @@ class IdempotencyMiddleware:
         if not should_store(self.policy, resp):
             await self.store.release(key, c.scope, c.token)
             return await _send_response(send, finish(resp, echo))
-        text, status = encode_response(resp)
+        text, status = encode_response(resp, self.policy)
         try:
             expires = await self.store.complete(key, text, status, c.scope, c.token, self.policy.ttl,
                                                 response_is_json=True)

@@ -8,7 +8,8 @@ extension, default "default"; its connection is used in Django's autocommit mode
 (a libpq string: a connection of the middleware's own instead), CLIENT (callable or dotted path
 taking the request; default: the authenticated user's pk, else ""), TTL, LEASE, WAIT
 (timedeltas), METHODS (("POST", "PATCH")), REQUIRED (True), STORE_SERVER_ERRORS (False),
-PROBLEM_BASE. With ATOMIC_REQUESTS the view's transaction is not the claim's: the claim commits
+PROBLEM_BASE, REPLAY_HEADERS (the headers a replay carries besides Content-Type; default Location,
+Content-Location, ETag, Last-Modified, Link). With ATOMIC_REQUESTS the view's transaction is not the claim's: the claim commits
 before the view runs and the response is stored after the view's transaction committed.
 """
 
@@ -24,7 +25,7 @@ from django.http import HttpResponse
 from django.utils.module_loading import import_string
 
 from ._core import IN_PROGRESS, MISMATCH, NEW, ClaimResult, Fenced, Store, _Calls
-from .http import (CLAIM_HTTP_SQL, EXPIRES_SQL, KeyError400, Policy, Request, Response, claim_error, claim_params,
+from .http import (REPLAY_HEADERS, CLAIM_HTTP_SQL, EXPIRES_SQL, KeyError400, Policy, Request, Response, claim_error, claim_params,
                    encode_response, finish, outcome_response, parse_key, problem, should_store)
 
 
@@ -81,7 +82,8 @@ class IdempotencyMiddleware:
         self.policy = Policy(ttl=conf.get("TTL"), lease=conf.get("LEASE"), wait=conf.get("WAIT", dt.timedelta(0)),
                              methods=frozenset(m.upper() for m in conf.get("METHODS", ("POST", "PATCH"))),
                              required=conf.get("REQUIRED", True),
-                             store_server_errors=conf.get("STORE_SERVER_ERRORS", False))
+                             store_server_errors=conf.get("STORE_SERVER_ERRORS", False),
+                             replay_headers=frozenset(h.lower() for h in conf.get("REPLAY_HEADERS", REPLAY_HEADERS)))
         if conf.get("PROBLEM_BASE"):
             self.policy.problem_base = conf["PROBLEM_BASE"]
 
@@ -119,7 +121,7 @@ class IdempotencyMiddleware:
         if not should_store(self.policy, resp):
             self.store.release(key, c.scope, c.token)
             return self._with_headers(response, body, finish(resp, raw))
-        text, status = encode_response(resp)
+        text, status = encode_response(resp, self.policy)
         try:
             expires = self.store.complete(key, text, status, c.scope, c.token, self.policy.ttl, response_is_json=True)
         except Fenced:
@@ -136,6 +138,8 @@ class IdempotencyMiddleware:
             response.streaming_content = [body]
         for k, v in resp.headers:
             if k in ("idempotency-key", "idempotency-expires", "idempotent-replayed", "retry-after"):
+                response[k] = v
+            elif k == "cache-control" and k not in response:
                 response[k] = v
         return response
 

@@ -6,8 +6,11 @@
 - the scope is `<client>:<METHOD> <path>`, so two clients or two routes never share a key;
 - the request fingerprint is `idempotency.request_fingerprint(method, path, query, body)`,
   computed by the server (a JSON body as jsonb, any other body by its SHA-256);
-- new: the handler runs and its response (status, headers, body) is stored; replay: the stored
-  response with `Idempotent-Replayed: true`; in_progress: 409 with Retry-After; mismatch: 422;
+- new: the handler runs and its answer goes out untouched but for the idempotency headers; what
+  is stored is its status, body, content type and the headers of an allow-list (`Location`,
+  `Content-Location`, `ETag`, `Last-Modified`, `Link` by default: never `Set-Cookie`, `Date` or a
+  per-request id); replay: that stored answer with `Idempotent-Replayed: true`; in_progress: 409
+  with Retry-After; mismatch: 422;
 - every answer about a claimed key carries `Idempotency-Expires` (the key's expires_at as an
   HTTP date, rounded down) and echoes `Idempotency-Key`.
 """
@@ -44,9 +47,13 @@ SELECT c.outcome::text, c.token, c.response::text, c.response_status,
 
 EXPIRES_SQL = "SELECT l.expires_at FROM idempotency.lookup(%(key)s, scope => %(scope)s) l WHERE l.key IS NOT NULL"
 
-# Headers of a response that are not stored for a replay (hop-by-hop, per-response, ours).
-NOT_STORED = {"content-length", "date", "server", "set-cookie", "transfer-encoding", "connection", "keep-alive",
-              "idempotency-expires", "idempotency-key", "idempotent-replayed", "retry-after"}
+# The headers of a handler's answer that are stored and replayed (besides Content-Type), unless
+# configured otherwise: those that describe the resource, not the one response. Set-Cookie, Date,
+# per-request ids and hop-by-hop headers are never in it.
+REPLAY_HEADERS = ("location", "content-location", "etag", "last-modified", "link")
+# Never replayed, whatever the allow-list says.
+NEVER_REPLAYED = {"content-length", "date", "server", "set-cookie", "transfer-encoding", "connection", "keep-alive",
+                  "idempotency-expires", "idempotency-key", "idempotent-replayed", "retry-after"}
 
 
 class KeyError400(Exception):
@@ -212,6 +219,7 @@ class Policy:
     required: bool = True
     store_server_errors: bool = False
     problem_base: str = "https://developer.example.com/idempotency/"
+    replay_headers: frozenset = frozenset(REPLAY_HEADERS)
 
 
 def problem(policy: Policy, status: int, slug: str, title: str, detail: str) -> Response:
@@ -273,25 +281,58 @@ def claim_error(policy: Policy, e: Exception) -> Optional[Response]:
     return None
 
 
-def encode_response(resp: Response):
-    """(JSON text, status) stored by complete: the headers to replay and the body, as text when it
-    is UTF-8 without NUL (jsonb cannot hold NUL), else base64."""
-    headers = [[k, v] for k, v in resp.headers if k.lower() not in NOT_STORED]
-    doc = {"headers": headers}
+def replayable(policy: Policy, headers) -> List[Tuple[str, str]]:
+    """The headers of an answer that a replay carries: Content-Type and the allow-list."""
+    allowed = {h.lower() for h in policy.replay_headers} - NEVER_REPLAYED
+    return [(k.lower(), v) for k, v in headers if k.lower() == "content-type" or k.lower() in allowed]
+
+
+def encode_response(resp: Response, policy: Optional[Policy] = None):
+    """(JSON text, status) stored by complete. The stored form, the same in the Python, Node and
+    Rust clients: {"headers": [[name, value], ...] (Content-Type and the allow-list, names
+    lower-case), "content_type": ..., "body": text} with the body as text when it is UTF-8 without
+    NUL (jsonb cannot hold NUL), else base64 in "body_base64" and in "body" with
+    "encoding": "base64" (so that clients before 0.5.0 read it as well)."""
+    headers = replayable(policy or Policy(), resp.headers)
+    doc = {"headers": [[k, v] for k, v in headers]}
+    ctype = next((v for k, v in headers if k == "content-type"), None)
+    if ctype is not None:
+        doc["content_type"] = ctype
     try:
         text = resp.body.decode("utf-8")
         if "\x00" in text:
             raise UnicodeDecodeError("utf-8", b"", 0, 1, "NUL")
         doc["body"] = text
     except UnicodeDecodeError:
-        doc["body_base64"] = base64.b64encode(resp.body).decode()
+        b64 = base64.b64encode(resp.body).decode()
+        doc.update(body=b64, encoding="base64", body_base64=b64)
     return json.dumps(doc, separators=(",", ":")), resp.status
 
 
-def decode_response(c: ClaimResult) -> Response:
-    doc = c.response or {}
-    body = base64.b64decode(doc["body_base64"]) if "body_base64" in doc else (doc.get("body") or "").encode()
-    return Response(c.response_status or 200, [(k, v) for k, v in doc.get("headers", [])], body)
+_ENVELOPE = {"headers", "content_type", "body", "body_base64", "encoding"}
+
+
+def decode_response(c: ClaimResult, policy: Optional[Policy] = None) -> Response:
+    """The stored answer: the form above (also as clients before 0.5.0 wrote it), or a plain JSON
+    value that other code completed the key with (sent as application/json)."""
+    doc = c.response
+    status = c.response_status or 200
+    if doc is None:
+        return Response(status, [], b"")
+    if not (isinstance(doc, dict) and set(doc) <= _ENVELOPE
+            and (isinstance(doc.get("body"), str) or isinstance(doc.get("body_base64"), str))):
+        ctype = "application/problem+json" if status >= 400 else "application/json"
+        return Response(status, [("content-type", ctype)], json.dumps(doc).encode())
+    if isinstance(doc.get("body_base64"), str):
+        body = base64.b64decode(doc["body_base64"])
+    elif doc.get("encoding") == "base64":
+        body = base64.b64decode(doc["body"])
+    else:
+        body = doc["body"].encode()
+    headers = [(str(k), str(v)) for k, v in (doc.get("headers") or []) if isinstance(k, str)]
+    if doc.get("content_type") and not any(k.lower() == "content-type" for k, _ in headers):
+        headers.insert(0, ("content-type", str(doc["content_type"])))
+    return Response(status, replayable(policy or Policy(), headers), body)
 
 
 def finish(resp: Response, key_header: Optional[str], expires: Optional[dt.datetime] = None,
@@ -305,6 +346,8 @@ def finish(resp: Response, key_header: Optional[str], expires: Optional[dt.datet
         h.append(("idempotent-replayed", "true"))
     if retry_after is not None:
         h.append(("retry-after", str(retry_after)))
+    if not any(k.lower() == "cache-control" for k, _ in h):
+        h.append(("cache-control", "no-store"))
     resp.headers = h
     return resp
 
@@ -312,7 +355,7 @@ def finish(resp: Response, key_header: Optional[str], expires: Optional[dt.datet
 def outcome_response(policy: Policy, c: ClaimResult, key_header: str, mismatch_expires=None) -> Response:
     """The answer for replay, in_progress and mismatch."""
     if c.outcome == REPLAY:
-        return finish(decode_response(c), key_header, c.expires_at, replayed=True)
+        return finish(decode_response(c, policy), key_header, c.expires_at, replayed=True)
     if c.outcome == IN_PROGRESS:
         secs = max(1, math.ceil(c.retry_after.total_seconds())) if c.retry_after else 1
         r = problem(policy, 409, "request-outstanding", "A request is outstanding for this Idempotency-Key",

@@ -239,6 +239,27 @@ async fn pay(
             return r;
         }
         "text" => return (StatusCode::CREATED, "plain text").into_response(),
+        "headers" => {
+            return (
+                StatusCode::CREATED,
+                [
+                    ("location", "/orders/7"),
+                    ("etag", "\"v1\""),
+                    ("set-cookie", "session=first-caller"),
+                    ("x-request-id", "req-1"),
+                    ("content-type", "text/plain; charset=utf-8"),
+                ],
+                "got 7 bytes",
+            )
+                .into_response()
+        }
+        "own400" => {
+            return (
+                StatusCode::BAD_REQUEST,
+                axum::Json(serde_json::json!({"error": "bad order"})),
+            )
+                .into_response()
+        }
         "refuse" => {
             return (
                 StatusCode::PAYMENT_REQUIRED,
