@@ -18,12 +18,14 @@ const NEVER_REPLAYED = new Set(['content-length', 'date', 'server', 'set-cookie'
 
 // The claim of a request: `request` is the hex of idempotency.request_fingerprint(method, path,
 // query, body), which claim hashes again. The body goes to PostgreSQL as text, so numbers keep
-// their exact value; a JSON body is judged by jsonb, any other body is hashed as a string.
+// their exact value; a JSON body (by its content type) is judged by jsonb, any other body is
+// {"sha256": "<hex of its bytes>"}, an empty one none: the same fingerprint as the Python and
+// Rust clients give the same request.
 const FINGERPRINT = (body) => `to_jsonb(encode(idempotency.request_fingerprint($2, $3, $4::text::jsonb, ${body}), 'hex'))`;
 const CLAIM_HTTP = {
   json: `SELECT ${db.CLAIM_COLUMNS} FROM idempotency.claim($1, ${FINGERPRINT('$5::text::jsonb')},
            scope => $6, ttl => $7::interval, lease => $8::interval) c`,
-  text: `SELECT ${db.CLAIM_COLUMNS} FROM idempotency.claim($1, ${FINGERPRINT('to_jsonb($5::text)')},
+  bytes: `SELECT ${db.CLAIM_COLUMNS} FROM idempotency.claim($1, ${FINGERPRINT("jsonb_build_object('sha256', encode(sha256($5::bytea), 'hex'))")},
            scope => $6, ttl => $7::interval, lease => $8::interval) c`,
 };
 
@@ -33,7 +35,7 @@ function imfFixdate(date) {
 }
 
 function isJsonType(contentType) {
-  if (!contentType) return true; // no type: judged as JSON
+  if (!contentType) return false;
   const t = String(contentType).split(';')[0].trim().toLowerCase();
   return t === 'application/json' || t.endsWith('+json');
 }
@@ -115,24 +117,34 @@ class HttpIdempotency {
     }
     const method = String(req.method).toUpperCase();
     const scope = client ? `${client}:${method} ${req.path}` : `${method} ${req.path}`;
-    let bodyText = null;
+    // The body: JSON text (a JSON content type), or bytes (any other body), or none (empty).
+    let body = null;
+    let sql = CLAIM_HTTP.json;
     if (req.body !== null && req.body !== undefined) {
-      if (Buffer.isBuffer(req.body)) {
+      const buf = Buffer.isBuffer(req.body) ? req.body : Buffer.from(String(req.body));
+      if (buf.length > 0 && isJsonType(req.contentType)) {
         try {
-          bodyText = new TextDecoder('utf-8', { fatal: true }).decode(req.body);
+          body = new TextDecoder('utf-8', { fatal: true }).decode(buf);
         } catch {
-          return { action: 'respond', response: HttpIdempotency.decorate(this.problem(400, 'bad-request', 'Bad request', 'the body is not UTF-8'), echo) };
+          return { action: 'respond', response: HttpIdempotency.decorate(this.problem(400, 'bad-request', 'Bad request', 'the JSON body is not UTF-8'), echo) };
         }
-      } else {
-        bodyText = String(req.body);
+      } else if (buf.length > 0) {
+        body = buf;
+        sql = CLAIM_HTTP.bytes;
       }
     } else if (req.parsedBody !== undefined && req.parsedBody !== null) {
-      bodyText = typeof req.parsedBody === 'string' ? req.parsedBody : JSON.stringify(req.parsedBody);
+      // The raw body is gone (a parser ran first): a string is taken as the bytes it was, an
+      // object as the JSON it was parsed from.
+      if (typeof req.parsedBody === 'string' || Buffer.isBuffer(req.parsedBody)) {
+        body = Buffer.from(req.parsedBody);
+        sql = body.length ? CLAIM_HTTP.bytes : CLAIM_HTTP.json;
+        if (!body.length) body = null;
+      } else {
+        body = JSON.stringify(req.parsedBody);
+      }
     }
-    if (bodyText === '') bodyText = null;
     const query = queryObject(req.search ?? '');
-    const sql = typeof req.parsedBody === 'string' || !isJsonType(req.contentType) ? CLAIM_HTTP.text : CLAIM_HTTP.json;
-    const params = [key, method, req.path, JSON.stringify(query), bodyText, scope, this.ttl, this.lease];
+    const params = [key, method, req.path, JSON.stringify(query), body, scope, this.ttl, this.lease];
     const deadline = Date.now() + this.waitMs;
     for (;;) {
       let c;

@@ -153,6 +153,32 @@ function httpSuite(name, serve) {
     assert.equal(app.count('client-7', '"h-1"'), 1);
   });
 
+  test(`${name}: any body is accepted and fingerprinted as the Python and Rust clients do (text, form, empty)`, async () => {
+    const cases = [['b-text', 'text/plain', 'hello'], ['b-form', 'application/x-www-form-urlencoded', 'a=1&b=2'], ['b-empty', undefined, '']];
+    for (const [k, type, body] of cases) {
+      const send = () => request(srv.url, '/refunds', {
+        headers: { 'x-client-id': 'client-7', 'idempotency-key': `"${k}"`, ...(type ? { 'content-type': type } : {}), 'content-length': Buffer.byteLength(body) },
+        body: body === '' ? undefined : body,
+      });
+      const a = await send();
+      assert.equal(a.status, 201, `${k}: ${a.raw}`);
+      const b = await send();
+      assert.equal(b.headers['idempotent-replayed'], 'true', k);
+      // The reference fingerprint, the one the Python and Rust clients' tests check as well.
+      const ref = body === '' ? 'NULL::jsonb' : "jsonb_build_object('sha256', encode(sha256($3::bytea), 'hex'))";
+      await pool.query(`SELECT idempotency.claim($1, request => to_jsonb(encode(idempotency.request_fingerprint('POST', '/refunds', '{}'::jsonb, ${ref}), 'hex')), scope => $2) WHERE $3::bytea IS NOT NULL`,
+        [k, 'reference', Buffer.from(body)]);
+      const { rows } = await pool.query(`SELECT a.request_hash = b.request_hash AS same FROM idempotency.idempotency_keys a
+        JOIN idempotency.idempotency_keys b ON b.key = a.key AND b.scope = 'reference' WHERE a.key = $1 AND a.scope = $2`,
+      [k, 'client-7:POST /refunds']);
+      assert.deepEqual(rows, [{ same: true }], k);
+    }
+    const other = await request(srv.url, '/refunds', {
+      headers: { 'x-client-id': 'client-7', 'idempotency-key': '"b-text"', 'content-type': 'text/plain' }, body: 'hellO',
+    });
+    assert.equal(other.status, 422);
+  });
+
   test(`${name}: the same key for another body or query is 422 problem+json with Idempotency-Expires`, async () => {
     await post('/orders', '"k-2"', { amount: 5 });
     for (const [path, body] of [['/orders', { amount: 6 }], ['/orders?coupon=x', { amount: 5 }]]) {

@@ -36,11 +36,17 @@ def make_app(conninfo, calls, **kw):
                             headers={"location": "/orders/1", "etag": '"v1"', "set-cookie": "session=first-caller",
                                      "x-request-id": "req-1"})
 
+    async def anybody(request):
+        body = await request.body()
+        calls.append(body)
+        return PlainTextResponse(f"got {len(body)} bytes", status_code=201)
+
     async def ping(request):
         calls.append("ping")
         return PlainTextResponse("pong")
 
-    app = Starlette(routes=[Route("/orders", orders, methods=["POST"]), Route("/ping", ping, methods=["GET", "POST"])])
+    app = Starlette(routes=[Route("/orders", orders, methods=["POST"]), Route("/ping", ping, methods=["GET", "POST"]),
+                                Route("/any", anybody, methods=["POST"])])
     app.add_middleware(IdempotencyMiddleware, conninfo=conninfo, client=header_client("x-client-id"),
                        ttl=dt.timedelta(hours=1), lease=dt.timedelta(seconds=30), **kw)
     return app
@@ -218,3 +224,22 @@ def test_fastapi(conninfo):
         r4 = client.post("/payments", json={"amount": 5}, headers={"x-client-id": "c9"})
     assert (r1.status_code, r2.status_code, r3.status_code, r4.status_code) == (201, 201, 422, 400)
     assert r2.content == r1.content and r2.headers["idempotent-replayed"] == "true" and len(calls) == 1
+
+
+@pytest.mark.parametrize("key,ctype,body", [("b-text", "text/plain", b"hello"),
+                                            ("b-form", "application/x-www-form-urlencoded", b"a=1&b=2"),
+                                            ("b-empty", None, b"")])
+def test_any_body_fingerprint_is_the_reference_one(client, calls, db, key, ctype, body):
+    """Any body is accepted; its fingerprint is the one the Node and Rust clients give the same
+    request (a JSON type as jsonb, any other body by its SHA-256, an empty body as none)."""
+    h = {"x-client-id": "c1", "idempotency-key": f'"{key}"', **({"content-type": ctype} if ctype else {})}
+    assert client.post("/any", content=body, headers=h).status_code == 201
+    assert client.post("/any", content=body, headers=h).headers["idempotent-replayed"] == "true"
+    ref = "NULL::jsonb" if not body else "jsonb_build_object('sha256', encode(sha256(%(b)s::bytea), 'hex'))"
+    db.execute("SELECT idempotency.claim(%(k)s, request => to_jsonb(encode(idempotency.request_fingerprint("
+               f"'POST', '/any', '{{}}'::jsonb, {ref}), 'hex')), scope => 'reference')", {"k": key, "b": body})
+    same = db.execute("SELECT a.request_hash = b.request_hash FROM idempotency.idempotency_keys a "
+                      "JOIN idempotency.idempotency_keys b ON b.key = a.key AND b.scope = 'reference' "
+                      "WHERE a.key = %s AND a.scope = 'c1:POST /any'", (key,)).fetchall()
+    assert same == [(True,)]
+    assert len(calls) == 1

@@ -33,14 +33,19 @@ pub struct Claim {
 }
 
 /// The request is identified by `idempotency.request_fingerprint(method, path, query, body)`;
-/// `claim` hashes the jsonb it is given, so it gets the fingerprint as a hex string.
+/// `claim` hashes the jsonb it is given, so it gets the fingerprint as a hex string. The body is
+/// a JSON body as jsonb, any other as `{"sha256": "<hex of its bytes>"}`, an empty one NULL: the
+/// same fingerprint as the Python and Node clients give the same request.
 const CLAIM: &str = "
 SELECT c.outcome::text, c.token, c.response::text, c.response_status,
        ceil(extract(epoch FROM c.retry_after))::int, c.expires_at, c.recovery_point
   FROM idempotency.claim(
            $1,
            request => to_jsonb(encode(idempotency.request_fingerprint(
-                          $2, $3, $4::text::jsonb, $5::text::jsonb), 'hex')),
+                          $2, $3, $4::text::jsonb,
+                          CASE WHEN $9::bytea IS NOT NULL
+                               THEN jsonb_build_object('sha256', encode(sha256($9::bytea), 'hex'))
+                               ELSE NULLIF($5::text, '')::jsonb END), 'hex')),
            scope   => $6,
            ttl     => make_interval(secs => $7::float8),
            lease   => make_interval(secs => $8::float8)) c";
@@ -64,6 +69,7 @@ pub async fn claim<C: GenericClient + Sync>(
                 &ctx.scope,
                 &ttl_secs,
                 &lease_secs,
+                &ctx.body_bytes,
             ],
         )
         .await?;

@@ -391,3 +391,74 @@ async fn database_down_while_the_handler_runs() {
     assert_eq!(again.body, first.body);
     assert_eq!(app.runs(), 1);
 }
+
+fn raw_request(key: &str, content_type: Option<&str>, body: &'static [u8]) -> Request<Body> {
+    let mut b = Request::post("/pay")
+        .header("x-client-id", "c")
+        .header("idempotency-key", key)
+        .header("x-behave", "text");
+    if let Some(ct) = content_type {
+        b = b.header("content-type", ct);
+    }
+    b.body(Body::from(body)).unwrap()
+}
+
+/// Bodies that are not JSON were refused with 400 (an empty `POST /orders/{id}/cancel`, a form,
+/// `text/plain`): now any body is accepted and fingerprinted as the Python and Node clients do
+/// (a JSON type as jsonb, any other body by its SHA-256, an empty body as none), so that the
+/// same request has the same fingerprint in all three.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn any_body_is_accepted_and_fingerprinted_as_the_other_clients_do() {
+    let cluster = Cluster::start().await;
+    let app = Arc::new(App::default());
+    let r = router(app.clone(), cluster.pool(), Duration::from_secs(60));
+    let cases: [(&str, Option<&str>, &'static [u8]); 4] = [
+        ("\"empty\"", None, b""),
+        (
+            "\"form\"",
+            Some("application/x-www-form-urlencoded"),
+            b"a=1&b=2",
+        ),
+        ("\"text\"", Some("text/plain"), b"hello"),
+        ("\"untyped\"", None, b"{\"a\": 1}"),
+    ];
+    for (key, ct, body) in cases {
+        let a = send(&r, raw_request(key, ct, body)).await;
+        assert_eq!(a.status, StatusCode::CREATED, "{key}: {}", a.body);
+        let b = send(&r, raw_request(key, ct, body)).await;
+        assert_eq!(b.header("idempotent-replayed"), Some("true"), "{key}");
+        // The reference fingerprint, the one the Python and Node clients' tests check as well.
+        let k = key.trim_matches('"');
+        let body_sql = if body.is_empty() {
+            "NULL::jsonb".to_string()
+        } else {
+            "jsonb_build_object('sha256', encode(sha256($3::bytea), 'hex'))".to_string()
+        };
+        // $3 is always bound (to the body's bytes) so that the statement has one shape.
+        let reference = format!(
+            "SELECT (idempotency.claim($1, request => to_jsonb(encode(
+                 idempotency.request_fingerprint('POST', '/pay', '{{}}'::jsonb, {body_sql}), 'hex')),
+                 scope => $2)).outcome::text WHERE $3::bytea IS NOT NULL"
+        );
+        cluster
+            .query(&reference, &[&k, &"reference", &body.to_vec()])
+            .await;
+        let rows = cluster
+            .query(
+                "SELECT a.request_hash = b.request_hash FROM idempotency.idempotency_keys a
+                   JOIN idempotency.idempotency_keys b ON b.key = a.key AND b.scope = 'reference'
+                  WHERE a.key = $1 AND a.scope = 'c:POST /pay'",
+                &[&k],
+            )
+            .await;
+        assert_eq!(rows.len(), 1, "{key}");
+        assert!(
+            rows[0].get::<_, bool>(0),
+            "{key}: the reference fingerprint"
+        );
+    }
+    // Another text body with the same key is another request.
+    let other = send(&r, raw_request("\"text\"", Some("text/plain"), b"hellO")).await;
+    assert_eq!(other.status, StatusCode::UNPROCESSABLE_ENTITY);
+    assert_eq!(app.runs(), 4);
+}
