@@ -84,6 +84,7 @@ struct Config {
     scope: ScopeFn,
     check: Option<CheckFn>,
     replay_headers: Vec<HeaderName>,
+    wait: Duration,
 }
 
 /// Makes the routes it wraps idempotent under the IETF Idempotency-Key draft, with the
@@ -110,6 +111,7 @@ impl IdempotencyLayer {
                 scope: Arc::new(|p: &Parts| Ok(route_scope(p))),
                 check: None,
                 replay_headers: default_replay_headers(),
+                wait: Duration::ZERO,
             }),
         }
     }
@@ -126,6 +128,7 @@ impl IdempotencyLayer {
             scope: self.cfg.scope.clone(),
             check: self.cfg.check.clone(),
             replay_headers: self.cfg.replay_headers.clone(),
+            wait: self.cfg.wait,
         };
         f(&mut cfg);
         self.cfg = Arc::new(cfg);
@@ -167,6 +170,15 @@ impl IdempotencyLayer {
     /// database went away while the inner service ran.
     pub fn reconnect_for(self, d: Duration) -> IdempotencyLayer {
         self.with(|c| c.reconnect_for = d)
+    }
+
+    /// How long a duplicate waits for the first request's answer (polling the store) before it
+    /// answers 409: zero (the default) answers 409 at once; with a bound, a duplicate that
+    /// arrives while the first request runs gets its answer as a replay once it is stored (or
+    /// runs itself if the first released the key). Same semantics as the Python and Node
+    /// adapters' `wait`.
+    pub fn wait(self, wait: Duration) -> IdempotencyLayer {
+        self.with(|c| c.wait = wait)
     }
 
     /// The headers of the handler's answer that are stored and replayed besides `Content-Type`
@@ -336,7 +348,9 @@ where
 {
     let ttl = cfg.ttl.as_secs_f64();
     let lease = cfg.lease.min(cfg.ttl).as_secs_f64();
-    let c = {
+    let deadline = Instant::now() + cfg.wait;
+    let mut pause = Duration::from_millis(50);
+    let c = loop {
         let client = match cfg.pool.get().await {
             Ok(c) => c,
             Err(_) => return unavailable(&ir.echo),
@@ -345,10 +359,18 @@ where
             Ok(c) => c,
             Err(e) => return store::db_error(&e, &ir.echo),
         };
+        let now = Instant::now();
+        if c.outcome == Outcome::InProgress && now < deadline {
+            // A duplicate waits for the first request's answer, off the connection.
+            drop(client);
+            tokio::time::sleep(pause.min(deadline - now)).await;
+            pause = (pause * 2).min(Duration::from_millis(500));
+            continue;
+        }
         if c.outcome != Outcome::New {
             return store::answer_with(&**client, &ir, &c, &cfg.replay_headers).await;
         }
-        c
+        break c;
     }; // the connection goes back to the pool while the inner service runs
     parts.extensions.insert(Claimed {
         key: ir.key.clone(),

@@ -218,6 +218,58 @@ async fn handler_headers_live_and_allow_listed_on_replay() {
     assert_eq!(again.body, own.body);
 }
 
+/// A duplicate during the first request answered 409 at once: with `wait` it waits for the first
+/// request's answer and replays it (the handler runs once); without, 409 as before.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn wait_makes_a_duplicate_replay_the_first_answer() {
+    let cluster = Cluster::start().await;
+    let app = Arc::new(App::default());
+    let r = common::router_with(app.clone(), cluster.pool(), Duration::from_secs(60), |l| {
+        l.wait(Duration::from_secs(10))
+    });
+    let first = {
+        let r = r.clone();
+        tokio::spawn(async move {
+            send(
+                &r,
+                pay_request(Some("c"), Some("\"w\""), ORDER, "sleep:1500"),
+            )
+            .await
+        })
+    };
+    app.wait_runs(1).await;
+    let started = std::time::Instant::now();
+    let dup = send(&r, pay_request(Some("c"), Some("\"w\""), ORDER, "")).await;
+    let first = first.await.unwrap();
+    assert_eq!(first.status, StatusCode::CREATED);
+    assert_eq!(dup.status, StatusCode::CREATED, "{}", dup.body);
+    assert_eq!(dup.header("idempotent-replayed"), Some("true"));
+    assert_eq!(dup.body, first.body);
+    assert!(started.elapsed() < Duration::from_secs(10));
+    assert_eq!(app.runs(), 1);
+
+    // The bound: a first request that outlasts it leaves the duplicate with 409.
+    let r = common::router_with(app.clone(), cluster.pool(), Duration::from_secs(60), |l| {
+        l.wait(Duration::from_millis(300))
+    });
+    let slow = {
+        let r = r.clone();
+        tokio::spawn(async move {
+            send(
+                &r,
+                pay_request(Some("c"), Some("\"w2\""), ORDER, "sleep:2000"),
+            )
+            .await
+        })
+    };
+    app.wait_runs(2).await;
+    let started = std::time::Instant::now();
+    let dup = send(&r, pay_request(Some("c"), Some("\"w2\""), ORDER, "")).await;
+    assert_eq!(dup.status, StatusCode::CONFLICT);
+    assert!(started.elapsed() >= Duration::from_millis(300));
+    assert_eq!(slow.await.unwrap().status, StatusCode::CREATED);
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn in_progress_then_replay() {
     let cluster = Cluster::start().await;

@@ -289,7 +289,18 @@ async fn pay(
 /// `POST /pay` behind the layer, scoped per client (`X-Client-Id`, 401 without it);
 /// `GET /pay` is not idempotent and passes through.
 pub fn router(app: Arc<App>, pool: Pool, lease: Duration) -> Router {
-    let layer = IdempotencyLayer::new(pool)
+    router_with(app, pool, lease, |l| l)
+}
+
+/// [`router`] with more settings of the layer.
+#[allow(dead_code, clippy::result_large_err)]
+pub fn router_with(
+    app: Arc<App>,
+    pool: Pool,
+    lease: Duration,
+    more: impl FnOnce(IdempotencyLayer) -> IdempotencyLayer,
+) -> Router {
+    let layer = more(IdempotencyLayer::new(pool))
         .ttl(Duration::from_secs(3600))
         .lease(lease)
         .body_limit(4096)
