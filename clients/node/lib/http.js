@@ -63,6 +63,10 @@ class HttpIdempotency {
     this.problemBase = options.problemBase ?? 'https://developer.example.com/idempotency/';
     this.store = options.storeResponse ?? ((status) => status < 500);
     this.onError = options.onError ?? ((err) => console.error('pg-idempotency:', err));
+    // How long the claim tries to reach the database (seconds) before it answers 503; failOpen:
+    // run the handler without the store when the database is unreachable (off by default).
+    this.connectTimeout = options.connectTimeout ?? 5;
+    this.failOpen = options.failOpen ?? false;
     this.replayHeaders = new Set((options.replayHeaders ?? REPLAY_HEADERS).map((h) => String(h).toLowerCase()));
   }
 
@@ -149,8 +153,13 @@ class HttpIdempotency {
     for (;;) {
       let c;
       try {
-        c = await this.claim(sql, params);
+        c = await this.claim(sql, params, this.connectTimeout * 1000);
       } catch (err) {
+        if (this.failOpen && db.connectionLost(err)) {
+          // Fail open (opted in): the handler runs without the store, unprotected.
+          this.onError(err);
+          return { action: 'next' };
+        }
         return { action: 'respond', response: HttpIdempotency.decorate(this.dbError(err), echo) };
       }
       if (c.outcome === 'new') {
@@ -164,8 +173,8 @@ class HttpIdempotency {
     }
   }
 
-  async claim(sql, params) {
-    const rows = await this.q.query(sql, params);
+  async claim(sql, params, patience) {
+    const rows = await this.q.query(sql, params, patience);
     const r = rows[0];
     return {
       outcome: r.outcome,

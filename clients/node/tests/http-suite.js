@@ -179,6 +179,37 @@ function httpSuite(name, serve) {
     assert.equal(other.status, 422);
   });
 
+  test(`${name}: a database that does not answer: 503 problem+json with Retry-After within connectTimeout; failOpen runs the handler`, async () => {
+    // Accepts TCP connections, never answers: only a connect timeout ends the wait.
+    const hole = require('node:net').createServer(() => {});
+    await new Promise((resolve) => hole.listen(0, '127.0.0.1', resolve));
+    const connectionString = `postgresql://app@127.0.0.1:${hole.address().port}/shop`;
+    const client = (req) => req.headers['x-client-id'];
+    try {
+      for (const failOpen of [false, true]) {
+        const down = await serve({ connectionString, client, connectTimeout: 1, failOpen, onError: () => {} }, app.handler);
+        try {
+          const started = Date.now();
+          const r = await post('/orders', `"down-${failOpen}"`, { amount: 1 }, { server: down });
+          assert.ok(Date.now() - started < 5000, `${Date.now() - started} ms`);
+          if (failOpen) {
+            assert.equal(r.status, 201);
+            assert.equal(app.count('client-7', `"down-${failOpen}"`), 1);
+          } else {
+            assert.equal(r.status, 503);
+            assert.equal(r.headers['content-type'], 'application/problem+json');
+            assert.equal(r.headers['retry-after'], '1');
+            assert.equal(app.count('client-7', `"down-${failOpen}"`), 0);
+          }
+        } finally {
+          await down.close();
+        }
+      }
+    } finally {
+      hole.close();
+    }
+  });
+
   test(`${name}: the same key for another body or query is 422 problem+json with Idempotency-Expires`, async () => {
     await post('/orders', '"k-2"', { amount: 5 });
     for (const [path, body] of [['/orders', { amount: 6 }], ['/orders?coupon=x', { amount: 5 }]]) {

@@ -243,3 +243,24 @@ def test_any_body_fingerprint_is_the_reference_one(client, calls, db, key, ctype
                       "WHERE a.key = %s AND a.scope = 'c1:POST /any'", (key,)).fetchall()
     assert same == [(True,)]
     assert len(calls) == 1
+
+
+@pytest.mark.parametrize("fail_open", [False, True])
+def test_database_down_is_503_within_the_connect_timeout(blackhole, calls, fail_open):
+    """A database that does not answer: 503 problem+json with Retry-After within the configured
+    connect time (it was a generic 500 after 30 s), the handler not run; fail_open (opt-in) runs
+    the handler without the store."""
+    with TestClient(make_app(blackhole, calls, connect_timeout=2, fail_open=fail_open),
+                    raise_server_exceptions=False) as client:
+        started = time.monotonic()
+        r = post(client, '"down-1"', {"item": "A"})
+        elapsed = time.monotonic() - started
+    assert elapsed < 6, elapsed
+    if fail_open:
+        assert r.status_code == 201 and len(calls) == 1
+        assert "idempotency-expires" not in r.headers
+    else:
+        assert r.status_code == 503, r.text
+        assert r.headers["content-type"] == "application/problem+json" and r.headers["retry-after"] == "1"
+        assert r.json()["title"] == "Database unavailable"
+        assert calls == []

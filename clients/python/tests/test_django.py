@@ -153,3 +153,22 @@ def test_database_restart_mid_request(django_app, cluster):
     assert results[0].status_code == 201
     r = post(django_app, '"d-7"', {"item": "A"})
     assert r.status_code == 201 and r["Idempotent-Replayed"] == "true" and len(CALLS) == 1
+
+
+@pytest.mark.parametrize("fail_open", [False, True])
+def test_database_down_is_503_within_the_connect_timeout(django_app, blackhole, fail_open):
+    """A database that does not answer: 503 problem+json with Retry-After within CONNECT_TIMEOUT
+    (it was a generic 500 after 30 s), the view not run; FAIL_OPEN runs the view without the store."""
+    from django.test import override_settings
+    conf = {"CLIENT": f"{__name__}.client_id", "CONNINFO": blackhole, "CONNECT_TIMEOUT": 2, "FAIL_OPEN": fail_open}
+    with override_settings(IDEMPOTENCY=conf):
+        started = time.monotonic()
+        r = post(django_app, '"down-1"', {"item": "A"})
+        elapsed = time.monotonic() - started
+    assert elapsed < 6, elapsed
+    if fail_open:
+        assert r.status_code == 201 and len(CALLS) == 1
+    else:
+        assert r.status_code == 503, r.content
+        assert r["Content-Type"] == "application/problem+json" and r["Retry-After"] == "1"
+        assert CALLS == []

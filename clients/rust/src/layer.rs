@@ -85,6 +85,8 @@ struct Config {
     check: Option<CheckFn>,
     replay_headers: Vec<HeaderName>,
     wait: Duration,
+    connect_timeout: Duration,
+    fail_open: bool,
 }
 
 /// Makes the routes it wraps idempotent under the IETF Idempotency-Key draft, with the
@@ -112,6 +114,8 @@ impl IdempotencyLayer {
                 check: None,
                 replay_headers: default_replay_headers(),
                 wait: Duration::ZERO,
+                connect_timeout: Duration::from_secs(5),
+                fail_open: false,
             }),
         }
     }
@@ -129,6 +133,8 @@ impl IdempotencyLayer {
             check: self.cfg.check.clone(),
             replay_headers: self.cfg.replay_headers.clone(),
             wait: self.cfg.wait,
+            connect_timeout: self.cfg.connect_timeout,
+            fail_open: self.cfg.fail_open,
         };
         f(&mut cfg);
         self.cfg = Arc::new(cfg);
@@ -179,6 +185,20 @@ impl IdempotencyLayer {
     /// adapters' `wait`.
     pub fn wait(self, wait: Duration) -> IdempotencyLayer {
         self.with(|c| c.wait = wait)
+    }
+
+    /// How long the claim waits for a connection from the pool (a new one included: a database
+    /// that does not answer) before the request is answered 503 problem+json with
+    /// `Retry-After: 1` and nothing claimed. Default 5 seconds.
+    pub fn connect_timeout(self, d: Duration) -> IdempotencyLayer {
+        self.with(|c| c.connect_timeout = d)
+    }
+
+    /// Fail open (off by default): when the database cannot be reached for the claim, the inner
+    /// service runs without the store, so a retry of a request that did run runs again. For a
+    /// service that prefers availability to exactly-once (README, "Database down").
+    pub fn fail_open(self, on: bool) -> IdempotencyLayer {
+        self.with(|c| c.fail_open = on)
     }
 
     /// The headers of the handler's answer that are stored and replayed besides `Content-Type`
@@ -351,12 +371,13 @@ where
     let deadline = Instant::now() + cfg.wait;
     let mut pause = Duration::from_millis(50);
     let c = loop {
-        let client = match cfg.pool.get().await {
-            Ok(c) => c,
-            Err(_) => return unavailable(&ir.echo),
+        let client = match tokio::time::timeout(cfg.connect_timeout, cfg.pool.get()).await {
+            Ok(Ok(c)) => c,
+            _ => return down(&cfg, inner, parts, bytes, &ir).await,
         };
         let c = match store::claim(&**client, &ir, ttl, lease).await {
             Ok(c) => c,
+            Err(e) if store::is_transient(&e) => return down(&cfg, inner, parts, bytes, &ir).await,
             Err(e) => return store::db_error(&e, &ir.echo),
         };
         let now = Instant::now();
@@ -415,6 +436,21 @@ where
         }
         Disposition::Complete => complete(&cfg, &ir, &c, resp, ttl).await,
     }
+}
+
+/// The database could not be reached for the claim: 503 with `Retry-After`, nothing claimed; or,
+/// failing open, the inner service runs without the store.
+async fn down<S>(cfg: &Config, inner: S, parts: Parts, bytes: Bytes, ir: &IdemRequest) -> Response
+where
+    S: Service<Request<Body>, Response = Response, Error = Infallible> + Send + 'static,
+    S::Future: Send + 'static,
+{
+    if !cfg.fail_open {
+        return unavailable(&ir.echo);
+    }
+    eprintln!("idempotency: the database is unreachable; running the handler without the store");
+    let resp = call_inner(inner, Request::from_parts(parts, Body::from(bytes))).await;
+    finish_missing(resp, ir.echo.clone())
 }
 
 /// Adds the idempotency headers that the handler's response does not have already.

@@ -514,3 +514,47 @@ async fn any_body_is_accepted_and_fingerprinted_as_the_other_clients_do() {
     assert_eq!(other.status, StatusCode::UNPROCESSABLE_ENTITY);
     assert_eq!(app.runs(), 4);
 }
+
+/// A database that does not answer (accepts TCP connections, never replies): 503 problem+json
+/// with `Retry-After` within the connect timeout, the handler not run; `fail_open` runs it
+/// without the store.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn database_down_is_503_within_the_connect_timeout_or_fails_open() {
+    let hole = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let mut pg = tokio_postgres::Config::new();
+    pg.host("127.0.0.1")
+        .port(hole.local_addr().unwrap().port())
+        .user("app")
+        .dbname("shop");
+    let pool = deadpool_postgres::Pool::builder(deadpool_postgres::Manager::new(
+        pg,
+        tokio_postgres::NoTls,
+    ))
+    .build()
+    .unwrap();
+    for fail_open in [false, true] {
+        let app = Arc::new(App::default());
+        let r = common::router_with(app.clone(), pool.clone(), Duration::from_secs(60), |l| {
+            l.connect_timeout(Duration::from_secs(1))
+                .fail_open(fail_open)
+        });
+        let started = std::time::Instant::now();
+        let a = send(&r, pay_request(Some("c"), Some("\"down\""), ORDER, "")).await;
+        assert!(
+            started.elapsed() < Duration::from_secs(4),
+            "{:?}",
+            started.elapsed()
+        );
+        if fail_open {
+            assert_eq!(a.status, StatusCode::CREATED);
+            assert_eq!(a.body, "ran without the store");
+            assert_eq!(app.runs(), 1);
+        } else {
+            assert_eq!(a.status, StatusCode::SERVICE_UNAVAILABLE);
+            assert_eq!(a.header("content-type"), Some("application/problem+json"));
+            assert_eq!(a.header("retry-after"), Some("1"));
+            assert_eq!(app.runs(), 0);
+        }
+    }
+    drop(hole);
+}

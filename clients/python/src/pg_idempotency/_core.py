@@ -11,6 +11,7 @@ import asyncio
 import datetime as dt
 import json
 import logging
+import math
 import threading
 import time
 import weakref
@@ -177,6 +178,17 @@ def fenced_or_raise(e: Exception):
     raise e
 
 
+def _libpq_timeout(seconds: float) -> int:
+    """libpq's connect_timeout: whole seconds, at least 2 (libpq's minimum)."""
+    return max(2, math.ceil(seconds))
+
+
+def is_unreachable(e: BaseException) -> bool:
+    """The database cannot be reached (refused, timed out, lost): nothing was claimed."""
+    return (_is_transient(e) if isinstance(e, psycopg.Error) else False) or isinstance(e, (OSError, TimeoutError)) \
+        or type(e).__name__ in ("OperationalError", "InterfaceError")
+
+
 def _is_transient(e: Exception) -> bool:
     """A lost connection or a server going down: the statement may be repeated on a new one."""
     return isinstance(e, (psycopg.OperationalError, psycopg.InterfaceError)) and not isinstance(
@@ -250,11 +262,14 @@ class Store(_Calls):
     backend) is repeated on a new connection for up to `reconnect_timeout`: every call is safe to
     repeat. A repeated claim whose first try had committed finds its own claim in progress (it is
     taken over after the lease); a repeated complete whose first try had committed raises Fenced
-    (IK002), and the decorator then claims again and gets the replay."""
+    (IK002), and the decorator then claims again and gets the replay. `connect_timeout` (seconds,
+    libpq's, at least 2) bounds each connection attempt."""
 
     def __init__(self, conninfo: Optional[str] = None, *, reconnect_timeout: dt.timedelta = dt.timedelta(seconds=30),
-                 application_name: str = "pg_idempotency", connect: Optional[Callable[[], psycopg.Connection]] = None):
+                 application_name: str = "pg_idempotency", connect: Optional[Callable[[], psycopg.Connection]] = None,
+                 connect_timeout: float = 5.0):
         self.conninfo = conninfo or ""
+        self.connect_timeout = connect_timeout
         self.reconnect_timeout = reconnect_timeout.total_seconds()
         self.application_name = application_name
         self._connect = connect
@@ -266,18 +281,21 @@ class Store(_Calls):
             if self._connect is not None:
                 conn = self._connect()
             else:
-                conn = psycopg.connect(self.conninfo, autocommit=True, application_name=self.application_name)
+                conn = psycopg.connect(self.conninfo, autocommit=True, application_name=self.application_name,
+                                       connect_timeout=_libpq_timeout(self.connect_timeout))
             self._local.conn = conn
         return conn
 
-    def execute(self, sql: str, params: dict):
-        return self._run(sql, params, all_rows=False)
+    def execute(self, sql: str, params: dict, patience: Optional[float] = None):
+        """The first row; a lost connection is retried for `patience` seconds (default
+        reconnect_timeout)."""
+        return self._run(sql, params, all_rows=False, patience=patience)
 
     def execute_all(self, sql: str, params: dict) -> list:
         return self._run(sql, params, all_rows=True)
 
-    def _run(self, sql: str, params: dict, all_rows: bool):
-        deadline = time.monotonic() + self.reconnect_timeout
+    def _run(self, sql: str, params: dict, all_rows: bool, patience: Optional[float] = None):
+        deadline = time.monotonic() + (self.reconnect_timeout if patience is None else patience)
         pause = 0.05
         while True:
             try:
@@ -308,8 +326,9 @@ class AsyncStore(_Calls):
     serialises their statements; each is short). Same reconnect rule as Store."""
 
     def __init__(self, conninfo: Optional[str] = None, *, reconnect_timeout: dt.timedelta = dt.timedelta(seconds=30),
-                 application_name: str = "pg_idempotency"):
+                 application_name: str = "pg_idempotency", connect_timeout: float = 5.0):
         self.conninfo = conninfo or ""
+        self.connect_timeout = connect_timeout
         self.reconnect_timeout = reconnect_timeout.total_seconds()
         self.application_name = application_name
         self._conns: "weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, Any]" = weakref.WeakKeyDictionary()
@@ -321,19 +340,20 @@ class AsyncStore(_Calls):
         async with lock:
             conn = self._conns.get(loop)
             if conn is None or conn.closed or conn.broken:
-                conn = await psycopg.AsyncConnection.connect(self.conninfo, autocommit=True,
-                                                             application_name=self.application_name)
+                conn = await psycopg.AsyncConnection.connect(
+                    self.conninfo, autocommit=True, application_name=self.application_name,
+                    connect_timeout=_libpq_timeout(self.connect_timeout))
                 self._conns[loop] = conn
             return conn
 
-    async def execute(self, sql: str, params: dict):
-        return await self._run(sql, params, all_rows=False)
+    async def execute(self, sql: str, params: dict, patience: Optional[float] = None):
+        return await self._run(sql, params, all_rows=False, patience=patience)
 
     async def execute_all(self, sql: str, params: dict) -> list:
         return await self._run(sql, params, all_rows=True)
 
-    async def _run(self, sql: str, params: dict, all_rows: bool):
-        deadline = time.monotonic() + self.reconnect_timeout
+    async def _run(self, sql: str, params: dict, all_rows: bool, patience: Optional[float] = None):
+        deadline = time.monotonic() + (self.reconnect_timeout if patience is None else patience)
         pause = 0.05
         while True:
             try:

@@ -10,13 +10,37 @@ from __future__ import annotations
 
 import asyncio
 import datetime as dt
+import logging
 import time
 from typing import Callable, Iterable, Optional
 
-from ._core import IN_PROGRESS, MISMATCH, NEW, AsyncStore, ClaimResult, Fenced
+from ._core import IN_PROGRESS, MISMATCH, NEW, AsyncStore, ClaimResult, Fenced, is_unreachable
 from .http import (REPLAY_HEADERS, CLAIM_HTTP_SQL, EXPIRES_SQL, HEADER, KeyError400, Policy, Request, Response, claim_error,
                    claim_params, encode_response, finish, outcome_response, parse_key, problem, scope_of,
-                   should_store)
+                   should_store, unavailable)
+
+
+log = logging.getLogger("pg_idempotency")
+_UNREACHABLE = object()
+
+
+def _replaying(body: bytes, receive):
+    """An ASGI receive that gives the body read already, then the client's messages."""
+    sent = False
+
+    async def replay_receive():
+        nonlocal sent
+        if not sent:
+            sent = True
+            return {"type": "http.request", "body": body, "more_body": False}
+        return await receive()
+
+    return replay_receive
+
+
+async def _bounded(aw, seconds: float):
+    """`aw`, at most `seconds` plus a second for the statement once connected."""
+    return await asyncio.wait_for(aw, seconds + 1.0)
 
 
 def header_client(name: str) -> Callable:
@@ -59,13 +83,16 @@ class IdempotencyMiddleware:
                  lease: Optional[dt.timedelta] = None, wait: dt.timedelta = dt.timedelta(0),
                  methods: Iterable[str] = ("POST", "PATCH"), required: bool = True,
                  store_server_errors: bool = False, problem_base: Optional[str] = None,
-                 replay_headers: Iterable[str] = REPLAY_HEADERS):
+                 replay_headers: Iterable[str] = REPLAY_HEADERS, connect_timeout: float = 5.0,
+                 fail_open: bool = False):
         self.app = app
-        self.store = store or AsyncStore(conninfo, application_name="pg_idempotency_asgi")
+        self.store = store or AsyncStore(conninfo, application_name="pg_idempotency_asgi",
+                                         connect_timeout=connect_timeout)
         self.client = client
         self.policy = Policy(ttl=ttl, lease=lease, wait=wait, methods=frozenset(m.upper() for m in methods),
                              required=required, store_server_errors=store_server_errors,
-                             replay_headers=frozenset(h.lower() for h in replay_headers))
+                             replay_headers=frozenset(h.lower() for h in replay_headers),
+                             connect_timeout=connect_timeout, fail_open=fail_open)
         if problem_base is not None:
             self.policy.problem_base = problem_base
 
@@ -97,6 +124,12 @@ class IdempotencyMiddleware:
         if isinstance(params, Response):
             return await _send_response(send, finish(params, echo))
         c = await self._claim(req, key, params)
+        if c is _UNREACHABLE:
+            if self.policy.fail_open:
+                # Fail open (opted in): the handler runs without the store, unprotected.
+                log.warning("pg_idempotency: the database is unreachable; running the handler without the store")
+                return await self.app(scope, _replaying(req.body, receive), send)
+            return await _send_response(send, finish(unavailable(self.policy), echo))
         if isinstance(c, Response):
             return await _send_response(send, finish(c, echo))
         if c.outcome != NEW:
@@ -124,12 +157,16 @@ class IdempotencyMiddleware:
         pause = 0.05
         while True:
             try:
-                row = await self.store.execute(CLAIM_HTTP_SQL, params)
+                row = await _bounded(self.store.execute(CLAIM_HTTP_SQL, params, patience=self.policy.connect_timeout),
+                                     self.policy.connect_timeout)
             except Exception as e:
                 r = claim_error(self.policy, e)
-                if r is None:
-                    raise
-                return r
+                if r is not None:
+                    return r
+                if is_unreachable(e):
+                    return _UNREACHABLE
+                log.error("pg_idempotency: the claim failed: %s", e)
+                return unavailable(self.policy)
             c = ClaimResult.from_row(key, params["scope"], row)
             left = deadline - time.monotonic()
             if c.outcome != IN_PROGRESS or left <= 0:
@@ -145,15 +182,7 @@ class IdempotencyMiddleware:
         return outcome_response(self.policy, c, echo, expires)
 
     async def _run(self, scope, body: bytes, receive, c: ClaimResult) -> Response:
-        sent_body = False
-
-        async def replay_receive():
-            nonlocal sent_body
-            if not sent_body:
-                sent_body = True
-                return {"type": "http.request", "body": body, "more_body": False}
-            return await receive()
-
+        replay_receive = _replaying(body, receive)
         status, headers, chunks = 500, [], []
 
         async def capture(message):

@@ -220,11 +220,20 @@ class Policy:
     store_server_errors: bool = False
     problem_base: str = "https://developer.example.com/idempotency/"
     replay_headers: frozenset = frozenset(REPLAY_HEADERS)
+    connect_timeout: float = 5.0
+    fail_open: bool = False
 
 
 def problem(policy: Policy, status: int, slug: str, title: str, detail: str) -> Response:
     body = json.dumps({"type": policy.problem_base + slug, "title": title, "status": status, "detail": detail})
     return Response(status, [("content-type", "application/problem+json")], body.encode())
+
+
+def unavailable(policy: Policy) -> Response:
+    """503 with Retry-After: the database could not be reached in time, nothing was claimed."""
+    r = problem(policy, 503, "database", "Database unavailable", "retry with the same Idempotency-Key")
+    r.headers.append(("retry-after", "1"))
+    return r
 
 
 def http_date(t: dt.datetime) -> str:
