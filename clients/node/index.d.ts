@@ -42,19 +42,47 @@ export interface IdempotentOptions<A extends unknown[]> extends ConnectionOption
   status?: number;
 }
 
-export interface CallResult<T> {
-  /** The result: the function's own on 'new', its stored JSON form on 'replay'. */
-  value: T;
-  outcome: 'new' | 'replay';
-  replayed: boolean;
+/**
+ * What JSON.parse(JSON.stringify(value)) gives back for a value of type T: what a replay returns,
+ * since the result is stored as jsonb. A Date becomes a string (its toJSON), a Map or Set an
+ * empty object, members that are functions or undefined disappear, a bigint cannot be stored.
+ */
+export type Jsonified<T> =
+  T extends { toJSON(...args: never[]): infer J } ? Jsonified<J>
+  : T extends string | number | boolean | null ? T
+  : T extends undefined | symbol | bigint | ((...args: never[]) => unknown) ? never
+  : T extends ReadonlyArray<infer E> ? Array<Jsonified<E> extends never ? null : Jsonified<E>>
+  : T extends ReadonlyMap<unknown, unknown> | ReadonlySet<unknown> ? Record<string, never>
+  : T extends object ? { [K in keyof T as K extends symbol ? never : Jsonified<T[K]> extends never ? never : K]: Jsonified<T[K]> }
+  : never;
+
+interface CallResultBase {
   /** The fencing token of the claim (a bigint, as a string). */
   token: string;
   /** Until when a retry with the same key is recognised. */
   expiresAt: Date;
 }
 
+/** The function ran in this call: its own return value. */
+export interface NewCallResult<T> extends CallResultBase {
+  value: T;
+  outcome: 'new';
+  replayed: false;
+}
+
+/** A replay: the stored JSON form of the first call's result. */
+export interface ReplayCallResult<T> extends CallResultBase {
+  value: Jsonified<T>;
+  outcome: 'replay';
+  replayed: true;
+}
+
+/** Narrow on `replayed` (or `outcome`) to know which form `value` has. */
+export type CallResult<T> = NewCallResult<T> | ReplayCallResult<T>;
+
 export interface IdempotentFunction<A extends unknown[], R> {
-  (...args: A): Promise<R>;
+  /** The function's own result when it ran, its stored JSON form on a replay (see Jsonified). */
+  (...args: A): Promise<R | Jsonified<R>>;
   /** The same call, with its outcome. */
   detailed(...args: A): Promise<CallResult<R>>;
   /** Ends the pool the wrapper made itself (from connectionString or the environment). */

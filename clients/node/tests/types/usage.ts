@@ -25,6 +25,19 @@ async function useIt(): Promise<void> {
   const r: { messageId: string; to: string } = await sendReceipt(42, 'a@example.com');
   const d: CallResult<{ messageId: string; to: string }> = await sendReceipt.detailed(42, 'a@example.com');
   const replayed: boolean = d.replayed;
+  // A replay is the JSON form of the result: a Date comes back as a string.
+  const stamped = idempotent(async () => ({ at: new Date() }), { key: 'stamp', pool });
+  const s = await stamped.detailed();
+  if (s.replayed) {
+    const at: string = s.value.at;
+    void at;
+  } else {
+    const at: Date = s.value.at;
+    void at;
+  }
+  // @ts-expect-error a replay's `at` is a string, not a Date
+  const notADate: Date = (await stamped()).at;
+  void notADate;
   // @ts-expect-error the arguments are checked
   await sendReceipt('42', 'a@example.com');
   try {

@@ -96,6 +96,24 @@ class Fenced(IdempotencyError):
         self.sqlstate = sqlstate
 
 
+class InvalidKey(IdempotencyError, ValueError):
+    """The key (or scope) is not one the extension accepts: empty, over 255 characters, NUL, ...
+    Raised before anything is claimed; the message is the extension's."""
+
+    def __init__(self, message: str, sqlstate: str = "22023"):
+        super().__init__(message)
+        self.sqlstate = sqlstate
+
+
+def invalid_key_or_raise(e: Exception):
+    """Re-raises an argument error of claim (22023, 22004) as InvalidKey, any other as it is."""
+    state = getattr(e, "sqlstate", None)
+    if state in ("22023", "22004"):
+        diag = getattr(e, "diag", None)
+        raise InvalidKey(getattr(diag, "message_primary", None) or str(e), state) from e
+    raise e
+
+
 @dataclass(frozen=True)
 class ClaimResult:
     """One row of `idempotency.claim`. `response` is the stored JSON decoded (replay only),
@@ -200,7 +218,12 @@ class _Calls:
 
     def claim(self, key: str, request: Any = None, scope: str = "", ttl: Optional[dt.timedelta] = None,
               lease: Optional[dt.timedelta] = None) -> ClaimResult:
-        return ClaimResult.from_row(key, scope, self.execute(CLAIM_SQL, claim_params(key, request, scope, ttl, lease)))
+        """Raises InvalidKey for a key or scope the extension refuses."""
+        try:
+            row = self.execute(CLAIM_SQL, claim_params(key, request, scope, ttl, lease))
+        except psycopg.Error as e:
+            invalid_key_or_raise(e)
+        return ClaimResult.from_row(key, scope, row)
 
     def complete(self, key: str, response: Any, status: int = 200, scope: str = "", token: Optional[int] = None,
                  ttl: Optional[dt.timedelta] = None, response_is_json: bool = False) -> dt.datetime:
@@ -384,7 +407,10 @@ class AsyncStore(_Calls):
 
     # The same calls, awaited.
     async def claim(self, key, request=None, scope="", ttl=None, lease=None) -> ClaimResult:
-        row = await self.execute(CLAIM_SQL, claim_params(key, request, scope, ttl, lease))
+        try:
+            row = await self.execute(CLAIM_SQL, claim_params(key, request, scope, ttl, lease))
+        except psycopg.Error as e:
+            invalid_key_or_raise(e)
         return ClaimResult.from_row(key, scope, row)
 
     async def complete(self, key, response, status=200, scope="", token=None, ttl=None, response_is_json=False):
