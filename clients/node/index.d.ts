@@ -250,6 +250,14 @@ export interface HttpOptions<Req> extends ConnectionOptions {
   problemBase?: string;
   /** Which answers are stored (default status < 500); for the others the key is released. */
   storeResponse?: (status: number) => boolean;
+  /** The headers a replay carries besides Content-Type (default Location, Content-Location, ETag, Last-Modified, Link). */
+  replayHeaders?: string[];
+  /** Seconds the claim tries to reach the database before answering 503 with Retry-After (default 5). */
+  connectTimeout?: number;
+  /** Run the handler without the store when the database is unreachable (default false; see the README for the risk). */
+  failOpen?: boolean;
+  /** Accept a bare (unquoted, Stripe-style) key as well as the draft's String (default false). */
+  lenientKeys?: boolean;
   /** Errors that do not reach the client (default console.error). */
   onError?: (err: unknown) => void;
 }
@@ -283,8 +291,8 @@ export function fastifyIdempotency(
   done: (err?: Error) => void,
 ): void;
 
-/** Parses an Idempotency-Key field value (RFC 9651 sf-string); throws with the problem detail. */
-export function parseIdempotencyKey(value: string): string;
+/** Parses an Idempotency-Key field value (RFC 9651 sf-string; lenient: a bare key too); throws with the problem detail. */
+export function parseIdempotencyKey(value: string, lenient?: boolean): string;
 
 /** Writes a key as an RFC 9651 sf-string, for an Idempotency-Key header sent to another service. */
 export function sfString(key: string): string;

@@ -67,6 +67,8 @@ class HttpIdempotency {
     // run the handler without the store when the database is unreachable (off by default).
     this.connectTimeout = options.connectTimeout ?? 5;
     this.failOpen = options.failOpen ?? false;
+    // Accept a bare (unquoted, Stripe-style) key as well as the draft's String (off by default).
+    this.lenientKeys = options.lenientKeys ?? false;
     this.replayHeaders = new Set((options.replayHeaders ?? REPLAY_HEADERS).map((h) => String(h).toLowerCase()));
   }
 
@@ -111,7 +113,7 @@ class HttpIdempotency {
     }
     let key;
     try {
-      key = parseHeader(req.keyValues);
+      key = parseHeader(req.keyValues, this.lenientKeys);
     } catch (err) {
       if (!(err instanceof KeyError)) throw err;
       if (err.kind === 'missing' && !this.required) return { action: 'next' };

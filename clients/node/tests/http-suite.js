@@ -210,6 +210,25 @@ function httpSuite(name, serve) {
     }
   });
 
+  test(`${name}: lenientKeys accepts a bare (Stripe-style) key, the same key as its quoted form; refused by default`, async () => {
+    const bare = 'ab8e03978e-40d5-43e8-bc93-6894a57f9324';
+    const strict = await post('/orders', bare, { amount: 1 });
+    assert.equal(strict.status, 400);
+    assert.match(strict.json.detail, /^Idempotency-Key is a bare Token, not a String: the key must be a structured-field String \(RFC 9651\) in double quotes/);
+    const lenient = await serve({ pool: appPool, client: (req) => req.headers['x-client-id'], lenientKeys: true }, app.handler);
+    try {
+      const a = await post('/orders', bare, { amount: 1 }, { server: lenient });
+      assert.equal(a.status, 201);
+      assert.equal(a.headers['idempotency-key'], bare);
+      const b = await post('/orders', `"${bare}"`, { amount: 1 }, { server: lenient });
+      assert.equal(b.headers['idempotent-replayed'], 'true');
+      assert.equal((await post('/orders', 'a b', { amount: 1 }, { server: lenient })).status, 400);
+      assert.equal((await post('/orders', 'k'.repeat(256), { amount: 1 }, { server: lenient })).status, 400);
+    } finally {
+      await lenient.close();
+    }
+  });
+
   test(`${name}: the same key for another body or query is 422 problem+json with Idempotency-Expires`, async () => {
     await post('/orders', '"k-2"', { amount: 5 });
     for (const [path, body] of [['/orders', { amount: 6 }], ['/orders?coupon=x', { amount: 5 }]]) {

@@ -109,8 +109,9 @@ def test_mismatch_is_422(client, calls, db):
 
 
 @pytest.mark.parametrize("value,detail", [
-    (None, "missing"), ('""', "empty"), ("k-3", "not a Token"), ("1", "not a number"), ("?1", "not a Boolean"),
-    ('"abc', "no closing quote"), ('"a\\x"', "bad escape"), ('"a" x', "text after the key"),
+    (None, "requires an Idempotency-Key header"), ('""', "empty"), ("k-3", "a bare Token, not a String"),
+    ("1", "an Integer or Decimal, not a String"), ("?1", "a Boolean, not a String"),
+    ('"abc', "no closing quote"), ('"a\\x"', "bad escape"), ('"a" x', "after the closing quote"),
     ('"a";P=1', "malformed parameter"), ('"' + "k" * 256 + '"', "too long"), ('"a\u00e9"', "bad character"),
 ])
 def test_malformed_keys_are_400(client, calls, value, detail):
@@ -264,3 +265,22 @@ def test_database_down_is_503_within_the_connect_timeout(blackhole, calls, fail_
         assert r.headers["content-type"] == "application/problem+json" and r.headers["retry-after"] == "1"
         assert r.json()["title"] == "Database unavailable"
         assert calls == []
+
+
+def test_lenient_keys_accept_a_bare_key(conninfo, calls):
+    """Stripe-style callers send the key unquoted; the draft refuses it (the default, with the
+    same wording as Node and Rust); lenient_keys=True takes the bare token as the key, the same
+    key as its quoted form."""
+    with TestClient(make_app(conninfo, calls)) as strict:
+        r = post(strict, "8e03978e-40d5-43e8-bc93-6894a57f9324", {"item": "A"})
+        assert r.status_code == 400
+        assert r.json()["detail"].startswith("Idempotency-Key is an Integer or Decimal, not a String: the key must "
+                                             "be a structured-field String (RFC 9651) in double quotes")
+    with TestClient(make_app(conninfo, calls, lenient_keys=True)) as lenient:
+        r1 = post(lenient, "8e03978e-40d5-43e8-bc93-6894a57f9324", {"item": "A"})
+        assert r1.status_code == 201 and r1.headers["idempotency-key"] == "8e03978e-40d5-43e8-bc93-6894a57f9324"
+        r2 = post(lenient, '"8e03978e-40d5-43e8-bc93-6894a57f9324"', {"item": "A"})
+        assert r2.headers["idempotent-replayed"] == "true"
+        assert post(lenient, "a b", {"item": "A"}).status_code == 400
+        assert post(lenient, "k" * 256, {"item": "A"}).status_code == 400
+    assert len(calls) == 1

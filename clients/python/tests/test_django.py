@@ -95,7 +95,8 @@ def test_create_replay_mismatch(django_app, db):
     assert len(CALLS) == 2
 
 
-@pytest.mark.parametrize("value,detail", [(None, "missing"), ("d-2", "not a Token"), ('"x', "no closing quote")])
+@pytest.mark.parametrize("value,detail", [(None, "requires an Idempotency-Key header"),
+                                                 ("d-2", "a bare Token, not a String"), ('"x', "no closing quote")])
 def test_malformed_keys_are_400(django_app, value, detail):
     r = post(django_app, value, {"item": "A"})
     assert r.status_code == 400 and detail in json.loads(r.content)["detail"]

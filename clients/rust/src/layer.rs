@@ -19,7 +19,7 @@ use deadpool_postgres::Pool;
 use tower_layer::Layer;
 use tower_service::Service;
 
-use crate::request::{read, IdemRequest};
+use crate::request::{read_with, IdemRequest};
 use crate::response::{default_replay_headers, envelope, finish, problem, unavailable, Echo};
 use crate::store::{self, Outcome};
 
@@ -87,6 +87,7 @@ struct Config {
     wait: Duration,
     connect_timeout: Duration,
     fail_open: bool,
+    lenient_keys: bool,
 }
 
 /// Makes the routes it wraps idempotent under the IETF Idempotency-Key draft, with the
@@ -116,6 +117,7 @@ impl IdempotencyLayer {
                 wait: Duration::ZERO,
                 connect_timeout: Duration::from_secs(5),
                 fail_open: false,
+                lenient_keys: false,
             }),
         }
     }
@@ -135,6 +137,7 @@ impl IdempotencyLayer {
             wait: self.cfg.wait,
             connect_timeout: self.cfg.connect_timeout,
             fail_open: self.cfg.fail_open,
+            lenient_keys: self.cfg.lenient_keys,
         };
         f(&mut cfg);
         self.cfg = Arc::new(cfg);
@@ -199,6 +202,12 @@ impl IdempotencyLayer {
     /// service that prefers availability to exactly-once (README, "Database down").
     pub fn fail_open(self, on: bool) -> IdempotencyLayer {
         self.with(|c| c.fail_open = on)
+    }
+
+    /// Accept a bare (unquoted, Stripe-style) key, `Idempotency-Key: 8e03978e-...`, as well as
+    /// the draft's String (off by default: the draft refuses it). `abc` and `"abc"` are one key.
+    pub fn lenient_keys(self, on: bool) -> IdempotencyLayer {
+        self.with(|c| c.lenient_keys = on)
     }
 
     /// The headers of the handler's answer that are stored and replayed besides `Content-Type`
@@ -330,13 +339,14 @@ where
         }
     };
     let path = parts.uri.path().to_string();
-    let ir = match read(
+    let ir = match read_with(
         parts.method.as_str(),
         &path,
         scope,
         &parts.uri,
         &parts.headers,
         &bytes,
+        cfg.lenient_keys,
     ) {
         Ok(r) => r,
         Err(r) => return r,

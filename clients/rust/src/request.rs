@@ -43,11 +43,26 @@ pub fn read(
     headers: &HeaderMap,
     body: &Bytes,
 ) -> Result<IdemRequest, Response> {
+    read_with(method, path, scope, uri, headers, body, false)
+}
+
+/// [`read`]; `lenient`: a bare (unquoted, Stripe-style) key is accepted too
+/// ([`key::parse_lenient`]).
+#[allow(clippy::result_large_err)]
+pub fn read_with(
+    method: &str,
+    path: &str,
+    scope: String,
+    uri: &Uri,
+    headers: &HeaderMap,
+    body: &Bytes,
+    lenient: bool,
+) -> Result<IdemRequest, Response> {
     let mut echo = Echo {
         key: headers.get(key::HEADER).cloned(),
         ..Echo::default()
     };
-    let (key, raw) = match key::parse(headers) {
+    let (key, raw) = match key::parse_with(headers, lenient) {
         Ok(k) => k,
         Err(e) => return Err(key_error(&e, &echo)),
     };

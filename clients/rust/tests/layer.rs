@@ -558,3 +558,30 @@ async fn database_down_is_503_within_the_connect_timeout_or_fails_open() {
     }
     drop(hole);
 }
+
+/// Stripe-style callers send the key unquoted: refused by default (the draft), accepted with
+/// `lenient_keys`, as the same key as its quoted form.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn lenient_keys_accept_a_bare_key() {
+    let cluster = Cluster::start().await;
+    let app = Arc::new(App::default());
+    let bare = "ab8e03978e-40d5-43e8-bc93-6894a57f9324";
+    let strict = router(app.clone(), cluster.pool(), Duration::from_secs(60));
+    let a = send(&strict, pay_request(Some("c"), Some(bare), ORDER, "")).await;
+    assert_eq!(a.status, StatusCode::BAD_REQUEST);
+    assert!(a.json()["detail"].as_str().unwrap().starts_with(
+        "Idempotency-Key is a bare Token, not a String: the key must be a structured-field String (RFC 9651) in double quotes"
+    ));
+    let r = common::router_with(app.clone(), cluster.pool(), Duration::from_secs(60), |l| {
+        l.lenient_keys(true)
+    });
+    let a = send(&r, pay_request(Some("c"), Some(bare), ORDER, "")).await;
+    assert_eq!(a.status, StatusCode::CREATED);
+    assert_eq!(a.header("idempotency-key"), Some(bare));
+    let quoted = format!("\"{bare}\"");
+    let b = send(&r, pay_request(Some("c"), Some(&quoted), ORDER, "")).await;
+    assert_eq!(b.header("idempotent-replayed"), Some("true"));
+    let spaced = send(&r, pay_request(Some("c"), Some("a b"), ORDER, "")).await;
+    assert_eq!(spaced.status, StatusCode::BAD_REQUEST);
+    assert_eq!(app.runs(), 1);
+}

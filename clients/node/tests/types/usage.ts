@@ -26,6 +26,7 @@ async function useIt(): Promise<void> {
   const d: CallResult<{ messageId: string; to: string }> = await sendReceipt.detailed(42, 'a@example.com');
   const replayed: boolean = d.replayed;
   // A replay is the JSON form of the result: a Date comes back as a string.
+  void expressIdempotency({ pool, connectTimeout: 2, failOpen: false, lenientKeys: true, replayHeaders: ['location'] });
   const stamped = idempotent(async () => ({ at: new Date() }), { key: 'stamp', pool });
   const s = await stamped.detailed();
   if (s.replayed) {

@@ -84,7 +84,7 @@ class IdempotencyMiddleware:
                  methods: Iterable[str] = ("POST", "PATCH"), required: bool = True,
                  store_server_errors: bool = False, problem_base: Optional[str] = None,
                  replay_headers: Iterable[str] = REPLAY_HEADERS, connect_timeout: float = 5.0,
-                 fail_open: bool = False):
+                 fail_open: bool = False, lenient_keys: bool = False):
         self.app = app
         self.store = store or AsyncStore(conninfo, application_name="pg_idempotency_asgi",
                                          connect_timeout=connect_timeout)
@@ -92,7 +92,7 @@ class IdempotencyMiddleware:
         self.policy = Policy(ttl=ttl, lease=lease, wait=wait, methods=frozenset(m.upper() for m in methods),
                              required=required, store_server_errors=store_server_errors,
                              replay_headers=frozenset(h.lower() for h in replay_headers),
-                             connect_timeout=connect_timeout, fail_open=fail_open)
+                             connect_timeout=connect_timeout, fail_open=fail_open, lenient_keys=lenient_keys)
         if problem_base is not None:
             self.policy.problem_base = problem_base
 
@@ -105,7 +105,7 @@ class IdempotencyMiddleware:
             return await self.app(scope, receive, send)
         echo = values[0] if len(values) == 1 else None
         try:
-            key = parse_key(values)
+            key = parse_key(values, self.policy.lenient_keys)
         except KeyError400 as e:
             title = "Idempotency-Key is missing" if not values else "Idempotency-Key is malformed"
             return await _send_response(send, finish(problem(self.policy, 400, "bad-key", title, str(e)), echo))

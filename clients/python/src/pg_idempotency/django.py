@@ -99,7 +99,8 @@ class IdempotencyMiddleware:
                              required=conf.get("REQUIRED", True),
                              store_server_errors=conf.get("STORE_SERVER_ERRORS", False),
                              replay_headers=frozenset(h.lower() for h in conf.get("REPLAY_HEADERS", REPLAY_HEADERS)),
-                             connect_timeout=connect_timeout, fail_open=bool(conf.get("FAIL_OPEN", False)))
+                             connect_timeout=connect_timeout, fail_open=bool(conf.get("FAIL_OPEN", False)),
+                             lenient_keys=bool(conf.get("LENIENT_KEYS", False)))
         if conf.get("PROBLEM_BASE"):
             self.policy.problem_base = conf["PROBLEM_BASE"]
 
@@ -112,7 +113,7 @@ class IdempotencyMiddleware:
             return self.get_response(request)
         values = [] if raw is None else [raw]
         try:
-            key = parse_key(values)
+            key = parse_key(values, self.policy.lenient_keys)
         except KeyError400 as e:
             title = "Idempotency-Key is missing" if raw is None else "Idempotency-Key is malformed"
             return _to_django(finish(problem(self.policy, 400, "bad-key", title, str(e)), raw))

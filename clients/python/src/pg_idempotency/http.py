@@ -77,7 +77,7 @@ class _Parser:
         return self.s[self.i] if self.i < len(self.s) else ""
 
     def fail(self, what: str):
-        raise KeyError400(f"Idempotency-Key is malformed: {what} at position {self.i}")
+        raise KeyError400(f"Idempotency-Key has a malformed parameter at position {self.i + 1}: {what}")
 
     def string(self) -> str:
         self.i += 1  # the opening quote
@@ -85,20 +85,21 @@ class _Parser:
         while True:
             c = self.peek()
             if c == "":
-                raise KeyError400("Idempotency-Key is malformed: no closing quote")
+                raise KeyError400("Idempotency-Key starts with '\"' but has no closing quote")
             self.i += 1
             if c == "\\":
                 n = self.peek()
                 if n not in ('"', "\\"):
-                    self.i -= 1
-                    self.fail("a bad escape (only \\\" and \\\\)")
+                    raise KeyError400(f"Idempotency-Key has a bad escape at position {self.i}: "
+                                      "only \\\" and \\\\ may follow a backslash")
                 self.i += 1
                 out.append(n)
             elif c == '"':
                 return "".join(out)
             elif not (0x20 <= ord(c) <= 0x7E):
-                self.i -= 1
-                self.fail(f"a bad character {c!r}")
+                raise KeyError400(f"Idempotency-Key has a bad character at position {self.i} "
+                                  f"(byte 0x{c.encode('utf-8')[0]:02x}): "
+                                  "a String may hold printable ASCII only")
             else:
                 out.append(c)
 
@@ -161,27 +162,51 @@ class _Parser:
                 self.bare_item_type()
 
 
-def parse_key(values: List[str]) -> str:
-    """The key from the Idempotency-Key field lines; raises KeyError400 with the detail."""
+EXAMPLE = 'Idempotency-Key: "8e03978e-40d5-43e8-bc93-6894a57f9324"'
+# A bare (unquoted, Stripe-style) key, accepted in lenient mode: printable ASCII without space,
+# double quote, comma or backslash.
+_BARE = set(chr(c) for c in range(0x21, 0x7F)) - set('",\\')
+
+
+def _item_kind(c: str) -> str:
+    if c == "-" or c in _DIGITS:
+        return "an Integer or Decimal"
+    if c == "*" or c in _ALPHA:
+        return "a bare Token"
+    return {":": "a Byte Sequence", "?": "a Boolean", "@": "a Date", "%": "a Display String",
+            "(": "an Inner List"}.get(c, "not a structured-field Item")
+
+
+def _check_length(key: str) -> str:
+    if not key:
+        raise KeyError400("Idempotency-Key is empty; it must have 1 to 255 characters")
+    if len(key) > MAX_KEY:
+        raise KeyError400(f"Idempotency-Key is too long: {len(key)} characters, at most {MAX_KEY} are allowed")
+    return key
+
+
+def parse_key(values: List[str], lenient: bool = False) -> str:
+    """The key from the Idempotency-Key field lines; raises KeyError400 with the detail (the same
+    wording as the Node and Rust packages). `lenient`: a bare key (`Idempotency-Key: 8e03978e-...`,
+    as Stripe-style clients send it) is accepted as the key, besides the String of the draft."""
     if not values:
-        raise KeyError400("Idempotency-Key is missing: this request requires one")
+        raise KeyError400(f"This operation requires an Idempotency-Key header, e.g. {EXAMPLE}")
     if len(values) > 1:
-        raise KeyError400("Idempotency-Key is sent more than once")
+        raise KeyError400("Idempotency-Key was sent more than once; send exactly one")
     p = _Parser(values[0].strip(" \t"))
     if p.peek() == "":
-        raise KeyError400("Idempotency-Key is empty")
+        raise KeyError400("Idempotency-Key is empty; it must have 1 to 255 characters")
     if p.peek() != '"':
-        kind = p.bare_item_type()
-        raise KeyError400(f"Idempotency-Key must be a String (\"...\"), not {kind}")
+        if lenient and all(ch in _BARE for ch in p.s):
+            return _check_length(p.s)
+        raise KeyError400(f"Idempotency-Key is {_item_kind(p.peek())}, not a String: the key must be a "
+                          f"structured-field String (RFC 9651) in double quotes, e.g. {EXAMPLE}")
     key = p.string()
     p.parameters()
     if p.i != len(p.s):
-        p.fail("text after the key")
-    if not key:
-        raise KeyError400("Idempotency-Key is empty")
-    if len(key) > MAX_KEY:
-        raise KeyError400(f"Idempotency-Key is too long: {len(key)} characters, at most {MAX_KEY}")
-    return key
+        raise KeyError400(f"Idempotency-Key has characters after the closing quote at position {p.i + 1}: "
+                          "only parameters (;name or ;name=value) may follow the String")
+    return _check_length(key)
 
 
 # --- requests and responses -------------------------------------------------------------------
@@ -218,6 +243,7 @@ class Policy:
     methods: frozenset = frozenset({"POST", "PATCH"})
     required: bool = True
     store_server_errors: bool = False
+    lenient_keys: bool = False
     problem_base: str = "https://developer.example.com/idempotency/"
     replay_headers: frozenset = frozenset(REPLAY_HEADERS)
     connect_timeout: float = 5.0
