@@ -29,7 +29,7 @@
 //!     Extension(claim): Extension<Claimed>,
 //!     Json(payment): Json<Value>,
 //! ) -> (StatusCode, Json<Value>) {
-//!     (StatusCode::CREATED, Json(json!({"paid": payment["amount"], "attempt": claim.token})))
+//!     (StatusCode::CREATED, Json(json!({"paid": payment["amount"], "token": claim.token})))
 //! }
 //!
 //! # async fn app() {

@@ -108,3 +108,17 @@ async function useBatch(records: SqsRecord[]): Promise<{ batchItemFailures: { it
   return { batchItemFailures: items.filter((it) => !it.ok).map((it) => ({ itemIdentifier: it.message.messageId })) };
 }
 void useBatch;
+
+// The README's currentClaim() example, as written there (tsc --strict).
+declare const payments: { charge(order: { id: number }, o: { idempotencyKey: string }): Promise<void> };
+declare const shipping: { ship(order: { id: number }, o: { idempotencyKey: string }): Promise<void> };
+export const fulfil = idempotent(async (order: { id: number }) => {
+  const claim = currentClaim(); // undefined outside an idempotent() function
+  if (!claim) throw new Error('fulfil runs inside idempotent() only');
+  if (claim.recoveryPoint !== 'charged') {
+    await payments.charge(order, { idempotencyKey: `${claim.key}:charge` });
+    await claim.checkpoint('charged');
+  }
+  await shipping.ship(order, { idempotencyKey: `${claim.key}:ship` });
+  return { shipped: order.id };
+}, { key: (order) => `order-${order.id}`, scope: 'fulfilment', lease: '2 minutes' });
