@@ -328,6 +328,10 @@ function httpSuite(name, serve) {
     assert.equal(nul.json.type, 'https://developer.example.com/idempotency/body-unstorable');
     const broken = await post('/orders', '"k-11"', '{"amount": ');
     assert.equal(broken.status, 400);
+    // problem+json, as every other refusal (Fastify's own parser answered its own JSON)
+    assert.equal(broken.headers['content-type'], 'application/problem+json');
+    assert.equal(broken.json.title, 'Bad request');
+    assert.equal(broken.headers['idempotency-key'], '"k-11"');
     assert.equal((await post('/orders', '"k-11"', { amount: 1 })).status, 201, 'the key stayed free');
   });
 

@@ -343,3 +343,27 @@ def test_a_bad_key_is_the_packages_error(conninfo, key):
         f()
     assert isinstance(e.value, IdempotencyError) and isinstance(e.value, ValueError)
     assert calls == []
+
+
+def test_a_thread_leaves_no_connection_open(conninfo):
+    """Each thread that called a Store left its connection to the garbage collector
+    (ResourceWarning: connection was deleted while still open); it is closed when the thread ends."""
+    import gc
+    import warnings
+    store = Store(conninfo)
+
+    @idempotent(key="thread:{n}", store=store)
+    def f(n):
+        return n
+
+    gc.collect()  # what earlier tests left behind is not this test's
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        threads = [threading.Thread(target=f, args=(n,)) for n in range(3)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        del threads, t
+        gc.collect()
+    assert [w for w in caught if issubclass(w.category, ResourceWarning)] == []

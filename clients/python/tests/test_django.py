@@ -173,3 +173,16 @@ def test_database_down_is_503_within_the_connect_timeout(django_app, blackhole, 
         assert r.status_code == 503, r.content
         assert r["Content-Type"] == "application/problem+json" and r["Retry-After"] == "1"
         assert CALLS == []
+
+
+def test_same_wording_as_asgi_for_a_bad_body_and_two_key_lines(django_app, db):
+    """Django's invalid-JSON detail held the server's DETAIL/CONTEXT lines, and two key lines
+    (combined into one by the server) were "text after the key": the ASGI wording now."""
+    r = post(django_app, '"d-json"', '{"item": "\\ud800"}')
+    assert r.status_code == 400, r.content
+    detail = json.loads(r.content)["detail"]
+    assert "\n" not in detail and "CONTEXT" not in detail and "DETAIL" not in detail, detail
+    r = post(django_app, '"d-a", "d-b"', {"item": "A"})
+    assert r.status_code == 400
+    assert json.loads(r.content)["detail"] == "Idempotency-Key was sent more than once; send exactly one"
+    assert CALLS == []

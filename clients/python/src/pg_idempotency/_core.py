@@ -277,6 +277,27 @@ class _Calls:
         return self.execute(DERIVE_KEY_SQL, {"parent": parent, "step": step, "params": to_json(params)})[0]
 
 
+class _Holder:
+    """A thread's connection: closed when the thread ends (its thread-local data goes away), so
+    that a thread that used a Store leaves no connection open (no ResourceWarning)."""
+
+    __slots__ = ("conn",)
+
+    def __init__(self, conn):
+        self.conn = conn
+
+    def close(self) -> None:
+        conn, self.conn = self.conn, None
+        if conn is not None:
+            try:
+                conn.close()
+            except Exception:
+                pass
+
+    def __del__(self):
+        self.close()
+
+
 class Store(_Calls):
     """The SQL API on autocommit connections of its own: one per thread, opened on first use from
     `conninfo` (None or "": the libpq environment variables PGHOST, PGDATABASE, ...).
@@ -299,14 +320,15 @@ class Store(_Calls):
         self._local = threading.local()
 
     def connection(self) -> psycopg.Connection:
-        conn = getattr(self._local, "conn", None)
+        holder = getattr(self._local, "conn", None)
+        conn = holder.conn if holder is not None else None
         if conn is None or conn.closed or conn.broken:
             if self._connect is not None:
                 conn = self._connect()
             else:
                 conn = psycopg.connect(self.conninfo, autocommit=True, application_name=self.application_name,
                                        connect_timeout=_libpq_timeout(self.connect_timeout))
-            self._local.conn = conn
+            self._local.conn = _Holder(conn)
         return conn
 
     def execute(self, sql: str, params: dict, patience: Optional[float] = None):
@@ -335,13 +357,10 @@ class Store(_Calls):
                 pause = min(pause * 2, 1.0)
 
     def close(self) -> None:
-        conn = getattr(self._local, "conn", None)
+        holder = getattr(self._local, "conn", None)
         self._local.conn = None
-        if conn is not None:
-            try:
-                conn.close()
-            except Exception:
-                pass
+        if holder is not None:
+            holder.close()
 
 
 class AsyncStore(_Calls):

@@ -203,6 +203,9 @@ def parse_key(values: List[str], lenient: bool = False) -> str:
                           f"structured-field String (RFC 9651) in double quotes, e.g. {EXAMPLE}")
     key = p.string()
     p.parameters()
+    if p.s[p.i:].lstrip(" \t").startswith(","):
+        # Two field lines, as a server that combines them (RFC 9110 5.3) passes them on.
+        raise KeyError400("Idempotency-Key was sent more than once; send exactly one")
     if p.i != len(p.s):
         raise KeyError400(f"Idempotency-Key has characters after the closing quote at position {p.i + 1}: "
                           "only parameters (;name or ;name=value) may follow the String")
@@ -306,8 +309,12 @@ def claim_params(req: Request, key: str, policy: Policy):
 
 def claim_error(policy: Policy, e: Exception) -> Optional[Response]:
     """A database error of the claim that is the request's fault, as a problem response."""
-    state = getattr(e, "sqlstate", None) or getattr(getattr(e, "__cause__", None), "sqlstate", None)
-    detail = str(getattr(getattr(e, "diag", None), "message_primary", None) or e).strip()
+    # Django wraps the driver's error (DataError from psycopg's): the diagnostics are the cause's.
+    cause = e if getattr(e, "diag", None) is not None else getattr(e, "__cause__", None)
+    state = getattr(e, "sqlstate", None) or getattr(cause, "sqlstate", None)
+    primary = getattr(getattr(cause, "diag", None), "message_primary", None)
+    lines = str(e).strip().splitlines()
+    detail = str(primary or (lines[0] if lines else type(e).__name__)).strip()
     if state in ("22P02", "22P05", "22003", "54001", "54000", "22021", "22025"):
         return problem(policy, 400 if state in ("22P02", "22021", "22025") else 422, "bad-body",
                        "The request body is not acceptable", detail)
