@@ -284,3 +284,17 @@ def test_lenient_keys_accept_a_bare_key(conninfo, calls):
         assert post(lenient, "a b", {"item": "A"}).status_code == 400
         assert post(lenient, "k" * 256, {"item": "A"}).status_code == 400
     assert len(calls) == 1
+
+
+def test_a_pool_serves_concurrent_requests(conninfo, calls):
+    """The middleware shared one connection per event loop: with `pool=` (a psycopg_pool
+    AsyncConnectionPool) each statement takes a pooled connection; the claim still commits on
+    its own (autocommit), so a replay finds it."""
+    psycopg_pool = pytest.importorskip("psycopg_pool")
+    pool = psycopg_pool.AsyncConnectionPool(conninfo, min_size=1, max_size=4, open=False)
+    with TestClient(make_app(None, calls, pool=pool)) as client:
+        r1 = post(client, '"pool-1"', {"item": "A"})
+        r2 = post(client, '"pool-1"', {"item": "A"})
+        assert r1.status_code == 201 and r2.headers["idempotent-replayed"] == "true"
+        assert pool.get_stats()["requests_num"] >= 3
+    assert len(calls) == 1

@@ -365,10 +365,15 @@ class Store(_Calls):
 
 class AsyncStore(_Calls):
     """Store for asyncio: one AsyncConnection per event loop, shared by its tasks (psycopg
-    serialises their statements; each is short). Same reconnect rule as Store."""
+    serialises their statements; each is short), or, with `pool` (a psycopg_pool
+    AsyncConnectionPool, opened on first use if it is not open yet), a connection of the pool per
+    statement, so that concurrent requests do not queue behind one connection. Same reconnect
+    rule as Store."""
 
     def __init__(self, conninfo: Optional[str] = None, *, reconnect_timeout: dt.timedelta = dt.timedelta(seconds=30),
-                 application_name: str = "pg_idempotency", connect_timeout: float = 5.0):
+                 application_name: str = "pg_idempotency", connect_timeout: float = 5.0, pool: Any = None):
+        self.pool = pool
+        self._pool_opened = False
         self.conninfo = conninfo or ""
         self.connect_timeout = connect_timeout
         self.reconnect_timeout = reconnect_timeout.total_seconds()
@@ -399,6 +404,8 @@ class AsyncStore(_Calls):
         pause = 0.05
         while True:
             try:
+                if self.pool is not None:
+                    return await self._run_pooled(sql, params, all_rows)
                 conn = await self.connection()
                 cur = await conn.execute(sql, params)
                 return await (cur.fetchall() if all_rows else cur.fetchone())
@@ -411,6 +418,19 @@ class AsyncStore(_Calls):
                 await self.close()
                 await asyncio.sleep(pause)
                 pause = min(pause * 2, 1.0)
+
+    async def _run_pooled(self, sql: str, params: dict, all_rows: bool):
+        if not self._pool_opened:
+            if getattr(self.pool, "closed", False):
+                await self.pool.open(wait=False)
+            self._pool_opened = True
+        async with self.pool.connection(timeout=self.connect_timeout) as conn:
+            if not conn.autocommit:
+                # Each statement of the leased style commits on its own: a pool's connection
+                # would otherwise roll the claim back when it is returned.
+                await conn.set_autocommit(True)
+            cur = await conn.execute(sql, params)
+            return await (cur.fetchall() if all_rows else cur.fetchone())
 
     async def close(self) -> None:
         try:

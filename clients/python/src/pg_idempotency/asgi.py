@@ -84,10 +84,11 @@ class IdempotencyMiddleware:
                  methods: Iterable[str] = ("POST", "PATCH"), required: bool = True,
                  store_server_errors: bool = False, problem_base: Optional[str] = None,
                  replay_headers: Iterable[str] = REPLAY_HEADERS, connect_timeout: float = 5.0,
-                 fail_open: bool = False, lenient_keys: bool = False):
+                 fail_open: bool = False, lenient_keys: bool = False, pool=None):
         self.app = app
+        # pool: a psycopg_pool.AsyncConnectionPool; without it one connection per event loop.
         self.store = store or AsyncStore(conninfo, application_name="pg_idempotency_asgi",
-                                         connect_timeout=connect_timeout)
+                                         connect_timeout=connect_timeout, pool=pool)
         self.client = client
         self.policy = Policy(ttl=ttl, lease=lease, wait=wait, methods=frozenset(m.upper() for m in methods),
                              required=required, store_server_errors=store_server_errors,
