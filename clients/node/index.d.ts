@@ -40,6 +40,12 @@ export interface IdempotentOptions<A extends unknown[]> extends ConnectionOption
   releaseOnError?: boolean | ((err: unknown) => boolean);
   /** response_status stored with the result (default 200). */
   status?: number;
+  /**
+   * The result's JSON text (default JSON.stringify). A result that cannot be serialized completes
+   * the key with that error: the function never runs again for it, and this call and every retry
+   * throw an IdempotencyError with code 'IDEMPOTENCY_UNSTORABLE'.
+   */
+  serialize?: (value: any) => string;
 }
 
 /**
@@ -70,21 +76,21 @@ export interface NewCallResult<T> extends CallResultBase {
   replayed: false;
 }
 
-/** A replay: the stored JSON form of the first call's result. */
-export interface ReplayCallResult<T> extends CallResultBase {
-  value: Jsonified<T>;
+/** A replay: the stored JSON form of the first call's result (or what `deserialize` made of it). */
+export interface ReplayCallResult<T, D = Jsonified<T>> extends CallResultBase {
+  value: D;
   outcome: 'replay';
   replayed: true;
 }
 
 /** Narrow on `replayed` (or `outcome`) to know which form `value` has. */
-export type CallResult<T> = NewCallResult<T> | ReplayCallResult<T>;
+export type CallResult<T, D = Jsonified<T>> = NewCallResult<T> | ReplayCallResult<T, D>;
 
-export interface IdempotentFunction<A extends unknown[], R> {
+export interface IdempotentFunction<A extends unknown[], R, D = Jsonified<R>> {
   /** The function's own result when it ran, its stored JSON form on a replay (see Jsonified). */
-  (...args: A): Promise<R | Jsonified<R>>;
+  (...args: A): Promise<R | D>;
   /** The same call, with its outcome. */
-  detailed(...args: A): Promise<CallResult<R>>;
+  detailed(...args: A): Promise<CallResult<R, D>>;
   /** Ends the pool the wrapper made itself (from connectionString or the environment). */
   close(): Promise<void>;
 }
@@ -92,8 +98,13 @@ export interface IdempotentFunction<A extends unknown[], R> {
 /** Leased style: claim, run fn, complete with its result (or release when it throws). */
 export function idempotent<A extends unknown[], R>(
   fn: (...args: A) => R | Promise<R>,
-  options: IdempotentOptions<A>,
+  options: IdempotentOptions<A> & { deserialize?: undefined },
 ): IdempotentFunction<A, Awaited<R>>;
+/** With `deserialize`: a replay's value is what it makes of the stored JSON. */
+export function idempotent<A extends unknown[], R, D>(
+  fn: (...args: A) => R | Promise<R>,
+  options: IdempotentOptions<A> & { deserialize: (json: any) => D },
+): IdempotentFunction<A, Awaited<R>, D>;
 
 /** The claim of the running idempotent function. */
 export interface Claim {

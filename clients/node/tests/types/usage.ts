@@ -36,6 +36,10 @@ async function useIt(): Promise<void> {
     const at: Date = s.value.at;
     void at;
   }
+  // deserialize: a replay's value is what it returns
+  const rebuilt = idempotent(async () => ({ at: new Date() }), { key: 'stamp2', pool, deserialize: (j: { at: string }) => ({ at: new Date(j.at) }) });
+  const atAgain: Date = (await rebuilt()).at;
+  void atAgain;
   // @ts-expect-error a replay's `at` is a string, not a Date
   const notADate: Date = (await stamped()).at;
   void notADate;
