@@ -79,6 +79,8 @@ echo "== clients/node: npm ci, type check, npm pack, the tests (PostgreSQL $firs
 PG_BIN=$first_bin scripts/clients-node.sh
 echo "== clients/rust: fmt, clippy, the tests, cargo package (PostgreSQL $first)"
 PG_BIN=$first_bin scripts/clients-rust.sh
+echo "== clients/conformance: the HTTP conformance suite against the five adapters (PostgreSQL $first)"
+PG_BIN=$first_bin scripts/clients-conformance.sh
 
 # Citus (docs/scaling.md): a coordinator and two workers on PostgreSQL 18, Citus 14.0.1 built from
 # its source tarball (scripts/citus.sh; CITUS_TARBALL_DIR, default ../shared/vendor/citus beside

@@ -40,23 +40,57 @@ export interface IdempotentOptions<A extends unknown[]> extends ConnectionOption
   releaseOnError?: boolean | ((err: unknown) => boolean);
   /** response_status stored with the result (default 200). */
   status?: number;
+  /**
+   * The result's JSON text (default JSON.stringify). A result that cannot be serialized completes
+   * the key with that error: the function never runs again for it, and this call and every retry
+   * throw an IdempotencyError with code 'IDEMPOTENCY_UNSTORABLE'.
+   */
+  serialize?: (value: any) => string;
 }
 
-export interface CallResult<T> {
-  /** The result: the function's own on 'new', its stored JSON form on 'replay'. */
-  value: T;
-  outcome: 'new' | 'replay';
-  replayed: boolean;
+/**
+ * What JSON.parse(JSON.stringify(value)) gives back for a value of type T: what a replay returns,
+ * since the result is stored as jsonb. A Date becomes a string (its toJSON), a Map or Set an
+ * empty object, members that are functions or undefined disappear, a bigint cannot be stored.
+ */
+export type Jsonified<T> =
+  T extends { toJSON(...args: never[]): infer J } ? Jsonified<J>
+  : T extends string | number | boolean | null ? T
+  : T extends undefined | symbol | bigint | ((...args: never[]) => unknown) ? never
+  : T extends ReadonlyArray<infer E> ? Array<Jsonified<E> extends never ? null : Jsonified<E>>
+  : T extends ReadonlyMap<unknown, unknown> | ReadonlySet<unknown> ? Record<string, never>
+  : T extends object ? { [K in keyof T as K extends symbol ? never : Jsonified<T[K]> extends never ? never : K]: Jsonified<T[K]> }
+  : never;
+
+interface CallResultBase {
   /** The fencing token of the claim (a bigint, as a string). */
   token: string;
   /** Until when a retry with the same key is recognised. */
   expiresAt: Date;
 }
 
-export interface IdempotentFunction<A extends unknown[], R> {
-  (...args: A): Promise<R>;
+/** The function ran in this call: its own return value. */
+export interface NewCallResult<T> extends CallResultBase {
+  value: T;
+  outcome: 'new';
+  replayed: false;
+}
+
+/** A replay: the stored JSON form of the first call's result (or what `deserialize` made of it). */
+export interface ReplayCallResult<T, D = Jsonified<T>> extends CallResultBase {
+  value: D;
+  outcome: 'replay';
+  replayed: true;
+}
+
+/** Narrow on `replayed` (or `outcome`) to know which form `value` has. */
+export type CallResult<T, D = Jsonified<T>> = NewCallResult<T> | ReplayCallResult<T, D>;
+
+export interface IdempotentFunction<A extends unknown[], R, D = Jsonified<R>> {
+  /** The function's own result when it ran, its stored JSON form on a replay (see Jsonified). */
+  (...args: A): Promise<R | D>;
   /** The same call, with its outcome. */
-  detailed(...args: A): Promise<CallResult<R>>;
+  detailed(...args: A): Promise<CallResult<R, D>>;
   /** Ends the pool the wrapper made itself (from connectionString or the environment). */
   close(): Promise<void>;
 }
@@ -64,8 +98,13 @@ export interface IdempotentFunction<A extends unknown[], R> {
 /** Leased style: claim, run fn, complete with its result (or release when it throws). */
 export function idempotent<A extends unknown[], R>(
   fn: (...args: A) => R | Promise<R>,
-  options: IdempotentOptions<A>,
+  options: IdempotentOptions<A> & { deserialize?: undefined },
 ): IdempotentFunction<A, Awaited<R>>;
+/** With `deserialize`: a replay's value is what it makes of the stored JSON. */
+export function idempotent<A extends unknown[], R, D>(
+  fn: (...args: A) => R | Promise<R>,
+  options: IdempotentOptions<A> & { deserialize: (json: any) => D },
+): IdempotentFunction<A, Awaited<R>, D>;
 
 /** The claim of the running idempotent function. */
 export interface Claim {
@@ -222,6 +261,14 @@ export interface HttpOptions<Req> extends ConnectionOptions {
   problemBase?: string;
   /** Which answers are stored (default status < 500); for the others the key is released. */
   storeResponse?: (status: number) => boolean;
+  /** The headers a replay carries besides Content-Type (default Location, Content-Location, ETag, Last-Modified, Link). */
+  replayHeaders?: string[];
+  /** Seconds the claim tries to reach the database before answering 503 with Retry-After (default 5). */
+  connectTimeout?: number;
+  /** Run the handler without the store when the database is unreachable (default false; see the README for the risk). */
+  failOpen?: boolean;
+  /** Accept a bare (unquoted, Stripe-style) key as well as the draft's String (default false). */
+  lenientKeys?: boolean;
   /** Errors that do not reach the client (default console.error). */
   onError?: (err: unknown) => void;
 }
@@ -255,8 +302,8 @@ export function fastifyIdempotency(
   done: (err?: Error) => void,
 ): void;
 
-/** Parses an Idempotency-Key field value (RFC 9651 sf-string); throws with the problem detail. */
-export function parseIdempotencyKey(value: string): string;
+/** Parses an Idempotency-Key field value (RFC 9651 sf-string; lenient: a bare key too); throws with the problem detail. */
+export function parseIdempotencyKey(value: string, lenient?: boolean): string;
 
 /** Writes a key as an RFC 9651 sf-string, for an Idempotency-Key header sent to another service. */
 export function sfString(key: string): string;

@@ -57,7 +57,8 @@ function claimRow(row) {
 
 class Db {
   // options: { pool } or { connectionString } (or neither: the PG* environment variables);
-  // patience: how long (ms) a statement is repeated after lost connections.
+  // patience: how long (ms) a statement is repeated after lost connections; connectTimeout
+  // (seconds, default 5): how long one connection attempt of an owned pool may take.
   constructor(options = {}) {
     this.patience = options.reconnectTimeout ?? 30000;
     this.onLost = options.onConnectionLost ?? (() => {});
@@ -69,6 +70,7 @@ class Db {
       this.pool = new Pool({
         ...(options.connectionString ? { connectionString: options.connectionString } : {}),
         max: options.poolSize ?? 10,
+        connectionTimeoutMillis: Math.round((options.connectTimeout ?? 5) * 1000),
         application_name: options.applicationName ?? 'pg-idempotency',
       });
       // An idle connection that the server drops emits 'error' on the pool: without a listener
@@ -78,9 +80,10 @@ class Db {
     }
   }
 
-  // One statement, repeated after a lost connection (until `patience` runs out) or a 40001/40P01.
-  async query(sql, params) {
-    const deadline = Date.now() + this.patience;
+  // One statement, repeated after a lost connection (until `patience` ms, default this.patience,
+  // run out) or a 40001/40P01.
+  async query(sql, params, patience = this.patience) {
+    const deadline = Date.now() + patience;
     let pause = 100;
     for (;;) {
       try {

@@ -101,10 +101,9 @@ function expressIdempotency(options = {}) {
       const b = toBuffer(chunk, encoding);
       if (b) chunks.push(b);
       restore();
-      const ct = res.getHeader('content-type');
       core.finish(begun.ticket, {
         status: res.statusCode,
-        headers: ct ? { 'content-type': ct } : {},
+        headers: res.getHeaders(),
         body: Buffer.concat(chunks),
       }).then((r) => {
         send(res, r);

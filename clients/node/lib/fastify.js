@@ -10,6 +10,7 @@ const { HttpIdempotency } = require('./http');
 
 const kRaw = Symbol('pg-idempotency.rawBody');
 const kTicket = Symbol('pg-idempotency.ticket');
+const kBadBody = Symbol('pg-idempotency.badBody');
 
 async function toBuffer(payload) {
   if (payload === null || payload === undefined) return Buffer.alloc(0);
@@ -70,14 +71,33 @@ function fastifyIdempotency(fastify, options, done) {
     return undefined;
   });
 
+  // A body Fastify's parser refuses (invalid JSON, an empty JSON body) is answered 400 by
+  // Fastify before the claim; for the routes of this plugin the answer is problem+json, as the
+  // other refusals are.
+  fastify.addHook('onError', async (request, reply, error) => {
+    if (applies(request) && !request[kTicket] && (error.statusCode ?? 500) === 400
+        && (String(error.code ?? '').startsWith('FST_ERR_CTP') || error instanceof SyntaxError)) {
+      request[kBadBody] = error.message;
+    }
+  });
+
   fastify.addHook('onSend', async (request, reply, payload) => {
+    if (request[kBadBody] !== undefined && reply.statusCode === 400) {
+      const values = request.raw.headersDistinct ? request.raw.headersDistinct['idempotency-key'] : undefined;
+      const r = HttpIdempotency.decorate(
+        core.problem(400, 'bad-request', 'Bad request', `the body is not JSON: ${request[kBadBody]}`),
+        { rawKey: values && values.length === 1 ? values[0] : undefined },
+      );
+      request[kBadBody] = undefined;
+      reply.headers(r.headers);
+      return r.body;
+    }
     const ticket = request[kTicket];
     if (!ticket) return payload;
     request[kTicket] = undefined;
-    const ct = reply.getHeader('content-type');
     const r = await core.finish(ticket, {
       status: reply.statusCode,
-      headers: ct ? { 'content-type': ct } : {},
+      headers: reply.getHeaders(),
       body: await toBuffer(payload),
     });
     reply.code(r.status).headers(r.headers);

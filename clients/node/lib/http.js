@@ -9,15 +9,23 @@ const db = require('./db');
 const { parseHeader, KeyError } = require('./key');
 
 const PROBLEM_JSON = 'application/problem+json';
+// The headers of a handler's answer that are stored and replayed besides Content-Type (option
+// replayHeaders): those that describe the resource, not the one response.
+const REPLAY_HEADERS = ['location', 'content-location', 'etag', 'last-modified', 'link'];
+// Never replayed, whatever replayHeaders says.
+const NEVER_REPLAYED = new Set(['content-length', 'date', 'server', 'set-cookie', 'transfer-encoding', 'connection',
+  'keep-alive', 'idempotency-expires', 'idempotency-key', 'idempotent-replayed', 'retry-after']);
 
 // The claim of a request: `request` is the hex of idempotency.request_fingerprint(method, path,
 // query, body), which claim hashes again. The body goes to PostgreSQL as text, so numbers keep
-// their exact value; a JSON body is judged by jsonb, any other body is hashed as a string.
+// their exact value; a JSON body (by its content type) is judged by jsonb, any other body is
+// {"sha256": "<hex of its bytes>"}, an empty one none: the same fingerprint as the Python and
+// Rust clients give the same request.
 const FINGERPRINT = (body) => `to_jsonb(encode(idempotency.request_fingerprint($2, $3, $4::text::jsonb, ${body}), 'hex'))`;
 const CLAIM_HTTP = {
   json: `SELECT ${db.CLAIM_COLUMNS} FROM idempotency.claim($1, ${FINGERPRINT('$5::text::jsonb')},
            scope => $6, ttl => $7::interval, lease => $8::interval) c`,
-  text: `SELECT ${db.CLAIM_COLUMNS} FROM idempotency.claim($1, ${FINGERPRINT('to_jsonb($5::text)')},
+  bytes: `SELECT ${db.CLAIM_COLUMNS} FROM idempotency.claim($1, ${FINGERPRINT("jsonb_build_object('sha256', encode(sha256($5::bytea), 'hex'))")},
            scope => $6, ttl => $7::interval, lease => $8::interval) c`,
 };
 
@@ -27,7 +35,7 @@ function imfFixdate(date) {
 }
 
 function isJsonType(contentType) {
-  if (!contentType) return true; // no type: judged as JSON
+  if (!contentType) return false;
   const t = String(contentType).split(';')[0].trim().toLowerCase();
   return t === 'application/json' || t.endsWith('+json');
 }
@@ -55,6 +63,13 @@ class HttpIdempotency {
     this.problemBase = options.problemBase ?? 'https://developer.example.com/idempotency/';
     this.store = options.storeResponse ?? ((status) => status < 500);
     this.onError = options.onError ?? ((err) => console.error('pg-idempotency:', err));
+    // How long the claim tries to reach the database (seconds) before it answers 503; failOpen:
+    // run the handler without the store when the database is unreachable (off by default).
+    this.connectTimeout = options.connectTimeout ?? 5;
+    this.failOpen = options.failOpen ?? false;
+    // Accept a bare (unquoted, Stripe-style) key as well as the draft's String (off by default).
+    this.lenientKeys = options.lenientKeys ?? false;
+    this.replayHeaders = new Set((options.replayHeaders ?? REPLAY_HEADERS).map((h) => String(h).toLowerCase()));
   }
 
   applies(method, routeSetting) {
@@ -75,7 +90,7 @@ class HttpIdempotency {
     if (expiresAt) h['idempotency-expires'] = imfFixdate(expiresAt);
     if (replayed) h['idempotent-replayed'] = 'true';
     if (retryAfter !== undefined) h['retry-after'] = String(retryAfter);
-    h['cache-control'] = 'no-store';
+    if (!Object.keys(h).some((k) => k.toLowerCase() === 'cache-control')) h['cache-control'] = 'no-store';
     return r;
   }
 
@@ -98,7 +113,7 @@ class HttpIdempotency {
     }
     let key;
     try {
-      key = parseHeader(req.keyValues);
+      key = parseHeader(req.keyValues, this.lenientKeys);
     } catch (err) {
       if (!(err instanceof KeyError)) throw err;
       if (err.kind === 'missing' && !this.required) return { action: 'next' };
@@ -108,30 +123,45 @@ class HttpIdempotency {
     }
     const method = String(req.method).toUpperCase();
     const scope = client ? `${client}:${method} ${req.path}` : `${method} ${req.path}`;
-    let bodyText = null;
+    // The body: JSON text (a JSON content type), or bytes (any other body), or none (empty).
+    let body = null;
+    let sql = CLAIM_HTTP.json;
     if (req.body !== null && req.body !== undefined) {
-      if (Buffer.isBuffer(req.body)) {
+      const buf = Buffer.isBuffer(req.body) ? req.body : Buffer.from(String(req.body));
+      if (buf.length > 0 && isJsonType(req.contentType)) {
         try {
-          bodyText = new TextDecoder('utf-8', { fatal: true }).decode(req.body);
+          body = new TextDecoder('utf-8', { fatal: true }).decode(buf);
         } catch {
-          return { action: 'respond', response: HttpIdempotency.decorate(this.problem(400, 'bad-request', 'Bad request', 'the body is not UTF-8'), echo) };
+          return { action: 'respond', response: HttpIdempotency.decorate(this.problem(400, 'bad-request', 'Bad request', 'the JSON body is not UTF-8'), echo) };
         }
-      } else {
-        bodyText = String(req.body);
+      } else if (buf.length > 0) {
+        body = buf;
+        sql = CLAIM_HTTP.bytes;
       }
     } else if (req.parsedBody !== undefined && req.parsedBody !== null) {
-      bodyText = typeof req.parsedBody === 'string' ? req.parsedBody : JSON.stringify(req.parsedBody);
+      // The raw body is gone (a parser ran first): a string is taken as the bytes it was, an
+      // object as the JSON it was parsed from.
+      if (typeof req.parsedBody === 'string' || Buffer.isBuffer(req.parsedBody)) {
+        body = Buffer.from(req.parsedBody);
+        sql = body.length ? CLAIM_HTTP.bytes : CLAIM_HTTP.json;
+        if (!body.length) body = null;
+      } else {
+        body = JSON.stringify(req.parsedBody);
+      }
     }
-    if (bodyText === '') bodyText = null;
     const query = queryObject(req.search ?? '');
-    const sql = typeof req.parsedBody === 'string' || !isJsonType(req.contentType) ? CLAIM_HTTP.text : CLAIM_HTTP.json;
-    const params = [key, method, req.path, JSON.stringify(query), bodyText, scope, this.ttl, this.lease];
+    const params = [key, method, req.path, JSON.stringify(query), body, scope, this.ttl, this.lease];
     const deadline = Date.now() + this.waitMs;
     for (;;) {
       let c;
       try {
-        c = await this.claim(sql, params);
+        c = await this.claim(sql, params, this.connectTimeout * 1000);
       } catch (err) {
+        if (this.failOpen && db.connectionLost(err)) {
+          // Fail open (opted in): the handler runs without the store, unprotected.
+          this.onError(err);
+          return { action: 'next' };
+        }
         return { action: 'respond', response: HttpIdempotency.decorate(this.dbError(err), echo) };
       }
       if (c.outcome === 'new') {
@@ -145,8 +175,8 @@ class HttpIdempotency {
     }
   }
 
-  async claim(sql, params) {
-    const rows = await this.q.query(sql, params);
+  async claim(sql, params, patience) {
+    const rows = await this.q.query(sql, params, patience);
     const r = rows[0];
     return {
       outcome: r.outcome,
@@ -161,7 +191,7 @@ class HttpIdempotency {
   // The answer for replay, in_progress and mismatch.
   async answer(c, { key, scope, rawKey }) {
     if (c.outcome === 'replay') {
-      return HttpIdempotency.decorate(unpack(c.response, c.responseStatus), { rawKey, expiresAt: c.expiresAt, replayed: true });
+      return HttpIdempotency.decorate(unpack(c.response, c.responseStatus, this.replayHeaders), { rawKey, expiresAt: c.expiresAt, replayed: true });
     }
     if (c.outcome === 'in_progress') {
       const secs = c.retryAfter ?? 1;
@@ -196,13 +226,18 @@ class HttpIdempotency {
     }
   }
 
-  // The handler's response { status, headers: { 'content-type' }, body: Buffer }: stored with
+  // The handler's response { status, headers (all of them: what is stored is Content-Type and
+  // the allow-list), body: Buffer }: stored with
   // complete (or the key released for a status that storeResponse refuses, 5xx by default),
   // then returned with the idempotency headers. If another request took the key over meanwhile,
   // the stored answer is returned instead.
   async finish(ticket, res) {
     const { key, scope, token, rawKey } = ticket;
-    const out = { status: res.status, headers: { ...res.headers }, body: res.body };
+    // The live answer is the handler's: the adapter sends it with the headers it set already, so
+    // only the idempotency headers go into `out`.
+    const out = { status: res.status, headers: {}, body: res.body };
+    const own = Object.keys(res.headers ?? {}).find((k) => k.toLowerCase() === 'cache-control');
+    if (own !== undefined) out.headers['cache-control'] = res.headers[own];
     if (!this.store(res.status)) {
       try {
         await db.release(this.q, { key, scope, token });
@@ -213,7 +248,7 @@ class HttpIdempotency {
     }
     try {
       const expiresAt = await db.complete(this.q, {
-        key, response: JSON.stringify(pack(res)), status: res.status, scope, token, ttl: this.ttl,
+        key, response: JSON.stringify(pack(res, this.replayHeaders)), status: res.status, scope, token, ttl: this.ttl,
       });
       return HttpIdempotency.decorate(out, { rawKey, expiresAt });
     } catch (err) {
@@ -243,10 +278,27 @@ function message(err) {
   return err.detail ? `${err.message}: ${err.detail}` : err.message;
 }
 
-// A response as stored in `response` (jsonb): the body's exact bytes, so that a replay is
-// byte-identical (as text, or base64 when it is not UTF-8 or holds a NUL), and its content type.
-// response_status holds the status.
-function pack({ headers, body }) {
+// The headers of an answer that a replay carries: Content-Type and the allow-list, as
+// [[name, value], ...] with lower-case names (a header set twice gives two pairs).
+function replayable(headers, allowed = new Set(REPLAY_HEADERS)) {
+  const out = [];
+  const pairs = Array.isArray(headers) ? headers : Object.entries(headers ?? {});
+  for (const [k, v] of pairs) {
+    const name = String(k).toLowerCase();
+    if (v === undefined || v === null) continue;
+    if (name !== 'content-type' && (!allowed.has(name) || NEVER_REPLAYED.has(name))) continue;
+    for (const one of Array.isArray(v) ? v : [v]) out.push([name, String(one)]);
+  }
+  return out;
+}
+
+// A response as stored in `response` (jsonb), the same in the Python, Node and Rust clients:
+// { headers: [[name, value], ...] (Content-Type and the allow-list), content_type, body } with the
+// body's exact bytes, so that a replay is byte-identical: as text, or base64 when it is not UTF-8
+// or holds a NUL (then encoding: 'base64', and body_base64 too, which the Python client before
+// 0.5.0 reads). response_status holds the status. Clients before 0.5.0 read it (Node: body and
+// content type; Python: body and headers).
+function pack({ headers, body }, allowed) {
   const buf = body === null || body === undefined ? Buffer.alloc(0) : Buffer.from(body);
   let text = null;
   try {
@@ -255,28 +307,47 @@ function pack({ headers, body }) {
   } catch {
     // not UTF-8: stored as base64
   }
-  const ct = headers['content-type'];
+  const kept = replayable(headers, allowed);
+  const ct = kept.find(([k]) => k === 'content-type');
+  const b64 = text === null ? buf.toString('base64') : null;
   return {
-    body: text ?? buf.toString('base64'),
-    ...(text === null ? { encoding: 'base64' } : {}),
-    ...(ct ? { content_type: String(ct) } : {}),
+    headers: kept,
+    ...(ct ? { content_type: ct[1] } : {}),
+    body: text ?? b64,
+    ...(text === null ? { encoding: 'base64', body_base64: b64 } : {}),
   };
 }
 
-function unpack(response, status) {
+const ENVELOPE = new Set(['headers', 'content_type', 'body', 'body_base64', 'encoding']);
+
+// The stored answer as { status, headers, body }: the form above (also as older clients wrote
+// it), or a plain JSON value that other code completed the key with (sent as JSON).
+function unpack(response, status, allowed) {
   const headers = {};
   let body;
-  if (response && typeof response === 'object' && !Array.isArray(response) && typeof response.body === 'string') {
-    body = Buffer.from(response.body, response.encoding === 'base64' ? 'base64' : 'utf8');
-    if (response.content_type) headers['content-type'] = response.content_type;
+  status = status ?? 200;
+  const envelope = response && typeof response === 'object' && !Array.isArray(response)
+    && Object.keys(response).every((k) => ENVELOPE.has(k))
+    && (typeof response.body === 'string' || typeof response.body_base64 === 'string');
+  if (envelope) {
+    if (typeof response.body_base64 === 'string') body = Buffer.from(response.body_base64, 'base64');
+    else body = Buffer.from(response.body, response.encoding === 'base64' ? 'base64' : 'utf8');
+    const pairs = Array.isArray(response.headers) ? response.headers.filter((p) => Array.isArray(p) && p.length === 2) : [];
+    if (response.content_type && !pairs.some(([k]) => String(k).toLowerCase() === 'content-type')) {
+      pairs.unshift(['content-type', response.content_type]);
+    }
+    for (const [k, v] of replayable(pairs, allowed)) {
+      if (headers[k] === undefined) headers[k] = v;
+      else headers[k] = [].concat(headers[k], v);
+    }
   } else if (response === null || response === undefined) {
     body = Buffer.alloc(0);
   } else {
     // Completed by other code with a plain JSON response.
     body = Buffer.from(JSON.stringify(response));
-    headers['content-type'] = 'application/json';
+    headers['content-type'] = status >= 400 ? PROBLEM_JSON : 'application/json';
   }
-  return { status: status ?? 200, headers, body };
+  return { status, headers, body };
 }
 
-module.exports = { HttpIdempotency, imfFixdate, queryObject, isJsonType, pack, unpack, PROBLEM_JSON };
+module.exports = { HttpIdempotency, imfFixdate, queryObject, isJsonType, pack, unpack, replayable, PROBLEM_JSON, REPLAY_HEADERS };

@@ -63,7 +63,11 @@ function idempotent(fn, options = {}) {
     for (;;) {
       const c = await db.claim(d, { key, request, scope, ttl, lease });
       if (c.outcome === 'replay') {
-        return { value: c.response, outcome: 'replay', replayed: true, token: c.token, expiresAt: c.expiresAt };
+        if (c.responseStatus === 500 && c.response && typeof c.response === 'object' && UNSTORABLE in c.response) {
+          throw unstorable(key, scope, c.response[UNSTORABLE]);
+        }
+        const value = options.deserialize ? options.deserialize(c.response) : c.response;
+        return { value, outcome: 'replay', replayed: true, token: c.token, expiresAt: c.expiresAt };
       }
       if (c.outcome === 'mismatch') throw new MismatchError({ key, scope });
       if (c.outcome === 'in_progress') {
@@ -92,16 +96,22 @@ function idempotent(fn, options = {}) {
         throw err;
       }
       let response;
+      let failure = null;
       try {
-        response = db.toJsonText(value, 'the result');
+        response = options.serialize ? options.serialize(value) : db.toJsonText(value, 'the result');
+        if (response !== null && response !== undefined) JSON.parse(response);
       } catch (err) {
-        await db.release(d, { key, scope, token: c.token }).catch(() => {});
-        throw err;
+        // The side effect ran: the key is completed with the error, so that it never runs again
+        // for this key (this call and every retry throw IDEMPOTENCY_UNSTORABLE).
+        failure = err.message;
+        response = JSON.stringify({ [UNSTORABLE]: failure });
       }
       try {
-        const expiresAt = await db.complete(d, { key, response, status, scope, token: c.token, ttl });
+        const expiresAt = await db.complete(d, { key, response, status: failure === null ? status : 500, scope, token: c.token, ttl });
+        if (failure !== null) throw unstorable(key, scope, failure);
         return { value, outcome: 'new', replayed: false, token: c.token, expiresAt };
       } catch (err) {
+        if (err instanceof IdempotencyError && err.code === 'IDEMPOTENCY_UNSTORABLE') throw err;
         // IK002/IK003: completed or taken over meanwhile (our lease ran out, or our own complete
         // committed before its connection was lost): claim again for the stored answer.
         if (db.fenced(err)) continue;
@@ -122,6 +132,14 @@ function idempotent(fn, options = {}) {
     if (q !== null) await q.end();
   };
   return wrapped;
+}
+
+// The stored form of a result that could not be serialized (status 500).
+const UNSTORABLE = 'pg_idempotency_unstorable';
+
+function unstorable(key, scope, detail) {
+  return new IdempotencyError(`idempotency key '${key}' (scope '${scope}'): the result could not be stored (${detail}); `
+    + 'the function ran once and will not run again for this key', { code: 'IDEMPOTENCY_UNSTORABLE', key, scope });
 }
 
 module.exports = { idempotent, currentClaim, Claim };

@@ -198,10 +198,23 @@ class Parser {
 
 // Parses one field value (a string; header values are latin1 in Node). Returns the key or
 // throws a KeyError whose message is the problem detail. Positions are 1-based.
-function parseValue(v) {
+// lenient: a bare key (`Idempotency-Key: 8e03978e-...`, as Stripe-style clients send it) is
+// accepted as the key too: 1 to 255 printable ASCII characters without space, '"', ',' or '\'.
+const BARE = /^[\x21\x23-\x2b\x2d-\x5b\x5d-\x7e]+$/;
+
+function parseValue(v, lenient = false) {
   const p = new Parser(v);
   p.skipSp();
   const c = p.peek();
+  if (lenient && c !== undefined && c !== '"') {
+    const bare = v.replace(/^[ \t]+|[ \t]+$/g, '');
+    if (BARE.test(bare)) {
+      if (bare.length > MAX_KEY_CHARS) {
+        throw malformed(`Idempotency-Key is too long: ${bare.length} characters, at most ${MAX_KEY_CHARS} are allowed`);
+      }
+      return bare;
+    }
+  }
   if (c === undefined) throw malformed('Idempotency-Key is empty; it must have 1 to 255 characters');
   if (c !== '"') {
     throw malformed(`Idempotency-Key is ${itemKind(c)}, not a String: the key must be a structured-field String (RFC 9651) in double quotes, e.g. ${EXAMPLE}`);
@@ -220,12 +233,12 @@ function parseValue(v) {
 }
 
 // values: every Idempotency-Key field line of the request (req.headersDistinct['idempotency-key']).
-function parseHeader(values) {
+function parseHeader(values, lenient = false) {
   if (values === undefined || values.length === 0) {
     throw new KeyError('missing', `This operation requires an Idempotency-Key header, e.g. ${EXAMPLE}`);
   }
   if (values.length > 1) throw malformed('Idempotency-Key was sent more than once; send exactly one');
-  return parseValue(values[0]);
+  return parseValue(values[0], lenient);
 }
 
 // Writes s as an RFC 9651 sf-string (for a key sent on to another service).

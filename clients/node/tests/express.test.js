@@ -10,7 +10,8 @@ httpSuite('express', async (options, handler) => {
   const idem = expressIdempotency(options);
   const route = (req, res, next) => { // Express 4 does not catch a rejected handler: next(err)
     handler({ headers: req.headers, body: req.body, path: req.path })
-      .then((r) => res.status(r.status).json(r.body), next);
+      .then((r) => (r.text !== undefined ? res.status(r.status).set(r.headers).send(r.text)
+        : res.status(r.status).json(r.body)), next);
   };
   app.post('/orders', idem, express.json(), route); // express.json() finds the body read: skips
   app.post('/refunds', idem, route);

@@ -8,8 +8,10 @@ const { httpSuite } = require('./http-suite');
 httpSuite('fastify', async (options, handler) => {
   const app = Fastify();
   await app.register(fastifyIdempotency, options);
+  app.addContentTypeParser('*', { parseAs: 'buffer' }, (req, body, done) => done(null, body));
   const route = async (request, reply) => {
     const r = await handler({ headers: request.headers, body: request.body, path: request.routeOptions.url });
+    if (r.text !== undefined) return reply.code(r.status).headers(r.headers).send(r.text);
     return reply.code(r.status).send(r.body);
   };
   app.post('/orders', route);

@@ -54,6 +54,16 @@ function makeApp(cluster) {
       cluster.stop('fast'); // the database goes away mid-request, back after a second
       setTimeout(() => cluster.restart(), 1000);
     }
+    if (headers['x-test-headers']) {
+      return {
+        status: 201,
+        headers: {
+          location: '/orders/7', etag: '"v1"', 'set-cookie': 'session=first-caller', 'x-request-id': 'req-1',
+          'content-type': 'text/plain; charset=utf-8',
+        },
+        text: 'got 7 bytes',
+      };
+    }
     if (path === '/orders' && !(Number(body?.amount) > 0)) {
       return { status: 422, body: { type: 'https://shop.example/invalid-order', title: 'Invalid order', status: 422 } };
     }
@@ -121,6 +131,102 @@ function httpSuite(name, serve) {
     assert.equal(reordered.headers['idempotent-replayed'], 'true');
     assert.equal(reordered.headers['idempotency-key'], '"k-1";p=1');
     assert.equal(app.count('client-7', '"k-1"'), 1);
+  });
+
+  test(`${name}: header leak and loss: the first answer keeps the handler's headers; a replay only the allow-list`, async () => {
+    const first = await post('/orders', '"h-1"', { amount: 1 }, { headers: { 'x-test-headers': '1' } });
+    assert.equal(first.status, 201);
+    assert.equal(first.raw.toString(), 'got 7 bytes');
+    assert.equal(first.headers['content-type'], 'text/plain; charset=utf-8');
+    assert.equal(first.headers.location, '/orders/7');
+    assert.deepEqual(first.headers['set-cookie'], ['session=first-caller']);
+    assert.equal(first.headers['x-request-id'], 'req-1');
+    const again = await post('/orders', '"h-1"', { amount: 1 });
+    assert.equal(again.status, 201);
+    assert.equal(again.headers['idempotent-replayed'], 'true');
+    assert.equal(again.raw.toString(), 'got 7 bytes');
+    assert.equal(again.headers['content-type'], 'text/plain; charset=utf-8');
+    assert.equal(again.headers.location, '/orders/7');
+    assert.equal(again.headers.etag, '"v1"');
+    assert.equal(again.headers['set-cookie'], undefined, 'never the first caller\'s cookie');
+    assert.equal(again.headers['x-request-id'], undefined);
+    assert.equal(app.count('client-7', '"h-1"'), 1);
+  });
+
+  test(`${name}: any body is accepted and fingerprinted as the Python and Rust clients do (text, form, empty)`, async () => {
+    const cases = [['b-text', 'text/plain', 'hello'], ['b-form', 'application/x-www-form-urlencoded', 'a=1&b=2'], ['b-empty', undefined, '']];
+    for (const [k, type, body] of cases) {
+      const send = () => request(srv.url, '/refunds', {
+        headers: { 'x-client-id': 'client-7', 'idempotency-key': `"${k}"`, ...(type ? { 'content-type': type } : {}), 'content-length': Buffer.byteLength(body) },
+        body: body === '' ? undefined : body,
+      });
+      const a = await send();
+      assert.equal(a.status, 201, `${k}: ${a.raw}`);
+      const b = await send();
+      assert.equal(b.headers['idempotent-replayed'], 'true', k);
+      // The reference fingerprint, the one the Python and Rust clients' tests check as well.
+      const ref = body === '' ? 'NULL::jsonb' : "jsonb_build_object('sha256', encode(sha256($3::bytea), 'hex'))";
+      await pool.query(`SELECT idempotency.claim($1, request => to_jsonb(encode(idempotency.request_fingerprint('POST', '/refunds', '{}'::jsonb, ${ref}), 'hex')), scope => $2) WHERE $3::bytea IS NOT NULL`,
+        [k, 'reference', Buffer.from(body)]);
+      const { rows } = await pool.query(`SELECT a.request_hash = b.request_hash AS same FROM idempotency.idempotency_keys a
+        JOIN idempotency.idempotency_keys b ON b.key = a.key AND b.scope = 'reference' WHERE a.key = $1 AND a.scope = $2`,
+      [k, 'client-7:POST /refunds']);
+      assert.deepEqual(rows, [{ same: true }], k);
+    }
+    const other = await request(srv.url, '/refunds', {
+      headers: { 'x-client-id': 'client-7', 'idempotency-key': '"b-text"', 'content-type': 'text/plain' }, body: 'hellO',
+    });
+    assert.equal(other.status, 422);
+  });
+
+  test(`${name}: a database that does not answer: 503 problem+json with Retry-After within connectTimeout; failOpen runs the handler`, async () => {
+    // Accepts TCP connections, never answers: only a connect timeout ends the wait.
+    const hole = require('node:net').createServer(() => {});
+    await new Promise((resolve) => hole.listen(0, '127.0.0.1', resolve));
+    const connectionString = `postgresql://app@127.0.0.1:${hole.address().port}/shop`;
+    const client = (req) => req.headers['x-client-id'];
+    try {
+      for (const failOpen of [false, true]) {
+        const down = await serve({ connectionString, client, connectTimeout: 1, failOpen, onError: () => {} }, app.handler);
+        try {
+          const started = Date.now();
+          const r = await post('/orders', `"down-${failOpen}"`, { amount: 1 }, { server: down });
+          assert.ok(Date.now() - started < 5000, `${Date.now() - started} ms`);
+          if (failOpen) {
+            assert.equal(r.status, 201);
+            assert.equal(app.count('client-7', `"down-${failOpen}"`), 1);
+          } else {
+            assert.equal(r.status, 503);
+            assert.equal(r.headers['content-type'], 'application/problem+json');
+            assert.equal(r.headers['retry-after'], '1');
+            assert.equal(app.count('client-7', `"down-${failOpen}"`), 0);
+          }
+        } finally {
+          await down.close();
+        }
+      }
+    } finally {
+      hole.close();
+    }
+  });
+
+  test(`${name}: lenientKeys accepts a bare (Stripe-style) key, the same key as its quoted form; refused by default`, async () => {
+    const bare = 'ab8e03978e-40d5-43e8-bc93-6894a57f9324';
+    const strict = await post('/orders', bare, { amount: 1 });
+    assert.equal(strict.status, 400);
+    assert.match(strict.json.detail, /^Idempotency-Key is a bare Token, not a String: the key must be a structured-field String \(RFC 9651\) in double quotes/);
+    const lenient = await serve({ pool: appPool, client: (req) => req.headers['x-client-id'], lenientKeys: true }, app.handler);
+    try {
+      const a = await post('/orders', bare, { amount: 1 }, { server: lenient });
+      assert.equal(a.status, 201);
+      assert.equal(a.headers['idempotency-key'], bare);
+      const b = await post('/orders', `"${bare}"`, { amount: 1 }, { server: lenient });
+      assert.equal(b.headers['idempotent-replayed'], 'true');
+      assert.equal((await post('/orders', 'a b', { amount: 1 }, { server: lenient })).status, 400);
+      assert.equal((await post('/orders', 'k'.repeat(256), { amount: 1 }, { server: lenient })).status, 400);
+    } finally {
+      await lenient.close();
+    }
   });
 
   test(`${name}: the same key for another body or query is 422 problem+json with Idempotency-Expires`, async () => {
@@ -222,6 +328,10 @@ function httpSuite(name, serve) {
     assert.equal(nul.json.type, 'https://developer.example.com/idempotency/body-unstorable');
     const broken = await post('/orders', '"k-11"', '{"amount": ');
     assert.equal(broken.status, 400);
+    // problem+json, as every other refusal (Fastify's own parser answered its own JSON)
+    assert.equal(broken.headers['content-type'], 'application/problem+json');
+    assert.equal(broken.json.title, 'Bad request');
+    assert.equal(broken.headers['idempotency-key'], '"k-11"');
     assert.equal((await post('/orders', '"k-11"', { amount: 1 })).status, 201, 'the key stayed free');
   });
 

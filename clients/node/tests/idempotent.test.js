@@ -292,3 +292,24 @@ test('bad options and bad keys: errors from the extension or TypeErrors, nothing
   await assert.rejects(idempotent(async () => 1, { key: (n) => n, pool })(5), TypeError);
   assert.equal(await row('neg'), null);
 });
+
+test('a result that cannot be stored never runs the side effect again: IDEMPOTENCY_UNSTORABLE now and on every retry', async () => {
+  let runs = 0;
+  const f = idempotent(async () => { runs += 1; return { amount: 10n }; }, { key: 'unstorable', pool });
+  for (let i = 0; i < 2; i += 1) {
+    await assert.rejects(f(), (err) => err instanceof IdempotencyError && err.code === 'IDEMPOTENCY_UNSTORABLE');
+  }
+  assert.equal(runs, 1);
+  assert.equal((await row('unstorable')).status, 'completed');
+  // serialize / deserialize: a bigint stored as a string, rebuilt on a replay
+  const g = idempotent(async () => { runs += 1; return { amount: 10n }; }, {
+    key: 'serialized', pool,
+    serialize: (v) => JSON.stringify({ amount: String(v.amount) }),
+    deserialize: (j) => ({ amount: BigInt(j.amount) }),
+  });
+  assert.deepEqual(await g(), { amount: 10n });
+  const again = await g.detailed();
+  assert.equal(again.replayed, true);
+  assert.deepEqual(again.value, { amount: 10n });
+  assert.equal(runs, 2);
+});

@@ -60,6 +60,22 @@ test('stored answers keep the exact bytes: text, or base64 when not UTF-8 or hol
   assert.deepEqual(unpack({ ok: true }, null), { status: 200, headers: { 'content-type': 'application/json' }, body: Buffer.from('{"ok":true}') });
 });
 
+test('the stored form: Content-Type and the allow-list only; rows of older clients are read', () => {
+  const stored = pack({
+    headers: { 'content-type': 'text/plain', location: '/o/1', 'set-cookie': ['s=1'], date: 'x', 'x-request-id': 'r' },
+    body: 'hi',
+  });
+  assert.deepEqual(stored, { headers: [['content-type', 'text/plain'], ['location', '/o/1']], content_type: 'text/plain', body: 'hi' });
+  // Node before 0.5.0: body, encoding, content_type
+  assert.deepEqual(unpack({ body: 'aGk=', encoding: 'base64', content_type: 'text/plain' }, 200),
+    { status: 200, headers: { 'content-type': 'text/plain' }, body: Buffer.from('hi') });
+  // Python before 0.5.0: every header but a few; a replay keeps only the allow-list
+  assert.deepEqual(unpack({ headers: [['content-type', 'text/plain'], ['x-request-id', 'r'], ['etag', '"e"']], body_base64: 'aGk=' }, 201),
+    { status: 201, headers: { 'content-type': 'text/plain', etag: '"e"' }, body: Buffer.from('hi') });
+  // Rust before 0.5.0: the JSON body itself
+  assert.deepEqual(unpack({ error: 'x' }, 400), { status: 400, headers: { 'content-type': 'application/problem+json' }, body: Buffer.from('{"error":"x"}') });
+});
+
 test('the query object and the HTTP date', () => {
   assert.deepEqual(queryObject('?a=1&b=x%20y&a=2&a=3'), { a: ['1', '2', '3'], b: 'x y' });
   assert.deepEqual(queryObject(''), {});

@@ -49,3 +49,15 @@ def row(db):
     """row(key, scope) -> (status, response, response_status, recovery_point, token) or None."""
     return lambda key, scope="": db.execute("SELECT status::text, response, response_status, recovery_point, token "
                       "FROM idempotency.lookup(%s, %s) WHERE key IS NOT NULL", (key, scope)).fetchone()
+
+
+@pytest.fixture
+def blackhole():
+    """A conninfo whose server accepts TCP connections and never answers (a database that is
+    down behind a load balancer, a dropped network): only a connect timeout ends the wait."""
+    import socket
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    s.listen(64)
+    yield f"host=127.0.0.1 port={s.getsockname()[1]} dbname=shop user=app"
+    s.close()

@@ -32,13 +32,21 @@ def make_app(conninfo, calls, **kw):
             raise RuntimeError("handler crashed")
         if body.get("status"):
             return JSONResponse({"error": "bad"}, status_code=body["status"])
-        return JSONResponse({"order_id": len(calls), **body}, status_code=201, headers={"location": "/orders/1"})
+        return JSONResponse({"order_id": len(calls), **body}, status_code=201,
+                            headers={"location": "/orders/1", "etag": '"v1"', "set-cookie": "session=first-caller",
+                                     "x-request-id": "req-1"})
+
+    async def anybody(request):
+        body = await request.body()
+        calls.append(body)
+        return PlainTextResponse(f"got {len(body)} bytes", status_code=201)
 
     async def ping(request):
         calls.append("ping")
         return PlainTextResponse("pong")
 
-    app = Starlette(routes=[Route("/orders", orders, methods=["POST"]), Route("/ping", ping, methods=["GET", "POST"])])
+    app = Starlette(routes=[Route("/orders", orders, methods=["POST"]), Route("/ping", ping, methods=["GET", "POST"]),
+                                Route("/any", anybody, methods=["POST"])])
     app.add_middleware(IdempotencyMiddleware, conninfo=conninfo, client=header_client("x-client-id"),
                        ttl=dt.timedelta(hours=1), lease=dt.timedelta(seconds=30), **kw)
     return app
@@ -75,6 +83,10 @@ def test_create_then_replay(client, calls, db):
     assert r2.status_code == 201 and r2.content == r1.content
     assert r2.headers["idempotent-replayed"] == "true" and r2.headers["location"] == "/orders/1"
     assert r2.headers["content-type"] == r1.headers["content-type"]
+    # Header leak: the first answer is the handler's; a replay carries only the allow-list.
+    assert r1.headers["set-cookie"] == "session=first-caller" and r1.headers["x-request-id"] == "req-1"
+    assert r2.headers["etag"] == '"v1"'
+    assert "set-cookie" not in r2.headers and "x-request-id" not in r2.headers
     expires = expires_of(db, "k-1", "c1:POST /orders")
     assert email.utils.parsedate_to_datetime(r1.headers["idempotency-expires"]) == expires
     assert email.utils.parsedate_to_datetime(r2.headers["idempotency-expires"]) == expires
@@ -97,8 +109,9 @@ def test_mismatch_is_422(client, calls, db):
 
 
 @pytest.mark.parametrize("value,detail", [
-    (None, "missing"), ('""', "empty"), ("k-3", "not a Token"), ("1", "not a number"), ("?1", "not a Boolean"),
-    ('"abc', "no closing quote"), ('"a\\x"', "bad escape"), ('"a" x', "text after the key"),
+    (None, "requires an Idempotency-Key header"), ('""', "empty"), ("k-3", "a bare Token, not a String"),
+    ("1", "an Integer or Decimal, not a String"), ("?1", "a Boolean, not a String"),
+    ('"abc', "no closing quote"), ('"a\\x"', "bad escape"), ('"a" x', "after the closing quote"),
     ('"a";P=1', "malformed parameter"), ('"' + "k" * 256 + '"', "too long"), ('"a\u00e9"', "bad character"),
 ])
 def test_malformed_keys_are_400(client, calls, value, detail):
@@ -212,3 +225,76 @@ def test_fastapi(conninfo):
         r4 = client.post("/payments", json={"amount": 5}, headers={"x-client-id": "c9"})
     assert (r1.status_code, r2.status_code, r3.status_code, r4.status_code) == (201, 201, 422, 400)
     assert r2.content == r1.content and r2.headers["idempotent-replayed"] == "true" and len(calls) == 1
+
+
+@pytest.mark.parametrize("key,ctype,body", [("b-text", "text/plain", b"hello"),
+                                            ("b-form", "application/x-www-form-urlencoded", b"a=1&b=2"),
+                                            ("b-empty", None, b"")])
+def test_any_body_fingerprint_is_the_reference_one(client, calls, db, key, ctype, body):
+    """Any body is accepted; its fingerprint is the one the Node and Rust clients give the same
+    request (a JSON type as jsonb, any other body by its SHA-256, an empty body as none)."""
+    h = {"x-client-id": "c1", "idempotency-key": f'"{key}"', **({"content-type": ctype} if ctype else {})}
+    assert client.post("/any", content=body, headers=h).status_code == 201
+    assert client.post("/any", content=body, headers=h).headers["idempotent-replayed"] == "true"
+    ref = "NULL::jsonb" if not body else "jsonb_build_object('sha256', encode(sha256(%(b)s::bytea), 'hex'))"
+    db.execute("SELECT idempotency.claim(%(k)s, request => to_jsonb(encode(idempotency.request_fingerprint("
+               f"'POST', '/any', '{{}}'::jsonb, {ref}), 'hex')), scope => 'reference')", {"k": key, "b": body})
+    same = db.execute("SELECT a.request_hash = b.request_hash FROM idempotency.idempotency_keys a "
+                      "JOIN idempotency.idempotency_keys b ON b.key = a.key AND b.scope = 'reference' "
+                      "WHERE a.key = %s AND a.scope = 'c1:POST /any'", (key,)).fetchall()
+    assert same == [(True,)]
+    assert len(calls) == 1
+
+
+@pytest.mark.parametrize("fail_open", [False, True])
+def test_database_down_is_503_within_the_connect_timeout(blackhole, calls, fail_open):
+    """A database that does not answer: 503 problem+json with Retry-After within the configured
+    connect time (it was a generic 500 after 30 s), the handler not run; fail_open (opt-in) runs
+    the handler without the store."""
+    with TestClient(make_app(blackhole, calls, connect_timeout=2, fail_open=fail_open),
+                    raise_server_exceptions=False) as client:
+        started = time.monotonic()
+        r = post(client, '"down-1"', {"item": "A"})
+        elapsed = time.monotonic() - started
+    assert elapsed < 6, elapsed
+    if fail_open:
+        assert r.status_code == 201 and len(calls) == 1
+        assert "idempotency-expires" not in r.headers
+    else:
+        assert r.status_code == 503, r.text
+        assert r.headers["content-type"] == "application/problem+json" and r.headers["retry-after"] == "1"
+        assert r.json()["title"] == "Database unavailable"
+        assert calls == []
+
+
+def test_lenient_keys_accept_a_bare_key(conninfo, calls):
+    """Stripe-style callers send the key unquoted; the draft refuses it (the default, with the
+    same wording as Node and Rust); lenient_keys=True takes the bare token as the key, the same
+    key as its quoted form."""
+    with TestClient(make_app(conninfo, calls)) as strict:
+        r = post(strict, "8e03978e-40d5-43e8-bc93-6894a57f9324", {"item": "A"})
+        assert r.status_code == 400
+        assert r.json()["detail"].startswith("Idempotency-Key is an Integer or Decimal, not a String: the key must "
+                                             "be a structured-field String (RFC 9651) in double quotes")
+    with TestClient(make_app(conninfo, calls, lenient_keys=True)) as lenient:
+        r1 = post(lenient, "8e03978e-40d5-43e8-bc93-6894a57f9324", {"item": "A"})
+        assert r1.status_code == 201 and r1.headers["idempotency-key"] == "8e03978e-40d5-43e8-bc93-6894a57f9324"
+        r2 = post(lenient, '"8e03978e-40d5-43e8-bc93-6894a57f9324"', {"item": "A"})
+        assert r2.headers["idempotent-replayed"] == "true"
+        assert post(lenient, "a b", {"item": "A"}).status_code == 400
+        assert post(lenient, "k" * 256, {"item": "A"}).status_code == 400
+    assert len(calls) == 1
+
+
+def test_a_pool_serves_concurrent_requests(conninfo, calls):
+    """The middleware shared one connection per event loop: with `pool=` (a psycopg_pool
+    AsyncConnectionPool) each statement takes a pooled connection; the claim still commits on
+    its own (autocommit), so a replay finds it."""
+    psycopg_pool = pytest.importorskip("psycopg_pool")
+    pool = psycopg_pool.AsyncConnectionPool(conninfo, min_size=1, max_size=4, open=False)
+    with TestClient(make_app(None, calls, pool=pool)) as client:
+        r1 = post(client, '"pool-1"', {"item": "A"})
+        r2 = post(client, '"pool-1"', {"item": "A"})
+        assert r1.status_code == 201 and r2.headers["idempotent-replayed"] == "true"
+        assert pool.get_stats()["requests_num"] >= 3
+    assert len(calls) == 1

@@ -278,3 +278,92 @@ def test_async_variant(conninfo):
 
     asyncio.run(main())
     assert sorted(calls) == [1, 2]
+
+
+def test_detailed_tells_a_replay_and_serializers_handle_common_results(conninfo):
+    """A dataclass result raised TypeError after the side effect ran (and the key then waited out
+    its lease, to run the side effect again): it is serialized now; `.detailed()` tells a replay
+    from a new result; `deserialize` rebuilds the result on a replay."""
+    import dataclasses
+    import decimal
+
+    @dataclasses.dataclass
+    class Receipt:
+        id: str
+        amount: decimal.Decimal
+        at: dt.datetime
+
+    calls = []
+    at = dt.datetime(2026, 12, 1, 12, 0, tzinfo=dt.timezone.utc)
+
+    @idempotent(key="dc:{n}", conninfo=conninfo, deserialize=lambda d: Receipt(**d))
+    def pay(n):
+        calls.append(n)
+        return Receipt(f"r-{n}", decimal.Decimal("59.90"), at)
+
+    first = pay.detailed(1)
+    assert first.replayed is False and first.outcome == "new" and first.value == Receipt("r-1", decimal.Decimal("59.90"), at)
+    again = pay.detailed(1)
+    assert again.replayed is True and again.outcome == "replay"
+    assert again.value == Receipt("r-1", "59.90", at.isoformat())   # through deserialize, JSON values
+    assert pay(1) == again.value and calls == [1]
+
+
+def test_a_result_that_cannot_be_stored_never_runs_the_side_effect_again(conninfo, row):
+    """The side effect ran, the result cannot be serialized: the key is completed with the error,
+    so the call and every retry raise Unstorable and the function does not run again."""
+    from pg_idempotency import IdempotencyError, Unstorable
+    calls = []
+
+    @idempotent(key="unstorable", conninfo=conninfo)
+    def charge():
+        calls.append(1)
+        return object()
+
+    for _ in range(2):
+        with pytest.raises(Unstorable) as e:
+            charge()
+        assert isinstance(e.value, IdempotencyError) and isinstance(e.value, TypeError)
+    assert calls == [1]
+    assert row("unstorable")[0] == "completed"
+
+
+@pytest.mark.parametrize("key", ["", "k" * 256])
+def test_a_bad_key_is_the_packages_error(conninfo, key):
+    """A key the extension refuses was a raw psycopg error: it is InvalidKey (an
+    IdempotencyError and a ValueError), before anything runs."""
+    from pg_idempotency import IdempotencyError, InvalidKey
+    calls = []
+
+    @idempotent(key=lambda: key, conninfo=conninfo)
+    def f():
+        calls.append(1)
+
+    with pytest.raises(InvalidKey) as e:
+        f()
+    assert isinstance(e.value, IdempotencyError) and isinstance(e.value, ValueError)
+    assert calls == []
+
+
+def test_a_thread_leaves_no_connection_open(conninfo):
+    """Each thread that called a Store left its connection to the garbage collector
+    (ResourceWarning: connection was deleted while still open); it is closed when the thread ends."""
+    import gc
+    import warnings
+    store = Store(conninfo)
+
+    @idempotent(key="thread:{n}", store=store)
+    def f(n):
+        return n
+
+    gc.collect()  # what earlier tests left behind is not this test's
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        threads = [threading.Thread(target=f, args=(n,)) for n in range(3)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        del threads, t
+        gc.collect()
+    assert [w for w in caught if issubclass(w.category, ResourceWarning)] == []

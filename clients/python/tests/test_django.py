@@ -31,7 +31,10 @@ def orders(request):
     time.sleep(float(request.headers.get("X-Delay", "0")))
     if body.get("explode"):
         raise RuntimeError("view crashed")
-    return JsonResponse({"order_id": len(CALLS), **body}, status=body.get("status", 201))
+    r = JsonResponse({"order_id": len(CALLS), **body}, status=body.get("status", 201))
+    r["Location"], r["X-Request-Id"] = "/orders/1", "req-1"
+    r.set_cookie("session", "first-caller")
+    return r
 
 
 def client_id(request):
@@ -80,6 +83,9 @@ def test_create_replay_mismatch(django_app, db):
     r2 = post(django_app, '"d-1"', '{"amount": 59.9, "item": "A"}')
     assert r2.status_code == 201 and r2.content == r1.content and r2["Idempotent-Replayed"] == "true"
     assert r2["Content-Type"] == "application/json"
+    # Header leak: the first answer is the view's; a replay carries only the allow-list.
+    assert r1["X-Request-Id"] == "req-1" and r1.cookies["session"].value == "first-caller"
+    assert r2["Location"] == "/orders/1" and "X-Request-Id" not in r2 and "session" not in r2.cookies
     (expires,) = db.execute("SELECT expires_at FROM idempotency.lookup('d-1', 'c1:POST /orders')").fetchone()
     assert email.utils.parsedate_to_datetime(r2["Idempotency-Expires"]) == expires.replace(microsecond=0)
     r3 = post(django_app, '"d-1"', {"item": "B"})
@@ -89,7 +95,8 @@ def test_create_replay_mismatch(django_app, db):
     assert len(CALLS) == 2
 
 
-@pytest.mark.parametrize("value,detail", [(None, "missing"), ("d-2", "not a Token"), ('"x', "no closing quote")])
+@pytest.mark.parametrize("value,detail", [(None, "requires an Idempotency-Key header"),
+                                                 ("d-2", "a bare Token, not a String"), ('"x', "no closing quote")])
 def test_malformed_keys_are_400(django_app, value, detail):
     r = post(django_app, value, {"item": "A"})
     assert r.status_code == 400 and detail in json.loads(r.content)["detail"]
@@ -147,3 +154,35 @@ def test_database_restart_mid_request(django_app, cluster):
     assert results[0].status_code == 201
     r = post(django_app, '"d-7"', {"item": "A"})
     assert r.status_code == 201 and r["Idempotent-Replayed"] == "true" and len(CALLS) == 1
+
+
+@pytest.mark.parametrize("fail_open", [False, True])
+def test_database_down_is_503_within_the_connect_timeout(django_app, blackhole, fail_open):
+    """A database that does not answer: 503 problem+json with Retry-After within CONNECT_TIMEOUT
+    (it was a generic 500 after 30 s), the view not run; FAIL_OPEN runs the view without the store."""
+    from django.test import override_settings
+    conf = {"CLIENT": f"{__name__}.client_id", "CONNINFO": blackhole, "CONNECT_TIMEOUT": 2, "FAIL_OPEN": fail_open}
+    with override_settings(IDEMPOTENCY=conf):
+        started = time.monotonic()
+        r = post(django_app, '"down-1"', {"item": "A"})
+        elapsed = time.monotonic() - started
+    assert elapsed < 6, elapsed
+    if fail_open:
+        assert r.status_code == 201 and len(CALLS) == 1
+    else:
+        assert r.status_code == 503, r.content
+        assert r["Content-Type"] == "application/problem+json" and r["Retry-After"] == "1"
+        assert CALLS == []
+
+
+def test_same_wording_as_asgi_for_a_bad_body_and_two_key_lines(django_app, db):
+    """Django's invalid-JSON detail held the server's DETAIL/CONTEXT lines, and two key lines
+    (combined into one by the server) were "text after the key": the ASGI wording now."""
+    r = post(django_app, '"d-json"', '{"item": "\\ud800"}')
+    assert r.status_code == 400, r.content
+    detail = json.loads(r.content)["detail"]
+    assert "\n" not in detail and "CONTEXT" not in detail and "DETAIL" not in detail, detail
+    r = post(django_app, '"d-a", "d-b"', {"item": "A"})
+    assert r.status_code == 400
+    assert json.loads(r.content)["detail"] == "Idempotency-Key was sent more than once; send exactly one"
+    assert CALLS == []

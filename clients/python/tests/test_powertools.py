@@ -1,6 +1,7 @@
 """PostgresPersistenceLayer under the real aws-lambda-powertools decorators (no AWS involved)."""
 
 import datetime as dt
+import json
 import threading
 import time
 
@@ -38,6 +39,24 @@ class Context:
 def keys(db):
     return db.execute("SELECT key, status::text, response, response_status FROM idempotency.idempotency_keys "
                       "WHERE scope = 'powertools' ORDER BY key").fetchall()
+
+
+def test_the_readme_snippet_finds_the_key_of_an_api_gateway_event(conninfo, db):
+    """The README's config: an API Gateway event's body is a JSON string, so `body.order_id`
+    found no key (and the handler ran twice); `powertools_json(body).order_id` does."""
+    layer = PostgresPersistenceLayer(conninfo)
+    calls = []
+    config = IdempotencyConfig(event_key_jmespath="powertools_json(body).order_id", expires_after_seconds=3600)
+
+    @idempotent(persistence_store=layer, config=config)
+    def handler(event, context):
+        calls.append(event)
+        return {"statusCode": 201}
+
+    event = {"body": json.dumps({"order_id": "o-9", "amount": 10}), "headers": {}}
+    handler(event, Context())
+    handler(event, Context())
+    assert len(calls) == 1
 
 
 def test_handler_runs_once_and_replays(conninfo, db):

@@ -79,13 +79,48 @@ impl KeyError {
 /// Reads the key from the request headers. Returns the key and the header as received (echoed
 /// on every response).
 pub fn parse(headers: &HeaderMap) -> Result<(String, HeaderValue), KeyError> {
+    parse_with(headers, false)
+}
+
+/// [`parse`]; `lenient`: a bare key (`Idempotency-Key: 8e03978e-...`, as Stripe-style clients
+/// send it) is accepted as the key too, see [`parse_lenient`].
+pub fn parse_with(headers: &HeaderMap, lenient: bool) -> Result<(String, HeaderValue), KeyError> {
     let mut values = headers.get_all(HEADER).iter();
     let raw = values.next().ok_or(KeyError::Missing)?;
     if values.next().is_some() {
         return Err(KeyError::Repeated);
     }
-    let key = parse_value(raw.as_bytes())?;
+    let key = if lenient {
+        parse_lenient(raw.as_bytes())?
+    } else {
+        parse_value(raw.as_bytes())?
+    };
     Ok((key, raw.clone()))
+}
+
+/// [`parse_value`], and a bare key besides: 1 to 255 printable ASCII characters without space,
+/// `"`, `,` or `\\` (the same rule as the Python and Node packages' lenient mode). The bare key
+/// `abc` and the String `"abc"` are the same key.
+pub fn parse_lenient(v: &[u8]) -> Result<String, KeyError> {
+    let t = v
+        .iter()
+        .position(|b| *b != b' ' && *b != b'\t')
+        .map(|start| {
+            let end = v
+                .iter()
+                .rposition(|b| *b != b' ' && *b != b'\t')
+                .unwrap_or(start);
+            &v[start..=end]
+        })
+        .unwrap_or(&[]);
+    let bare = |b: &u8| (0x21..=0x7e).contains(b) && !matches!(b, b'"' | b',' | b'\\');
+    if !t.is_empty() && t[0] != b'"' && t.iter().all(bare) {
+        if t.len() > MAX_KEY_CHARS {
+            return Err(KeyError::TooLong(t.len()));
+        }
+        return Ok(String::from_utf8_lossy(t).into_owned());
+    }
+    parse_value(v)
 }
 
 /// Parses the field value as an RFC 9651 Item that must be a String; its parameters are checked
@@ -360,6 +395,25 @@ pub fn sf_string(s: &str) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn lenient_takes_a_bare_key() {
+        assert_eq!(
+            parse_lenient(b" 8e03978e-40d5-43e8-bc93-6894a57f9324 ").unwrap(),
+            "8e03978e-40d5-43e8-bc93-6894a57f9324"
+        );
+        assert_eq!(parse_lenient(b"\"abc\";p=1").unwrap(), "abc");
+        assert!(parse_lenient(b"a b").is_err());
+        assert!(parse_lenient(b"a,b").is_err());
+        assert_eq!(
+            parse_lenient("k".repeat(256).as_bytes()),
+            Err(KeyError::TooLong(256))
+        );
+        assert!(matches!(
+            parse_value(b"8e03978e"),
+            Err(KeyError::NotString(_))
+        ));
+    }
 
     #[test]
     fn quoted_keys() {

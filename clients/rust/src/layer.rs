@@ -12,16 +12,15 @@ use std::time::{Duration, Instant, SystemTime};
 
 use axum::body::{Body, Bytes};
 use axum::extract::MatchedPath;
-use axum::http::header::CONTENT_TYPE;
 use axum::http::request::Parts;
-use axum::http::{HeaderMap, Method, Request, StatusCode};
+use axum::http::{HeaderName, Method, Request, StatusCode};
 use axum::response::Response;
 use deadpool_postgres::Pool;
 use tower_layer::Layer;
 use tower_service::Service;
 
-use crate::request::{read, IdemRequest};
-use crate::response::{finish, problem, stored, unavailable, Echo};
+use crate::request::{read_with, IdemRequest};
+use crate::response::{default_replay_headers, envelope, finish, problem, unavailable, Echo};
 use crate::store::{self, Outcome};
 
 /// Decides the scope of a request (who owns its key), or refuses it with a response (e.g. 401
@@ -84,6 +83,11 @@ struct Config {
     reconnect_for: Duration,
     scope: ScopeFn,
     check: Option<CheckFn>,
+    replay_headers: Vec<HeaderName>,
+    wait: Duration,
+    connect_timeout: Duration,
+    fail_open: bool,
+    lenient_keys: bool,
 }
 
 /// Makes the routes it wraps idempotent under the IETF Idempotency-Key draft, with the
@@ -109,6 +113,11 @@ impl IdempotencyLayer {
                 reconnect_for: Duration::from_secs(30),
                 scope: Arc::new(|p: &Parts| Ok(route_scope(p))),
                 check: None,
+                replay_headers: default_replay_headers(),
+                wait: Duration::ZERO,
+                connect_timeout: Duration::from_secs(5),
+                fail_open: false,
+                lenient_keys: false,
             }),
         }
     }
@@ -124,6 +133,11 @@ impl IdempotencyLayer {
             reconnect_for: self.cfg.reconnect_for,
             scope: self.cfg.scope.clone(),
             check: self.cfg.check.clone(),
+            replay_headers: self.cfg.replay_headers.clone(),
+            wait: self.cfg.wait,
+            connect_timeout: self.cfg.connect_timeout,
+            fail_open: self.cfg.fail_open,
+            lenient_keys: self.cfg.lenient_keys,
         };
         f(&mut cfg);
         self.cfg = Arc::new(cfg);
@@ -165,6 +179,45 @@ impl IdempotencyLayer {
     /// database went away while the inner service ran.
     pub fn reconnect_for(self, d: Duration) -> IdempotencyLayer {
         self.with(|c| c.reconnect_for = d)
+    }
+
+    /// How long a duplicate waits for the first request's answer (polling the store) before it
+    /// answers 409: zero (the default) answers 409 at once; with a bound, a duplicate that
+    /// arrives while the first request runs gets its answer as a replay once it is stored (or
+    /// runs itself if the first released the key). Same semantics as the Python and Node
+    /// adapters' `wait`.
+    pub fn wait(self, wait: Duration) -> IdempotencyLayer {
+        self.with(|c| c.wait = wait)
+    }
+
+    /// How long the claim waits for a connection from the pool (a new one included: a database
+    /// that does not answer) before the request is answered 503 problem+json with
+    /// `Retry-After: 1` and nothing claimed. Default 5 seconds.
+    pub fn connect_timeout(self, d: Duration) -> IdempotencyLayer {
+        self.with(|c| c.connect_timeout = d)
+    }
+
+    /// Fail open (off by default): when the database cannot be reached for the claim, the inner
+    /// service runs without the store, so a retry of a request that did run runs again. For a
+    /// service that prefers availability to exactly-once (README, "Database down").
+    pub fn fail_open(self, on: bool) -> IdempotencyLayer {
+        self.with(|c| c.fail_open = on)
+    }
+
+    /// Accept a bare (unquoted, Stripe-style) key, `Idempotency-Key: 8e03978e-...`, as well as
+    /// the draft's String (off by default: the draft refuses it). `abc` and `"abc"` are one key.
+    pub fn lenient_keys(self, on: bool) -> IdempotencyLayer {
+        self.with(|c| c.lenient_keys = on)
+    }
+
+    /// The headers of the handler's answer that are stored and replayed besides `Content-Type`
+    /// (default [`crate::response::REPLAY_HEADERS`]: `Location`, `Content-Location`, `ETag`,
+    /// `Last-Modified`, `Link`). `Set-Cookie`, `Date`, `Content-Length` and the idempotency
+    /// headers are never stored, whatever the list says. The first answer always goes out with
+    /// all of the handler's headers.
+    pub fn replay_headers(self, names: impl IntoIterator<Item = HeaderName>) -> IdempotencyLayer {
+        let n = names.into_iter().collect();
+        self.with(|c| c.replay_headers = n)
     }
 
     /// Who owns a key: e.g. `format!("{client}:{}", route_scope(parts))` so that two clients
@@ -286,13 +339,14 @@ where
         }
     };
     let path = parts.uri.path().to_string();
-    let ir = match read(
+    let ir = match read_with(
         parts.method.as_str(),
         &path,
         scope,
         &parts.uri,
         &parts.headers,
         &bytes,
+        cfg.lenient_keys,
     ) {
         Ok(r) => r,
         Err(r) => return r,
@@ -324,19 +378,30 @@ where
 {
     let ttl = cfg.ttl.as_secs_f64();
     let lease = cfg.lease.min(cfg.ttl).as_secs_f64();
-    let c = {
-        let client = match cfg.pool.get().await {
-            Ok(c) => c,
-            Err(_) => return unavailable(&ir.echo),
+    let deadline = Instant::now() + cfg.wait;
+    let mut pause = Duration::from_millis(50);
+    let c = loop {
+        let client = match tokio::time::timeout(cfg.connect_timeout, cfg.pool.get()).await {
+            Ok(Ok(c)) => c,
+            _ => return down(&cfg, inner, parts, bytes, &ir).await,
         };
         let c = match store::claim(&**client, &ir, ttl, lease).await {
             Ok(c) => c,
+            Err(e) if store::is_transient(&e) => return down(&cfg, inner, parts, bytes, &ir).await,
             Err(e) => return store::db_error(&e, &ir.echo),
         };
-        if c.outcome != Outcome::New {
-            return store::answer(&**client, &ir, &c).await;
+        let now = Instant::now();
+        if c.outcome == Outcome::InProgress && now < deadline {
+            // A duplicate waits for the first request's answer, off the connection.
+            drop(client);
+            tokio::time::sleep(pause.min(deadline - now)).await;
+            pause = (pause * 2).min(Duration::from_millis(500));
+            continue;
         }
-        c
+        if c.outcome != Outcome::New {
+            return store::answer_with(&**client, &ir, &c, &cfg.replay_headers).await;
+        }
+        break c;
     }; // the connection goes back to the pool while the inner service runs
     parts.extensions.insert(Claimed {
         key: ir.key.clone(),
@@ -383,6 +448,21 @@ where
     }
 }
 
+/// The database could not be reached for the claim: 503 with `Retry-After`, nothing claimed; or,
+/// failing open, the inner service runs without the store.
+async fn down<S>(cfg: &Config, inner: S, parts: Parts, bytes: Bytes, ir: &IdemRequest) -> Response
+where
+    S: Service<Request<Body>, Response = Response, Error = Infallible> + Send + 'static,
+    S::Future: Send + 'static,
+{
+    if !cfg.fail_open {
+        return unavailable(&ir.echo);
+    }
+    eprintln!("idempotency: the database is unreachable; running the handler without the store");
+    let resp = call_inner(inner, Request::from_parts(parts, Body::from(bytes))).await;
+    finish_missing(resp, ir.echo.clone())
+}
+
 /// Adds the idempotency headers that the handler's response does not have already.
 fn finish_missing(resp: Response, mut echo: Echo) -> Response {
     let h = resp.headers();
@@ -398,28 +478,6 @@ fn finish_missing(resp: Response, mut echo: Echo) -> Response {
     finish(resp, &echo)
 }
 
-/// The response body as JSON text for the store: a JSON body as it is, any other as a JSON
-/// string, an empty body as NULL.
-fn json_text(headers: &HeaderMap, body: &Bytes) -> Option<String> {
-    if body.is_empty() {
-        return None;
-    }
-    let json = headers
-        .get(CONTENT_TYPE)
-        .and_then(|v| v.to_str().ok())
-        .map(|ct| {
-            let essence = ct.split(';').next().unwrap_or("").trim();
-            essence.eq_ignore_ascii_case("application/json") || essence.ends_with("+json")
-        })
-        .unwrap_or(false);
-    match std::str::from_utf8(body) {
-        Ok(t) if json => Some(t.to_string()),
-        _ => {
-            Some(serde_json::Value::String(String::from_utf8_lossy(body).into_owned()).to_string())
-        }
-    }
-}
-
 async fn complete(
     cfg: &Config,
     ir: &IdemRequest,
@@ -433,41 +491,33 @@ async fn complete(
         Ok(b) => b,
         Err(_) => Bytes::new(),
     };
-    let text = json_text(&rparts.headers, &body);
+    let text = envelope(&rparts.headers, &body, &cfg.replay_headers);
     let status_i = i32::from(status.as_u16());
     let deadline = Instant::now() + cfg.reconnect_for;
     let (key, scope, token) = (ir.key.as_str(), ir.scope.as_str(), c.token);
     let done = retrying(&cfg.pool, deadline, |db| {
         let text = text.clone();
         async move {
-            store::complete(
-                &**db,
-                key,
-                scope,
-                token,
-                status_i,
-                text.as_deref().unwrap_or("null"),
-                Some(ttl),
-            )
-            .await
-            .map(|(t, exp)| (text.map(|_| t), exp))
+            store::complete(&**db, key, scope, token, status_i, &text, Some(ttl))
+                .await
+                .map(|(_, exp)| exp)
         }
     })
     .await;
     match done {
-        Ok((stored_text, expires)) => {
+        Ok(expires) => {
+            // The live answer is the handler's, untouched but for the idempotency headers.
             let echo = Echo {
                 expires: Some(expires),
                 ..ir.echo.clone()
             };
-            finish(stored(status, stored_text), &echo)
+            finish_missing(Response::from_parts(rparts, Body::from(body)), echo)
         }
         Err(Some(e)) if store::is_fenced_off(&e) || store::sqlstate(&e) == Some("IK001") => {
             fenced_off(cfg, ir).await
         }
         Err(e) => {
-            // The answer cannot be stored (a JSON response that jsonb refuses, or the database
-            // stayed away): give the key back if we still can.
+            // The answer cannot be stored (the database stayed away, or refused it): give the key back if we still can.
             release(&cfg.pool, Instant::now(), ir, c.token).await;
             match e {
                 None => unavailable(&ir.echo),
@@ -516,7 +566,7 @@ async fn fenced_off(cfg: &Config, ir: &IdemRequest) -> Response {
             &echo,
         );
     }
-    store::answer(&**client, ir, &c).await
+    store::answer_with(&**client, ir, &c, &cfg.replay_headers).await
 }
 
 /// `release`, retried on new connections until `deadline`.

@@ -29,7 +29,7 @@
 //!     Extension(claim): Extension<Claimed>,
 //!     Json(payment): Json<Value>,
 //! ) -> (StatusCode, Json<Value>) {
-//!     (StatusCode::CREATED, Json(json!({"paid": payment["amount"], "attempt": claim.token})))
+//!     (StatusCode::CREATED, Json(json!({"paid": payment["amount"], "token": claim.token})))
 //! }
 //!
 //! # async fn app() {
@@ -65,4 +65,10 @@ pub use layer::{
     route_scope, CheckFn, Claimed, Disposition, Idempotency, IdempotencyLayer, ScopeFn,
 };
 pub use request::IdemRequest;
+
+/// The README's Rust blocks, compiled as doctests: the quickstart's `main.rs` as written
+/// (`no_run`); the fragments are marked `ignore`.
+#[cfg(doctest)]
+#[doc = include_str!("../README.md")]
+pub struct ReadmeDoctests;
 pub use store::{Claim, Outcome};

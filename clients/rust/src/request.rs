@@ -19,14 +19,20 @@ pub struct IdemRequest {
     pub path: String,
     /// The query string as a JSON object (a repeated name gives an array), for the fingerprint.
     pub query: String,
-    /// The body as received (PostgreSQL parses it: numbers keep their exact value).
+    /// A JSON body (`Content-Type` `application/json` or `*+json`) as received: PostgreSQL parses
+    /// it, numbers keep their exact value, member order and spacing do not matter. Empty for any
+    /// other body.
     pub body: String,
+    /// Any other body (a form, `text/plain`, bytes, a JSON body sent without a JSON content
+    /// type): the fingerprint holds its SHA-256, as in the Python and Node clients. `None` for a
+    /// JSON body and for an empty one (an empty POST: the fingerprint has no body).
+    pub body_bytes: Option<Vec<u8>>,
     /// The headers every response to it carries (the key as sent, at first).
     pub echo: Echo,
 }
 
-/// Reads the `Idempotency-Key` (400 when missing or malformed), the query string and the JSON
-/// body (400 when it is not JSON). Whether jsonb can hold the body is PostgreSQL's call, when the
+/// Reads the `Idempotency-Key` (400 when missing or malformed), the query string and the body:
+/// a JSON body (by its content type) must be JSON (400), any other body is taken as bytes. Whether jsonb can hold the body is PostgreSQL's call, when the
 /// request is claimed. The error response carries the idempotency headers.
 #[allow(clippy::result_large_err)]
 pub fn read(
@@ -37,11 +43,26 @@ pub fn read(
     headers: &HeaderMap,
     body: &Bytes,
 ) -> Result<IdemRequest, Response> {
+    read_with(method, path, scope, uri, headers, body, false)
+}
+
+/// [`read`]; `lenient`: a bare (unquoted, Stripe-style) key is accepted too
+/// ([`key::parse_lenient`]).
+#[allow(clippy::result_large_err)]
+pub fn read_with(
+    method: &str,
+    path: &str,
+    scope: String,
+    uri: &Uri,
+    headers: &HeaderMap,
+    body: &Bytes,
+    lenient: bool,
+) -> Result<IdemRequest, Response> {
     let mut echo = Echo {
         key: headers.get(key::HEADER).cloned(),
         ..Echo::default()
     };
-    let (key, raw) = match key::parse(headers) {
+    let (key, raw) = match key::parse_with(headers, lenient) {
         Ok(k) => k,
         Err(e) => return Err(key_error(&e, &echo)),
     };
@@ -61,22 +82,43 @@ pub fn read(
         Ok(q) => q,
         Err(e) => return Err(bad_request(format!("query string: {e}"), &echo)),
     };
-    let text = match std::str::from_utf8(body) {
-        Ok(t) => t,
-        Err(_) => return Err(bad_request("the body is not UTF-8".into(), &echo)),
+    let (text, bytes) = if body.is_empty() {
+        (String::new(), None)
+    } else if is_json(headers) {
+        let text = match std::str::from_utf8(body) {
+            Ok(t) => t,
+            Err(_) => return Err(bad_request("the JSON body is not UTF-8".into(), &echo)),
+        };
+        if let Err(e) = body::parse(text) {
+            return Err(bad_request(format!("the body is not JSON: {e}"), &echo));
+        }
+        (text.to_string(), None)
+    } else {
+        (String::new(), Some(body.to_vec()))
     };
-    if let Err(e) = body::parse(text) {
-        return Err(bad_request(format!("the body is not JSON: {e}"), &echo));
-    }
     Ok(IdemRequest {
         key,
         scope,
         method: method.to_string(),
         path: path.to_string(),
         query: query.to_string(),
-        body: text.to_string(),
+        body: text,
+        body_bytes: bytes,
         echo,
     })
+}
+
+/// Whether the request says its body is JSON: `application/json` or a `+json` type.
+pub fn is_json(headers: &HeaderMap) -> bool {
+    headers
+        .get(axum::http::header::CONTENT_TYPE)
+        .and_then(|v| v.to_str().ok())
+        .map(|ct| {
+            let essence = ct.split(';').next().unwrap_or("").trim();
+            essence.eq_ignore_ascii_case("application/json")
+                || essence.to_ascii_lowercase().ends_with("+json")
+        })
+        .unwrap_or(false)
 }
 
 /// The 400 for a missing or malformed key.

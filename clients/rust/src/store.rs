@@ -9,7 +9,7 @@ use axum::response::Response;
 use tokio_postgres::GenericClient;
 
 use crate::request::IdemRequest;
-use crate::response::{finish, problem, stored, Echo};
+use crate::response::{default_replay_headers, finish, problem, replayed, Echo};
 
 /// `idempotency.outcome`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -33,14 +33,19 @@ pub struct Claim {
 }
 
 /// The request is identified by `idempotency.request_fingerprint(method, path, query, body)`;
-/// `claim` hashes the jsonb it is given, so it gets the fingerprint as a hex string.
+/// `claim` hashes the jsonb it is given, so it gets the fingerprint as a hex string. The body is
+/// a JSON body as jsonb, any other as `{"sha256": "<hex of its bytes>"}`, an empty one NULL: the
+/// same fingerprint as the Python and Node clients give the same request.
 const CLAIM: &str = "
 SELECT c.outcome::text, c.token, c.response::text, c.response_status,
        ceil(extract(epoch FROM c.retry_after))::int, c.expires_at, c.recovery_point
   FROM idempotency.claim(
            $1,
            request => to_jsonb(encode(idempotency.request_fingerprint(
-                          $2, $3, $4::text::jsonb, $5::text::jsonb), 'hex')),
+                          $2, $3, $4::text::jsonb,
+                          CASE WHEN $9::bytea IS NOT NULL
+                               THEN jsonb_build_object('sha256', encode(sha256($9::bytea), 'hex'))
+                               ELSE NULLIF($5::text, '')::jsonb END), 'hex')),
            scope   => $6,
            ttl     => make_interval(secs => $7::float8),
            lease   => make_interval(secs => $8::float8)) c";
@@ -64,6 +69,7 @@ pub async fn claim<C: GenericClient + Sync>(
                 &ctx.scope,
                 &ttl_secs,
                 &lease_secs,
+                &ctx.body_bytes,
             ],
         )
         .await?;
@@ -156,8 +162,19 @@ pub async fn complete_many<C: GenericClient + Sync>(
     Ok(rows.iter().map(|r| r.get(0)).collect())
 }
 
-/// The HTTP answer for `replay`, `in_progress` and `mismatch` (never called for `new`).
+/// The HTTP answer for `replay`, `in_progress` and `mismatch` (never called for `new`); a replay
+/// carries the default allow-list of headers ([`crate::response::REPLAY_HEADERS`]).
 pub async fn answer<C: GenericClient + Sync>(db: &C, ctx: &IdemRequest, c: &Claim) -> Response {
+    answer_with(db, ctx, c, &default_replay_headers()).await
+}
+
+/// [`answer`], a replay carrying `Content-Type` and the headers of `replay_headers`.
+pub async fn answer_with<C: GenericClient + Sync>(
+    db: &C,
+    ctx: &IdemRequest,
+    c: &Claim,
+    replay_headers: &[axum::http::HeaderName],
+) -> Response {
     let mut echo = Echo {
         key: ctx.echo.key.clone(),
         expires: c.expires_at,
@@ -171,7 +188,10 @@ pub async fn answer<C: GenericClient + Sync>(db: &C, ctx: &IdemRequest, c: &Clai
                 .and_then(|s| u16::try_from(s).ok())
                 .and_then(|s| StatusCode::from_u16(s).ok())
                 .unwrap_or(StatusCode::OK);
-            finish(stored(status, c.response.clone()), &echo)
+            finish(
+                replayed(status, c.response.as_deref(), replay_headers),
+                &echo,
+            )
         }
         Outcome::InProgress => {
             let secs = c.retry_after.unwrap_or(1).max(1);

@@ -152,12 +152,14 @@ async fn every_outcome() {
     assert_eq!(b.body, a.body);
     assert_eq!(b.header("idempotent-replayed"), Some("true"));
 
-    // A body that is not JSON is stored, and replayed, as a JSON string.
+    // An answer that is not JSON goes out and is replayed as it is, with its content type.
     let a = send(&r, pay_request(Some("c1"), Some("\"text\""), ORDER, "text")).await;
     assert_eq!(a.status, StatusCode::CREATED);
-    assert_eq!(a.body, "\"plain text\"");
+    assert_eq!(a.body, "plain text");
+    assert_eq!(a.header("content-type"), Some("text/plain; charset=utf-8"));
     let b = send(&r, pay_request(Some("c1"), Some("\"text\""), ORDER, "")).await;
     assert_eq!(b.body, a.body);
+    assert_eq!(b.header("content-type"), a.header("content-type"));
 
     // Disposition::Keep leaves the claim in progress: 409 with Retry-After until the lease ends.
     let a = send(&r, pay_request(Some("c1"), Some("\"keep\""), ORDER, "keep")).await;
@@ -171,6 +173,101 @@ async fn every_outcome() {
     );
     let retry_after: u64 = b.header("retry-after").unwrap().parse().unwrap();
     assert!((1..=60).contains(&retry_after), "{retry_after}");
+}
+
+/// Header leak and loss: the first answer is the handler's (its Location, its content type, its
+/// own JSON 400 not turned into problem+json); a replay carries the stored status, body, content
+/// type and the allow-listed headers, never the first caller's Set-Cookie or request id.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn handler_headers_live_and_allow_listed_on_replay() {
+    let cluster = Cluster::start().await;
+    let app = Arc::new(App::default());
+    let r = router(app.clone(), cluster.pool(), Duration::from_secs(60));
+    let first = send(&r, pay_request(Some("c"), Some("\"h\""), ORDER, "headers")).await;
+    assert_eq!(first.status, StatusCode::CREATED);
+    assert_eq!(first.body, "got 7 bytes");
+    assert_eq!(
+        first.header("content-type"),
+        Some("text/plain; charset=utf-8")
+    );
+    assert_eq!(first.header("location"), Some("/orders/7"));
+    assert_eq!(first.header("set-cookie"), Some("session=first-caller"));
+    assert_eq!(first.header("x-request-id"), Some("req-1"));
+    assert_eq!(first.header("idempotency-key"), Some("\"h\""));
+    let again = send(&r, pay_request(Some("c"), Some("\"h\""), ORDER, "")).await;
+    assert_eq!(again.status, StatusCode::CREATED);
+    assert_eq!(again.body, "got 7 bytes");
+    assert_eq!(
+        again.header("content-type"),
+        Some("text/plain; charset=utf-8")
+    );
+    assert_eq!(again.header("location"), Some("/orders/7"));
+    assert_eq!(again.header("etag"), Some("\"v1\""));
+    assert_eq!(again.header("set-cookie"), None);
+    assert_eq!(again.header("x-request-id"), None);
+    assert_eq!(again.header("idempotent-replayed"), Some("true"));
+    assert_eq!(app.runs(), 1);
+
+    let own = send(&r, pay_request(Some("c"), Some("\"o\""), ORDER, "own400")).await;
+    assert_eq!(own.status, StatusCode::BAD_REQUEST);
+    assert_eq!(own.header("content-type"), Some("application/json"));
+    assert_eq!(own.json()["error"], "bad order");
+    let again = send(&r, pay_request(Some("c"), Some("\"o\""), ORDER, "")).await;
+    assert_eq!(again.status, StatusCode::BAD_REQUEST);
+    assert_eq!(again.header("content-type"), Some("application/json"));
+    assert_eq!(again.body, own.body);
+}
+
+/// A duplicate during the first request answered 409 at once: with `wait` it waits for the first
+/// request's answer and replays it (the handler runs once); without, 409 as before.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn wait_makes_a_duplicate_replay_the_first_answer() {
+    let cluster = Cluster::start().await;
+    let app = Arc::new(App::default());
+    let r = common::router_with(app.clone(), cluster.pool(), Duration::from_secs(60), |l| {
+        l.wait(Duration::from_secs(10))
+    });
+    let first = {
+        let r = r.clone();
+        tokio::spawn(async move {
+            send(
+                &r,
+                pay_request(Some("c"), Some("\"w\""), ORDER, "sleep:1500"),
+            )
+            .await
+        })
+    };
+    app.wait_runs(1).await;
+    let started = std::time::Instant::now();
+    let dup = send(&r, pay_request(Some("c"), Some("\"w\""), ORDER, "")).await;
+    let first = first.await.unwrap();
+    assert_eq!(first.status, StatusCode::CREATED);
+    assert_eq!(dup.status, StatusCode::CREATED, "{}", dup.body);
+    assert_eq!(dup.header("idempotent-replayed"), Some("true"));
+    assert_eq!(dup.body, first.body);
+    assert!(started.elapsed() < Duration::from_secs(10));
+    assert_eq!(app.runs(), 1);
+
+    // The bound: a first request that outlasts it leaves the duplicate with 409.
+    let r = common::router_with(app.clone(), cluster.pool(), Duration::from_secs(60), |l| {
+        l.wait(Duration::from_millis(300))
+    });
+    let slow = {
+        let r = r.clone();
+        tokio::spawn(async move {
+            send(
+                &r,
+                pay_request(Some("c"), Some("\"w2\""), ORDER, "sleep:2000"),
+            )
+            .await
+        })
+    };
+    app.wait_runs(2).await;
+    let started = std::time::Instant::now();
+    let dup = send(&r, pay_request(Some("c"), Some("\"w2\""), ORDER, "")).await;
+    assert_eq!(dup.status, StatusCode::CONFLICT);
+    assert!(started.elapsed() >= Duration::from_millis(300));
+    assert_eq!(slow.await.unwrap().status, StatusCode::CREATED);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -344,5 +441,147 @@ async fn database_down_while_the_handler_runs() {
     assert_eq!(first.status, StatusCode::CREATED, "{}", first.body);
     let again = send(&r, pay_request(Some("c"), Some("\"k\""), ORDER, "")).await;
     assert_eq!(again.body, first.body);
+    assert_eq!(app.runs(), 1);
+}
+
+fn raw_request(key: &str, content_type: Option<&str>, body: &'static [u8]) -> Request<Body> {
+    let mut b = Request::post("/pay")
+        .header("x-client-id", "c")
+        .header("idempotency-key", key)
+        .header("x-behave", "text");
+    if let Some(ct) = content_type {
+        b = b.header("content-type", ct);
+    }
+    b.body(Body::from(body)).unwrap()
+}
+
+/// Bodies that are not JSON were refused with 400 (an empty `POST /orders/{id}/cancel`, a form,
+/// `text/plain`): now any body is accepted and fingerprinted as the Python and Node clients do
+/// (a JSON type as jsonb, any other body by its SHA-256, an empty body as none), so that the
+/// same request has the same fingerprint in all three.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn any_body_is_accepted_and_fingerprinted_as_the_other_clients_do() {
+    let cluster = Cluster::start().await;
+    let app = Arc::new(App::default());
+    let r = router(app.clone(), cluster.pool(), Duration::from_secs(60));
+    let cases: [(&str, Option<&str>, &'static [u8]); 4] = [
+        ("\"empty\"", None, b""),
+        (
+            "\"form\"",
+            Some("application/x-www-form-urlencoded"),
+            b"a=1&b=2",
+        ),
+        ("\"text\"", Some("text/plain"), b"hello"),
+        ("\"untyped\"", None, b"{\"a\": 1}"),
+    ];
+    for (key, ct, body) in cases {
+        let a = send(&r, raw_request(key, ct, body)).await;
+        assert_eq!(a.status, StatusCode::CREATED, "{key}: {}", a.body);
+        let b = send(&r, raw_request(key, ct, body)).await;
+        assert_eq!(b.header("idempotent-replayed"), Some("true"), "{key}");
+        // The reference fingerprint, the one the Python and Node clients' tests check as well.
+        let k = key.trim_matches('"');
+        let body_sql = if body.is_empty() {
+            "NULL::jsonb".to_string()
+        } else {
+            "jsonb_build_object('sha256', encode(sha256($3::bytea), 'hex'))".to_string()
+        };
+        // $3 is always bound (to the body's bytes) so that the statement has one shape.
+        let reference = format!(
+            "SELECT (idempotency.claim($1, request => to_jsonb(encode(
+                 idempotency.request_fingerprint('POST', '/pay', '{{}}'::jsonb, {body_sql}), 'hex')),
+                 scope => $2)).outcome::text WHERE $3::bytea IS NOT NULL"
+        );
+        cluster
+            .query(&reference, &[&k, &"reference", &body.to_vec()])
+            .await;
+        let rows = cluster
+            .query(
+                "SELECT a.request_hash = b.request_hash FROM idempotency.idempotency_keys a
+                   JOIN idempotency.idempotency_keys b ON b.key = a.key AND b.scope = 'reference'
+                  WHERE a.key = $1 AND a.scope = 'c:POST /pay'",
+                &[&k],
+            )
+            .await;
+        assert_eq!(rows.len(), 1, "{key}");
+        assert!(
+            rows[0].get::<_, bool>(0),
+            "{key}: the reference fingerprint"
+        );
+    }
+    // Another text body with the same key is another request.
+    let other = send(&r, raw_request("\"text\"", Some("text/plain"), b"hellO")).await;
+    assert_eq!(other.status, StatusCode::UNPROCESSABLE_ENTITY);
+    assert_eq!(app.runs(), 4);
+}
+
+/// A database that does not answer (accepts TCP connections, never replies): 503 problem+json
+/// with `Retry-After` within the connect timeout, the handler not run; `fail_open` runs it
+/// without the store.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn database_down_is_503_within_the_connect_timeout_or_fails_open() {
+    let hole = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let mut pg = tokio_postgres::Config::new();
+    pg.host("127.0.0.1")
+        .port(hole.local_addr().unwrap().port())
+        .user("app")
+        .dbname("shop");
+    let pool = deadpool_postgres::Pool::builder(deadpool_postgres::Manager::new(
+        pg,
+        tokio_postgres::NoTls,
+    ))
+    .build()
+    .unwrap();
+    for fail_open in [false, true] {
+        let app = Arc::new(App::default());
+        let r = common::router_with(app.clone(), pool.clone(), Duration::from_secs(60), |l| {
+            l.connect_timeout(Duration::from_secs(1))
+                .fail_open(fail_open)
+        });
+        let started = std::time::Instant::now();
+        let a = send(&r, pay_request(Some("c"), Some("\"down\""), ORDER, "")).await;
+        assert!(
+            started.elapsed() < Duration::from_secs(4),
+            "{:?}",
+            started.elapsed()
+        );
+        if fail_open {
+            assert_eq!(a.status, StatusCode::CREATED);
+            assert_eq!(a.body, "ran without the store");
+            assert_eq!(app.runs(), 1);
+        } else {
+            assert_eq!(a.status, StatusCode::SERVICE_UNAVAILABLE);
+            assert_eq!(a.header("content-type"), Some("application/problem+json"));
+            assert_eq!(a.header("retry-after"), Some("1"));
+            assert_eq!(app.runs(), 0);
+        }
+    }
+    drop(hole);
+}
+
+/// Stripe-style callers send the key unquoted: refused by default (the draft), accepted with
+/// `lenient_keys`, as the same key as its quoted form.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn lenient_keys_accept_a_bare_key() {
+    let cluster = Cluster::start().await;
+    let app = Arc::new(App::default());
+    let bare = "ab8e03978e-40d5-43e8-bc93-6894a57f9324";
+    let strict = router(app.clone(), cluster.pool(), Duration::from_secs(60));
+    let a = send(&strict, pay_request(Some("c"), Some(bare), ORDER, "")).await;
+    assert_eq!(a.status, StatusCode::BAD_REQUEST);
+    assert!(a.json()["detail"].as_str().unwrap().starts_with(
+        "Idempotency-Key is a bare Token, not a String: the key must be a structured-field String (RFC 9651) in double quotes"
+    ));
+    let r = common::router_with(app.clone(), cluster.pool(), Duration::from_secs(60), |l| {
+        l.lenient_keys(true)
+    });
+    let a = send(&r, pay_request(Some("c"), Some(bare), ORDER, "")).await;
+    assert_eq!(a.status, StatusCode::CREATED);
+    assert_eq!(a.header("idempotency-key"), Some(bare));
+    let quoted = format!("\"{bare}\"");
+    let b = send(&r, pay_request(Some("c"), Some(&quoted), ORDER, "")).await;
+    assert_eq!(b.header("idempotent-replayed"), Some("true"));
+    let spaced = send(&r, pay_request(Some("c"), Some("a b"), ORDER, "")).await;
+    assert_eq!(spaced.status, StatusCode::BAD_REQUEST);
     assert_eq!(app.runs(), 1);
 }

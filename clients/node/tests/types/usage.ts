@@ -25,6 +25,24 @@ async function useIt(): Promise<void> {
   const r: { messageId: string; to: string } = await sendReceipt(42, 'a@example.com');
   const d: CallResult<{ messageId: string; to: string }> = await sendReceipt.detailed(42, 'a@example.com');
   const replayed: boolean = d.replayed;
+  // A replay is the JSON form of the result: a Date comes back as a string.
+  void expressIdempotency({ pool, connectTimeout: 2, failOpen: false, lenientKeys: true, replayHeaders: ['location'] });
+  const stamped = idempotent(async () => ({ at: new Date() }), { key: 'stamp', pool });
+  const s = await stamped.detailed();
+  if (s.replayed) {
+    const at: string = s.value.at;
+    void at;
+  } else {
+    const at: Date = s.value.at;
+    void at;
+  }
+  // deserialize: a replay's value is what it returns
+  const rebuilt = idempotent(async () => ({ at: new Date() }), { key: 'stamp2', pool, deserialize: (j: { at: string }) => ({ at: new Date(j.at) }) });
+  const atAgain: Date = (await rebuilt()).at;
+  void atAgain;
+  // @ts-expect-error a replay's `at` is a string, not a Date
+  const notADate: Date = (await stamped()).at;
+  void notADate;
   // @ts-expect-error the arguments are checked
   await sendReceipt('42', 'a@example.com');
   try {
@@ -94,3 +112,17 @@ async function useBatch(records: SqsRecord[]): Promise<{ batchItemFailures: { it
   return { batchItemFailures: items.filter((it) => !it.ok).map((it) => ({ itemIdentifier: it.message.messageId })) };
 }
 void useBatch;
+
+// The README's currentClaim() example, as written there (tsc --strict).
+declare const payments: { charge(order: { id: number }, o: { idempotencyKey: string }): Promise<void> };
+declare const shipping: { ship(order: { id: number }, o: { idempotencyKey: string }): Promise<void> };
+export const fulfil = idempotent(async (order: { id: number }) => {
+  const claim = currentClaim(); // undefined outside an idempotent() function
+  if (!claim) throw new Error('fulfil runs inside idempotent() only');
+  if (claim.recoveryPoint !== 'charged') {
+    await payments.charge(order, { idempotencyKey: `${claim.key}:charge` });
+    await claim.checkpoint('charged');
+  }
+  await shipping.ship(order, { idempotencyKey: `${claim.key}:ship` });
+  return { shipped: order.id };
+}, { key: (order) => `order-${order.id}`, scope: 'fulfilment', lease: '2 minutes' });

@@ -13,17 +13,18 @@
 - `pg_idempotency.powertools.PostgresPersistenceLayer`: a store for AWS Lambda Powertools.
 """
 
-from ._core import (AsyncStore, ClaimResult, Fenced, IdempotencyError, InProgress, Mismatch, Record, Store)
+from ._core import (AsyncStore, ClaimResult, Fenced, IdempotencyError, InProgress, InvalidKey, Mismatch, Record,
+                    Store)
 from .batch import Item, aprocess_batch, process_batch
-from .decorator import Attempt, current_attempt, idempotent
+from .decorator import Attempt, CallResult, Unstorable, current_attempt, idempotent, to_jsonable
 from .transaction import TransactionClaim, aidempotency_transaction, idempotency_transaction
 
 __version__ = "0.1.0"
 
 __all__ = [
-    "idempotent", "current_attempt", "Attempt",
+    "idempotent", "current_attempt", "Attempt", "CallResult", "to_jsonable",
     "process_batch", "aprocess_batch", "Item",
     "idempotency_transaction", "aidempotency_transaction", "TransactionClaim",
     "Store", "AsyncStore", "ClaimResult", "Record",
-    "IdempotencyError", "InProgress", "Mismatch", "Fenced",
+    "IdempotencyError", "InProgress", "Mismatch", "Fenced", "InvalidKey", "Unstorable",
 ]

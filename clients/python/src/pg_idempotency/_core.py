@@ -11,6 +11,7 @@ import asyncio
 import datetime as dt
 import json
 import logging
+import math
 import threading
 import time
 import weakref
@@ -95,6 +96,24 @@ class Fenced(IdempotencyError):
         self.sqlstate = sqlstate
 
 
+class InvalidKey(IdempotencyError, ValueError):
+    """The key (or scope) is not one the extension accepts: empty, over 255 characters, NUL, ...
+    Raised before anything is claimed; the message is the extension's."""
+
+    def __init__(self, message: str, sqlstate: str = "22023"):
+        super().__init__(message)
+        self.sqlstate = sqlstate
+
+
+def invalid_key_or_raise(e: Exception):
+    """Re-raises an argument error of claim (22023, 22004) as InvalidKey, any other as it is."""
+    state = getattr(e, "sqlstate", None)
+    if state in ("22023", "22004"):
+        diag = getattr(e, "diag", None)
+        raise InvalidKey(getattr(diag, "message_primary", None) or str(e), state) from e
+    raise e
+
+
 @dataclass(frozen=True)
 class ClaimResult:
     """One row of `idempotency.claim`. `response` is the stored JSON decoded (replay only),
@@ -177,6 +196,17 @@ def fenced_or_raise(e: Exception):
     raise e
 
 
+def _libpq_timeout(seconds: float) -> int:
+    """libpq's connect_timeout: whole seconds, at least 2 (libpq's minimum)."""
+    return max(2, math.ceil(seconds))
+
+
+def is_unreachable(e: BaseException) -> bool:
+    """The database cannot be reached (refused, timed out, lost): nothing was claimed."""
+    return (_is_transient(e) if isinstance(e, psycopg.Error) else False) or isinstance(e, (OSError, TimeoutError)) \
+        or type(e).__name__ in ("OperationalError", "InterfaceError")
+
+
 def _is_transient(e: Exception) -> bool:
     """A lost connection or a server going down: the statement may be repeated on a new one."""
     return isinstance(e, (psycopg.OperationalError, psycopg.InterfaceError)) and not isinstance(
@@ -188,7 +218,12 @@ class _Calls:
 
     def claim(self, key: str, request: Any = None, scope: str = "", ttl: Optional[dt.timedelta] = None,
               lease: Optional[dt.timedelta] = None) -> ClaimResult:
-        return ClaimResult.from_row(key, scope, self.execute(CLAIM_SQL, claim_params(key, request, scope, ttl, lease)))
+        """Raises InvalidKey for a key or scope the extension refuses."""
+        try:
+            row = self.execute(CLAIM_SQL, claim_params(key, request, scope, ttl, lease))
+        except psycopg.Error as e:
+            invalid_key_or_raise(e)
+        return ClaimResult.from_row(key, scope, row)
 
     def complete(self, key: str, response: Any, status: int = 200, scope: str = "", token: Optional[int] = None,
                  ttl: Optional[dt.timedelta] = None, response_is_json: bool = False) -> dt.datetime:
@@ -242,6 +277,27 @@ class _Calls:
         return self.execute(DERIVE_KEY_SQL, {"parent": parent, "step": step, "params": to_json(params)})[0]
 
 
+class _Holder:
+    """A thread's connection: closed when the thread ends (its thread-local data goes away), so
+    that a thread that used a Store leaves no connection open (no ResourceWarning)."""
+
+    __slots__ = ("conn",)
+
+    def __init__(self, conn):
+        self.conn = conn
+
+    def close(self) -> None:
+        conn, self.conn = self.conn, None
+        if conn is not None:
+            try:
+                conn.close()
+            except Exception:
+                pass
+
+    def __del__(self):
+        self.close()
+
+
 class Store(_Calls):
     """The SQL API on autocommit connections of its own: one per thread, opened on first use from
     `conninfo` (None or "": the libpq environment variables PGHOST, PGDATABASE, ...).
@@ -250,34 +306,41 @@ class Store(_Calls):
     backend) is repeated on a new connection for up to `reconnect_timeout`: every call is safe to
     repeat. A repeated claim whose first try had committed finds its own claim in progress (it is
     taken over after the lease); a repeated complete whose first try had committed raises Fenced
-    (IK002), and the decorator then claims again and gets the replay."""
+    (IK002), and the decorator then claims again and gets the replay. `connect_timeout` (seconds,
+    libpq's, at least 2) bounds each connection attempt."""
 
     def __init__(self, conninfo: Optional[str] = None, *, reconnect_timeout: dt.timedelta = dt.timedelta(seconds=30),
-                 application_name: str = "pg_idempotency", connect: Optional[Callable[[], psycopg.Connection]] = None):
+                 application_name: str = "pg_idempotency", connect: Optional[Callable[[], psycopg.Connection]] = None,
+                 connect_timeout: float = 5.0):
         self.conninfo = conninfo or ""
+        self.connect_timeout = connect_timeout
         self.reconnect_timeout = reconnect_timeout.total_seconds()
         self.application_name = application_name
         self._connect = connect
         self._local = threading.local()
 
     def connection(self) -> psycopg.Connection:
-        conn = getattr(self._local, "conn", None)
+        holder = getattr(self._local, "conn", None)
+        conn = holder.conn if holder is not None else None
         if conn is None or conn.closed or conn.broken:
             if self._connect is not None:
                 conn = self._connect()
             else:
-                conn = psycopg.connect(self.conninfo, autocommit=True, application_name=self.application_name)
-            self._local.conn = conn
+                conn = psycopg.connect(self.conninfo, autocommit=True, application_name=self.application_name,
+                                       connect_timeout=_libpq_timeout(self.connect_timeout))
+            self._local.conn = _Holder(conn)
         return conn
 
-    def execute(self, sql: str, params: dict):
-        return self._run(sql, params, all_rows=False)
+    def execute(self, sql: str, params: dict, patience: Optional[float] = None):
+        """The first row; a lost connection is retried for `patience` seconds (default
+        reconnect_timeout)."""
+        return self._run(sql, params, all_rows=False, patience=patience)
 
     def execute_all(self, sql: str, params: dict) -> list:
         return self._run(sql, params, all_rows=True)
 
-    def _run(self, sql: str, params: dict, all_rows: bool):
-        deadline = time.monotonic() + self.reconnect_timeout
+    def _run(self, sql: str, params: dict, all_rows: bool, patience: Optional[float] = None):
+        deadline = time.monotonic() + (self.reconnect_timeout if patience is None else patience)
         pause = 0.05
         while True:
             try:
@@ -294,22 +357,25 @@ class Store(_Calls):
                 pause = min(pause * 2, 1.0)
 
     def close(self) -> None:
-        conn = getattr(self._local, "conn", None)
+        holder = getattr(self._local, "conn", None)
         self._local.conn = None
-        if conn is not None:
-            try:
-                conn.close()
-            except Exception:
-                pass
+        if holder is not None:
+            holder.close()
 
 
 class AsyncStore(_Calls):
     """Store for asyncio: one AsyncConnection per event loop, shared by its tasks (psycopg
-    serialises their statements; each is short). Same reconnect rule as Store."""
+    serialises their statements; each is short), or, with `pool` (a psycopg_pool
+    AsyncConnectionPool, opened on first use if it is not open yet), a connection of the pool per
+    statement, so that concurrent requests do not queue behind one connection. Same reconnect
+    rule as Store."""
 
     def __init__(self, conninfo: Optional[str] = None, *, reconnect_timeout: dt.timedelta = dt.timedelta(seconds=30),
-                 application_name: str = "pg_idempotency"):
+                 application_name: str = "pg_idempotency", connect_timeout: float = 5.0, pool: Any = None):
+        self.pool = pool
+        self._pool_opened = False
         self.conninfo = conninfo or ""
+        self.connect_timeout = connect_timeout
         self.reconnect_timeout = reconnect_timeout.total_seconds()
         self.application_name = application_name
         self._conns: "weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, Any]" = weakref.WeakKeyDictionary()
@@ -321,22 +387,25 @@ class AsyncStore(_Calls):
         async with lock:
             conn = self._conns.get(loop)
             if conn is None or conn.closed or conn.broken:
-                conn = await psycopg.AsyncConnection.connect(self.conninfo, autocommit=True,
-                                                             application_name=self.application_name)
+                conn = await psycopg.AsyncConnection.connect(
+                    self.conninfo, autocommit=True, application_name=self.application_name,
+                    connect_timeout=_libpq_timeout(self.connect_timeout))
                 self._conns[loop] = conn
             return conn
 
-    async def execute(self, sql: str, params: dict):
-        return await self._run(sql, params, all_rows=False)
+    async def execute(self, sql: str, params: dict, patience: Optional[float] = None):
+        return await self._run(sql, params, all_rows=False, patience=patience)
 
     async def execute_all(self, sql: str, params: dict) -> list:
         return await self._run(sql, params, all_rows=True)
 
-    async def _run(self, sql: str, params: dict, all_rows: bool):
-        deadline = time.monotonic() + self.reconnect_timeout
+    async def _run(self, sql: str, params: dict, all_rows: bool, patience: Optional[float] = None):
+        deadline = time.monotonic() + (self.reconnect_timeout if patience is None else patience)
         pause = 0.05
         while True:
             try:
+                if self.pool is not None:
+                    return await self._run_pooled(sql, params, all_rows)
                 conn = await self.connection()
                 cur = await conn.execute(sql, params)
                 return await (cur.fetchall() if all_rows else cur.fetchone())
@@ -349,6 +418,19 @@ class AsyncStore(_Calls):
                 await self.close()
                 await asyncio.sleep(pause)
                 pause = min(pause * 2, 1.0)
+
+    async def _run_pooled(self, sql: str, params: dict, all_rows: bool):
+        if not self._pool_opened:
+            if getattr(self.pool, "closed", False):
+                await self.pool.open(wait=False)
+            self._pool_opened = True
+        async with self.pool.connection(timeout=self.connect_timeout) as conn:
+            if not conn.autocommit:
+                # Each statement of the leased style commits on its own: a pool's connection
+                # would otherwise roll the claim back when it is returned.
+                await conn.set_autocommit(True)
+            cur = await conn.execute(sql, params)
+            return await (cur.fetchall() if all_rows else cur.fetchone())
 
     async def close(self) -> None:
         try:
@@ -364,7 +446,10 @@ class AsyncStore(_Calls):
 
     # The same calls, awaited.
     async def claim(self, key, request=None, scope="", ttl=None, lease=None) -> ClaimResult:
-        row = await self.execute(CLAIM_SQL, claim_params(key, request, scope, ttl, lease))
+        try:
+            row = await self.execute(CLAIM_SQL, claim_params(key, request, scope, ttl, lease))
+        except psycopg.Error as e:
+            invalid_key_or_raise(e)
         return ClaimResult.from_row(key, scope, row)
 
     async def complete(self, key, response, status=200, scope="", token=None, ttl=None, response_is_json=False):

@@ -10,13 +10,37 @@ from __future__ import annotations
 
 import asyncio
 import datetime as dt
+import logging
 import time
 from typing import Callable, Iterable, Optional
 
-from ._core import IN_PROGRESS, MISMATCH, NEW, AsyncStore, ClaimResult, Fenced
-from .http import (CLAIM_HTTP_SQL, EXPIRES_SQL, HEADER, KeyError400, Policy, Request, Response, claim_error,
+from ._core import IN_PROGRESS, MISMATCH, NEW, AsyncStore, ClaimResult, Fenced, is_unreachable
+from .http import (REPLAY_HEADERS, CLAIM_HTTP_SQL, EXPIRES_SQL, HEADER, KeyError400, Policy, Request, Response, claim_error,
                    claim_params, encode_response, finish, outcome_response, parse_key, problem, scope_of,
-                   should_store)
+                   should_store, unavailable)
+
+
+log = logging.getLogger("pg_idempotency")
+_UNREACHABLE = object()
+
+
+def _replaying(body: bytes, receive):
+    """An ASGI receive that gives the body read already, then the client's messages."""
+    sent = False
+
+    async def replay_receive():
+        nonlocal sent
+        if not sent:
+            sent = True
+            return {"type": "http.request", "body": body, "more_body": False}
+        return await receive()
+
+    return replay_receive
+
+
+async def _bounded(aw, seconds: float):
+    """`aw`, at most `seconds` plus a second for the statement once connected."""
+    return await asyncio.wait_for(aw, seconds + 1.0)
 
 
 def header_client(name: str) -> Callable:
@@ -58,12 +82,18 @@ class IdempotencyMiddleware:
                  client: Callable = default_client, ttl: Optional[dt.timedelta] = None,
                  lease: Optional[dt.timedelta] = None, wait: dt.timedelta = dt.timedelta(0),
                  methods: Iterable[str] = ("POST", "PATCH"), required: bool = True,
-                 store_server_errors: bool = False, problem_base: Optional[str] = None):
+                 store_server_errors: bool = False, problem_base: Optional[str] = None,
+                 replay_headers: Iterable[str] = REPLAY_HEADERS, connect_timeout: float = 5.0,
+                 fail_open: bool = False, lenient_keys: bool = False, pool=None):
         self.app = app
-        self.store = store or AsyncStore(conninfo, application_name="pg_idempotency_asgi")
+        # pool: a psycopg_pool.AsyncConnectionPool; without it one connection per event loop.
+        self.store = store or AsyncStore(conninfo, application_name="pg_idempotency_asgi",
+                                         connect_timeout=connect_timeout, pool=pool)
         self.client = client
         self.policy = Policy(ttl=ttl, lease=lease, wait=wait, methods=frozenset(m.upper() for m in methods),
-                             required=required, store_server_errors=store_server_errors)
+                             required=required, store_server_errors=store_server_errors,
+                             replay_headers=frozenset(h.lower() for h in replay_headers),
+                             connect_timeout=connect_timeout, fail_open=fail_open, lenient_keys=lenient_keys)
         if problem_base is not None:
             self.policy.problem_base = problem_base
 
@@ -76,7 +106,7 @@ class IdempotencyMiddleware:
             return await self.app(scope, receive, send)
         echo = values[0] if len(values) == 1 else None
         try:
-            key = parse_key(values)
+            key = parse_key(values, self.policy.lenient_keys)
         except KeyError400 as e:
             title = "Idempotency-Key is missing" if not values else "Idempotency-Key is malformed"
             return await _send_response(send, finish(problem(self.policy, 400, "bad-key", title, str(e)), echo))
@@ -95,6 +125,12 @@ class IdempotencyMiddleware:
         if isinstance(params, Response):
             return await _send_response(send, finish(params, echo))
         c = await self._claim(req, key, params)
+        if c is _UNREACHABLE:
+            if self.policy.fail_open:
+                # Fail open (opted in): the handler runs without the store, unprotected.
+                log.warning("pg_idempotency: the database is unreachable; running the handler without the store")
+                return await self.app(scope, _replaying(req.body, receive), send)
+            return await _send_response(send, finish(unavailable(self.policy), echo))
         if isinstance(c, Response):
             return await _send_response(send, finish(c, echo))
         if c.outcome != NEW:
@@ -104,7 +140,7 @@ class IdempotencyMiddleware:
         if not should_store(self.policy, resp):
             await self.store.release(key, c.scope, c.token)
             return await _send_response(send, finish(resp, echo))
-        text, status = encode_response(resp)
+        text, status = encode_response(resp, self.policy)
         try:
             expires = await self.store.complete(key, text, status, c.scope, c.token, self.policy.ttl,
                                                 response_is_json=True)
@@ -122,12 +158,16 @@ class IdempotencyMiddleware:
         pause = 0.05
         while True:
             try:
-                row = await self.store.execute(CLAIM_HTTP_SQL, params)
+                row = await _bounded(self.store.execute(CLAIM_HTTP_SQL, params, patience=self.policy.connect_timeout),
+                                     self.policy.connect_timeout)
             except Exception as e:
                 r = claim_error(self.policy, e)
-                if r is None:
-                    raise
-                return r
+                if r is not None:
+                    return r
+                if is_unreachable(e):
+                    return _UNREACHABLE
+                log.error("pg_idempotency: the claim failed: %s", e)
+                return unavailable(self.policy)
             c = ClaimResult.from_row(key, params["scope"], row)
             left = deadline - time.monotonic()
             if c.outcome != IN_PROGRESS or left <= 0:
@@ -143,15 +183,7 @@ class IdempotencyMiddleware:
         return outcome_response(self.policy, c, echo, expires)
 
     async def _run(self, scope, body: bytes, receive, c: ClaimResult) -> Response:
-        sent_body = False
-
-        async def replay_receive():
-            nonlocal sent_body
-            if not sent_body:
-                sent_body = True
-                return {"type": "http.request", "body": body, "more_body": False}
-            return await receive()
-
+        replay_receive = _replaying(body, receive)
         status, headers, chunks = 500, [], []
 
         async def capture(message):

@@ -7,15 +7,74 @@ from __future__ import annotations
 
 import asyncio
 import contextvars
+import dataclasses
 import datetime as dt
+import decimal
+import enum
 import functools
 import inspect
 import json
 import time
-from typing import Any, Callable, Optional, Union
+import uuid
+from dataclasses import dataclass
+from typing import Any, Callable, Generic, Optional, TypeVar, Union
 
-from ._core import (IN_PROGRESS, MISMATCH, NEW, REPLAY, AsyncStore, ClaimResult, Fenced, InProgress, Mismatch,
-                    Store)
+from ._core import (IN_PROGRESS, MISMATCH, NEW, REPLAY, AsyncStore, ClaimResult, Fenced, IdempotencyError,
+                    InProgress, Mismatch, Store)
+
+T = TypeVar("T")
+
+# The stored form of a result that could not be serialized (status 500): a replay raises
+# Unstorable instead of running the function again.
+_UNSTORABLE = "pg_idempotency_unstorable"
+
+
+class Unstorable(IdempotencyError, TypeError):
+    """The function ran, but its result could not be serialized to JSON. The key is completed
+    with this error, so that the side effect never runs again for it: the first call and every
+    replay raise Unstorable. Pass `serialize=` (and `deserialize=`) for such results."""
+
+    def __init__(self, key: str, scope: str, detail: str):
+        super().__init__(f"key {key!r} (scope {scope!r}): the result could not be stored ({detail}); "
+                         "the function ran once and will not run again for this key")
+        self.key, self.scope, self.detail = key, scope, detail
+
+
+@dataclass(frozen=True)
+class CallResult(Generic[T]):
+    """What `f.detailed(...)` returns: `value` is the function's own result when it ran in this
+    call (`replayed` False), the stored result (through `deserialize`) on a replay."""
+
+    value: T
+    replayed: bool
+    outcome: str  # "new" or "replay"
+    token: Optional[int]
+    expires_at: Optional[dt.datetime]
+
+
+def to_jsonable(value: Any) -> Any:
+    """The default serializer's fallback for what json cannot write itself: dataclasses (as
+    dicts), datetime/date/time (ISO 8601), Decimal (a string, exact), UUID (a string), Enum (its
+    value), set/frozenset (a list), objects with `model_dump()` (pydantic) or `_asdict()`
+    (namedtuple)."""
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return dataclasses.asdict(value)
+    if isinstance(value, (dt.datetime, dt.date, dt.time)):
+        return value.isoformat()
+    if isinstance(value, (decimal.Decimal, uuid.UUID)):
+        return str(value)
+    if isinstance(value, enum.Enum):
+        return value.value
+    if isinstance(value, (set, frozenset)):
+        return list(value)
+    for method in ("model_dump", "_asdict"):
+        if callable(getattr(value, method, None)):
+            return getattr(value, method)()
+    raise TypeError(f"Object of type {type(value).__name__} is not JSON serializable")
+
+
+def default_serialize(value: Any) -> str:
+    return json.dumps(value, separators=(",", ":"), default=to_jsonable, allow_nan=False)
 
 _ARGUMENTS = object()
 _current: contextvars.ContextVar = contextvars.ContextVar("pg_idempotency_attempt", default=None)
@@ -50,7 +109,8 @@ def current_attempt() -> Optional[Attempt]:
 def idempotent(key: Union[str, Callable[..., str]], *, scope: str = "", ttl: Optional[dt.timedelta] = None,
                lease: Optional[dt.timedelta] = None, conninfo: Optional[str] = None, store=None,
                request: Any = _ARGUMENTS, wait: dt.timedelta = dt.timedelta(seconds=30),
-               release_on_error: bool = True):
+               release_on_error: bool = True, serialize: Callable[[Any], str] = default_serialize,
+               deserialize: Optional[Callable[[Any], Any]] = None):
     """Makes a function run at most once per key (within the key's TTL), however often it is called.
 
     key      a string (`"receipt:{order_id}"` is formatted with the call's arguments by name) or a
@@ -71,9 +131,17 @@ def idempotent(key: Union[str, Callable[..., str]], *, scope: str = "", ttl: Opt
              it again (default). False keeps the claim until its lease ends, so a retry takes it
              over and sees the recovery point of `current_attempt().checkpoint()`.
 
-    The result must be JSON-serialisable: it is stored as jsonb with status 200. The first call
-    returns the function's own return value, a replay the stored JSON decoded (tuples come back
-    as lists, dict keys as strings)."""
+    serialize   the result's JSON text (default: json with `to_jsonable` for dataclasses, dates,
+             Decimal, UUID, Enum, sets, pydantic models). A result it cannot serialize completes
+             the key with that error: the function never runs again for the key, the call and
+             every replay raise Unstorable.
+    deserialize applied to the stored JSON (decoded) on a replay, e.g. `lambda d: Receipt(**d)`;
+             default: the decoded JSON as it is (tuples come back as lists, dict keys as strings,
+             dates as strings).
+
+    The first call returns the function's own return value, a replay the stored result (through
+    `deserialize`). `f.detailed(...)` returns a CallResult that says which (`replayed`). A key
+    the extension refuses (empty, over 255 characters) raises InvalidKey before anything runs."""
 
     def decorate(fn):
         sig = inspect.signature(fn)
@@ -103,18 +171,25 @@ def idempotent(key: Union[str, Callable[..., str]], *, scope: str = "", ttl: Opt
                                 "pass request=<callable of the arguments> or request=None") from e
             return doc
 
-        def result_json(result):
+        def result_json(k, result):
             try:
-                return json.dumps(result, separators=(",", ":"))
+                text = serialize(result)
+                json.loads(text)  # the stored text must be JSON
+                return text, None
             except (TypeError, ValueError) as e:
-                raise TypeError(f"@idempotent({fn.__qualname__}): the result is not JSON-serialisable ({e}); the "
-                                "claim stays in progress until its lease ends") from e
+                return None, f"{type(e).__name__}: {e}"
+
+        def replayed(c: ClaimResult) -> CallResult:
+            doc = c.response
+            if c.response_status == 500 and isinstance(doc, dict) and _UNSTORABLE in doc:
+                raise Unstorable(c.key, c.scope, str(doc[_UNSTORABLE]))
+            value = deserialize(doc) if deserialize is not None else doc
+            return CallResult(value, True, REPLAY, c.token, c.expires_at)
 
         if inspect.iscoroutinefunction(fn):
             astore = store
 
-            @functools.wraps(fn)
-            async def awrapper(*args, **kwargs):
+            async def adetailed(*args, **kwargs) -> CallResult:
                 nonlocal astore
                 if astore is None:
                     astore = AsyncStore(conninfo)
@@ -124,7 +199,7 @@ def idempotent(key: Union[str, Callable[..., str]], *, scope: str = "", ttl: Opt
                 while True:
                     c = await astore.claim(k, req, scope, ttl, lease)
                     if c.outcome == REPLAY:
-                        return c.response
+                        return replayed(c)
                     if c.outcome == MISMATCH:
                         raise Mismatch(k, scope)
                     if c.outcome == IN_PROGRESS:
@@ -144,19 +219,27 @@ def idempotent(key: Union[str, Callable[..., str]], *, scope: str = "", ttl: Opt
                         raise
                     finally:
                         _current.reset(tok)
-                    text = result_json(result)
+                    text, error = result_json(k, result)
                     try:
-                        await astore.complete(k, text, 200, scope, c.token, ttl, response_is_json=True)
-                        return result
+                        if error is not None:
+                            await astore.complete(k, json.dumps({_UNSTORABLE: error}), 500, scope, c.token, ttl,
+                                                  response_is_json=True)
+                            raise Unstorable(k, scope, error)
+                        expires = await astore.complete(k, text, 200, scope, c.token, ttl, response_is_json=True)
+                        return CallResult(result, False, NEW, c.token, expires)
                     except Fenced:
                         deadline = time.monotonic() + wait.total_seconds()  # claim again: the final answer
 
+            @functools.wraps(fn)
+            async def awrapper(*args, **kwargs):
+                return (await adetailed(*args, **kwargs)).value
+
+            awrapper.detailed = adetailed
             return awrapper
 
         sstore = store
 
-        @functools.wraps(fn)
-        def wrapper(*args, **kwargs):
+        def detailed(*args, **kwargs) -> CallResult:
             nonlocal sstore
             if sstore is None:
                 sstore = Store(conninfo)
@@ -166,7 +249,7 @@ def idempotent(key: Union[str, Callable[..., str]], *, scope: str = "", ttl: Opt
             while True:
                 c = sstore.claim(k, req, scope, ttl, lease)
                 if c.outcome == REPLAY:
-                    return c.response
+                    return replayed(c)
                 if c.outcome == MISMATCH:
                     raise Mismatch(k, scope)
                 if c.outcome == IN_PROGRESS:
@@ -187,15 +270,25 @@ def idempotent(key: Union[str, Callable[..., str]], *, scope: str = "", ttl: Opt
                     raise
                 finally:
                     _current.reset(tok)
-                text = result_json(result)
+                text, error = result_json(k, result)
                 try:
-                    sstore.complete(k, text, 200, scope, c.token, ttl, response_is_json=True)
-                    return result
+                    if error is not None:
+                        # Stored as an error: the side effect ran and must not run again.
+                        sstore.complete(k, json.dumps({_UNSTORABLE: error}), 500, scope, c.token, ttl,
+                                        response_is_json=True)
+                        raise Unstorable(k, scope, error)
+                    expires = sstore.complete(k, text, 200, scope, c.token, ttl, response_is_json=True)
+                    return CallResult(result, False, NEW, c.token, expires)
                 except Fenced:
                     # Completed meanwhile (our own complete whose answer was lost to a reconnect,
                     # or a takeover after our lease ran out): claim again for the stored answer.
                     deadline = time.monotonic() + wait.total_seconds()
 
+        @functools.wraps(fn)
+        def wrapper(*args, **kwargs):
+            return detailed(*args, **kwargs).value
+
+        wrapper.detailed = detailed
         return wrapper
 
     return decorate

@@ -8,13 +8,17 @@ extension, default "default"; its connection is used in Django's autocommit mode
 (a libpq string: a connection of the middleware's own instead), CLIENT (callable or dotted path
 taking the request; default: the authenticated user's pk, else ""), TTL, LEASE, WAIT
 (timedeltas), METHODS (("POST", "PATCH")), REQUIRED (True), STORE_SERVER_ERRORS (False),
-PROBLEM_BASE. With ATOMIC_REQUESTS the view's transaction is not the claim's: the claim commits
+PROBLEM_BASE, CONNECT_TIMEOUT (seconds, default 5: how long the claim tries to reach the
+database before it answers 503 with Retry-After), FAIL_OPEN (False: True runs the view without
+the store when the database is unreachable, see the README for the risk), REPLAY_HEADERS (the headers a replay carries besides Content-Type; default Location,
+Content-Location, ETag, Last-Modified, Link). With ATOMIC_REQUESTS the view's transaction is not the claim's: the claim commits
 before the view runs and the response is stored after the view's transaction committed.
 """
 
 from __future__ import annotations
 
 import datetime as dt
+import logging
 import time
 
 from django.conf import settings
@@ -23,9 +27,14 @@ from django.db.utils import InterfaceError, OperationalError
 from django.http import HttpResponse
 from django.utils.module_loading import import_string
 
-from ._core import IN_PROGRESS, MISMATCH, NEW, ClaimResult, Fenced, Store, _Calls
-from .http import (CLAIM_HTTP_SQL, EXPIRES_SQL, KeyError400, Policy, Request, Response, claim_error, claim_params,
-                   encode_response, finish, outcome_response, parse_key, problem, should_store)
+from ._core import IN_PROGRESS, MISMATCH, NEW, ClaimResult, Fenced, Store, _Calls, _libpq_timeout, is_unreachable
+from .http import (REPLAY_HEADERS, CLAIM_HTTP_SQL, EXPIRES_SQL, KeyError400, Policy, Request, Response, claim_error, claim_params,
+                   encode_response, finish, outcome_response, parse_key, problem, should_store,
+                   unavailable)
+
+
+log = logging.getLogger("pg_idempotency")
+_UNREACHABLE = object()
 
 
 def default_client(request) -> str:
@@ -42,8 +51,8 @@ class _DjangoStore(_Calls):
     def __init__(self, alias: str, reconnect_timeout: float = 30.0):
         self.alias, self.reconnect_timeout = alias, reconnect_timeout
 
-    def execute(self, sql, params):
-        deadline = time.monotonic() + self.reconnect_timeout
+    def execute(self, sql, params, patience=None):
+        deadline = time.monotonic() + (self.reconnect_timeout if patience is None else patience)
         pause = 0.05
         while True:
             conn = connections[self.alias]
@@ -72,16 +81,26 @@ class IdempotencyMiddleware:
     def __init__(self, get_response):
         self.get_response = get_response
         conf = getattr(settings, "IDEMPOTENCY", {})
+        connect_timeout = float(conf.get("CONNECT_TIMEOUT", 5))
         if conf.get("CONNINFO") is not None:
-            self.store = Store(conf["CONNINFO"], application_name="pg_idempotency_django")
+            self.store = Store(conf["CONNINFO"], application_name="pg_idempotency_django",
+                               connect_timeout=connect_timeout)
         else:
-            self.store = _DjangoStore(conf.get("DATABASE", "default"))
+            alias = conf.get("DATABASE", "default")
+            self.store = _DjangoStore(alias)
+            # A connection attempt to a database that does not answer is bounded (libpq's
+            # connect_timeout), unless the database's OPTIONS set one already.
+            options = connections[alias].settings_dict.setdefault("OPTIONS", {})
+            options.setdefault("connect_timeout", _libpq_timeout(connect_timeout))
         client = conf.get("CLIENT", default_client)
         self.client = import_string(client) if isinstance(client, str) else client
         self.policy = Policy(ttl=conf.get("TTL"), lease=conf.get("LEASE"), wait=conf.get("WAIT", dt.timedelta(0)),
                              methods=frozenset(m.upper() for m in conf.get("METHODS", ("POST", "PATCH"))),
                              required=conf.get("REQUIRED", True),
-                             store_server_errors=conf.get("STORE_SERVER_ERRORS", False))
+                             store_server_errors=conf.get("STORE_SERVER_ERRORS", False),
+                             replay_headers=frozenset(h.lower() for h in conf.get("REPLAY_HEADERS", REPLAY_HEADERS)),
+                             connect_timeout=connect_timeout, fail_open=bool(conf.get("FAIL_OPEN", False)),
+                             lenient_keys=bool(conf.get("LENIENT_KEYS", False)))
         if conf.get("PROBLEM_BASE"):
             self.policy.problem_base = conf["PROBLEM_BASE"]
 
@@ -94,7 +113,7 @@ class IdempotencyMiddleware:
             return self.get_response(request)
         values = [] if raw is None else [raw]
         try:
-            key = parse_key(values)
+            key = parse_key(values, self.policy.lenient_keys)
         except KeyError400 as e:
             title = "Idempotency-Key is missing" if raw is None else "Idempotency-Key is malformed"
             return _to_django(finish(problem(self.policy, 400, "bad-key", title, str(e)), raw))
@@ -105,6 +124,12 @@ class IdempotencyMiddleware:
         if isinstance(params, Response):
             return _to_django(finish(params, raw))
         c = self._claim(key, params)
+        if c is _UNREACHABLE:
+            if self.policy.fail_open:
+                # Fail open (opted in): the view runs without the store, unprotected.
+                log.warning("pg_idempotency: the database is unreachable; running the view without the store")
+                return self.get_response(request)
+            return _to_django(finish(unavailable(self.policy), raw))
         if isinstance(c, Response):
             return _to_django(finish(c, raw))
         if c.outcome != NEW:
@@ -119,7 +144,7 @@ class IdempotencyMiddleware:
         if not should_store(self.policy, resp):
             self.store.release(key, c.scope, c.token)
             return self._with_headers(response, body, finish(resp, raw))
-        text, status = encode_response(resp)
+        text, status = encode_response(resp, self.policy)
         try:
             expires = self.store.complete(key, text, status, c.scope, c.token, self.policy.ttl, response_is_json=True)
         except Fenced:
@@ -137,6 +162,8 @@ class IdempotencyMiddleware:
         for k, v in resp.headers:
             if k in ("idempotency-key", "idempotency-expires", "idempotent-replayed", "retry-after"):
                 response[k] = v
+            elif k == "cache-control" and k not in response:
+                response[k] = v
         return response
 
     def _claim(self, key, params):
@@ -144,12 +171,15 @@ class IdempotencyMiddleware:
         pause = 0.05
         while True:
             try:
-                row = self.store.execute(CLAIM_HTTP_SQL, params)
+                row = self.store.execute(CLAIM_HTTP_SQL, params, patience=self.policy.connect_timeout)
             except Exception as e:
                 r = claim_error(self.policy, e)
-                if r is None:
-                    raise
-                return r
+                if r is not None:
+                    return r
+                if is_unreachable(e):
+                    return _UNREACHABLE
+                log.error("pg_idempotency: the claim failed: %s", e)
+                return unavailable(self.policy)
             c = ClaimResult.from_row(key, params["scope"], row)
             left = deadline - time.monotonic()
             if c.outcome != IN_PROGRESS or left <= 0:

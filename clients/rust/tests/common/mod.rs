@@ -217,11 +217,15 @@ impl App {
 
 async fn pay(
     State(app): State<Arc<App>>,
-    Extension(claimed): Extension<Claimed>,
+    claimed: Option<Extension<Claimed>>,
     headers: HeaderMap,
     body: String,
 ) -> Response {
     app.runs.fetch_add(1, Ordering::SeqCst);
+    // Without a claim only when the layer fails open.
+    let Some(Extension(claimed)) = claimed else {
+        return (StatusCode::CREATED, "ran without the store").into_response();
+    };
     let behave = headers
         .get("x-behave")
         .and_then(|v| v.to_str().ok())
@@ -239,6 +243,27 @@ async fn pay(
             return r;
         }
         "text" => return (StatusCode::CREATED, "plain text").into_response(),
+        "headers" => {
+            return (
+                StatusCode::CREATED,
+                [
+                    ("location", "/orders/7"),
+                    ("etag", "\"v1\""),
+                    ("set-cookie", "session=first-caller"),
+                    ("x-request-id", "req-1"),
+                    ("content-type", "text/plain; charset=utf-8"),
+                ],
+                "got 7 bytes",
+            )
+                .into_response()
+        }
+        "own400" => {
+            return (
+                StatusCode::BAD_REQUEST,
+                axum::Json(serde_json::json!({"error": "bad order"})),
+            )
+                .into_response()
+        }
         "refuse" => {
             return (
                 StatusCode::PAYMENT_REQUIRED,
@@ -268,7 +293,18 @@ async fn pay(
 /// `POST /pay` behind the layer, scoped per client (`X-Client-Id`, 401 without it);
 /// `GET /pay` is not idempotent and passes through.
 pub fn router(app: Arc<App>, pool: Pool, lease: Duration) -> Router {
-    let layer = IdempotencyLayer::new(pool)
+    router_with(app, pool, lease, |l| l)
+}
+
+/// [`router`] with more settings of the layer.
+#[allow(dead_code, clippy::result_large_err)]
+pub fn router_with(
+    app: Arc<App>,
+    pool: Pool,
+    lease: Duration,
+    more: impl FnOnce(IdempotencyLayer) -> IdempotencyLayer,
+) -> Router {
+    let layer = more(IdempotencyLayer::new(pool))
         .ttl(Duration::from_secs(3600))
         .lease(lease)
         .body_limit(4096)
