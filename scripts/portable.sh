@@ -19,14 +19,9 @@ esac
 
 version=$(sed -n 's/^version = "\(.*\)"$/\1/p' Cargo.toml | head -n 1)
 comment=$(sed -n "s/^comment = '\(.*\)'$/\1/p" idempotency.control)
-# What the portable edition holds so far, in the order the sources are applied.
-sources=(sql/portable/canonical.sql sql/portable/derivation.sql)
+# The PL/pgSQL bodies of the native edition's C functions, and their helpers.
+sources=(sql/portable/canonical.sql sql/portable/derivation.sql sql/portable/store.sql)
 [ -n "$version" ] && [ -n "$comment" ] || { echo "portable.sh: no version or comment found" >&2; exit 1; }
-
-# The native install script's encoding check (SQL_ASCII and MULE_INTERNAL refused), verbatim.
-encoding_check() {
-    awk '/^DO \$encoding\$$/ { on = 1 } on { print } /^\$encoding\$;$/ { exit }' sql/idempotency.sql
-}
 
 header() {
     cat <<EOF
@@ -36,25 +31,20 @@ header() {
 -- edit; change the sources and run scripts/portable.sh.
 --
 -- The portable edition is written only in SQL and PL/pgSQL, for managed PostgreSQL services
--- where no shared library can be loaded (docs/managed.md). It holds the canonical functions
--- only so far: canonical_json, canonical_hash, derive_key, cron_key and request_fingerprint,
--- with the native edition's bytes. The store (claim, complete, ...) is not in it yet.
+-- where no shared library can be loaded (docs/managed.md): the native edition's install script
+-- (sql/idempotency.sql) with each LANGUAGE c function replaced by a PL/pgSQL body of the same
+-- declaration (scripts/portable-build.py).
 EOF
 }
 
+# body pgtle|plain: the install script of the edition (scripts/portable-build.py).
 body() {
-    encoding_check
-    for f in "${sources[@]}"; do
-        echo
-        echo "-- from $f"
-        echo
-        cat "$f"
-    done
+    python3 scripts/portable-build.py "$1" sql/idempotency.sql "${sources[@]}"
 }
 
 pgtle() {
     header "pg_tle (run this, then CREATE EXTENSION idempotency)"
-    if body | grep -q '\$_pgtle_\$'; then
+    if body pgtle | grep -q '\$_pgtle_\$'; then
         echo "portable.sh: the sources contain \$_pgtle_\$, which quotes them here" >&2
         exit 1
     fi
@@ -66,7 +56,7 @@ SELECT pgtle.install_extension(
     '$comment',
 \$_pgtle_\$
 EOF
-    body
+    body pgtle
     cat <<'EOF'
 $_pgtle_$,
     NULL,
@@ -101,13 +91,10 @@ trap 'rm -rf "$out"' EXIT
     header "plain script (psql -v ON_ERROR_STOP=1 -f idempotency-portable.sql)"
     printf '\nBEGIN;\n\n'
     printf -- '-- Names in this script resolve in pg_catalog first, whatever the session'"'"'s search_path.\n'
-    printf 'SET LOCAL search_path = pg_catalog, pg_temp;\n\n'
-    encoding_check
+    printf 'SET LOCAL search_path = pg_catalog, pg_temp;\n'
     refuse_extension
-    for f in "${sources[@]}"; do
-        printf '\n-- from %s\n\n' "$f"
-        cat "$f"
-    done
+    printf '\n'
+    body plain
     printf '\nCOMMIT;\n'
 } >"$out/idempotency-portable.sql"
 pgtle >"$out/pgtle-idempotency.sql"

@@ -1,13 +1,63 @@
 import os
+import re
 
 import psycopg
 import pytest
 
-from cluster import Cluster
+from cluster import EDITION, PORTABLE_PLAIN, Cluster, portable_route, PG_BIN
 
 # Servers inherit the environment: with RUST_BACKTRACE set (as on CI's machines) pgrx would put
 # Rust backtraces into errors' DETAIL, which test_hardening checks never reaches a client.
 os.environ.setdefault("RUST_BACKTRACE", "1")
+
+
+# --- the portable edition (IDEMPOTENCY_EDITION=portable, see cluster.py) ----------------------
+
+def pytest_collection_modifyitems(config, items):
+    """Tests of what only the native edition has are skipped, with their reason, when the suite
+    runs against the portable edition: @pytest.mark.native_only("reason")."""
+    if EDITION != "portable":
+        return
+    for item in items:
+        mark = item.get_closest_marker("native_only")
+        if mark is not None:
+            reason = mark.args[0] if mark.args else "native edition only"
+            item.add_marker(pytest.mark.skip(reason=f"native edition only: {reason}"))
+
+
+if EDITION == "portable" and portable_route(PG_BIN) == "plain":
+    # The plain route has no CREATE EXTENSION: where a test creates or drops the extension, the
+    # plain script is run, or the schemas it made are dropped.
+    _CREATE = re.compile(r"^\s*CREATE\s+EXTENSION\s+(IF\s+NOT\s+EXISTS\s+)?idempotency\s*;?\s*$", re.I)
+    _DROP = re.compile(r"^\s*DROP\s+EXTENSION\s+(IF\s+EXISTS\s+)?idempotency(\s+CASCADE)?\s*;?\s*$", re.I)
+    with open(PORTABLE_PLAIN, encoding="utf-8") as _f:
+        _SCRIPT = _f.read()
+
+    def _rewrite(query):
+        if isinstance(query, str):
+            m = _CREATE.match(query)
+            if m:
+                if m.group(1):
+                    return ("DO $$BEGIN IF to_regnamespace('idempotency') IS NULL THEN "
+                            "RAISE EXCEPTION 'portable plain route: IF NOT EXISTS is run as CREATE'; END IF; END$$")
+                return _SCRIPT.replace("\nBEGIN;\n", "\n", 1).replace("\nCOMMIT;\n", "\n")
+            m = _DROP.match(query)
+            if m:
+                return ("DROP SCHEMA " + ("IF EXISTS " if m.group(1) else "")
+                        + "idempotency, idempotency_monitor CASCADE")
+        return query
+
+    _connection_execute = psycopg.Connection.execute
+    _cursor_execute = psycopg.Cursor.execute
+
+    def _conn_execute(self, query, *args, **kw):
+        return _connection_execute(self, _rewrite(query), *args, **kw)
+
+    def _cur_execute(self, query, *args, **kw):
+        return _cursor_execute(self, _rewrite(query), *args, **kw)
+
+    psycopg.Connection.execute = _conn_execute
+    psycopg.Cursor.execute = _cur_execute
 
 
 @pytest.fixture(scope="session")
