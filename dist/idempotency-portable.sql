@@ -1328,7 +1328,8 @@ BEGIN
         IF NOT FOUND THEN
             IF NOT idempotency._p_mark(p_scope, p_key, false) THEN
                 v_busy := true;
-            ELSE
+            ELSIF NOT EXISTS (SELECT FROM pg_catalog.pg_rewrite AS w
+                               WHERE w.ev_class OPERATOR(pg_catalog.=) 'idempotency.idempotency_keys'::pg_catalog.regclass) THEN
                 INSERT INTO idempotency.idempotency_keys AS k
                        (scope, key, request_hash, status, token, created_at, locked_until, expires_at, ttl)
                 VALUES (p_scope, p_key, p_hash, 'in_progress', pg_catalog.nextval('idempotency.token_seq'), pg_catalog.now(),
@@ -1339,6 +1340,25 @@ BEGIN
                     res.outcome := 'new';
                     RETURN res;
                 END IF;
+            ELSE
+                -- A store with rules (an owner's change) refuses ON CONFLICT: the key, found
+                -- absent and marked, is inserted without it; a row that got there first is read
+                -- in the next round.
+                BEGIN
+                    INSERT INTO idempotency.idempotency_keys AS k
+                           (scope, key, request_hash, status, token, created_at, locked_until, expires_at, ttl)
+                    VALUES (p_scope, p_key, p_hash, 'in_progress', pg_catalog.nextval('idempotency.token_seq'), pg_catalog.now(),
+                            pg_catalog.now() OPERATOR(pg_catalog.+) p_lease, pg_catalog.now() OPERATOR(pg_catalog.+) p_ttl, p_ttl);
+                    SELECT k.token, k.expires_at INTO res.token, res.expires_at
+                      FROM idempotency.idempotency_keys AS k
+                     WHERE k.scope OPERATOR(pg_catalog.=) p_scope AND k.key OPERATOR(pg_catalog.=) p_key;
+                    IF FOUND THEN
+                        res.outcome := 'new';
+                        RETURN res;
+                    END IF;
+                EXCEPTION WHEN unique_violation THEN
+                    NULL;
+                END;
             END IF;
         ELSIF idempotency._p_marked(p_scope, p_key) THEN
             -- Another open transaction is changing the row.

@@ -15,14 +15,20 @@ os.environ.setdefault("RUST_BACKTRACE", "1")
 
 def pytest_collection_modifyitems(config, items):
     """Tests of what only the native edition has are skipped, with their reason, when the suite
-    runs against the portable edition: @pytest.mark.native_only("reason")."""
+    runs against the portable edition: @pytest.mark.native_only("reason"); tests of what only an
+    extension has (CREATE EXTENSION, natively or through pg_tle), on its plain route:
+    @pytest.mark.extension_only("reason")."""
     if EDITION != "portable":
         return
+    plain = portable_route(PG_BIN) == "plain"
     for item in items:
         mark = item.get_closest_marker("native_only")
         if mark is not None:
             reason = mark.args[0] if mark.args else "native edition only"
             item.add_marker(pytest.mark.skip(reason=f"native edition only: {reason}"))
+        mark = item.get_closest_marker("extension_only")
+        if mark is not None and plain:
+            item.add_marker(pytest.mark.skip(reason=f"not in the portable plain script: {mark.args[0]}"))
 
 
 if EDITION == "portable" and portable_route(PG_BIN) == "plain":
@@ -33,8 +39,14 @@ if EDITION == "portable" and portable_route(PG_BIN) == "plain":
     with open(PORTABLE_PLAIN, encoding="utf-8") as _f:
         _SCRIPT = _f.read()
 
+    _EMBEDDED = re.compile(r"^CREATE EXTENSION IF NOT EXISTS idempotency;$", re.M | re.I)
+
     def _rewrite(query):
         if isinstance(query, str):
+            # A script of several statements that makes sure the extension exists (examples/).
+            query = _EMBEDDED.sub("DO $$BEGIN IF to_regnamespace('idempotency') IS NULL THEN RAISE EXCEPTION "
+                                  "'portable plain route: install dist/idempotency-portable.sql first'; END IF; END$$;",
+                                  query)
             m = _CREATE.match(query)
             if m:
                 if m.group(1):
