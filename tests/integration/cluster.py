@@ -17,9 +17,10 @@ PG_BIN = os.environ.get("PG_BIN", "/usr/lib/postgresql/15/bin")
 
 # IDEMPOTENCY_EDITION=portable runs the suite against the portable edition (dist/, docs/managed.md)
 # on a server without the native library (PG_BIN of scripts/pg-tle.sh or scripts/pg-portable.sh):
-# with pg_tle there, the pg_tle route (pg_tle preloaded, the extension registered in template1,
-# so CREATE EXTENSION idempotency works in every database made afterwards); without it, the plain
-# route (conftest.py runs dist/idempotency-portable.sql where a test says CREATE EXTENSION).
+# with pg_tle there, the pg_tle route (pg_tle preloaded; where a test says CREATE EXTENSION
+# idempotency, conftest.py creates pg_tle and registers dist/pgtle-idempotency.sql in that
+# database first); without it, the plain route (conftest.py runs dist/idempotency-portable.sql
+# instead).
 EDITION = os.environ.get("IDEMPOTENCY_EDITION", "native")
 ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
 PORTABLE_PLAIN = os.path.join(ROOT, "dist", "idempotency-portable.sql")
@@ -87,12 +88,6 @@ class Cluster:
             for k, v in self.settings.items():
                 f.write(f"{k} = {v}\n")
         self.pg_ctl("start", "-w", "-l", self.log)
-        if self.edition == "portable" and self.route == "pgtle":
-            # Registered in template1: every database made afterwards can CREATE EXTENSION it.
-            for sql in ("CREATE EXTENSION pg_tle", f"\\i {PORTABLE_PGTLE}"):
-                subprocess.run([f"{self.bin}/psql", "-X", "-q", "-v", "ON_ERROR_STOP=1", "-h", self.dir, "-p",
-                                str(self.port), "-U", "postgres", "-d", "template1", "-c", sql],
-                               check=True, stdout=subprocess.DEVNULL)
         subprocess.run([f"{self.bin}/createdb", "-h", self.dir, "-p", str(self.port), "-U", "postgres",
                         self.dbname], check=True)
         return self

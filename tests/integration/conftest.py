@@ -4,7 +4,7 @@ import re
 import psycopg
 import pytest
 
-from cluster import EDITION, PORTABLE_PLAIN, Cluster, portable_route, PG_BIN
+from cluster import EDITION, PORTABLE_PGTLE, PORTABLE_PLAIN, PG_BIN, Cluster, portable_route
 
 # Servers inherit the environment: with RUST_BACKTRACE set (as on CI's machines) pgrx would put
 # Rust backtraces into errors' DETAIL, which test_hardening checks never reaches a client.
@@ -31,32 +31,42 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(pytest.mark.skip(reason=f"not in the portable plain script: {mark.args[0]}"))
 
 
-if EDITION == "portable" and portable_route(PG_BIN) == "plain":
-    # The plain route has no CREATE EXTENSION: where a test creates or drops the extension, the
-    # plain script is run, or the schemas it made are dropped.
+if EDITION == "portable":
+    # Where a test creates the extension: on the plain route (no CREATE EXTENSION) the plain
+    # script runs instead, and DROP EXTENSION drops the schemas it made; on the pg_tle route
+    # pg_tle is created and the extension registered in that database first (not in template1:
+    # a database restored from a dump brings its own registration).
+    _ROUTE = portable_route(PG_BIN)
     _CREATE = re.compile(r"^\s*CREATE\s+EXTENSION\s+(IF\s+NOT\s+EXISTS\s+)?idempotency\s*;?\s*$", re.I)
     _DROP = re.compile(r"^\s*DROP\s+EXTENSION\s+(IF\s+EXISTS\s+)?idempotency(\s+CASCADE)?\s*;?\s*$", re.I)
-    with open(PORTABLE_PLAIN, encoding="utf-8") as _f:
-        _SCRIPT = _f.read()
-
     _EMBEDDED = re.compile(r"^CREATE EXTENSION IF NOT EXISTS idempotency;$", re.M | re.I)
+    with open(PORTABLE_PLAIN, encoding="utf-8") as _f:
+        _PLAIN = _f.read()
+    with open(PORTABLE_PGTLE, encoding="utf-8") as _f:
+        _PGTLE = ("CREATE EXTENSION IF NOT EXISTS pg_tle;\n" + _f.read().rstrip().rstrip(";")
+                  + "\nWHERE NOT EXISTS (SELECT FROM pgtle.available_extensions() AS a WHERE a.name = 'idempotency');\n")
 
     def _rewrite(query):
-        if isinstance(query, str):
-            # A script of several statements that makes sure the extension exists (examples/).
-            query = _EMBEDDED.sub("DO $$BEGIN IF to_regnamespace('idempotency') IS NULL THEN RAISE EXCEPTION "
-                                  "'portable plain route: install dist/idempotency-portable.sql first'; END IF; END$$;",
-                                  query)
-            m = _CREATE.match(query)
-            if m:
-                if m.group(1):
-                    return ("DO $$BEGIN IF to_regnamespace('idempotency') IS NULL THEN "
-                            "RAISE EXCEPTION 'portable plain route: IF NOT EXISTS is run as CREATE'; END IF; END$$")
-                return _SCRIPT.replace("\nBEGIN;\n", "\n", 1).replace("\nCOMMIT;\n", "\n")
-            m = _DROP.match(query)
-            if m:
-                return ("DROP SCHEMA " + ("IF EXISTS " if m.group(1) else "")
-                        + "idempotency, idempotency_monitor CASCADE")
+        if not isinstance(query, str):
+            return query
+        if _ROUTE == "pgtle":
+            if _CREATE.match(query):
+                return _PGTLE + query
+            return _EMBEDDED.sub(lambda m: _PGTLE + m.group(0), query)
+        # A script of several statements that makes sure the extension exists (examples/).
+        query = _EMBEDDED.sub("DO $$BEGIN IF to_regnamespace('idempotency') IS NULL THEN RAISE EXCEPTION "
+                              "'portable plain route: install dist/idempotency-portable.sql first'; END IF; END$$;",
+                              query)
+        m = _CREATE.match(query)
+        if m:
+            if m.group(1):
+                return ("DO $$BEGIN IF to_regnamespace('idempotency') IS NULL THEN "
+                        "RAISE EXCEPTION 'portable plain route: IF NOT EXISTS is run as CREATE'; END IF; END$$")
+            return _PLAIN.replace("\nBEGIN;\n", "\n", 1).replace("\nCOMMIT;\n", "\n")
+        m = _DROP.match(query)
+        if m:
+            return ("DROP SCHEMA " + ("IF EXISTS " if m.group(1) else "")
+                    + "idempotency, idempotency_monitor CASCADE")
         return query
 
     _connection_execute = psycopg.Connection.execute
