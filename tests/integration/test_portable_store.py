@@ -272,3 +272,68 @@ def test_a_store_dumped_from_one_edition_restores_into_the_other(source, target,
     finally:
         for c in clusters:
             c.destroy()
+
+
+# Bad and refused calls: each edition must answer with the same SQLSTATE, message and hint.
+CALLS = [
+    "SELECT idempotency.claim(NULL)", "SELECT idempotency.claim('')", "SELECT idempotency.claim(repeat('k', 256))",
+    "SELECT idempotency.claim('k', scope => NULL)", "SELECT idempotency.claim('k', ttl => '0')",
+    "SELECT idempotency.claim('k', ttl => '-1 s')", "SELECT idempotency.claim('k', ttl => '11 years')",
+    "SELECT idempotency.claim('k', ttl => '1 mon -30 days')",
+    "SELECT idempotency.claim('k', ttl => '1 second', lease => '1 minute')", "SELECT idempotency.claim('k', lease => '0')",
+    "SELECT idempotency.claim('k', request => '[1e400]')", "SELECT idempotency.complete('nokey', '{}')",
+    "SELECT idempotency.complete('k', '{}', 99)", "SELECT idempotency.complete('k', '{}', NULL)",
+    "SELECT idempotency.complete('k', '{}', ttl => '0')", "SELECT idempotency.checkpoint('nokey', 'x')",
+    "SELECT idempotency.release('nokey')", "SELECT idempotency.forget('nokey')", "SELECT idempotency.lookup('nokey')",
+    "SELECT idempotency.sweep(0)", "SELECT idempotency.claim_many(NULL)", "SELECT idempotency.claim_many('{{a},{b}}')",
+    "SELECT idempotency.claim_many('{a,NULL}')", "SELECT idempotency.claim_many('{a,\"\"}')",
+    "SELECT idempotency.claim_many('{a}', '{}')", "SELECT idempotency.verify_key('abc')",
+    "SELECT idempotency.verify_key('k.1.AAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAA')",
+    "SELECT idempotency.sign_key(NULL)", "SELECT idempotency.set_key_storage('x')",
+    "SET idempotency.max_response_size = 1; SELECT idempotency.claim('big'); "
+    "SELECT idempotency.complete('big', jsonb_build_object('a', repeat('x', 5000)))",
+    "SET idempotency.max_recovery_point_size = 1; SELECT idempotency.claim('rp'); "
+    "SELECT idempotency.checkpoint('rp', repeat('x', 5000))",
+    "SELECT idempotency.claim('dup', '{\"a\": 1}'); SELECT (idempotency.claim('dup', '{\"a\": 2}')).outcome::text",
+    "SELECT idempotency.claim('dup2'); SELECT idempotency.complete('dup2', '{}', token => 999999)",
+    "SELECT idempotency.claim('dup3'); SELECT idempotency.complete('dup3', '{}'); SELECT idempotency.complete('dup3', '{}')",
+    "SELECT (idempotency.claim('sc', scope => 'a:1')).outcome::text; SELECT idempotency.rotate_signing_secret(); "
+    "SELECT idempotency.verify_key(idempotency.sign_key('sc'))",
+]
+
+
+def answers(conn):
+    out = []
+    for sql in CALLS:
+        try:
+            with conn.transaction():
+                row = conn.execute(sql).fetchone()
+                # A short text answer (an outcome, a key) is compared; rows with times are not.
+                value = row[0] if row and isinstance(row[0], str) and len(row[0]) < 40 else None
+                out.append(("ok", value))
+                raise psycopg.Rollback()
+        except psycopg.Error as e:
+            out.append((e.sqlstate, e.diag.message_primary, e.diag.message_hint))
+    return out
+
+
+def test_refusals_have_the_native_editions_sqlstates_messages_and_hints():
+    if not os.path.exists(os.path.join(pkglibdir(NATIVE_BIN[15]), "idempotency.so")):
+        pytest.skip("no native edition installed for PostgreSQL 15")
+    native = Cluster(bin=NATIVE_BIN[15]).start()
+    try:
+        portable, route = start("plain-15")
+        try:
+            with psycopg.connect(conninfo(native), autocommit=True) as conn:
+                conn.execute("CREATE EXTENSION idempotency")
+                expected = answers(conn)
+            install(portable, route)
+            with psycopg.connect(conninfo(portable), autocommit=True) as conn:
+                assert_no_library(portable, route, conn)
+                got = answers(conn)
+        finally:
+            portable.destroy()
+    finally:
+        native.destroy()
+    assert sum(e[0] != "ok" for e in expected) >= 25
+    assert [(sql, e, g) for sql, e, g in zip(CALLS, expected, got) if e != g] == []
