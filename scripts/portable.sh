@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # Builds the portable edition (SQL and PL/pgSQL only, for servers that load no library of
-# ours, docs/managed.md) into dist/, from sql/portable/*.sql (the PL/pgSQL bodies of what the
-# native edition does in Rust) and the parts of sql/idempotency.sql both editions share:
+# ours, docs/managed.md) into dist/: the native install script sql/idempotency.sql with each of
+# its LANGUAGE c functions replaced by the PL/pgSQL function of the same name in
+# sql/portable/*.sql (scripts/portable-build.py; it fails when one has no portable body):
 #   dist/idempotency-portable.sql  a plain script: psql -v ON_ERROR_STOP=1 -f ... creates
-#                                  schema idempotency and its functions
+#                                  schema idempotency and everything in it, in one transaction
 #   dist/pgtle-idempotency.sql     pgtle.install_extension(...): then CREATE EXTENSION idempotency
 # dist/ is committed (a user downloads one file). `scripts/portable.sh --check` writes nothing
 # and fails when dist/ is not what this script would write (CI runs it).
@@ -66,7 +67,8 @@ EOF
 }
 
 # The plain script refuses a database where the native extension exists (its functions would
-# be replaced by the script's): after the encoding check, before anything is created.
+# be replaced by the script's), before anything is created (the encoding check follows, in the
+# same transaction).
 refuse_extension() {
     cat <<'EOF'
 
