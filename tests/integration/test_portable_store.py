@@ -337,3 +337,26 @@ def test_refusals_have_the_native_editions_sqlstates_messages_and_hints():
         native.destroy()
     assert sum(e[0] != "ok" for e in expected) >= 25
     assert [(sql, e, g) for sql, e, g in zip(CALLS, expected, got) if e != g] == []
+
+
+def test_the_build_refuses_a_c_function_without_a_portable_body(tmp_path):
+    """A C function added to the native install script cannot be forgotten by the portable
+    edition: the build fails, naming it (and builds again once its body exists)."""
+    native = tmp_path / "idempotency.sql"
+    with open(os.path.join(ROOT, "sql", "idempotency.sql"), encoding="utf-8") as f:
+        text = f.read()
+    native.write_text(text + "\nCREATE FUNCTION idempotency.brand_new(x integer)\nRETURNS integer\n"
+                             "LANGUAGE c IMMUTABLE\nAS 'MODULE_PATHNAME', 'idempotency_brand_new';\n")
+    sources = [os.path.join(ROOT, "sql", "portable", f) for f in ("canonical.sql", "derivation.sql", "store.sql")]
+    build = [os.path.join(ROOT, "scripts", "portable-build.py")]
+    for mode in ("plain", "pgtle"):
+        r = subprocess.run(["python3", *build, mode, str(native), *sources], capture_output=True, text=True)
+        assert r.returncode != 0 and "brand_new" in r.stderr, r.stderr
+    body = tmp_path / "brand_new.sql"
+    body.write_text("CREATE FUNCTION idempotency.brand_new(x integer)\nRETURNS integer\nLANGUAGE sql IMMUTABLE\n"
+                    "SET search_path = pg_catalog, pg_temp\nAS $fn$\n    SELECT x\n$fn$;\n")
+    r = subprocess.run(["python3", *build, "plain", str(native), *sources, str(body)], capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    assert "MODULE_PATHNAME" not in r.stdout and "LANGUAGE sql IMMUTABLE" in r.stdout
+    # As built for CI: what scripts/portable.sh writes is current.
+    assert subprocess.run([os.path.join(ROOT, "scripts", "portable.sh"), "--check"]).returncode == 0
