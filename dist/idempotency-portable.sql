@@ -1482,7 +1482,7 @@ END
 $fn$;
 
 -- complete's work as the store's owner; the completing role (for the audit row) is passed by
--- _complete, which runs as the caller, and must be one the session may act as.
+-- _complete, which runs as the caller.
 CREATE FUNCTION idempotency._p_complete(
     p_key text, p_response jsonb, p_status integer, p_scope text, p_token bigint, p_ttl interval, p_role name)
 RETURNS timestamptz
@@ -1495,9 +1495,11 @@ DECLARE
     v_hash bytea;
     v_token bigint;
 BEGIN
+    -- The role the caller ran as, where the session may act as it (inside another SECURITY
+    -- DEFINER function it may not: then, and for a role passed by anyone else, the session's
+    -- login role, which the native edition names there too unless SET ROLE changed it).
     IF p_role IS NULL OR NOT pg_catalog.pg_has_role(SESSION_USER, p_role, 'MEMBER') THEN
-        RAISE EXCEPTION USING ERRCODE = 'insufficient_privilege',
-            MESSAGE = 'idempotency._p_complete: the completing role must be one the session acts as';
+        p_role := SESSION_USER;
     END IF;
     v_key := idempotency._stored_key(p_key, p_scope);
     IF p_status IS NULL THEN
