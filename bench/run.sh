@@ -5,21 +5,43 @@
 # Takes about 20 minutes with the defaults; pass --quick for a smoke run of the harness.
 # --pg NN benchmarks PostgreSQL NN (15, the default, 16, 17, 18: scripts/pg-server.sh) and
 # writes bench/RESULTS-pgNN.md instead; the per-version runs of bench/RESULTS.md's table pass
-# --no-redis --no-scale too (docs/benchmarks.md). Other options go to bench/bench.py.
+# --no-redis --no-scale too (docs/benchmarks.md). --hot-in-flight runs only the case of
+# completions with 200 claims in flight (bench/hot_in_flight.py, a few minutes; its own options,
+# e.g. --fillfactor 90, follow), which a full run includes. --edition portable runs
+# bench/editions.py instead: the native and the portable edition side by side in one server
+# (claim + complete and replay against the floor, canonical_hash), written to
+# bench/RESULTS-editions[-pgNN].md. Other options go to the script that runs.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 pg=15
+edition=native
 args=()
+in_flight=
 while (($#)); do
     case "$1" in
         --pg) pg=$2; shift 2 ;;
+        --edition) edition=$2; shift 2 ;;
+        --hot-in-flight) in_flight=1; shift ;;
         *) args+=("$1"); shift ;;
     esac
 done
+case "$edition" in
+    native|portable) ;;
+    *) echo "run.sh: --edition is native (the default) or portable" >&2; exit 2 ;;
+esac
 IDEMPOTENCY_PG_VERSIONS="$pg" scripts/bootstrap.sh
 pg_config=$(scripts/pg-server.sh "$pg")
 export PG_BIN
 PG_BIN=$(dirname "$pg_config")
+if [ "$edition" = portable ]; then
+    [ "$pg" = 15 ] || args=(--out "RESULTS-editions-pg$pg" "${args[@]}")
+    cargo pgrx install --release --pg-config "$pg_config" >/dev/null
+    exec python3 bench/editions.py "${args[@]}"
+fi
+if [ -n "$in_flight" ]; then
+    cargo pgrx install --release --pg-config "$pg_config" >/dev/null
+    exec python3 bench/hot_in_flight.py "${args[@]}"
+fi
 [ "$pg" = 15 ] || args=(--out "RESULTS-pg$pg" "${args[@]}")
 if ! command -v redis-server >/dev/null || ! command -v redis-benchmark >/dev/null; then
     apt-get update -qq

@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # Runs every test, on every supported PostgreSQL major version: installs the prerequisites,
 # checks formatting and lints (each version's code paths), runs the unit and #[pg_test] tests
-# (cargo pgrx test pgNN) and the integration tests against throwaway clusters (concurrency,
-# crashes, oracle, dump, upgrades, ...): the whole suite on PostgreSQL 15, its core on 16, 17
+# (cargo pgrx test pgNN), the isolation specs (tests/isolation, PostgreSQL's isolation tester)
+# and the integration tests against throwaway clusters (concurrency, crashes, oracle, dump,
+# upgrades, ...): the whole suite on PostgreSQL 15, its core on 16, 17
 # and 18 (README, "Tests", says which files).
 #
 # IDEMPOTENCY_PG_VERSIONS (default "15 16 17 18") chooses the versions, e.g. "15" for a quick
@@ -11,13 +12,13 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 
 read -r -a VERSIONS <<<"${IDEMPOTENCY_PG_VERSIONS:-15 16 17 18}"
-# The integration suite's core, run on every version (the rest needs pg_cron, the HTTP and
-# Node examples, a standby or minutes of soak, and runs on the first version).
+# The integration suite's core, run on every version (the rest needs the HTTP and Node
+# examples, a standby or minutes of soak, and runs on the first version).
 CORE=(test_concurrency.py test_model.py test_canonical_oracle.py test_encodings.py test_worker.py
       test_crash.py test_privileges.py test_search_path.py test_upgrade.py test_direct_writes.py
       test_direct_fidelity.py test_hardening.py test_expiry_and_dump.py test_bad_input.py
       test_hot_updates.py test_batch.py test_partitioned.py test_damaged_jsonb.py
-      test_binding_settings.py test_portable.py)
+      test_binding_settings.py test_portable.py test_pg_cron.py)
 
 scripts/bootstrap.sh
 
@@ -55,8 +56,12 @@ for v in "${VERSIONS[@]}"; do
     # in_progress at once, by design).
     cargo pgrx test "pg$v" --runas postgres --pgdata "$pgdata"
 
-    echo "== PostgreSQL $v: integration tests (pytest, real sessions against throwaway clusters)"
     cargo pgrx install --pg-config "$pg_config" >/dev/null
+    echo "== PostgreSQL $v: isolation specs (tests/isolation: races as deterministic permutations)"
+    scripts/isolation.sh "$pg_config"
+
+    echo "== PostgreSQL $v: integration tests (pytest, real sessions against throwaway clusters)"
+    scripts/pg-cron.sh "$v" >/dev/null  # schedule_sweep's tests (Debian's package on 15, built on 16-18)
     # No -m: the tests marked slow (pytest.ini) run too; `-m "not slow"` is only for quick local runs.
     if [ "$v" = "$first" ]; then
         PG_BIN=$(dirname "$pg_config") python3 -m pytest -q tests/integration

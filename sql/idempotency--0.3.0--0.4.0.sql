@@ -1,8 +1,11 @@
 -- idempotency 0.3.0 -> 0.4.0 (see CHANGELOG.md)
 --
--- idempotency.distribute() for Citus (docs/scaling.md). The store's tables are unchanged: the
--- library finds out by itself whether the table is distributed. Every object is left as a
--- fresh 0.4.0 install creates it (tests/integration/test_upgrade.py compares the two catalogs).
+-- idempotency.distribute() for Citus (docs/scaling.md; the library finds out by itself whether
+-- the table is distributed), batches (claim_many, complete_many) and the sweep index. The store
+-- keeps its columns and rows, but its index on expires_at is replaced by the sweep index, built
+-- under a lock that blocks writes to the store while it runs (seconds per million rows): run
+-- the update when a pause of the writes is acceptable. Every object is left as a fresh 0.4.0
+-- install creates it (tests/integration/test_upgrade.py compares the two catalogs).
 
 \echo Use "ALTER EXTENSION idempotency UPDATE TO '0.4.0'" to load this file. \quit
 

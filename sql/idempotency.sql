@@ -67,7 +67,11 @@ CREATE TABLE idempotency.idempotency_keys (
                AND response_status OPERATOR(pg_catalog.<=) 599),
     CONSTRAINT idempotency_keys_lease_check
         CHECK ((status OPERATOR(pg_catalog.=) 'in_progress'::idempotency.key_status) = (locked_until IS NOT NULL))
-) WITH (fillfactor = 90);
+) WITH (fillfactor = 25);
+-- fillfactor 25: a page takes claims until a quarter of it is full; the rest is the room their
+-- completions (each with its response, next to the claim until pruning frees the claim) need to
+-- stay HOT updates when many claims are in flight, up to responses of about 400 bytes (larger
+-- ones are TOASTed out of the row). docs/architecture.md#fill-factor.
 
 COMMENT ON TABLE idempotency.idempotency_keys IS
     'One row per claimed idempotency key; rows past expires_at count as absent and are swept.';
@@ -118,7 +122,7 @@ BEGIN
         v_part := 'idempotency_keys_p' OPERATOR(pg_catalog.||) i;
         EXECUTE pg_catalog.format(
             'CREATE TABLE idempotency.%I PARTITION OF idempotency.idempotency_keys '
-            'FOR VALUES WITH (MODULUS %s, REMAINDER %s) WITH (fillfactor = 90)', v_part, v_parts, i);
+            'FOR VALUES WITH (MODULUS %s, REMAINDER %s) WITH (fillfactor = 25)', v_part, v_parts, i);
         PERFORM pg_catalog.pg_extension_config_dump(pg_catalog.format('idempotency.%I', v_part)::pg_catalog.regclass, '');
     END LOOP;
     DROP TABLE idempotency.idempotency_keys_template;
@@ -343,6 +347,92 @@ CREATE FUNCTION idempotency.sweep(batch_size integer DEFAULT NULL)
 RETURNS bigint
 LANGUAGE c VOLATILE PARALLEL UNSAFE SECURITY DEFINER
 AS 'MODULE_PATHNAME', 'idempotency_sweep';
+
+-- Sweeping without the background sweeper: a pg_cron job (the portable edition, a server that
+-- does not preload the library). Creates or replaces the caller's pg_cron job named
+-- 'idempotency-sweep' in this database (pg_cron's own, cron.database_name) and returns its id.
+-- Not SECURITY DEFINER: the job runs as the role that schedules it, which needs pg_cron's
+-- own grants (USAGE on schema cron) and EXECUTE on idempotency.sweep.
+CREATE FUNCTION idempotency.schedule_sweep(every interval DEFAULT '1 minute')
+RETURNS bigint
+LANGUAGE plpgsql VOLATILE
+SET search_path = pg_catalog, pg_temp
+AS $fn$
+DECLARE
+    v_seconds bigint;
+    v_schedule text;
+    v_version text;
+    v_database text := pg_catalog.current_setting('cron.database_name', true);
+    v_job bigint;
+BEGIN
+    IF every IS NULL OR every OPERATOR(pg_catalog.<=) '0'::interval OR NOT pg_catalog.isfinite(every) THEN
+        RAISE EXCEPTION USING
+            ERRCODE = 'invalid_parameter_value',
+            MESSAGE = pg_catalog.format('invalid every %s for idempotency.schedule_sweep: it must be a positive, finite interval',
+                                        COALESCE(every::text, 'NULL')),
+            HINT = 'pass how often to sweep, e.g. ''1 minute'' or ''30 seconds''';
+    END IF;
+    -- pg_cron takes whole seconds below a minute (1.5 and later) and cron expressions above;
+    -- only periods a cron expression repeats evenly are taken, so the period is the one asked.
+    IF pg_catalog.date_part('epoch', every) OPERATOR(pg_catalog.<>) pg_catalog.trunc(pg_catalog.date_part('epoch', every)) THEN
+        v_seconds := 0;  -- a fraction of a second: refused below
+    ELSE
+        v_seconds := pg_catalog.date_part('epoch', every);
+    END IF;
+    IF v_seconds OPERATOR(pg_catalog.=) 0 THEN
+        v_schedule := NULL;
+    ELSIF v_seconds OPERATOR(pg_catalog.<) 60 THEN
+        v_schedule := pg_catalog.format('%s seconds', v_seconds);
+    ELSIF v_seconds OPERATOR(pg_catalog.<) 3600 AND v_seconds OPERATOR(pg_catalog.%) 60 OPERATOR(pg_catalog.=) 0
+          AND 3600 OPERATOR(pg_catalog.%) v_seconds OPERATOR(pg_catalog.=) 0 THEN
+        v_schedule := CASE WHEN v_seconds OPERATOR(pg_catalog.=) 60 THEN '* * * * *'
+                           ELSE pg_catalog.format('*/%s * * * *', v_seconds OPERATOR(pg_catalog./) 60) END;
+    ELSIF v_seconds OPERATOR(pg_catalog.<) 86400 AND v_seconds OPERATOR(pg_catalog.%) 3600 OPERATOR(pg_catalog.=) 0
+          AND 86400 OPERATOR(pg_catalog.%) v_seconds OPERATOR(pg_catalog.=) 0 THEN
+        v_schedule := CASE WHEN v_seconds OPERATOR(pg_catalog.=) 3600 THEN '0 * * * *'
+                           ELSE pg_catalog.format('0 */%s * * *', v_seconds OPERATOR(pg_catalog./) 3600) END;
+    ELSIF v_seconds OPERATOR(pg_catalog.=) 86400 THEN
+        v_schedule := '0 0 * * *';
+    END IF;
+    IF v_schedule IS NULL THEN
+        RAISE EXCEPTION USING
+            ERRCODE = 'invalid_parameter_value',
+            MESSAGE = pg_catalog.format('invalid every %s for idempotency.schedule_sweep: pg_cron cannot repeat it evenly', every),
+            HINT = 'pass 1 to 59 seconds, a number of minutes that divides an hour, a number of hours that divides a day, or 1 day';
+    END IF;
+
+    SELECT e.extversion INTO v_version FROM pg_catalog.pg_extension AS e
+     WHERE e.extname OPERATOR(pg_catalog.=) 'pg_cron';
+    IF v_version IS NULL THEN
+        RAISE EXCEPTION USING
+            ERRCODE = 'feature_not_supported',
+            MESSAGE = pg_catalog.format('idempotency.schedule_sweep needs pg_cron, which is not installed in database %s',
+                                        pg_catalog.current_database()),
+            HINT = CASE WHEN v_database IS NOT NULL AND v_database OPERATOR(pg_catalog.<>) pg_catalog.current_database()
+                        THEN pg_catalog.format('pg_cron runs jobs from database %s (cron.database_name); there, run '
+                                               'SELECT cron.schedule_in_database(%L, %L, %L, %L)', v_database,
+                                               'idempotency-sweep-' OPERATOR(pg_catalog.||) pg_catalog.current_database(),
+                                               v_schedule, 'SELECT idempotency.sweep()', pg_catalog.current_database())
+                        ELSE 'preload pg_cron and CREATE EXTENSION pg_cron, or run SELECT idempotency.sweep() from a scheduler of your own; '
+                             'with the native edition preloaded, its background sweeper sweeps' END;
+    END IF;
+
+    IF v_schedule OPERATOR(pg_catalog.~) 'seconds$'
+       AND pg_catalog.string_to_array(pg_catalog.split_part(v_version, '-', 1), '.')::integer[]
+           OPERATOR(pg_catalog.<) ARRAY[1, 5] THEN
+        RAISE EXCEPTION USING
+            ERRCODE = 'feature_not_supported',
+            MESSAGE = pg_catalog.format('invalid every %s for idempotency.schedule_sweep: pg_cron %s schedules by the minute',
+                                        every, v_version),
+            HINT = 'pass a whole number of minutes, or update pg_cron to 1.5 or later for seconds';
+    END IF;
+
+    -- cron.schedule replaces the caller's job of the same name.
+    EXECUTE 'SELECT cron.schedule($1, $2, $3)' INTO v_job
+      USING 'idempotency-sweep', v_schedule, 'SELECT idempotency.sweep()';
+    RETURN v_job;
+END
+$fn$;
 
 -- Keys stored hashed ------------------------------------------------------------------------
 
@@ -653,8 +743,8 @@ AS 'MODULE_PATHNAME', 'idempotency_request_fingerprint';
 -- On one Citus node (distribute() runs it on every node): gives this node's token sequence its
 -- class (it counts by 65536 from a value t with t % 65536 = the node's group id, above floor
 -- and above its own last value) and its audit id sequence its range (from group id << 48; the
--- coordinator's, group 0, from 1), unless they have them. Returns what it changed ('' for
--- nothing).
+-- coordinator's, group 0, from 1), unless they have them; and keeps complete from being inlined
+-- there, so that Citus delegates it (below). Returns what it changed ('' for nothing).
 CREATE FUNCTION idempotency._node_sequences(floor bigint)
 RETURNS text
 LANGUAGE plpgsql VOLATILE
@@ -670,6 +760,7 @@ DECLARE
     v_base bigint;
     v_next bigint;
     v_changes text[] := '{}';
+    v_ddl text;
 BEGIN
     IF floor IS NULL THEN
         RAISE EXCEPTION USING ERRCODE = '22004', MESSAGE = 'floor must not be NULL';
@@ -714,6 +805,25 @@ BEGIN
         v_next := (v_group OPERATOR(pg_catalog.<<) 48) OPERATOR(pg_catalog.+) 1;
         PERFORM pg_catalog.setval('idempotency.audit_id_seq', GREATEST(v_next, v_last), false);
         v_changes := v_changes OPERATOR(pg_catalog.||) pg_catalog.format('audit ids from %s', GREATEST(v_next, v_last));
+    END IF;
+    -- complete is a one-expression SQL function, which the planner inlines into the statement
+    -- that calls it; Citus looks for a call of a distributed function only after PostgreSQL's
+    -- planner ran, and would find _complete and _raise_not_claimed instead: the call would run
+    -- on the calling node and reach the shard statement by statement (BEGIN, UPDATE, COMMIT).
+    -- A SET clause keeps a function from being inlined: complete stays a call of itself, which
+    -- Citus delegates whole, and which the node it is delegated to recognizes as delegated
+    -- (its UPDATE of the key's shard is allowed there). Each node's own catalog (not
+    -- propagated: Citus would refuse the ALTER on a worker, and a node added later gets the
+    -- extension as CREATE EXTENSION makes it). A single node keeps complete inlined.
+    IF EXISTS (SELECT FROM pg_catalog.pg_proc AS p
+                WHERE p.oid OPERATOR(pg_catalog.=) 'idempotency.complete(text, jsonb, integer, text, bigint, interval)'::pg_catalog.regprocedure
+                  AND p.proconfig IS NULL) THEN
+        v_ddl := pg_catalog.current_setting('citus.enable_ddl_propagation');
+        PERFORM pg_catalog.set_config('citus.enable_ddl_propagation', 'off', true);
+        ALTER FUNCTION idempotency.complete(text, jsonb, integer, text, bigint, interval)
+            SET search_path = pg_catalog, pg_temp;
+        PERFORM pg_catalog.set_config('citus.enable_ddl_propagation', v_ddl, true);
+        v_changes := v_changes OPERATOR(pg_catalog.||) 'complete delegable as one call'::text;
     END IF;
     RETURN pg_catalog.array_to_string(v_changes, ', ');
 END
@@ -769,7 +879,7 @@ BEGIN
         RAISE EXCEPTION USING
             ERRCODE = 'object_not_in_prerequisite_state',
             MESSAGE = 'idempotency.idempotency_keys is a Citus table, but not hash-distributed by scope',
-            HINT = 'undistribute it (SELECT undistribute_table(''idempotency.idempotency_keys'')) and call idempotency.distribute() again';
+            HINT = 'Citus cannot convert the tables of an extension (undistribute_table refuses them): copy the store out, re-create the extension and copy it back (docs/scaling.md, "Undistributing the store"), then call idempotency.distribute()';
     END IF;
 
     IF NOT EXISTS (SELECT FROM pg_catalog.pg_dist_partition AS p
@@ -810,6 +920,18 @@ BEGIN
                           AND o.distribution_argument_index IS NOT NULL) THEN
             PERFORM pg_catalog.create_distributed_function(v_fn, distribution_arg_name => 'scope',
                                                            colocate_with => 'idempotency.idempotency_keys');
+            v_changed := true;
+        END IF;
+    END LOOP;
+
+    -- Citus copies the rows of a table it distributes into the shards, and leaves them in the
+    -- coordinator's own (shell) table too, where nothing reads or sweeps them: empty it. Every
+    -- call looks, so a store distributed before with its rows left there is emptied as well.
+    FOREACH v_rel IN ARRAY ARRAY['idempotency.idempotency_keys', 'idempotency.audit',
+                                 'idempotency.config', 'idempotency.signing_secrets']::pg_catalog.regclass[] LOOP
+        IF pg_catalog.pg_relation_size(v_rel) OPERATOR(pg_catalog.>) 0 THEN
+            PERFORM pg_catalog.truncate_local_data_after_distributing_table(v_rel);
+            RAISE NOTICE 'idempotency.distribute: emptied the coordinator''s local table of % (its rows are in the shards)', v_rel;
             v_changed := true;
         END IF;
     END LOOP;
@@ -1040,7 +1162,8 @@ BEGIN
         PERFORM pg_catalog.set_config('client_min_messages', 'notice', true);
         RAISE NOTICE 'idempotency: no background sweeper runs: the library is not in shared_preload_libraries'
             USING HINT = 'Add idempotency to shared_preload_libraries and restart PostgreSQL, '
-                         'or schedule SELECT idempotency.sweep(); expired keys count as absent either way.';
+                         'or schedule SELECT idempotency.sweep() (with pg_cron: SELECT idempotency.schedule_sweep()); '
+                         'expired keys count as absent either way.';
     END IF;
 END
 $notice$;

@@ -59,7 +59,7 @@ fn encoding_name() -> String {
 /// Raises the refusal of a database whose text cannot be converted to Unicode (also raised by
 /// `CREATE EXTENSION` and the update): SQL_ASCII, whose bytes have no defined characters, or an
 /// encoding between which and UTF-8 PostgreSQL has no conversion (MULE_INTERNAL).
-pub fn refuse_encoding() -> ! {
+fn refuse_encoding() -> ! {
     let hint = Some("create the database with ENCODING 'UTF8' and install the extension there");
     if encoding().id == pg_sys::pg_enc::PG_SQL_ASCII as i32 {
         raise(
@@ -219,7 +219,7 @@ pub fn valid_in_database(bytes: &[u8]) -> bool {
 
 /// UTF-8 text as the database encoding's bytes. Err: a message naming the first character the
 /// database encoding cannot represent.
-pub fn to_server(text: &str) -> Result<Cow<'_, [u8]>, String> {
+fn to_server(text: &str) -> Result<Cow<'_, [u8]>, String> {
     if utf8_database() {
         return Ok(Cow::Borrowed(text.as_bytes()));
     }
@@ -299,26 +299,6 @@ pub fn text_datum(text: &str, arg: &str) -> pg_sys::Datum {
     });
     // SAFETY: copies `len` readable bytes into a new palloc'd text.
     pg_sys::Datum::from(unsafe { pg_sys::cstring_to_text_with_len(bytes.as_ptr().cast(), len) })
-}
-
-/// A message for the server log and the client: unchanged in a UTF-8 database; in any other,
-/// each non-ASCII character written as `\u{…}` (PostgreSQL sends a message's bytes as text in
-/// the database encoding, and a Rust message is UTF-8).
-pub fn for_message(message: String) -> String {
-    if message.is_ascii() || utf8_database() {
-        return message;
-    }
-    let mut out = String::with_capacity(message.len() + 16);
-    for c in message.chars() {
-        if c.is_ascii() {
-            out.push(c);
-        } else if c == '\u{2026}' {
-            out.push_str("...");
-        } else {
-            out.push_str(&format!("\\u{{{:x}}}", c as u32));
-        }
-    }
-    out
 }
 
 /// `text` as the database encoding's bytes; a character the encoding cannot represent raises

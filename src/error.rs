@@ -10,10 +10,10 @@ use pgrx::{PgLogLevel, PgSqlErrorCode};
 
 /// Raises an ERROR; never returns.
 pub fn raise(code: PgSqlErrorCode, message: String, hint: Option<&str>) -> ! {
-    let message = crate::encoding::for_message(message);
+    let message = for_message(message);
     let mut report = ErrorReport::new(code, message, "idempotency");
     if let Some(h) = hint {
-        report = report.set_hint(crate::encoding::for_message(h.to_string()));
+        report = report.set_hint(for_message(h.to_string()));
     }
     report.report(PgLogLevel::ERROR);
     unreachable!("ERROR returned")
@@ -52,4 +52,26 @@ pub fn canon_error(arg: &str, e: CanonError) -> ! {
         _ => None,
     };
     raise(code, format!("{arg}: {e}"), hint)
+}
+
+/// A message for the server log and the client: unchanged in a UTF-8 database; in any other,
+/// each non-ASCII character written as `\u{…}` (PostgreSQL sends a message's bytes as text in
+/// the database encoding, and a Rust message is UTF-8).
+pub fn for_message(message: String) -> String {
+    // SAFETY: reads a backend variable set at connection start; never raises an error.
+    let encoding = unsafe { pgrx::pg_sys::GetDatabaseEncoding() };
+    if message.is_ascii() || encoding == pgrx::pg_sys::pg_enc::PG_UTF8 as i32 {
+        return message;
+    }
+    let mut out = String::with_capacity(message.len() + 16);
+    for c in message.chars() {
+        if c.is_ascii() {
+            out.push(c);
+        } else if c == '\u{2026}' {
+            out.push_str("...");
+        } else {
+            out.push_str(&format!("\\u{{{:x}}}", c as u32));
+        }
+    }
+    out
 }

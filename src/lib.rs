@@ -13,21 +13,24 @@
 //! - `worker`: the background sweeper (launcher and per-database sweepers);
 //! - `stats`: counters in shared memory;
 //! - `encoding`: text between the database encoding and UTF-8;
+//! - `binding`: what binds a role (scope prefix, audit, size limits), from the settings and
+//!   its row in `idempotency.role_settings`;
 //! - `guc`, `error`: settings and error reporting;
 //! - `local`: per-backend state in plain statics.
 
-pub mod api;
-pub use idempotency_core::{arguments, canonical, decision, derivation, signing};
-pub mod compat;
-pub mod delegation;
-pub mod encoding;
-pub mod error;
-pub mod guc;
-pub mod jsonb;
-pub mod local;
-pub mod stats;
-pub mod store;
-pub mod worker;
+mod api;
+mod binding;
+use idempotency_core::{arguments, canonical, decision, derivation, signing};
+mod compat;
+mod delegation;
+mod encoding;
+mod error;
+mod guc;
+mod jsonb;
+mod local;
+mod stats;
+mod store;
+mod worker;
 
 #[cfg(any(test, feature = "pg_test"))]
 mod tests;

@@ -6,7 +6,7 @@ use pgrx::{pg_shmem_init, PGRXSharedMemory, PgLwLock};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 
 /// Databases tracked at once; further databases work but are not counted.
-pub const SLOTS: usize = 64;
+const SLOTS: usize = 64;
 
 /// What is counted.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -47,10 +47,10 @@ pub struct Slot {
 }
 
 /// Databases that ran CREATE EXTENSION since the launcher last looked.
-pub const ANNOUNCED: usize = 32;
+const ANNOUNCED: usize = 32;
 
 /// Backends that count in a slot of their own; one beyond this counts in its database's slot.
-pub const BACKEND_SLOTS: usize = 1024;
+const BACKEND_SLOTS: usize = 1024;
 
 /// One backend's counts since it started (or since its slot was last folded in), in a cache
 /// line of its own: an increment is then an uncontended write, where every backend adding to

@@ -20,7 +20,7 @@ use std::collections::{HashMap, HashSet};
 use std::time::{Duration, Instant};
 
 pub const LAUNCHER_TYPE: &str = "idempotency launcher";
-pub const SWEEPER_TYPE: &str = "idempotency sweeper";
+const SWEEPER_TYPE: &str = "idempotency sweeper";
 
 /// Whether this server runs for pg_upgrade (binary-upgrade mode, `-b`): then no sweeper runs.
 /// There the old cluster is dumped and the new one restored, and a sweep would delete keys
@@ -275,7 +275,7 @@ pub extern "C-unwind" fn idempotency_sweeper_main(arg: pg_sys::Datum) {
     lower_priority(guc::SWEEP_NICE.get());
     store::sweep_start();
     let total = sweep_in_batches(
-        |batch| Some(crate::api::sweep_batch(batch, "")),
+        |batch| Some(store::sweep_batch(batch, "")),
         Some(store::expired_since),
     );
     stats::sweep_finished(total);

@@ -78,3 +78,18 @@ CREATE TABLE bench.docs (size text, doc jsonb);
 
 -- Batch floor (claim_many's comparison): the store's shape and two indexes.
 CREATE TABLE bench.floor_batch (LIKE idempotency.idempotency_keys INCLUDING ALL);
+
+-- The floor tables take the store's storage parameters (its fill factor), which LIKE does not
+-- copy: the same table, its pages filled the same way.
+DO $$
+DECLARE
+    v_options text := (SELECT array_to_string(reloptions, ', ') FROM pg_class
+                        WHERE oid = 'idempotency.idempotency_keys'::regclass);
+BEGIN
+    IF v_options IS NOT NULL THEN
+        EXECUTE format('ALTER TABLE bench.floor SET (%s)', v_options);
+        EXECUTE format('ALTER TABLE bench.ref_keys SET (%s)', v_options);
+        EXECUTE format('ALTER TABLE bench.floor_batch SET (%s)', v_options);
+    END IF;
+END
+$$;

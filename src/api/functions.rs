@@ -2,8 +2,8 @@
 //! arguments; their SQL is hand-written in `sql/idempotency.sql`, which names them by the
 //! symbols `api.rs` exports for them). Each is named after its SQL function.
 
+use super::args::{check_size, checked_key_and_scope, hash_arg, key_and_scope, optional_ttl};
 use super::args::{DbText, Jsonb, Row, Text, TextArray};
-use super::{check_size, checked_key_and_scope, hash_arg, key_and_scope, optional_ttl};
 use crate::arguments;
 use crate::arguments::ArgError;
 use crate::canonical::{self, NumberMode, Value};
@@ -115,7 +115,7 @@ fn idempotency_cron_key(
     let key = check(derivation::cron_key(
         job.as_deref(),
         at,
-        slot.as_ref().map(super::interval_parts),
+        slot.as_ref().map(super::args::interval_parts),
     ));
     DbText::new(&key, "cron key")
 }
@@ -160,7 +160,7 @@ fn idempotency_sweep(batch_size: Option<i32>) -> i64 {
     store::refuse_read_only("sweep");
     let prefix = sweep_prefix("sweep");
     store::sweep_start();
-    let total = in_batches(batch, |b| super::sweep_batch(b, &prefix));
+    let total = in_batches(batch, |b| store::sweep_batch(b, &prefix));
     stats::sweep_finished(total);
     total
 }
@@ -179,7 +179,7 @@ fn sweep_prefix(function: &str) -> String {
     } {
         return String::new();
     }
-    let prefix = guc::with_scope_prefix(str::to_owned);
+    let prefix = crate::binding::with_scope_prefix(str::to_owned);
     if prefix.is_empty() {
         raise(
             PgSqlErrorCode::ERRCODE_INSUFFICIENT_PRIVILEGE,
@@ -303,7 +303,9 @@ fn idempotency_sign(key: Option<Text<'_>>, kid: Option<i32>, secret: Option<Vec<
         arg_error(ArgError::invalid("kid must be a positive integer".into()));
     };
     let secret = secret_arg(secret);
-    let signed = guc::with_scope_prefix(|prefix| crate::signing::sign(&key, kid, &secret, prefix));
+    let signed = crate::binding::with_scope_prefix(|prefix| {
+        crate::signing::sign(&key, kid, &secret, prefix)
+    });
     DbText::new(&signed, "signed key")
 }
 
@@ -326,7 +328,7 @@ fn idempotency_verify(signed: Option<Text<'_>>, secret: Option<Vec<u8>>) -> Opti
     let secret = secret_arg(secret);
     match signed.as_deref().and_then(crate::signing::parse) {
         Some((key, kid, sig))
-            if guc::with_scope_prefix(|prefix| {
+            if crate::binding::with_scope_prefix(|prefix| {
                 crate::signing::verify(key, kid, &sig, &secret, prefix)
             }) =>
         {
@@ -390,7 +392,7 @@ fn idempotency_check_recovery_point(recovery_point: Option<Text<'_>>) {
             check_size(
                 "recovery_point",
                 point.datum(),
-                guc::max_recovery_point_size(),
+                crate::binding::max_recovery_point_size(),
             )
         };
     }

@@ -6,8 +6,12 @@
 //! differs is refused with `55000`, naming the attribute. Columns after the checked ones are
 //! left NULL.
 
+use crate::encoding;
 use crate::error::raise;
+use crate::stats::Event;
+use crate::store::{ClaimResult, Outcome};
 use pgrx::pg_sys;
+use pgrx::prelude::*;
 use pgrx::PgSqlErrorCode;
 use std::ffi::CStr;
 
@@ -160,4 +164,219 @@ pub(crate) unsafe fn check_result(
             ),
         );
     }
+}
+
+// Forming rows ------------------------------------------------------------------------------
+
+/// Builds the function's composite result (its declared row type or OUT parameters).
+///
+/// # Safety
+/// `fcinfo` is the current call; `fields` are datums of the types of `columns`.
+pub(super) unsafe fn form_tuple(
+    fcinfo: pg_sys::FunctionCallInfo,
+    columns: &[ResultColumn],
+    what: &str,
+    fields: &[Option<pg_sys::Datum>],
+) -> pg_sys::Datum {
+    // SAFETY: the caller's guarantees. The descriptor comes from the call's declared result,
+    // checked to be a composite whose first columns are `columns` (so every field goes into a
+    // column of its datum's type), and is blessed before the tuple is formed in the call's
+    // memory context.
+    unsafe {
+        let mut tupdesc: pg_sys::TupleDesc = std::ptr::null_mut();
+        let class = pg_sys::get_call_result_type(fcinfo, std::ptr::null_mut(), &mut tupdesc);
+        if class != pg_sys::TypeFuncClass::TYPEFUNC_COMPOSITE || tupdesc.is_null() {
+            raise(
+                PgSqlErrorCode::ERRCODE_DATATYPE_MISMATCH,
+                "function result type does not match the extension's declaration".into(),
+                Some("reinstall the extension"),
+            );
+        }
+        debug_assert!(fields.len() <= columns.len());
+        check_result(tupdesc, columns, what);
+        tuple_datum(pg_sys::BlessTupleDesc(tupdesc), fields)
+    }
+}
+
+/// `claim_result`'s row descriptor and the OIDs of the `outcome` labels, checked and looked up
+/// once per backend and again whenever the type's descriptor changes: recreated (a new OID) or
+/// altered (`ALTER TYPE ... ALTER ATTRIBUTE`, an update of the extension), which gives the
+/// type cache's descriptor a new identifier.
+#[derive(Clone, Copy)]
+pub(super) struct ResultType {
+    typid: pg_sys::Oid,
+    /// The type cache's `tupDesc_identifier` of the descriptor that was checked.
+    identifier: u64,
+    tupdesc: pg_sys::TupleDesc,
+    /// new, replay, in_progress, mismatch
+    outcomes: [pg_sys::Datum; 4],
+}
+
+pub(super) static RESULT_TYPE: crate::local::BackendLocal<std::cell::Cell<Option<ResultType>>> =
+    crate::local::BackendLocal::new(std::cell::Cell::new(None));
+
+/// # Safety
+/// `fcinfo` is the current call of `claim`.
+pub(super) unsafe fn result_type(fcinfo: pg_sys::FunctionCallInfo) -> ResultType {
+    // SAFETY: the call's flinfo names the declared result type; the type cache entry of an
+    // existing type is never freed, and its descriptor is read only when present. The checked
+    // descriptor is a copy in the call's context; the cached one a copy of it in
+    // TopMemoryContext, so it outlives the call, as the per-backend cache needs (the copy it
+    // replaces is freed: no tuple refers to its descriptor). The enum labels' OIDs are plain
+    // values. `compat::attribute(tupdesc, 0)` is in range: the check found 7 columns.
+    unsafe {
+        let typid = pg_sys::get_fn_expr_rettype((*fcinfo).flinfo);
+        let entry = if typid == pg_sys::InvalidOid {
+            std::ptr::null_mut()
+        } else {
+            pg_sys::lookup_type_cache(typid, pg_sys::TYPECACHE_TUPDESC as std::ffi::c_int)
+        };
+        if entry.is_null() || (*entry).tupDesc.is_null() {
+            raise(
+                PgSqlErrorCode::ERRCODE_DATATYPE_MISMATCH,
+                "idempotency.claim must return idempotency.claim_result".into(),
+                Some("reinstall the extension"),
+            );
+        }
+        let identifier = (*entry).tupDesc_identifier;
+        let cached = RESULT_TYPE.with(|c| c.get());
+        if let Some(t) = cached.filter(|t| t.typid == typid && t.identifier == identifier) {
+            return t;
+        }
+        let checked = pg_sys::lookup_rowtype_tupdesc_copy(typid, -1);
+        let name = std::ffi::CStr::from_ptr(pg_sys::format_type_be(typid))
+            .to_string_lossy()
+            .into_owned();
+        check_result(checked, &CLAIM_RESULT, &name);
+        let outcomes = outcome_labels((*crate::compat::attribute(checked, 0)).atttypid);
+        let tupdesc = pgrx::PgMemoryContexts::TopMemoryContext
+            .switch_to(|_| pg_sys::BlessTupleDesc(pg_sys::CreateTupleDescCopy(checked)));
+        let t = ResultType {
+            typid,
+            identifier,
+            tupdesc,
+            outcomes,
+        };
+        RESULT_TYPE.with(|c| c.set(Some(t)));
+        if let Some(old) = cached {
+            pg_sys::FreeTupleDesc(old.tupdesc);
+        }
+        t
+    }
+}
+
+/// The outcomes in the order of [`ResultType::outcomes`].
+pub(super) const OUTCOMES: [Outcome; 4] = [
+    Outcome::New,
+    Outcome::Replay,
+    Outcome::InProgress,
+    Outcome::Mismatch,
+];
+
+/// An outcome's index in [`OUTCOMES`] (and so in [`ResultType::outcomes`]) and the event it
+/// counts as.
+pub(super) fn outcome_slot(o: Outcome) -> (usize, Event) {
+    match o {
+        Outcome::New => (0, Event::ClaimNew),
+        Outcome::Replay => (1, Event::ClaimReplay),
+        Outcome::InProgress => (2, Event::ClaimInProgress),
+        Outcome::Mismatch => (3, Event::ClaimMismatch),
+    }
+}
+
+/// The datums of the `outcome` enum's labels, in the order of [`OUTCOMES`].
+///
+/// # Safety
+/// `outcome_type` is the OID of `idempotency.outcome`.
+pub(super) unsafe fn outcome_labels(outcome_type: pg_sys::Oid) -> [pg_sys::Datum; 4] {
+    OUTCOMES.map(|o| {
+        let label = std::ffi::CString::new(o.label()).unwrap_or_default();
+        pgrx::direct_function_call_as_datum(
+            pg_sys::enum_in,
+            &[
+                Some(pg_sys::Datum::from(label.as_ptr())),
+                Some(pg_sys::Datum::from(outcome_type)),
+            ],
+        )
+        .unwrap_or_else(|| {
+            raise(
+                PgSqlErrorCode::ERRCODE_INTERNAL_ERROR,
+                "enum_in".into(),
+                None,
+            )
+        })
+    })
+}
+
+/// # Safety
+/// `t` is the result type of the current call of `claim`.
+pub(super) unsafe fn claim_tuple(t: &ResultType, r: ClaimResult) -> pg_sys::Datum {
+    // SAFETY: the caller's guarantee; every field is a datum of its column's type in the
+    // `claim_result` descriptor (checked column by column: `CLAIM_RESULT`), allocated
+    // in the call's context.
+    unsafe {
+        let fields: [Option<pg_sys::Datum>; 7] = [
+            Some(t.outcomes[outcome_slot(r.outcome).0]),
+            r.token.into_datum(),
+            r.response.and_then(|j| j.into_datum()),
+            r.response_status.into_datum(),
+            r.retry_after.into_datum(),
+            r.expires_at.into_datum(),
+            r.recovery_point
+                .as_deref()
+                .map(|p| encoding::text_datum(p, "recovery_point")),
+        ];
+        tuple_datum(t.tupdesc, &fields)
+    }
+}
+
+/// A composite datum of `tupdesc` with `fields` (NULL where None or missing).
+///
+/// # Safety
+/// `tupdesc` is a valid, blessed descriptor; `fields` are datums of its column types.
+pub(super) unsafe fn tuple_datum(
+    tupdesc: pg_sys::TupleDesc,
+    fields: &[Option<pg_sys::Datum>],
+) -> pg_sys::Datum {
+    // SAFETY: the caller's guarantees; the tuple is formed in the current (the call's) context
+    // from `natts` values and null flags, as `with_row` gives them.
+    unsafe {
+        with_row(tupdesc, fields, |values, nulls| {
+            let tuple = pg_sys::heap_form_tuple(tupdesc, values, nulls);
+            pg_sys::HeapTupleHeaderGetDatum((*tuple).t_data)
+        })
+    }
+}
+
+/// Calls `f` with the values and null flags of a row of `tupdesc` holding `fields` (NULL where
+/// None or missing): exactly `natts` of each, as heap_form_tuple and tuplestore_putvalues read.
+///
+/// # Safety
+/// `tupdesc` is a valid descriptor.
+pub(super) unsafe fn with_row<R>(
+    tupdesc: pg_sys::TupleDesc,
+    fields: &[Option<pg_sys::Datum>],
+    f: impl FnOnce(*mut pg_sys::Datum, *mut bool) -> R,
+) -> R {
+    // The result types have a handful of columns: on the stack, unless one was widened a lot.
+    const ON_STACK: usize = 16;
+    // SAFETY: the caller guarantees the descriptor; `natts` is its column count.
+    let natts = unsafe { (*tupdesc).natts } as usize;
+    let (mut stack_values, mut stack_nulls) =
+        ([pg_sys::Datum::from(0usize); ON_STACK], [true; ON_STACK]);
+    let (mut heap_values, mut heap_nulls) = (Vec::new(), Vec::new());
+    let (values, nulls): (&mut [pg_sys::Datum], &mut [bool]) = if natts <= ON_STACK {
+        (&mut stack_values[..natts], &mut stack_nulls[..natts])
+    } else {
+        heap_values.resize(natts, pg_sys::Datum::from(0usize));
+        heap_nulls.resize(natts, true);
+        (&mut heap_values, &mut heap_nulls)
+    };
+    for (i, field) in fields.iter().enumerate().take(natts) {
+        if let Some(d) = field {
+            values[i] = *d;
+            nulls[i] = false;
+        }
+    }
+    f(values.as_mut_ptr(), nulls.as_mut_ptr())
 }

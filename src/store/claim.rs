@@ -9,7 +9,7 @@ use super::sql::{insert_batch, read_row, with_spi, write_claim, Write};
 use super::{spi_failed, ClaimRequest, ClaimResult, Outcome, Row, MAX_ROUNDS};
 use crate::decision::{self, Decision, Stored};
 use crate::error::raise;
-use crate::{encoding, guc};
+use crate::guc;
 use pgrx::datum::Interval;
 use pgrx::pg_sys;
 use pgrx::spi::SpiClient;
@@ -29,7 +29,7 @@ pub(crate) fn stored(r: &Row) -> Stored<'_> {
 /// in progress, come back after `idempotency.busy_retry_after` (that transaction usually ends
 /// in milliseconds: its lease says nothing about when). `expires_at` stays NULL: the row is not
 /// committed and may never be.
-pub(crate) fn busy_result() -> ClaimResult {
+fn busy_result() -> ClaimResult {
     let mut r = ClaimResult::new(Outcome::InProgress);
     r.retry_after = Interval::new(0, 0, guc::int(&guc::BUSY_RETRY_AFTER).max(1) as i64 * 1000).ok();
     r
@@ -62,7 +62,7 @@ pub(crate) fn log_mismatch(req: &ClaimRequest<'_>, stored: Option<&[u8]>) {
         prefix(stored),
         prefix(req.hash.as_ref().map(|h| &h[..]))
     );
-    pgrx::warning!("{}", encoding::for_message(message));
+    pgrx::warning!("{}", crate::error::for_message(message));
 }
 
 /// The claim algorithm. Never waits on another transaction's claim of the same key beyond
@@ -174,7 +174,7 @@ pub(crate) enum Looked {
 /// a key across backends for a moment, so an insert never meets another claimer's
 /// half-finished insert of the same key (which would wait for that transaction to end). Under
 /// READ COMMITTED a key that exists was already answered by a look without the lock.
-pub(crate) fn probe_or_insert(
+fn probe_or_insert(
     req: &ClaimRequest<'_>,
     insert: impl FnOnce() -> Result<Step, pgrx::spi::Error>,
 ) -> Looked {
@@ -220,7 +220,7 @@ pub(crate) fn answer(req: &ClaimRequest<'_>, decision: Decision, row: Row) -> Cl
 }
 
 /// Applies the outcome table to a row that exists.
-pub(crate) fn decide(
+fn decide(
     client: &mut SpiClient<'_>,
     req: &ClaimRequest<'_>,
     row: Row,
@@ -289,6 +289,45 @@ pub(crate) fn in_progress(row: Row) -> ClaimResult {
     r
 }
 
+/// Keys of a `claim_many` call take at most this many keys' insert locks at once (the server's
+/// lock table is shared and sized by max_locks_per_transaction): a larger batch is inserted in
+/// several chunks.
+const BATCH_CHUNK: usize = 128;
+
+/// `claim_many`'s claims of `keys` (stored forms) with `hashes`, chunk by chunk: the fresh keys
+/// of each chunk inserted together ([`claim_fresh_batch`]), every other position claimed by
+/// [`claim`], in input order. Each position's answer goes to `answer(position, result)` as soon
+/// as its chunk is done.
+pub fn claim_many(
+    scope: &str,
+    keys: &[String],
+    hashes: &[Option<[u8; 32]>],
+    ttl: Interval,
+    lease: Interval,
+    mut answer: impl FnMut(usize, ClaimResult),
+) {
+    let mut start = 0;
+    while start < keys.len() {
+        let end = (start + BATCH_CHUNK).min(keys.len());
+        let refs: Vec<&str> = keys[start..end].iter().map(String::as_str).collect();
+        let fresh = claim_fresh_batch(scope, &refs, &hashes[start..end], ttl, lease);
+        for (j, done) in fresh.into_iter().enumerate() {
+            let i = start + j;
+            let result = done.unwrap_or_else(|| {
+                claim(&ClaimRequest {
+                    scope,
+                    key: &keys[i],
+                    hash: hashes[i],
+                    ttl,
+                    lease,
+                })
+            });
+            answer(i, result);
+        }
+        start = end;
+    }
+}
+
 /// The set-based part of `claim_many`: the keys of a batch (stored form, with their request
 /// hashes) that are absent are inserted in one statement, and answered `new` here; every other
 /// position is None, for the caller to claim one by one with [`claim`] (so a key that exists,
@@ -307,7 +346,7 @@ pub(crate) fn in_progress(row: Row) -> ClaimResult {
 /// once. If it would wait (or, below SQL, the unique index finds a key the probe missed), it
 /// is rolled back; the SQL insert then probes each key (still under its lock, with a confirmed
 /// miss) and inserts only the absent ones, and below SQL those keys go to `claim`.
-pub fn claim_fresh_batch(
+fn claim_fresh_batch(
     scope: &str,
     keys: &[&str],
     hashes: &[Option<[u8; 32]>],

@@ -5,7 +5,6 @@ use super::catalog::{
     check_access, check_citus_node, check_layout, direct_layout_for_write, layout, PinnedSearchPath,
 };
 use super::{heap, sql, CompleteRequest};
-use crate::guc;
 use pgrx::datum::TimestampWithTimeZone;
 use pgrx::pg_sys;
 
@@ -35,7 +34,7 @@ pub fn complete(req: &CompleteRequest<'_>) -> Option<TimestampWithTimeZone> {
         None => sql::complete_sql(req),
     };
     let done = done?;
-    if guc::audit() {
+    if req.audit {
         // On Citus: this node's audit ids must be of its own range.
         check_citus_node();
         sql::audit(req, &done);

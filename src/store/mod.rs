@@ -32,8 +32,8 @@ mod sql;
 mod sweep;
 
 pub(crate) use catalog::column_is;
-pub use catalog::{key_label, role_settings, stored_key, PinnedSearchPath, RoleSettings};
-pub use claim::{claim, claim_fresh_batch};
+pub use catalog::{role_settings, stored_key};
+pub use claim::{claim, claim_many};
 pub use complete::complete;
 pub use heap::{now_plus, transaction_start};
 pub use sweep::{expired_since, sweep_audit_batch, sweep_batch, sweep_start};
@@ -175,6 +175,8 @@ pub struct CompleteRequest<'a> {
     pub response_status: i32,
     pub token: Option<i64>,
     pub ttl: Option<Interval>,
+    /// Whether the completion writes an audit row (`binding::audit`, decided by the caller).
+    pub audit: bool,
 }
 
 /// What a completion changed: the new expiry, and the claim's request hash and token (for the

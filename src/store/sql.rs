@@ -49,7 +49,7 @@ pub(crate) const INSERT_FRESH_SQL: &str = "INSERT INTO idempotency.idempotency_k
 /// (all held until this statement ends), found absent: one statement for the whole batch, in
 /// the batch's order, without ON CONFLICT for the reason [`INSERT_FRESH_SQL`] gives. $2 are the
 /// keys (stored form), $3 their request hashes (NULL elements: no request).
-pub(crate) const INSERT_BATCH_SQL: &str = "INSERT INTO idempotency.idempotency_keys AS k \
+const INSERT_BATCH_SQL: &str = "INSERT INTO idempotency.idempotency_keys AS k \
        (scope, key, request_hash, status, token, created_at, locked_until, expires_at, ttl) \
      SELECT $1, u.key, u.request_hash, 'in_progress', pg_catalog.nextval('idempotency.token_seq'), \
        pg_catalog.now(), pg_catalog.now() OPERATOR(pg_catalog.+) $4, \
@@ -60,7 +60,7 @@ pub(crate) const INSERT_BATCH_SQL: &str = "INSERT INTO idempotency.idempotency_k
 /// [`INSERT_BATCH_SQL`] with `ON CONFLICT (scope, key) DO NOTHING`: the statement a batch runs
 /// first, holding the insert locks of all its keys without having looked at them; a key that
 /// exists is skipped (and claimed one by one afterwards).
-pub(crate) fn insert_batch_on_conflict_sql() -> String {
+fn insert_batch_on_conflict_sql() -> String {
     INSERT_BATCH_SQL.replace(
         " RETURNING k.key",
         " ON CONFLICT (scope, key) DO NOTHING RETURNING k.key",
@@ -75,7 +75,7 @@ pub(crate) fn insert_batch_on_conflict_sql() -> String {
 /// gone, which a stale holder's `complete` would then pass for its own. The row is locked (the
 /// claim read it FOR UPDATE), so its token is still the one $6 was chosen above; the condition
 /// on it only guards that.
-pub(crate) const RESTART_SQL: &str = "UPDATE idempotency.idempotency_keys AS k SET \
+const RESTART_SQL: &str = "UPDATE idempotency.idempotency_keys AS k SET \
        request_hash = $3, status = 'in_progress', \
        token = $6, \
        response = NULL, response_status = NULL, recovery_point = NULL, \
@@ -87,11 +87,11 @@ pub(crate) const RESTART_SQL: &str = "UPDATE idempotency.idempotency_keys AS k S
      RETURNING k.token, k.expires_at, k.recovery_point";
 
 /// The token of a restart or takeover, before the UPDATE (see [`RESTART_SQL`]).
-pub(crate) const NEXT_TOKEN_SQL: &str = "SELECT pg_catalog.nextval('idempotency.token_seq')";
+const NEXT_TOKEN_SQL: &str = "SELECT pg_catalog.nextval('idempotency.token_seq')";
 
 /// Takes over an in-progress row whose lease ran out; keeps its recovery point. The new token
 /// is a value of this node's sequence above the old one (see [`RESTART_SQL`]).
-pub(crate) const TAKEOVER_SQL: &str = "UPDATE idempotency.idempotency_keys AS k SET \
+const TAKEOVER_SQL: &str = "UPDATE idempotency.idempotency_keys AS k SET \
        request_hash = COALESCE(k.request_hash, $3), \
        token = $6, \
        locked_until = pg_catalog.now() OPERATOR(pg_catalog.+) $4, \
@@ -463,7 +463,7 @@ pub(crate) fn with_spi<R>(f: impl FnOnce(&mut SpiClient<'_>) -> R) -> R {
 }
 
 /// Stores the response on the live in-progress claim (with the right token, when given).
-pub(crate) const COMPLETE_SQL: &str = "UPDATE idempotency.idempotency_keys AS k SET \
+const COMPLETE_SQL: &str = "UPDATE idempotency.idempotency_keys AS k SET \
        status = 'completed'::idempotency.key_status, response = $3, response_status = $4, \
        completed_at = pg_catalog.now(), locked_until = NULL, \
        expires_at = pg_catalog.now() OPERATOR(pg_catalog.+) COALESCE($6, k.ttl), \
@@ -475,7 +475,7 @@ pub(crate) const COMPLETE_SQL: &str = "UPDATE idempotency.idempotency_keys AS k 
      RETURNING k.expires_at, k.request_hash, k.token";
 
 /// One audit row per completion (`idempotency.audit = on`), in the completing transaction.
-pub(crate) const AUDIT_SQL: &str = "INSERT INTO idempotency.audit \
+const AUDIT_SQL: &str = "INSERT INTO idempotency.audit \
        (scope, key, key_is_hash, request_hash, token, response_status, completed_at, completed_by) \
      VALUES ($1, $2, $3, $4, $5, $6, pg_catalog.now(), $7)";
 
@@ -545,7 +545,7 @@ pub(crate) fn audit_plans(client: &SpiClient<'_>) -> Result<&'static AuditPlans,
 /// The role that completes: the session's current role (SET ROLE), not the owner of the
 /// SECURITY DEFINER function that runs the statement. Its name's bytes as the catalog holds
 /// them, not through a UTF-8 string (as `current_user` gives it, in any database encoding).
-pub(crate) fn completing_role<'a>() -> pgrx::datum::DatumWithOid<'a> {
+fn completing_role<'a>() -> pgrx::datum::DatumWithOid<'a> {
     // SAFETY: GetUserNameFromId returns a palloc'd, NUL-terminated name (it raises an ERROR
     // for a role that does not exist); the text datum is a copy of its bytes.
     unsafe {
@@ -667,6 +667,26 @@ const PARTITIONS_SQL: &str = "SELECT t.relid::pg_catalog.regclass::pg_catalog.te
        FROM pg_catalog.pg_partition_tree($1::pg_catalog.regclass) AS t \
       WHERE t.isleaf ORDER BY t.relid";
 
+/// The parts of `table` this node holds, schema-qualified: on Citus its shards placed on this
+/// node (read from this node's own metadata: no other node is asked), else its leaf partitions.
+pub(crate) fn local_parts(
+    client: &pgrx::spi::SpiClient<'_>,
+    table: &str,
+) -> Result<Vec<String>, pgrx::spi::Error> {
+    Ok(client
+        .select(
+            if super::catalog::citus_table() {
+                LOCAL_SHARDS_SQL
+            } else {
+                PARTITIONS_SQL
+            },
+            None,
+            &[table.into()],
+        )?
+        .filter_map(|r| r.get::<String>(1).ok().flatten())
+        .collect())
+}
+
 /// A sweep on Citus or of a partitioned store: runs `statement`, a DELETE that names `table` (schema-qualified, as in
 /// the statement), on each of this node's shards of `table` in its place, until `batch` rows
 /// are deleted; `args(left)` gives the statement's arguments for at most `left` more rows.
@@ -682,18 +702,7 @@ pub(crate) fn sweep_local_shards<'a>(
 ) -> Result<i64, pgrx::spi::Error> {
     let _path = super::catalog::PinnedSearchPath::pin();
     Spi::connect_mut(|client| {
-        let shards: Vec<String> = client
-            .select(
-                if super::catalog::citus_table() {
-                    LOCAL_SHARDS_SQL
-                } else {
-                    PARTITIONS_SQL
-                },
-                None,
-                &[table.into()],
-            )?
-            .filter_map(|r| r.get::<String>(1).ok().flatten())
-            .collect();
+        let shards = local_parts(client, table)?;
         let mut deleted = 0;
         for shard in shards {
             if deleted >= batch {

@@ -1,11 +1,13 @@
 //! The sweep: expired rows (and old audit rows) deleted in batches, through the statements.
 
 use super::catalog::relation_oid;
-use super::catalog::sql_only;
 use super::catalog::PinnedSearchPath;
 use super::catalog::{check_no_inheritance_children, layout};
+use super::catalog::{citus_table, sql_only};
 use super::spi_failed;
-use super::sql::{audit_plans, plan, sweep_local_shards, Plan, AUDIT_SWEEP_SQL, SWEEP_SQL};
+use super::sql::{
+    audit_plans, local_parts, plan, sweep_local_shards, Plan, AUDIT_SWEEP_SQL, SWEEP_SQL,
+};
 use crate::encoding;
 use pgrx::pg_sys;
 use pgrx::prelude::*;
@@ -39,9 +41,29 @@ pub fn expired_since(since: pg_sys::TimestampTz) -> i64 {
             pg_sys::TIMESTAMPTZOID,
         )
     };
-    // SAFETY: a timestamptz (or the same value as a timestamp, see above) is passed by value.
-    let since = unsafe { pgrx::datum::DatumWithOid::new(pg_sys::Datum::from(since), type_oid) };
-    Spi::get_one_with_args::<i64>(statement, &[since])
+    let since = || {
+        // SAFETY: a timestamptz (or the same value as a timestamp, see above) is passed by
+        // value.
+        unsafe { pgrx::datum::DatumWithOid::new(pg_sys::Datum::from(since), type_oid) }
+    };
+    if citus_table() {
+        // Each node counts the shards it holds, as it sweeps them: a count of the distributed
+        // table would reach every node, and fail (and stop this node's sweep) while one is down.
+        return Spi::connect(|client| {
+            let mut total = 0i64;
+            for shard in local_parts(client, "idempotency.idempotency_keys")? {
+                let sql = statement.replace("idempotency.idempotency_keys", &shard);
+                let n = client
+                    .select(sql.as_str(), None, &[since()])?
+                    .first()
+                    .get_one::<i64>()?;
+                total += n.unwrap_or(0);
+            }
+            Ok::<_, pgrx::spi::Error>(total)
+        })
+        .unwrap_or(0);
+    }
+    Spi::get_one_with_args::<i64>(statement, &[since()])
         .ok()
         .flatten()
         .unwrap_or(0)
@@ -69,8 +91,15 @@ pub fn sweep_start() {
 
 /// Deletes up to `batch` expired rows whose scope starts with `prefix` ("": every row),
 /// skipping rows other transactions hold, in sweep-key order from where the last batch of this
-/// sweep ([`sweep_start`]) ended; returns how many.
+/// sweep ([`sweep_start`]) ended; counts them (`rows_swept`) and returns how many.
+/// `idempotency.sweep` and the background sweeper sweep through here.
 pub fn sweep_batch(batch: i64, prefix: &str) -> i64 {
+    let deleted = delete_expired(batch, prefix);
+    crate::stats::count(crate::stats::Event::Swept, deleted as u64);
+    deleted
+}
+
+fn delete_expired(batch: i64, prefix: &str) -> i64 {
     let _path = PinnedSearchPath::pin();
     // The statement matches rows by ctid, which a table inheriting from the store shares.
     check_no_inheritance_children(&layout());

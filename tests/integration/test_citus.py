@@ -142,8 +142,12 @@ def test_distribute_refuses_off_the_coordinator_and_without_citus(citus, coord):
             assert e.value.sqlstate == "0A000"
             assert "citus" in e.value.diag.message_primary
             assert "CREATE EXTENSION citus" in e.value.diag.message_hint
-            # Without Citus the store works as on any single node.
+            # Without Citus the store works as on any single node, complete inlined into the
+            # caller's statement.
             assert claim(p, "k")[0] == "new"
+            plan = "\n".join(x[0] for x in p.execute(
+                "EXPLAIN (VERBOSE) SELECT idempotency.complete('k', '{}', 200, '', 1)").fetchall())
+            assert "_complete(" in plan, plan
     finally:
         coord.execute("DROP DATABASE plain WITH (FORCE)")
 
@@ -230,6 +234,116 @@ def test_claim_order_complete_in_one_transaction(citus, coord):
     assert claim(coord, "buy-2", {"sku": 2}, scope="client-b")[0] == "new"
 
 
+def remote_commands(conn, statement):
+    """The commands the coordinator sent to other nodes while it ran `statement`
+    (citus.log_remote_commands), and the statement's first row."""
+    notices = []
+
+    def handler(d):
+        notices.append(d.message_primary)
+    conn.add_notice_handler(handler)
+    conn.execute("SET citus.log_remote_commands = on")
+    try:
+        row = conn.execute(statement).fetchone()
+    finally:
+        conn.execute("RESET citus.log_remote_commands")
+        conn.remove_notice_handler(handler)
+    return [n.removeprefix("issuing ") for n in notices if n.startswith("issuing ")], row
+
+
+def test_complete_is_one_delegated_call_not_begin_update_commit(citus, coord):
+    """complete, a SQL function the planner inlines, would reach Citus as _complete's expression
+    and run on the coordinator, sending BEGIN, UPDATE and COMMIT to the worker: on a distributed
+    store a top-level complete goes to the worker as one call of itself (an error included); a
+    single node keeps it inlined."""
+    r = claim(coord, "one-call", {"n": 1}, scope="delegated-complete")
+    assert r[0] == "new"
+    stmt = sql.SQL("SELECT idempotency.complete('one-call', '{{\"ok\": 1}}'::jsonb, 201, "
+                   "'delegated-complete', {})")
+    sent, row = remote_commands(coord, stmt.format(sql.Literal(r[1])))
+    assert row[0] is not None
+    assert len(sent) == 1 and "idempotency.complete(" in sent[0], sent
+    assert not any("UPDATE" in c or c.startswith("BEGIN") or c.startswith("COMMIT") for c in sent), sent
+    assert claim(coord, "one-call", {"n": 1}, scope="delegated-complete")[:4] == ("replay", r[1], {"ok": 1}, 201)
+    # Its errors come back with their SQLSTATE (IK002: completed already), from the same one call.
+    with pytest.raises(psycopg.Error) as e:
+        remote_commands(coord, stmt.format(sql.Literal(r[1])))
+    assert e.value.sqlstate == "IK002", e.value
+    # A session setting keeps the call here (it reaches the shard through SQL), as before.
+    r2 = claim(coord, "one-call-2", {"n": 2}, scope="delegated-complete")
+    coord.execute("SET idempotency.audit = on")
+    try:
+        sent, _ = remote_commands(coord, sql.SQL("SELECT idempotency.complete('one-call-2', '{{}}'::jsonb, 200, "
+                                                 "'delegated-complete', {})").format(sql.Literal(r2[1])))
+    finally:
+        coord.execute("RESET idempotency.audit")
+    assert not any("idempotency.complete(" in c for c in sent), sent
+    # Every node calls complete as itself (not inlined), so the node it is delegated to knows
+    # the call as delegated (a single node keeps it inlined: test_distribute_refuses_...).
+    for node in citus.nodes:
+        with citus.connect(node) as c:
+            plan = "\n".join(x[0] for x in c.execute(
+                "EXPLAIN (VERBOSE) SELECT idempotency.complete('k', '{}', 200, 's', 1)").fetchall())
+            assert "_complete(" not in plan, plan
+
+
+FORCE_DELEGATED = ["idempotency.claim(text,jsonb,text,interval,interval)",
+                   "idempotency.complete(text,jsonb,integer,text,bigint,interval)"]
+
+
+def force_delegation(conn, on):
+    for f in FORCE_DELEGATED:
+        conn.execute("SELECT create_distributed_function(%s, 'scope', colocate_with => "
+                     "'idempotency.idempotency_keys', force_delegation => %s)", (f, on))
+
+
+def test_one_transaction_style_with_force_delegation(citus, coord):
+    """claim, the business write and complete in one transaction, with claim and complete
+    distributed with force_delegation (docs/scaling.md): the calls run on the worker holding the
+    scope's shard, inside the transaction, the order with them; one worker, no two-phase commit;
+    a rollback leaves neither the key nor the order."""
+    groups = dict(coord.execute("SELECT nodeport, groupid FROM pg_dist_node").fetchall())
+    port = citus.workers[0].port
+    scope = scope_on(coord, port, "forced")
+    force_delegation(coord, True)
+    try:
+        notices = []
+
+        def handler(d):
+            notices.append(d.message_primary)
+        coord.add_notice_handler(handler)
+        coord.execute("SET citus.log_remote_commands = on")
+        with coord.transaction():
+            r = claim(coord, "buy", {"sku": 1}, scope=scope)
+            assert r[0] == "new" and r[1] % STRIDE == groups[port], (r, groups)  # ran on the worker
+            coord.execute("INSERT INTO shop.orders VALUES (%s, 7, 70)", (scope,))
+            complete(coord, "buy", {"order_id": 7}, scope=scope, token=r[1], status=201)
+        coord.execute("RESET citus.log_remote_commands")
+        coord.remove_notice_handler(handler)
+        sent = [n.removeprefix("issuing ") for n in notices if n.startswith("issuing ")]
+        assert any("idempotency.claim(" in c for c in sent), sent
+        assert any("idempotency.complete(" in c for c in sent), sent
+        assert not any("idempotency_keys" in c for c in sent), sent  # no statement of the store's own
+        assert not any("PREPARE TRANSACTION" in c for c in sent), sent
+        assert claim(coord, "buy", {"sku": 1}, scope=scope)[:4] == ("replay", r[1], {"order_id": 7}, 201)
+        assert coord.execute("SELECT count(*) FROM shop.orders WHERE client_id = %s",
+                             (scope,)).fetchone()[0] == 1
+
+        with pytest.raises(RuntimeError):
+            with coord.transaction():
+                assert claim(coord, "buy-2", {"sku": 2}, scope=scope)[0] == "new"
+                coord.execute("INSERT INTO shop.orders VALUES (%s, 8, 80)", (scope,))
+                raise RuntimeError("payment failed")
+        assert coord.execute("SELECT count(*) FROM shop.orders WHERE client_id = %s AND order_id = 8",
+                             (scope,)).fetchone()[0] == 0
+        assert claim(coord, "buy-2", {"sku": 2}, scope=scope)[0] == "new"
+    finally:
+        coord.execute("RESET citus.log_remote_commands")
+        force_delegation(coord, False)
+    assert not coord.execute("SELECT bool_or(force_delegation) FROM pg_dist_object WHERE objid = ANY(%s::regprocedure[])",
+                             (FORCE_DELEGATED,)).fetchone()[0]
+
+
 def test_takeover_after_a_shard_move_gets_a_larger_token(citus, coord):
     # A scope whose shard is on the worker with the larger group id.
     groups = dict(coord.execute("SELECT nodeport, groupid FROM pg_dist_node").fetchall())
@@ -289,6 +403,55 @@ def test_expired_keys_are_swept_on_the_workers(citus, coord):
     for node in citus.nodes:
         log = node.server_log()
         assert "idempotency.sweep" not in log, log[-2000:]
+
+
+def scopes_on_port(coord, port, prefix, n):
+    """n scopes whose shard of the store is placed on the worker at `port`."""
+    found = []
+    for i in range(10_000):
+        s = f"{prefix}-{i}"
+        if coord.execute(
+                "SELECT nodeport FROM pg_dist_shard_placement WHERE shardid = "
+                "get_shard_id_for_distribution_column('idempotency.idempotency_keys', %s::text)",
+                (s,)).fetchone()[0] == port:
+            found.append(s)
+            if len(found) == n:
+                return found
+    raise AssertionError(f"no {n} scopes on port {port}")
+
+
+def local_key_rows(citus, worker, key):
+    """Rows of `key` in the shards of the store placed on `worker`, read there."""
+    with citus.connect(worker) as w:
+        shards = [r[0] for r in w.execute(
+            "SELECT shard_name(s.logicalrelid, s.shardid) FROM pg_dist_shard s JOIN pg_dist_placement p "
+            "USING (shardid) WHERE s.logicalrelid = 'idempotency.idempotency_keys'::regclass "
+            "AND p.groupid = (SELECT groupid FROM pg_dist_local_group)").fetchall()]
+        return sum(w.execute(sql.SQL("SELECT count(*) FROM {} WHERE key = %s").format(
+            sql.Identifier(*name.split("."))), (key,)).fetchone()[0] for name in shards)
+
+
+def test_one_worker_down_the_other_still_sweeps_its_shards(citus, coord):
+    """Attack: one node down stops sweeping everywhere. A sweeper that reads the distributed
+    table (it counted the rows expired since its last look) reaches every node, and fails each
+    round while one is down. Each node sweeps its own shards without reaching another: with one
+    worker stopped, the other's expired keys are swept."""
+    survivor, victim = citus.workers[0], citus.workers[1]
+    live = scopes_on_port(coord, survivor.port, "down-sweep", 20)
+    for s in live + scopes_on_port(coord, victim.port, "down-sweep", 5):
+        t = claim(coord, "down", scope=s, ttl="2 seconds", lease="2 seconds")[1]
+        complete(coord, "down", {"ok": True}, scope=s, token=t)
+    assert local_key_rows(citus, survivor, "down") == len(live)
+    victim.stop()
+    try:
+        time.sleep(2.5)  # every key expired, the victim down
+        deadline = time.monotonic() + 30
+        while local_key_rows(citus, survivor, "down") and time.monotonic() < deadline:
+            time.sleep(0.5)
+        assert local_key_rows(citus, survivor, "down") == 0, survivor.server_log()[-3000:]
+    finally:
+        victim.restart()
+        victim.wait_ready()
 
 
 def test_tenant_prefixes_hold_on_every_node(citus, coord):
@@ -366,6 +529,40 @@ def test_claim_meeting_an_uncommitted_claim_waits_for_it(citus, coord):
             t.join()
         assert got["outcome"] == expected, (end, got)
         assert got["waited"] >= 0.9, (end, got)
+
+
+def test_claims_of_two_keys_in_opposite_order_end_in_a_deadlock(citus, coord):
+    """Two transactions claiming the same two keys in opposite order: on Citus each claim of
+    the key the other holds uncommitted waits for it, so one transaction ends with 40P01 (its
+    claims rolled back) and the other goes on and commits (docs/scaling.md says why a single node
+    answers in_progress instead)."""
+    a = citus.connect(autocommit=False)
+    b = citus.connect(autocommit=False)
+    try:
+        assert claim(a, "dl-1", scope="deadlock")[0] == "new"
+        assert claim(b, "dl-2", scope="deadlock")[0] == "new"
+        got = {}
+
+        def second(name, conn, key):
+            try:
+                got[name] = claim(conn, key, scope="deadlock")[0]
+                conn.execute("COMMIT")
+            except psycopg.Error as e:
+                got[name] = e.sqlstate
+                conn.execute("ROLLBACK")
+
+        ta = threading.Thread(target=second, args=("a", a, "dl-2"))
+        ta.start()
+        time.sleep(0.3)
+        second("b", b, "dl-1")
+        ta.join()
+    finally:
+        a.close()
+        b.close()
+    assert sorted(got.values()) == ["40P01", "new"], got
+    # The survivor's claims are committed; the deadlocked one's are gone.
+    winner = "dl-1" if got["a"] == "new" else "dl-2"
+    assert claim(coord, winner, scope="deadlock")[0] == "in_progress"
 
 
 def test_keys_stored_hashed_chosen_before_distributing(citus, coord):
@@ -561,6 +758,39 @@ def test_shard_split_keeps_keys_and_fences_the_stale_token(citus, coord):
         complete(coord, "after-split", {"n": 2}, scope=scope, token=r[1])
     assert claim(coord, "after-split", {"n": 2}, scope=scope)[0] == "replay"
     assert shard_rows(citus).get(low, 0) > 0
+
+
+def test_shard_split_in_the_default_mode_with_the_citus_output_plugin_allowed(citus, coord):
+    """A split in the default (logical replication) mode decodes with Citus's output plugin
+    `citus`, which a server with the setting output_plugin_libraries refuses unless listed
+    (docs/scaling.md): listed with ALTER SYSTEM and a reload on every node, the split of the
+    store's shard keeps every key and the keys of the split shard work."""
+    with citus.connect() as c:
+        if not c.execute("SELECT count(*) FROM pg_settings WHERE name = 'output_plugin_libraries'").fetchone()[0]:
+            pytest.skip("this server has no output_plugin_libraries: nothing to allow")
+    for node in citus.nodes:
+        with citus.connect(node) as c:
+            c.execute("ALTER SYSTEM SET output_plugin_libraries = pgoutput, test_decoding, citus")
+            c.execute("SELECT pg_reload_conf()")
+    scope = scope_on(coord, citus.workers[0].port, "logical-split")
+    done = claim(coord, "done", {"n": 0}, scope=scope)
+    complete(coord, "done", {"kept": True}, scope=scope, token=done[1])
+    kept = coord.execute("SELECT count(*) FROM idempotency.idempotency_keys").fetchone()[0]
+    shard, lo, hi = coord.execute(
+        "SELECT shardid, shardminvalue::int, shardmaxvalue::int FROM pg_dist_shard "
+        "WHERE shardid = get_shard_id_for_distribution_column('idempotency.idempotency_keys', %s::text)",
+        (scope,)).fetchone()
+    nodes = [r[0] for r in coord.execute("SELECT nodeid FROM pg_dist_node WHERE nodeport IN (%s, %s) ORDER BY nodeid",
+                                         (citus.workers[0].port, citus.workers[1].port)).fetchall()]
+    time.sleep(1)  # the reloads
+    coord.execute("SELECT citus_split_shard_by_split_points(%s, ARRAY[%s::text], ARRAY[%s, %s]::int[])",
+                  (shard, str(lo + (hi - lo) // 2), *nodes))
+    assert coord.execute("SELECT count(*) FROM idempotency.idempotency_keys").fetchone()[0] == kept
+    assert claim(coord, "done", {"n": 0}, scope=scope)[:3][0::2] == ("replay", {"kept": True})
+    r = claim(coord, "after-split", {"n": 1}, scope=scope)
+    assert r[0] == "new"
+    complete(coord, "after-split", {"ok": 1}, scope=scope, token=r[1])
+    assert claim(coord, "after-split", {"n": 1}, scope=scope)[0] == "replay"
 
 
 @pytest.mark.slow  # builds the example service with cargo (unless HTTP_SERVICE_BIN names a build)
@@ -900,6 +1130,162 @@ def test_audit_ids_stay_unique_after_distributing_an_audited_store(citus, coord)
         set_on_every_node(citus, "idempotency.audit", None)
 
 
+def test_distributing_a_store_with_keys_leaves_no_rows_in_the_coordinators_table(citus, coord):
+    """Citus copies a distributed table's rows into its shards and left them in the
+    coordinator's own table as well, where nothing reads or sweeps them (expired keys and audit
+    rows kept for ever). distribute() empties that table, and says so; the keys live on in the
+    shards. The store is a single node's, scaled out as docs/scaling.md says (Citus installed
+    after it, the workers added, distribute())."""
+    # The scale-out of a single node's store, step by step (docs/scaling.md): the store exists
+    # first, in a database without Citus; then Citus, the workers, distribute().
+    def info(node=None):
+        return citus.conninfo(node).replace(f"dbname={citus.coordinator.dbname}", "dbname=leftover")
+    for n in citus.nodes:
+        with psycopg.connect(n.conninfo(), autocommit=True) as c:
+            c.execute("CREATE DATABASE leftover")
+    with psycopg.connect(info(), autocommit=True) as c:
+        c.execute("CREATE EXTENSION idempotency")
+        c.execute("SET idempotency.audit = on")
+        scopes = [f"kept-{i}" for i in range(10)]
+        for s in scopes:
+            r = claim(c, "k", {"n": 1}, scope=s)
+            complete(c, "k", {"s": s}, scope=s, token=r[1])
+        c.execute("RESET idempotency.audit")
+        assert c.execute("SELECT count(*) FROM idempotency.idempotency_keys").fetchone()[0] == len(scopes)
+        for n in citus.nodes:
+            with psycopg.connect(info(n), autocommit=True) as x:
+                x.execute("CREATE EXTENSION citus")
+        c.execute("SELECT citus_set_coordinator_host('127.0.0.1', %s)", (citus.coordinator.port,))
+        for w in citus.workers:
+            c.execute("SELECT citus_add_node('127.0.0.1', %s)", (w.port,))
+        notices = []
+        c.add_notice_handler(lambda d: notices.append(d.message_primary))
+        c.execute("SELECT idempotency.distribute(shard_count => 4)")
+        for w in citus.workers:  # created there by Citus as the store's dependency
+            with psycopg.connect(info(w), autocommit=True) as x:
+                assert x.execute("SELECT extversion FROM pg_extension WHERE extname = 'idempotency'").fetchone()
+        for table in ("idempotency.idempotency_keys", "idempotency.audit"):
+            assert c.execute("SELECT pg_relation_size(%s::regclass)", (table,)).fetchone()[0] == 0, table
+            assert any(f"local table of {table}" in n for n in notices), notices
+        assert c.execute("SELECT count(*) FROM idempotency.idempotency_keys").fetchone()[0] == len(scopes)
+        assert c.execute("SELECT count(*) FROM idempotency.audit").fetchone()[0] == len(scopes)
+        for s in scopes:
+            assert claim(c, "k", {"n": 1}, scope=s)[:3][0::2] == ("replay", {"s": s})
+        # New keys, delegated, with the audit ids of the workers' ranges.
+        c.execute("SET idempotency.audit = on")
+        for s in scopes:
+            r = claim(c, "k2", {"n": 2}, scope=s)
+            complete(c, "k2", {"s": s}, scope=s, token=r[1])
+        c.execute("RESET idempotency.audit")
+        total, distinct = c.execute("SELECT count(*), count(DISTINCT id) FROM idempotency.audit").fetchone()
+        assert total == distinct == 2 * len(scopes), (total, distinct)
+        notices.clear()
+        c.execute("SELECT idempotency.distribute()")
+        assert any("nothing changed" in n for n in notices), notices
+
+
+# docs/scaling.md, "Undistributing the store": the same statements.
+UNDISTRIBUTE_COPY = [
+    "CREATE TABLE public.idem_keys AS SELECT to_jsonb(k) AS r FROM idempotency.idempotency_keys AS k",
+    "CREATE TABLE public.idem_audit AS SELECT to_jsonb(a) AS r FROM idempotency.audit AS a",
+    "CREATE TABLE public.idem_config AS SELECT to_jsonb(c) AS r FROM idempotency.config AS c",
+    "CREATE TABLE public.idem_secrets AS SELECT to_jsonb(s) AS r FROM idempotency.signing_secrets AS s",
+    "CREATE TABLE public.idem_tokens AS SELECT max(result::bigint) AS last_token "
+    "FROM run_command_on_all_nodes('SELECT last_value FROM idempotency.token_seq')",
+]
+UNDISTRIBUTE_RECREATE = ["DROP EXTENSION idempotency CASCADE", "CREATE EXTENSION idempotency"]
+UNDISTRIBUTE_RESTORE = [
+    "DELETE FROM idempotency.config",
+    "INSERT INTO idempotency.config SELECT (jsonb_populate_record(NULL::idempotency.config, r)).* "
+    "FROM public.idem_config",
+    "INSERT INTO idempotency.signing_secrets OVERRIDING SYSTEM VALUE "
+    "SELECT (jsonb_populate_record(NULL::idempotency.signing_secrets, r)).* FROM public.idem_secrets",
+    "SELECT setval(pg_get_serial_sequence('idempotency.signing_secrets', 'id'), max(id)) "
+    "FROM idempotency.signing_secrets",
+    "INSERT INTO idempotency.idempotency_keys "
+    "SELECT (jsonb_populate_record(NULL::idempotency.idempotency_keys, r)).* FROM public.idem_keys",
+    "INSERT INTO idempotency.audit "
+    "SELECT (jsonb_populate_record(NULL::idempotency.audit, r)).* FROM public.idem_audit",
+    "SELECT setval('idempotency.token_seq', last_token) FROM public.idem_tokens",
+    "SELECT setval('idempotency.audit_id_seq', max(id)) FROM idempotency.audit",
+]
+UNDISTRIBUTE_DROP = ["DROP TABLE public.idem_keys, public.idem_audit, public.idem_config, "
+                     "public.idem_secrets, public.idem_tokens"]
+
+
+def test_a_store_citus_converted_wrongly_is_undistributed_by_the_documented_route(citus, coord):
+    """Attack: the store made a Citus table of the wrong kind (a reference table, by hand);
+    distribute() refuses it (55000), and its hint named undistribute_table, which Citus refuses
+    for a table that belongs to an extension (XX000): a route that cannot be followed. The hint
+    now names the documented route (copy out, re-create the extension, copy back), which keeps
+    every key, the hashing secret and the fencing (a new claim's token is above every token
+    handed out before), and distribute() then works."""
+    info = citus.add_database("wrongly")
+    with psycopg.connect(info(), autocommit=True) as c:
+        c.execute("CREATE EXTENSION idempotency")
+        c.execute("SELECT idempotency.set_key_storage('sha256')")
+        c.execute("SELECT idempotency.rotate_signing_secret()")
+        signed = c.execute("SELECT idempotency.sign_key('signed-1')").fetchone()[0]
+        c.execute("SET idempotency.audit = on")
+        scopes = [f"w-{i}" for i in range(8)]
+        for s in scopes:
+            r = claim(c, "k", {"n": 1}, scope=s)
+            complete(c, "k", {"s": s}, scope=s, token=r[1])
+        c.execute("RESET idempotency.audit")
+        taken = claim(c, "open", {"n": 1}, scope="w-0", ttl="1 hour", lease="1 second")
+        c.execute("SELECT create_reference_table('idempotency.idempotency_keys')")
+        with pytest.raises(psycopg.Error) as e:
+            c.execute("SELECT idempotency.distribute()")
+        assert e.value.sqlstate == "55000"
+        hint = e.value.diag.message_hint
+        assert "Undistributing the store" in hint and "SELECT undistribute_table" not in hint, hint
+        # Citus's own conversion is refused for the extension's table, as the hint says.
+        with pytest.raises(psycopg.Error) as e:
+            c.execute("SELECT undistribute_table('idempotency.idempotency_keys')")
+        assert "extension" in e.value.diag.message_primary
+
+        for stmt in UNDISTRIBUTE_COPY + UNDISTRIBUTE_RECREATE:
+            c.execute(stmt)
+        with c.transaction():
+            for stmt in UNDISTRIBUTE_RESTORE:
+                c.execute(stmt)
+        for stmt in UNDISTRIBUTE_DROP:
+            c.execute(stmt)
+        # A plain table again, every key kept (hashed with the old secret, so they replay).
+        assert c.execute("SELECT count(*) FROM pg_dist_partition WHERE logicalrelid = "
+                         "'idempotency.idempotency_keys'::regclass").fetchone()[0] == 0
+        for s in scopes:
+            assert claim(c, "k", {"n": 1}, scope=s)[:3][0::2] == ("replay", {"s": s})
+        assert c.execute("SELECT idempotency.verify_key(%s)", (signed,)).fetchone()[0] == "signed-1"
+        assert c.execute("SELECT count(*) FROM idempotency.audit").fetchone()[0] == len(scopes)
+        c.execute("SELECT idempotency.distribute(shard_count => 4)")
+        for s in scopes:
+            assert claim(c, "k", {"n": 1}, scope=s)[:3][0::2] == ("replay", {"s": s})
+        time.sleep(1.1)
+        again = claim(c, "open", {"n": 1}, scope="w-0", lease="1 minute")
+        assert again[0] == "new" and again[1] > taken[1], (taken, again)
+        fresh = claim(c, "fresh", {"n": 1}, scope="w-9")
+        assert fresh[0] == "new" and fresh[1] > taken[1], (taken, fresh)
+        complete(c, "fresh", {"f": 1}, scope="w-9", token=fresh[1])
+
+        # The same route takes a distributed store back to one node (the coordinator).
+        top = max(again[1], fresh[1])
+        for stmt in UNDISTRIBUTE_COPY + UNDISTRIBUTE_RECREATE:
+            c.execute(stmt)
+        with c.transaction():
+            for stmt in UNDISTRIBUTE_RESTORE:
+                c.execute(stmt)
+        for stmt in UNDISTRIBUTE_DROP:
+            c.execute(stmt)
+        assert c.execute("SELECT count(*) FROM pg_dist_partition WHERE logicalrelid::text LIKE "
+                         "'idempotency.%'").fetchone()[0] == 0
+        assert c.execute("SELECT pg_relation_size('idempotency.idempotency_keys')").fetchone()[0] > 0
+        for s in scopes:
+            assert claim(c, "k", {"n": 1}, scope=s)[:3][0::2] == ("replay", {"s": s})
+        assert claim(c, "fresh", {"n": 1}, scope="w-9")[:3][0::2] == ("replay", {"f": 1})
+        assert claim(c, "after", {"n": 1}, scope="w-9")[1] > top
+
+
 def test_session_settings_hold_for_calls_citus_would_delegate(citus, coord):
     """Session settings ignored by delegated calls: Citus runs a top-level call on the worker
     in a connection of its own, without the session's SET. With idempotency.default_ttl or
@@ -1034,3 +1420,22 @@ def test_node_added_later_claims_nothing_until_it_has_its_ranges(citus, coord):
         c.add_notice_handler(lambda d: notices.append(d.message_primary))
         c.execute("SELECT idempotency.distribute()")
     assert any("nothing changed" in n for n in notices), notices
+
+    # Then the shards are spread over the new node as well (docs/scaling.md, "Adding a node"):
+    # the keys stay, and calls of the shards moved there are delegated to it.
+    kept = coord.execute("SELECT count(*) FROM idempotency.idempotency_keys").fetchone()[0]
+    coord.execute("SELECT rebalance_table_shards('idempotency.idempotency_keys', "
+                  "shard_transfer_mode => 'block_writes')")
+    assert coord.execute(
+        "SELECT count(*) FROM pg_dist_shard s JOIN pg_dist_shard_placement p USING (shardid) "
+        "WHERE s.logicalrelid = 'idempotency.idempotency_keys'::regclass AND p.nodeport = %s",
+        (new.port,)).fetchone()[0] > 0
+    assert coord.execute("SELECT count(*) FROM idempotency.idempotency_keys").fetchone()[0] == kept
+    assert claim(coord, "added", {"n": 1}, scope="added-node")[:3] == ("replay", r[1], {"ok": 1})
+    scope = scope_on(coord, new.port, "rebalanced")
+    moved = claim(coord, "moved", {"n": 1}, scope=scope)
+    assert moved[0] == "new" and moved[1] % STRIDE == group, (group, moved)  # delegated to it
+    sent, _ = remote_commands(coord, sql.SQL("SELECT idempotency.complete('moved', '{{}}'::jsonb, 200, {}, {})").format(
+        sql.Literal(scope), sql.Literal(moved[1])))
+    assert len(sent) == 1 and "idempotency.complete(" in sent[0], sent
+    assert claim(coord, "moved", {"n": 1}, scope=scope)[0] == "replay"

@@ -1,10 +1,10 @@
 """Under READ COMMITTED, claim inserts a fresh key and complete updates its row directly (heap and
 indexes, no statement). These tests hold those writes to what the SQL statements they replace
-would do: concurrent completions wait and re-check like UPDATE, an uncommitted claim is not
-completed by someone else, index entries are complete (amcheck), and a table changed by hand
-(a trigger) goes back to the statements, so the trigger fires."""
+would do: stale tokens and expired claims are refused, index entries are complete (amcheck), and
+a table changed by hand (a trigger) goes back to the statements, so the trigger fires. The races
+(a completion waits for a concurrent one and re-checks like UPDATE, an uncommitted claim is not
+completed by another session) are isolation specs: tests/isolation/specs/claim-complete.spec."""
 
-import threading
 import time
 
 import psycopg
@@ -26,59 +26,6 @@ def sqlstate_of(fn):
     except psycopg.Error as e:
         return e.sqlstate
     return None
-
-
-def test_a_completion_waits_for_a_concurrent_one_and_then_sees_it(connect):
-    a, b = connect(), connect()
-    assert claim(a, "cc-1", {"x": 1})[0] == "new"
-    box = {}
-    with a.transaction():
-        complete(a, "cc-1", {"by": "a"})
-
-        def other():
-            started = time.monotonic()
-            box["state"] = sqlstate_of(lambda: complete(b, "cc-1", {"by": "b"}))
-            box["waited"] = time.monotonic() - started
-
-        t = threading.Thread(target=other)
-        t.start()
-        time.sleep(0.5)
-        assert t.is_alive(), "the second completion did not wait for the first"
-    t.join(10)
-    assert box["state"] == "IK002", box  # already completed, as UPDATE would re-check it
-    assert box["waited"] >= 0.4
-    assert claim(a, "cc-1", {"x": 1})[2] == {"by": "a"}
-
-
-def test_a_completion_that_waited_completes_after_the_other_rolls_back(connect):
-    a, b = connect(), connect()
-    assert claim(a, "cc-2", {"x": 1})[0] == "new"
-    box = {}
-    a.execute("BEGIN")
-    complete(a, "cc-2", {"by": "a"})
-
-    def other():
-        box["expires"] = complete(b, "cc-2", {"by": "b"})
-
-    t = threading.Thread(target=other)
-    t.start()
-    time.sleep(0.5)
-    assert t.is_alive()
-    a.execute("ROLLBACK")
-    t.join(10)
-    assert box["expires"] is not None
-    assert claim(a, "cc-2", {"x": 1})[2] == {"by": "b"}
-
-
-def test_an_uncommitted_claim_is_not_completed_by_another_session(connect):
-    a, b = connect(), connect()
-    b.execute("SET statement_timeout = '5s'")
-    with a.transaction():
-        assert claim(a, "cc-3", {"x": 1})[0] == "new"
-        started = time.monotonic()
-        assert sqlstate_of(lambda: complete(b, "cc-3", {"by": "b"})) == "IK001"
-        assert time.monotonic() - started < 1.0, "complete waited on an uncommitted claim"
-    assert claim(b, "cc-3", {"x": 1})[0] == "in_progress"
 
 
 def test_stale_token_and_expired_claim_are_refused_and_change_nothing(connect):

@@ -47,3 +47,10 @@ def test_meta_json_license_matches_cargo():
 
 def test_meta_json_version_is_the_crate_version():
     assert load()["version"] == cargo_version()
+
+
+def test_the_core_crate_has_the_extensions_version():
+    """The pure core (crates/idempotency-core) is released with the extension: one version, so a
+    reader of its manifest is not told it is older than the code it holds."""
+    with open(os.path.join(ROOT, "crates", "idempotency-core", "Cargo.toml"), "rb") as f:
+        assert tomllib.load(f)["package"]["version"] == cargo_version()

@@ -183,6 +183,34 @@ def test_keys_survive_the_upgrade(cluster, fresh_db):
     db.execute("DROP ROLE legacy_app")
 
 
+def test_the_upgrade_gives_the_store_the_fill_factor_that_keeps_completions_hot(fresh_db):
+    """Many claims in flight: at fillfactor 90 a page took more claims than it could hold
+    completed, and their completions moved to other pages (non-HOT). The upgrade lowers the
+    store's fill factor to 25, on a plain table and on each partition of a partitioned store,
+    but keeps one changed by hand."""
+    def fillfactors(conn):
+        return dict(conn.execute("""SELECT c.relname, array_to_string(c.reloptions, ',') FROM pg_class c
+                                     WHERE c.relnamespace = 'idempotency'::regnamespace
+                                       AND c.relname LIKE 'idempotency_keys%' AND c.relkind IN ('r', 'p')""").fetchall())
+
+    plain = fresh_db("upgrade_ff_plain")
+    plain.execute(f"CREATE EXTENSION idempotency VERSION '{PREVIOUS[-1]}'")
+    assert fillfactors(plain) == {"idempotency_keys": "fillfactor=90"}
+    plain.execute("ALTER EXTENSION idempotency UPDATE")
+    assert fillfactors(plain) == {"idempotency_keys": "fillfactor=25"}
+
+    parted = fresh_db("upgrade_ff_parted")
+    parted.execute("SET idempotency.partitions = 3")
+    parted.execute(f"CREATE EXTENSION idempotency VERSION '{PREVIOUS[-1]}'")
+    parted.execute("RESET idempotency.partitions")
+    parted.execute("ALTER TABLE idempotency.idempotency_keys_p2 SET (fillfactor = 70)")
+    assert fillfactors(parted) == {"idempotency_keys": None, "idempotency_keys_p0": "fillfactor=90",
+                                   "idempotency_keys_p1": "fillfactor=90", "idempotency_keys_p2": "fillfactor=70"}
+    parted.execute("ALTER EXTENSION idempotency UPDATE")
+    assert fillfactors(parted) == {"idempotency_keys": None, "idempotency_keys_p0": "fillfactor=25",
+                                   "idempotency_keys_p1": "fillfactor=25", "idempotency_keys_p2": "fillfactor=70"}
+
+
 def test_keys_stored_hashed_by_0_2_0_are_rekeyed(cluster, fresh_db):
     """0.2.0 kept hashed keys as their plain SHA-256; 0.3.0 keeps a keyed hash. The upgrade
     rewrites them without the keys, and every key still replays (or stays in progress)."""

@@ -9,11 +9,8 @@ use std::time::Duration;
 /// slices, often: each transaction of the sweeper holds its pages' buffer locks briefly and
 /// leaves little WAL (and few full-page images) for the application's next commit to flush
 /// behind it, which is what a claim's p99 feels.
-///
-/// Measured on 15 (release build, 8 claiming sessions, the sweeper sweeping a million expired
-/// rows and parked in turn every 2 s, 6 rounds of 20 s each, alternating): a hundredth 1.04x of
-/// the p99 without a sweep (rounds 0.99-1.12x), a fiftieth 1.05x (rounds 0.99-1.20x), with
-/// [`busy_after`]. The backlog then goes at about 500 rows/s under load instead of 1,000.
+/// (How the slice was chosen, measured: docs/benchmarks.md, "How the optimisations were
+/// measured".)
 pub fn yielding_batch(full: i64) -> i64 {
     (full / 100).max(100).min(full)
 }
@@ -21,13 +18,8 @@ pub fn yielding_batch(full: i64) -> i64 {
 /// The pause after a full batch, for `sweep_delay = delay`: four times it while the application
 /// writes, a fifth of it on an idle server (nobody to leave the CPU or the WAL to; the pause
 /// only keeps a look at the WAL between two batches). A zero delay sweeps flat out either way.
-///
-/// Measured on 15 (release build, bench/bench.py): under load (8 claiming sessions, the sweeper
-/// sweeping and parked in turn every 2 s, median of 5 rounds' p99 ratios) four fifths of the
-/// delay, as before, 1.18x of the p99 without a sweep, four times it 1.07x, eight times 1.10x,
-/// four times with `sweep_nice` 19 0.98x; idle, a million rows with one expiry time went at
-/// 92,000-97,000 rows/s with the whole delay between batches of 10,000 (about 55 ms each), and
-/// 152,000-160,000 rows/s with a fifth of it.
+/// (How the pauses were chosen, measured: docs/benchmarks.md, "How the optimisations were
+/// measured".)
 pub fn pause(delay: Duration, busy: bool) -> Duration {
     if busy {
         delay * 4

@@ -38,12 +38,12 @@ pub(super) fn is_citus_table(relid: pg_sys::Oid) -> bool {
 /// cluster, and a node can always find a token of its own above a key's current one, whatever
 /// node gave that (a takeover, see `sql::next_token_above`). Group ids of 65,536 and more are
 /// refused.
-pub(crate) const TOKEN_STRIDE: i64 = 1 << 16;
+const TOKEN_STRIDE: i64 = 1 << 16;
 
 /// Audit ids on Citus: node `g`'s `audit_id_seq` counts from `g << 48` (the coordinator's from
 /// 1): audit ids are unique across the cluster, as the audit table's key `(scope, id)` needs
 /// wherever completions of one scope run on several nodes.
-pub(crate) const AUDIT_ID_SHIFT: u32 = 48;
+const AUDIT_ID_SHIFT: u32 = 48;
 
 /// Whether this backend found its node's sequences set up (once found, kept: a node's group
 /// id does not change while it is in the cluster).

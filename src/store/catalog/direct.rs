@@ -36,7 +36,7 @@ impl std::ops::Index<Column> for DirectLayout {
 /// where the executor checks it. NOT NULL constraints (catalogued here from PostgreSQL 18 on,
 /// contype 'n') are left out: the layout compares each column's `attnotnull` instead, on every
 /// version.
-pub(crate) const OWN_CONSTRAINTS: &str = "c idempotency_keys_lease_check CHECK (((status = 'in_progress'::idempotency.key_status) = (locked_until IS NOT NULL)))\n\
+const OWN_CONSTRAINTS: &str = "c idempotency_keys_lease_check CHECK (((status = 'in_progress'::idempotency.key_status) = (locked_until IS NOT NULL)))\n\
 p idempotency_keys_pkey PRIMARY KEY (scope, key)\n\
 c idempotency_keys_request_hash_check CHECK (((request_hash IS NULL) OR (length(request_hash) = 32)))\n\
 c idempotency_keys_response_status_check CHECK (((response_status IS NULL) OR ((response_status >= 100) AND (response_status <= 599))))";
@@ -54,7 +54,7 @@ pub(crate) const CONSTRAINTS_SQL: &str = "SELECT pg_catalog.string_agg(c.contype
 /// statement names and leaves the others NULL, which is what the statement stores only while
 /// those others have no default: any other set (a default added, changed or dropped, an
 /// identity or generated column) goes through SQL, where the executor applies it.
-pub(crate) const OWN_DEFAULTS: &str = "created_at now()\nscope ''::text";
+const OWN_DEFAULTS: &str = "created_at now()\nscope ''::text";
 
 pub(crate) const DEFAULTS_SQL: &str = "SELECT pg_catalog.string_agg(pg_catalog.concat_ws(' ', \
        a.attname::pg_catalog.text, pg_catalog.pg_get_expr(d.adbin, d.adrelid), \
@@ -70,7 +70,7 @@ pub(crate) const DEFAULTS_SQL: &str = "SELECT pg_catalog.string_agg(pg_catalog.c
 
 /// Whether the table `relid` inherits from another table (as an inheritance child, or as a
 /// partition of a partitioned table).
-pub(crate) const HAS_PARENT_SQL: &str = "SELECT EXISTS (SELECT FROM pg_catalog.pg_inherits AS i \
+const HAS_PARENT_SQL: &str = "SELECT EXISTS (SELECT FROM pg_catalog.pg_inherits AS i \
       WHERE i.inhrelid OPERATOR(pg_catalog.=) $1)";
 
 /// The direct-write layout, or None when the table differs from the extension's own; then the
@@ -126,10 +126,7 @@ pub(crate) fn direct_layout_for_write() -> Option<DirectLayout> {
 
 /// # Safety
 /// `relid` and `idxid` are the store table and its primary key.
-pub(crate) unsafe fn build_direct_layout(
-    relid: pg_sys::Oid,
-    idxid: pg_sys::Oid,
-) -> Option<DirectLayout> {
+unsafe fn build_direct_layout(relid: pg_sys::Oid, idxid: pg_sys::Oid) -> Option<DirectLayout> {
     let _path = PinnedSearchPath::pin();
     // SAFETY: the caller's contract; the relation stays open (AccessShareLock) while its
     // descriptor, rules and publication description are read.

@@ -23,7 +23,7 @@ pub(crate) use columns::{looked_up_index, Column, COLUMNS, LOOKED_UP, LOOKED_UP_
 pub(crate) use direct::{direct_layout_for_write, DirectLayout};
 pub use key_storage::{key_label, stored_key};
 pub(crate) use key_storage::{keys_hashed, KeyStorage};
-pub use role_settings::{role_settings, RoleSettings};
+pub use role_settings::role_settings;
 
 /// Pins the search path to `pg_catalog` while the extension runs its own statements, whatever
 /// the caller's `search_path`: what a pinning `SET search_path` clause would give, without its
@@ -135,7 +135,7 @@ pub(crate) unsafe fn attribute<'a>(
 ///
 /// # Safety
 /// `relid` and `idxid` are the table and its primary key.
-pub(crate) unsafe fn check_lookup_columns(
+unsafe fn check_lookup_columns(
     relid: pg_sys::Oid,
     idxid: pg_sys::Oid,
     att: &mut [i32; LOOKED_UP_COUNT],

@@ -22,7 +22,7 @@ pub fn transaction_start() -> pg_sys::TimestampTz {
 
 /// `locktag_field4` of the extension's advisory locks; the SQL advisory lock functions use 1
 /// and 2, so these never collide with an application's own advisory locks.
-pub(crate) const LOCK_CLASS: u16 = 0x1de7;
+const LOCK_CLASS: u16 = 0x1de7;
 
 /// A session-level lock on hash(scope, key), held only while one claim probes and inserts the
 /// key: microseconds, never until commit, so a transaction can claim any number of keys.

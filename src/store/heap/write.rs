@@ -34,12 +34,9 @@ pub(crate) fn insert_direct(d: &DirectLayout, req: &ClaimRequest<'_>) -> ClaimRe
 /// answer per key, in order. The unique index checks every key, so a key that is not absent
 /// after all is a unique violation (or a wait for the transaction writing it), for the caller
 /// to catch.
-///
-/// Measured against the same chunk inserted by one `INSERT ... SELECT FROM unnest(...) ON
-/// CONFLICT DO NOTHING RETURNING` through SPI (PostgreSQL 15, release build, `claim_many` of 100
-/// fresh keys per call, 1 client, against a bare multi-row INSERT of 100 rows, bench/bench.py
-/// `batch_bench`): through SPI 47,900 keys/s against the INSERT's 64,200 (0.75x); this way
-/// 56,100 against 57,300 (0.98x, 3 rounds) and 66,700 against 67,200 (0.99x, 5 rounds).
+/// As fast as a bare multi-row `INSERT` of the same keys, where one `INSERT ... SELECT FROM
+/// unnest(...)` through SPI is a quarter slower (docs/benchmarks.md, "How the optimisations
+/// were measured").
 pub(crate) fn insert_direct_batch(
     d: &DirectLayout,
     scope: &str,
@@ -303,7 +300,7 @@ pub(crate) fn complete_direct(d: &DirectLayout, req: &CompleteRequest<'_>) -> Op
 /// # Safety
 /// `rel` is the store, open and locked for writing (RowExclusiveLock) in this transaction; each
 /// slot holds a tuple of `rel` just written to the heap by this command, with its TID set.
-pub(crate) unsafe fn insert_index_entries(
+unsafe fn insert_index_entries(
     rel: pg_sys::Relation,
     slots: &[*mut pg_sys::TupleTableSlot],
     only_summarizing: bool,

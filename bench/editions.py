@@ -1,0 +1,199 @@
+#!/usr/bin/env python3
+"""The two editions side by side (docs/managed.md): the native edition (the library, preloaded)
+and the portable edition (SQL and PL/pgSQL only, dist/idempotency-portable.sql), each in its own
+database of one server, each against the bare statements in its own database. Writes
+bench/RESULTS-editions.md (or --out NAME.md).
+
+Run through `bench/run.sh --edition portable [--pg NN]` (it installs the prerequisites and a
+release build of the native edition). Options:
+  --seconds N   length of each pgbench run (default 5)
+  --rounds N    alternating rounds per comparison (default 2)
+  --quick       a smoke run: 1 s runs, 1 round (checks the harness, not targets)
+  --script PATH the portable edition's script (default dist/idempotency-portable.sql)
+
+What it measures, at 4 and 16 clients, in alternating rounds (the order reversed every other
+round, medians reported):
+- claim + complete in one transaction against the floor (INSERT ... ON CONFLICT + UPDATE of a
+  table of the store's shape): target >= 0.80 for the portable edition;
+- the replay of a completed key against a primary-key SELECT of a row: target >= 0.80;
+- canonical_hash of 1 KB and 100 KB documents, MB/s, and the portable edition's ratio to the
+  native one.
+"""
+
+import argparse
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.join(HERE, "..")
+sys.path.insert(0, os.path.join(ROOT, "tests", "integration"))
+from cluster import PG_BIN, Cluster  # noqa: E402
+
+import psycopg  # noqa: E402
+
+from bench import REQUEST, make_doc  # noqa: E402
+
+EDITIONS = ["native", "portable"]
+CLIENTS = [4, 16]
+PGBENCH_ENV = dict(os.environ, PGOPTIONS="-c client_min_messages=error")
+PAIRS = [
+    ("claim + complete, one transaction", "ext_one_tx.sql", "floor: INSERT ON CONFLICT + UPDATE", "floor_write.sql"),
+    ("replay", "ext_replay.sql", "floor: primary-key SELECT", "floor_read.sql"),
+]
+DOCS = [("1 KB", 1_000, 2000), ("100 KB", 100_000, 40)]
+
+
+def conninfo(cluster, db):
+    return cluster.conninfo().replace(f"dbname={cluster.dbname}", f"dbname={db}")
+
+
+def sql(cluster, db, statement, params=None):
+    with psycopg.connect(conninfo(cluster, db), autocommit=True) as c:
+        cur = c.execute(statement, params)
+        return cur.fetchall() if cur.description else None
+
+
+def pgbench(cluster, db, script, clients, seconds):
+    out = subprocess.run(
+        [f"{PG_BIN}/pgbench", "-h", cluster.dir, "-p", str(cluster.port), "-U", "postgres", "-n",
+         "-c", str(clients), "-j", str(min(clients, 4)), "-T", str(seconds), "-M", "prepared",
+         "-f", os.path.join(HERE, "sql", script), db],
+        capture_output=True, text=True, env=PGBENCH_ENV)
+    if out.returncode != 0:
+        raise RuntimeError(f"pgbench {script} on {db} failed:\n{out.stdout}\n{out.stderr}")
+    return next(float(line.split()[2]) for line in out.stdout.splitlines() if line.startswith("tps ="))
+
+
+def install(cluster, edition, script):
+    sql(cluster, cluster.dbname, f"CREATE DATABASE {edition}")
+    if edition == "native":
+        sql(cluster, edition, "CREATE EXTENSION idempotency")
+    else:
+        subprocess.run([f"{PG_BIN}/psql", "-X", "-q", "-v", "ON_ERROR_STOP=1", "-h", cluster.dir,
+                        "-p", str(cluster.port), "-U", "postgres", "-d", edition,
+                        "-f", script],
+                       check=True, capture_output=True, env=PGBENCH_ENV)
+        # The claim must be the portable edition's, not a library's.
+        lang = sql(cluster, edition, "SELECT l.lanname FROM pg_proc p JOIN pg_language l ON l.oid = p.prolang "
+                                     "WHERE p.oid = 'idempotency.claim'::regproc")[0][0]
+        assert lang in ("sql", "plpgsql"), f"the portable claim is {lang}"
+    with open(os.path.join(HERE, "sql", "setup.sql")) as f:
+        sql(cluster, edition, f.read())
+    sql(cluster, edition, f"""INSERT INTO idempotency.idempotency_keys
+                               (key, request_hash, status, token, response, response_status, expires_at, ttl,
+                                completed_at)
+                             SELECT 'r' || i, idempotency.canonical_hash('{REQUEST}'), 'completed', i,
+                                    '{{"ok": true}}', 200, now() + interval '1 day', interval '1 day', now()
+                               FROM generate_series(1, 10000) i""")
+    sql(cluster, edition, """INSERT INTO bench.floor (key, status, token, response, response_status, expires_at, ttl)
+                             SELECT 'r' || i, 'completed', i, '{"ok": true}', 200, now() + interval '1 day',
+                                    interval '1 day'
+                               FROM generate_series(1, 10000) i""")
+    sql(cluster, edition, "VACUUM ANALYZE")
+
+
+def throughput(cluster, args):
+    """{(edition, label, clients): (ext tps, floor tps)}"""
+    out = {}
+    for clients in CLIENTS:
+        for label, ext, _floor_label, floor in PAIRS:
+            runs = {}
+            variants = [(e, s) for e in EDITIONS for s in (ext, floor)]
+            for r in range(args.rounds):
+                for v in (variants if r % 2 == 0 else list(reversed(variants))):
+                    runs.setdefault(v, []).append(pgbench(cluster, v[0], v[1], clients, args.seconds))
+            for e in EDITIONS:
+                out[(e, label, clients)] = (statistics.median(runs[(e, ext)]), statistics.median(runs[(e, floor)]))
+            print(f"  {label}, {clients} clients: " + ", ".join(
+                f"{e} {out[(e, label, clients)][0]:.0f} / floor {out[(e, label, clients)][1]:.0f}"
+                for e in EDITIONS), flush=True)
+    return out
+
+
+def hashing(cluster, args):
+    """{(edition, label): MB/s of canonical_hash}"""
+    out = {}
+    for label, size, copies in DOCS:
+        doc = make_doc(size)
+        for e in EDITIONS:
+            sql(cluster, e, "DELETE FROM bench.docs")
+            sql(cluster, e, "INSERT INTO bench.docs SELECT %s, (%s::jsonb || jsonb_build_object('copy', i)) "
+                            "FROM generate_series(1, %s) i", (label, doc, copies))
+        nbytes = sql(cluster, "native", "SELECT sum(length(doc::text)) FROM bench.docs")[0][0]
+        same = [sql(cluster, e, "SELECT md5(string_agg(idempotency.canonical_hash(doc)::text, ',' ORDER BY doc::text)) "
+                                "FROM bench.docs")[0][0] for e in EDITIONS]
+        assert same[0] == same[1], f"the editions hash the {label} documents differently"
+        rates = {e: [] for e in EDITIONS}
+        for r in range(max(args.rounds, 3)):
+            for e in (EDITIONS if r % 2 == 0 else list(reversed(EDITIONS))):
+                started = time.monotonic()
+                sql(cluster, e, "SELECT count(idempotency.canonical_hash(doc)) FROM bench.docs")
+                rates[e].append(nbytes / (time.monotonic() - started) / 1e6)
+        for e in EDITIONS:
+            out[(e, label)] = max(rates[e])
+        print(f"  canonical_hash {label}: " + ", ".join(f"{e} {out[(e, label)]:.1f} MB/s" for e in EDITIONS),
+              flush=True)
+    return out
+
+
+def write(path, args, version, tput, hashes):
+    lines = [
+        "# The two editions side by side",
+        "",
+        f"`bench/run.sh --edition portable` on PostgreSQL {version}: one server (fsync on, synchronous_commit",
+        "on, shared_buffers 256MB, the native library preloaded), the native edition and the portable one",
+        "(dist/idempotency-portable.sql) each in its own database with its own floor table; pgbench",
+        f"`-M prepared`, {args.seconds} s runs, {args.rounds} alternating rounds, medians; on a shared 2-core",
+        "machine: read the ratios, not the absolute figures.",
+        "",
+        "| workload | clients | native (tps) | native / floor | portable (tps) | portable / floor | target |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for label, _ext, floor_label, _floor in PAIRS:
+        for clients in CLIENTS:
+            n, nf = tput[("native", label, clients)]
+            p, pf = tput[("portable", label, clients)]
+            lines.append(f"| {label} (vs {floor_label}) | {clients} | {n:.0f} | {n / nf:.2f} | {p:.0f} | "
+                         f"{p / pf:.2f} | portable >= 0.80 |")
+    lines += ["", "| canonical_hash | native (MB/s) | portable (MB/s) | portable / native |", "|---|---|---|---|"]
+    for label, _size, _copies in DOCS:
+        n, p = hashes[("native", label)], hashes[("portable", label)]
+        lines.append(f"| {label} documents | {n:.1f} | {p:.1f} | {p / n:.2f} |")
+    lines.append("")
+    with open(path, "w") as f:
+        f.write("\n".join(lines))
+    print(f"wrote {path}")
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--seconds", type=int, default=5)
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--out", default="RESULTS-editions")
+    ap.add_argument("--script", default=os.path.join(ROOT, "dist", "idempotency-portable.sql"))
+    args = ap.parse_args()
+    if args.quick:
+        args.seconds, args.rounds = 1, 1
+    cluster = Cluster(settings={
+        "shared_buffers": "256MB", "fsync": "on", "max_connections": "100",
+        "shared_preload_libraries": "'idempotency'", "idempotency.sweep_interval": "'1s'",
+        "log_min_messages": "error",
+    }, dbname="bench").start()
+    try:
+        for e in EDITIONS:
+            install(cluster, e, args.script)
+        version = sql(cluster, "native", "SHOW server_version")[0][0]
+        tput = throughput(cluster, args)
+        hashes = hashing(cluster, args)
+        write(os.path.join(HERE, f"{args.out}.md"), args, version, tput, hashes)
+    finally:
+        cluster.destroy()
+
+
+if __name__ == "__main__":
+    main()
