@@ -4,15 +4,49 @@
 -- edit; change the sources and run scripts/portable.sh.
 --
 -- The portable edition is written only in SQL and PL/pgSQL, for managed PostgreSQL services
--- where no shared library can be loaded (docs/managed.md). It holds the canonical functions
--- only so far: canonical_json, canonical_hash, derive_key, cron_key and request_fingerprint,
--- with the native edition's bytes. The store (claim, complete, ...) is not in it yet.
+-- where no shared library can be loaded (docs/managed.md): the native edition's install script
+-- (sql/idempotency.sql) with each LANGUAGE c function replaced by a PL/pgSQL body of the same
+-- declaration (scripts/portable-build.py).
 
 BEGIN;
 
 -- Names in this script resolve in pg_catalog first, whatever the session's search_path.
 SET LOCAL search_path = pg_catalog, pg_temp;
 
+DO $portable$
+BEGIN
+    IF EXISTS (SELECT FROM pg_catalog.pg_extension WHERE extname OPERATOR(pg_catalog.=) 'idempotency') THEN
+        RAISE EXCEPTION USING
+            ERRCODE = 'duplicate_object',
+            MESSAGE = 'extension "idempotency" is installed in this database',
+            HINT = 'the portable plain script is for databases without the extension';
+    END IF;
+END
+$portable$;
+
+CREATE SCHEMA idempotency;
+
+-- idempotency: the store, its types and the SQL API.
+--
+-- Hand-written and pulled into the extension script by extension_sql_file! in src/lib.rs.
+-- Functions written in Rust are declared here as LANGUAGE c with their V1 symbols (src/api.rs);
+-- complete, checkpoint, release, forget and lookup are PL/pgSQL so that they can raise the
+-- extension's own SQLSTATEs (IK001..IK003), which pgrx cannot raise from Rust.
+-- Every function pins search_path and every reference is schema-qualified.
+--
+-- Privileges: the functions that read or write the store run as the extension's owner
+-- (SECURITY DEFINER), so an application role needs only USAGE on the schema and can change
+-- rows only through the functions; it gets no privilege on any table. The administrative
+-- functions (set_key_storage, rotate_signing_secret, retire_signing_secret) are for
+-- superusers only. A scope prefix per login role (idempotency.role_settings, kept by the
+-- extension's owner) keeps tenants apart.
+-- A monitoring role is granted schema idempotency_monitor instead: the counters, nothing else.
+
+-- Encodings: keys, scopes and documents are hashed as Unicode, converted from the database
+-- encoding. SQL_ASCII has no defined characters (any byte is taken as it comes), so no
+-- conversion exists: refuse it here, clearly, rather than hash bytes whose meaning is unknown.
+-- MULE_INTERNAL has characters, but PostgreSQL has no conversion between it and UTF-8.
+-- The library refuses both at call time too (an extension created before this check).
 DO $encoding$
 BEGIN
     IF pg_catalog.getdatabaseencoding() OPERATOR(pg_catalog.=) 'SQL_ASCII' THEN
@@ -30,20 +64,111 @@ BEGIN
 END
 $encoding$;
 
-DO $portable$
+CREATE TYPE idempotency.key_status AS ENUM ('in_progress', 'completed');
+CREATE TYPE idempotency.outcome AS ENUM ('new', 'replay', 'in_progress', 'mismatch');
+
+-- Fencing tokens come from one sequence, so a token is never reused, not even after a key was
+-- released or forgotten and claimed again. (On Citus one per node, each handing out its own
+-- class of tokens: distribute().)
+CREATE SEQUENCE idempotency.token_seq AS bigint;
+
+CREATE TABLE idempotency.idempotency_keys (
+    scope           text COLLATE "C" NOT NULL DEFAULT '',
+    key             text COLLATE "C" NOT NULL,
+    request_hash    bytea,
+    status          idempotency.key_status NOT NULL,
+    token           bigint NOT NULL,
+    response        jsonb,
+    response_status integer,
+    recovery_point  text,
+    created_at      timestamptz NOT NULL DEFAULT pg_catalog.now(),
+    completed_at    timestamptz,
+    locked_until    timestamptz,
+    expires_at      timestamptz NOT NULL,
+    -- the TTL the claim asked for: complete(ttl => NULL) keeps the result this long
+    ttl             interval NOT NULL,
+    CONSTRAINT idempotency_keys_pkey PRIMARY KEY (scope, key),
+    CONSTRAINT idempotency_keys_request_hash_check
+        CHECK (request_hash IS NULL OR pg_catalog.length(request_hash) OPERATOR(pg_catalog.=) 32),
+    CONSTRAINT idempotency_keys_response_status_check
+        CHECK (response_status IS NULL OR response_status OPERATOR(pg_catalog.>=) 100
+               AND response_status OPERATOR(pg_catalog.<=) 599),
+    CONSTRAINT idempotency_keys_lease_check
+        CHECK ((status OPERATOR(pg_catalog.=) 'in_progress'::idempotency.key_status) = (locked_until IS NOT NULL))
+) WITH (fillfactor = 25);
+-- fillfactor 25: a page takes claims until a quarter of it is full; the rest is the room their
+-- completions (each with its response, next to the claim until pruning frees the claim) need to
+-- stay HOT updates when many claims are in flight, up to responses of about 400 bytes (larger
+-- ones are TOASTed out of the row). docs/architecture.md#fill-factor.
+
+COMMENT ON TABLE idempotency.idempotency_keys IS
+    'One row per claimed idempotency key; rows past expires_at count as absent and are swept.';
+
+-- The sweeper finds expired rows through this index, on the expiry the claim set (in UTC):
+-- created_at + ttl, never later than expires_at (docs/architecture.md#the-sweep-index). Not on
+-- expires_at, which complete moves: an update that changes no indexed column is HOT, so a
+-- completion in a later transaction than its claim adds no index entries.
+CREATE INDEX idempotency_keys_sweep_idx ON idempotency.idempotency_keys
+    (((created_at AT TIME ZONE 'UTC') OPERATOR(pg_catalog.+) ttl));
+
+-- With idempotency.partitions set to N > 0 for this CREATE EXTENSION (SET by a superuser), the
+-- store is hash-partitioned by scope: the same columns, defaults, constraints and indexes (under
+-- the same names) on the partitioned table, in N partitions idempotency_keys_p0 .. p<N-1>, which
+-- pg_dump keeps the rows of as well. Claims go through SQL, sweeps run partition by partition
+-- (docs/scaling.md). 0 (the default): the plain table above.
+DO $partition$
+DECLARE
+    v_parts integer := NULLIF(pg_catalog.current_setting('idempotency.partitions', true), '')::integer;
+    v_index record;
+    v_part text;
 BEGIN
-    IF EXISTS (SELECT FROM pg_catalog.pg_extension WHERE extname OPERATOR(pg_catalog.=) 'idempotency') THEN
-        RAISE EXCEPTION USING
-            ERRCODE = 'duplicate_object',
-            MESSAGE = 'extension "idempotency" is installed in this database',
-            HINT = 'the portable plain script is for databases without the extension';
+    IF v_parts IS NULL OR v_parts OPERATOR(pg_catalog.=) 0 THEN
+        RETURN;
     END IF;
+    IF v_parts OPERATOR(pg_catalog.<) 0 OR v_parts OPERATOR(pg_catalog.>) 1024 THEN
+        RAISE EXCEPTION USING
+            ERRCODE = 'invalid_parameter_value',
+            MESSAGE = pg_catalog.format('idempotency.partitions must be between 0 and 1024, not %s', v_parts);
+    END IF;
+    ALTER TABLE idempotency.idempotency_keys RENAME TO idempotency_keys_template;
+    FOR v_index IN SELECT c.relname FROM pg_catalog.pg_index AS i
+                     JOIN pg_catalog.pg_class AS c ON c.oid OPERATOR(pg_catalog.=) i.indexrelid
+                    WHERE i.indrelid OPERATOR(pg_catalog.=) 'idempotency.idempotency_keys_template'::pg_catalog.regclass LOOP
+        EXECUTE pg_catalog.format('ALTER INDEX idempotency.%I RENAME TO %I', v_index.relname, v_index.relname OPERATOR(pg_catalog.||) '_template');
+    END LOOP;
+    -- The indexes get their default names again (idempotency_keys_pkey); the sweep index, an
+    -- expression index, is given its name back.
+    CREATE TABLE idempotency.idempotency_keys (LIKE idempotency.idempotency_keys_template INCLUDING ALL)
+        PARTITION BY HASH (scope);
+    FOR v_index IN SELECT c.relname FROM pg_catalog.pg_index AS i
+                     JOIN pg_catalog.pg_class AS c ON c.oid OPERATOR(pg_catalog.=) i.indexrelid
+                    WHERE i.indrelid OPERATOR(pg_catalog.=) 'idempotency.idempotency_keys'::pg_catalog.regclass
+                      AND i.indexprs IS NOT NULL LOOP
+        EXECUTE pg_catalog.format('ALTER INDEX idempotency.%I RENAME TO idempotency_keys_sweep_idx', v_index.relname);
+    END LOOP;
+    FOR i IN 0 .. v_parts OPERATOR(pg_catalog.-) 1 LOOP
+        v_part := 'idempotency_keys_p' OPERATOR(pg_catalog.||) i;
+        EXECUTE pg_catalog.format(
+            'CREATE TABLE idempotency.%I PARTITION OF idempotency.idempotency_keys '
+            'FOR VALUES WITH (MODULUS %s, REMAINDER %s) WITH (fillfactor = 25)', v_part, v_parts, i);
+    END LOOP;
+    DROP TABLE idempotency.idempotency_keys_template;
 END
-$portable$;
+$partition$;
 
-CREATE SCHEMA idempotency;
+-- pg_dump keeps the rows and the token sequence of an extension-owned table.
 
--- from sql/portable/canonical.sql
+CREATE TYPE idempotency.claim_result AS (
+    outcome         idempotency.outcome,
+    token           bigint,
+    response        jsonb,
+    response_status integer,
+    retry_after     interval,
+    expires_at      timestamptz,
+    recovery_point  text
+);
+
+-- The portable edition's helpers (sql/portable/*.sql) ------------------------------------
 
 -- Portable edition: canonical_json and canonical_hash in SQL and PL/pgSQL.
 --
@@ -565,6 +690,1585 @@ BEGIN
 END
 $fn$;
 
+-- Portable edition: derive_key, cron_key and request_fingerprint in PL/pgSQL, with the native
+-- edition's results, checks, SQLSTATEs and messages (crates/idempotency-core/src/derivation.rs
+-- and arguments.rs). Every function pins search_path; every reference is schema-qualified.
+
+-- Refuses a document nested deeper than 1000 levels, naming the argument (as reading a jsonb
+-- argument does in the native edition, before any other check of the call).
+CREATE FUNCTION idempotency._canon_check_depth(doc jsonb, arg text)
+RETURNS void
+LANGUAGE plpgsql IMMUTABLE STRICT PARALLEL SAFE
+SET search_path = pg_catalog, pg_temp
+AS $fn$
+BEGIN
+    IF pg_catalog.jsonb_path_exists(doc,
+           'strict $.**{1000 to last} ? (@.type() == "object" || @.type() == "array")') THEN
+        RAISE EXCEPTION USING
+            ERRCODE = 'statement_too_complex',
+            MESSAGE = arg OPERATOR(pg_catalog.||) ': document is nested deeper than 1000 levels';
+    END IF;
+END
+$fn$;
+
+-- A key-like argument: not NULL, not empty (unless allowed), at most 255 characters.
+CREATE FUNCTION idempotency._canon_check_key(arg text, value text, allow_empty boolean)
+RETURNS void
+LANGUAGE plpgsql IMMUTABLE PARALLEL SAFE
+SET search_path = pg_catalog, pg_temp
+AS $fn$
+BEGIN
+    IF value IS NULL THEN
+        RAISE EXCEPTION USING ERRCODE = 'null_value_not_allowed', MESSAGE = arg OPERATOR(pg_catalog.||) ' must not be NULL';
+    END IF;
+    IF NOT allow_empty AND value OPERATOR(pg_catalog.=) '' THEN
+        RAISE EXCEPTION USING ERRCODE = 'invalid_parameter_value', MESSAGE = arg OPERATOR(pg_catalog.||) ' must not be empty';
+    END IF;
+    IF pg_catalog.length(value) OPERATOR(pg_catalog.>) 255 THEN
+        RAISE EXCEPTION USING
+            ERRCODE = 'invalid_parameter_value',
+            MESSAGE = pg_catalog.format('%s must be at most 255 characters (got %s)', arg, pg_catalog.length(value));
+    END IF;
+END
+$fn$;
+
+-- A date's year counted astronomically (1 BC is 0, 2 BC is -1), as the native edition does.
+CREATE FUNCTION idempotency._canon_year(day date)
+RETURNS numeric
+LANGUAGE sql IMMUTABLE STRICT PARALLEL SAFE
+SET search_path = pg_catalog, pg_temp
+AS $fn$
+    SELECT CASE WHEN pg_catalog.extract('year', day) OPERATOR(pg_catalog.<) 0
+                THEN pg_catalog.extract('year', day) OPERATOR(pg_catalog.+) 1
+                ELSE pg_catalog.extract('year', day) END
+$fn$;
+
+-- Portable edition: the store in PL/pgSQL. Each function here named like a LANGUAGE c function
+-- of sql/idempotency.sql replaces that declaration in the portable scripts (scripts/portable.sh
+-- refuses to build while a C function has no body here or in the other sql/portable/ files);
+-- the functions named idempotency._p_* are the portable edition's own helpers. The rules are the
+-- native edition's (src/api.rs, src/store/, crates/idempotency-core/src/arguments.rs and
+-- signing.rs): the same checks in the same order, SQLSTATEs and messages, the same rows, tokens
+-- and stored keys. Every function pins search_path; every reference is schema-qualified.
+--
+-- Settings: the native library defines idempotency.* as settings; without it they are
+-- placeholders that hold text, read here with current_setting(name, true), with the native
+-- defaults and units. What binds a role comes from idempotency.role_settings (its session
+-- user's row), which the role can neither read nor change, exactly as the native edition reads it.
+
+-- Helpers ---------------------------------------------------------------------------------------
+
+-- An integer setting in its unit ('s', 'ms' or 'kB'): a bare number is in that unit, a number
+-- with a unit (10s, 5min, 1h, 4MB) is converted and rounded, as PostgreSQL does for the native
+-- edition's settings; unset or empty: the native default.
+CREATE FUNCTION idempotency._p_setting(name text, default_value integer, unit text)
+RETURNS integer
+LANGUAGE plpgsql STABLE PARALLEL SAFE
+SET search_path = pg_catalog, pg_temp
+AS $fn$
+DECLARE
+    v_raw text := pg_catalog.btrim(pg_catalog.current_setting(name, true));
+    v_m text[];
+    v_factor numeric;
+    v_base numeric;
+BEGIN
+    IF v_raw IS NULL OR v_raw OPERATOR(pg_catalog.=) '' THEN
+        RETURN default_value;
+    END IF;
+    v_m := pg_catalog.regexp_match(v_raw, '^(-?[0-9]+(?:\.[0-9]*)?)\s*([A-Za-z]*)$');
+    IF v_m IS NOT NULL THEN
+        v_factor := CASE v_m[2]
+            WHEN '' THEN 1 WHEN 'us' THEN 0.001 WHEN 'ms' THEN 1 WHEN 's' THEN 1000
+            WHEN 'min' THEN 60000 WHEN 'h' THEN 3600000 WHEN 'd' THEN 86400000
+            WHEN 'B' THEN 1.0 OPERATOR(pg_catalog./) 1024 WHEN 'kB' THEN 1 WHEN 'MB' THEN 1024
+            WHEN 'GB' THEN 1048576 WHEN 'TB' THEN 1073741824 END;
+        v_base := CASE unit WHEN 's' THEN 1000 ELSE 1 END;
+        IF v_factor IS NOT NULL AND (v_m[2] OPERATOR(pg_catalog.=) ''
+              OR (v_m[2] OPERATOR(pg_catalog.~) 'B$') OPERATOR(pg_catalog.=) (unit OPERATOR(pg_catalog.=) 'kB')) THEN
+            IF v_m[2] OPERATOR(pg_catalog.=) '' THEN
+                RETURN pg_catalog.round(v_m[1]::numeric)::integer;
+            END IF;
+            RETURN pg_catalog.round(v_m[1]::numeric OPERATOR(pg_catalog.*) v_factor OPERATOR(pg_catalog./) v_base)::integer;
+        END IF;
+    END IF;
+    RAISE EXCEPTION USING
+        ERRCODE = 'invalid_parameter_value',
+        MESSAGE = pg_catalog.format('invalid value for parameter "%s": %L', name, v_raw);
+END
+$fn$;
+
+-- A boolean setting (unset: false), spelled as PostgreSQL accepts it.
+CREATE FUNCTION idempotency._p_setting_on(name text)
+RETURNS boolean
+LANGUAGE sql STABLE PARALLEL SAFE
+SET search_path = pg_catalog, pg_temp
+AS $fn$
+    SELECT COALESCE(pg_catalog.lower(pg_catalog.btrim(pg_catalog.current_setting(name, true)))
+                    OPERATOR(pg_catalog.=) ANY (ARRAY['on', 'true', 'tru', 'tr', 't', 'yes', 'ye', 'y', '1']), false)
+$fn$;
+
+-- The session user's row of idempotency.role_settings (NULLs: nothing binds it).
+CREATE FUNCTION idempotency._p_role_settings(
+    OUT scope_prefix text, OUT audit boolean, OUT max_response_size integer, OUT max_recovery_point_size integer)
+LANGUAGE plpgsql STABLE
+SET search_path = pg_catalog, pg_temp
+AS $fn$
+BEGIN
+    SELECT r.scope_prefix, r.audit, r.max_response_size, r.max_recovery_point_size
+      INTO scope_prefix, audit, max_response_size, max_recovery_point_size
+      FROM idempotency.role_settings AS r
+     WHERE r.role::pg_catalog.oid OPERATOR(pg_catalog.=)
+           (SELECT a.oid FROM pg_catalog.pg_roles AS a WHERE a.rolname OPERATOR(pg_catalog.=) SESSION_USER);
+END
+$fn$;
+
+-- The scope prefix of this session: its role's row of idempotency.role_settings, which binds;
+-- else idempotency.scope_prefix (without the library a session can set that itself: a default,
+-- not a boundary); else '' (every scope).
+CREATE FUNCTION idempotency._p_scope_prefix()
+RETURNS text
+LANGUAGE plpgsql STABLE
+SET search_path = pg_catalog, pg_temp
+AS $fn$
+BEGIN
+    RETURN COALESCE((SELECT s.scope_prefix FROM idempotency._p_role_settings() AS s),
+                    pg_catalog.current_setting('idempotency.scope_prefix', true), '');
+END
+$fn$;
+
+-- Whether completions write audit rows: idempotency.audit on (also where ALTER ROLE or ALTER
+-- DATABASE ... SET turned it on, which the session cannot SET off), or audit in the role's row.
+CREATE FUNCTION idempotency._p_audit()
+RETURNS boolean
+LANGUAGE plpgsql STABLE
+SET search_path = pg_catalog, pg_temp
+AS $fn$
+BEGIN
+    RETURN idempotency._p_setting_on('idempotency.audit')
+        OR COALESCE((SELECT s.audit FROM idempotency._p_role_settings() AS s), false)
+        OR EXISTS (SELECT FROM pg_catalog.pg_db_role_setting AS s, pg_catalog.unnest(s.setconfig) AS c(entry)
+                    WHERE s.setdatabase OPERATOR(pg_catalog.=) ANY (ARRAY[(SELECT d.oid FROM pg_catalog.pg_database AS d
+                                                   WHERE d.datname OPERATOR(pg_catalog.=) pg_catalog.current_database()), 0]::pg_catalog.oid[])
+                      AND s.setrole OPERATOR(pg_catalog.=) ANY (ARRAY[(SELECT a.oid FROM pg_catalog.pg_roles AS a
+                                                   WHERE a.rolname OPERATOR(pg_catalog.=) SESSION_USER), 0]::pg_catalog.oid[])
+                      AND pg_catalog.lower(pg_catalog.split_part(c.entry, '=', 1)) OPERATOR(pg_catalog.=) 'idempotency.audit'
+                      AND pg_catalog.lower(pg_catalog.btrim(pg_catalog.substr(c.entry,
+                            pg_catalog.strpos(c.entry, '=') OPERATOR(pg_catalog.+) 1)))
+                          OPERATOR(pg_catalog.=) ANY (ARRAY['on', 'true', 'tru', 'tr', 't', 'yes', 'ye', 'y', '1']));
+END
+$fn$;
+
+-- The limit (kB) and the name of what set it: the setting, or a lower value in the role's row.
+CREATE FUNCTION idempotency._p_limit(what text, OUT limit_kb integer, OUT setting text)
+LANGUAGE plpgsql STABLE
+SET search_path = pg_catalog, pg_temp
+AS $fn$
+DECLARE
+    v_bound integer;
+BEGIN
+    IF what OPERATOR(pg_catalog.=) 'response' THEN
+        limit_kb := idempotency._p_setting('idempotency.max_response_size', 4096, 'kB');
+        setting := 'idempotency.max_response_size';
+        SELECT s.max_response_size INTO v_bound FROM idempotency._p_role_settings() AS s;
+    ELSE
+        limit_kb := idempotency._p_setting('idempotency.max_recovery_point_size', 64, 'kB');
+        setting := 'idempotency.max_recovery_point_size';
+        SELECT s.max_recovery_point_size INTO v_bound FROM idempotency._p_role_settings() AS s;
+    END IF;
+    IF v_bound OPERATOR(pg_catalog.<) limit_kb THEN
+        limit_kb := v_bound;
+        setting := 'idempotency.role_settings.' OPERATOR(pg_catalog.||) setting;
+        setting := pg_catalog.replace(setting, 'settings.idempotency.', 'settings.');
+    END IF;
+END
+$fn$;
+
+-- Refuses a value larger than a size limit (54000), before anything is written.
+CREATE FUNCTION idempotency._p_check_size(arg text, size bigint, what text)
+RETURNS void
+LANGUAGE plpgsql STABLE
+SET search_path = pg_catalog, pg_temp
+AS $fn$
+DECLARE
+    l record;
+BEGIN
+    SELECT * INTO l FROM idempotency._p_limit(what);
+    IF size OPERATOR(pg_catalog.>) (l.limit_kb::bigint OPERATOR(pg_catalog.*) 1024) THEN
+        RAISE EXCEPTION USING
+            ERRCODE = 'program_limit_exceeded',
+            MESSAGE = pg_catalog.format('%s is too large: %s bytes, %s allows %s', arg, size, l.setting,
+                                        l.limit_kb::bigint OPERATOR(pg_catalog.*) 1024),
+            HINT = 'store a reference to large results (a row id, an object store key) instead, or raise the limit';
+    END IF;
+END
+$fn$;
+
+-- Claims, completions and sweeps write: refused at once in a read-only transaction.
+CREATE FUNCTION idempotency._p_refuse_read_only(function_name text)
+RETURNS void
+LANGUAGE plpgsql STABLE
+SET search_path = pg_catalog, pg_temp
+AS $fn$
+BEGIN
+    IF pg_catalog.current_setting('transaction_read_only') OPERATOR(pg_catalog.=) 'on' THEN
+        RAISE EXCEPTION USING
+            ERRCODE = 'read_only_sql_transaction',
+            MESSAGE = pg_catalog.format('idempotency.%s cannot run in a read-only transaction%s', function_name,
+                                        CASE WHEN pg_catalog.pg_is_in_recovery() THEN ' (this server is a standby)' ELSE '' END),
+            HINT = 'claim, complete and sweep on the primary; idempotency.lookup works on a standby';
+    END IF;
+END
+$fn$;
+
+-- The scope argument's rules: not NULL, at most 255 characters, under the session's prefix.
+CREATE FUNCTION idempotency._p_check_scope(scope text)
+RETURNS void
+LANGUAGE plpgsql STABLE
+SET search_path = pg_catalog, pg_temp
+AS $fn$
+DECLARE
+    v_prefix text;
+BEGIN
+    PERFORM idempotency._canon_check_key('scope', scope, true);
+    v_prefix := idempotency._p_scope_prefix();
+    IF NOT pg_catalog.starts_with(scope, v_prefix) THEN
+        RAISE EXCEPTION USING
+            ERRCODE = 'insufficient_privilege',
+            MESSAGE = pg_catalog.format('scope %s is outside this role''s scopes: its scope prefix is %s',
+                                        idempotency._p_debug(scope), idempotency._p_debug(v_prefix));
+    END IF;
+END
+$fn$;
+
+-- A text as Rust's Debug writes a string (the native edition's messages quote values so).
+CREATE FUNCTION idempotency._p_debug(value text)
+RETURNS text
+LANGUAGE sql IMMUTABLE STRICT PARALLEL SAFE
+SET search_path = pg_catalog, pg_temp
+AS $fn$
+    SELECT pg_catalog.string_agg(idempotency._canon_quote(p.part), '' ORDER BY p.n)
+      FROM (SELECT pg_catalog.substr(value, i, 40) AS part, i AS n
+              FROM pg_catalog.generate_series(1, GREATEST(pg_catalog.length(value), 1), 40) AS i) AS p
+$fn$;
+
+-- HMAC-SHA256 (RFC 2104) on the core sha256(): the native edition's keyed hashes and signatures.
+CREATE FUNCTION idempotency._p_hmac(secret bytea, message bytea)
+RETURNS bytea
+LANGUAGE plpgsql IMMUTABLE STRICT PARALLEL SAFE
+SET search_path = pg_catalog, pg_temp
+AS $fn$
+DECLARE
+    v_key bytea := secret;
+    v_ipad bytea;
+    v_opad bytea;
+BEGIN
+    IF pg_catalog.length(v_key) OPERATOR(pg_catalog.>) 64 THEN
+        v_key := pg_catalog.sha256(v_key);
+    END IF;
+    v_key := v_key OPERATOR(pg_catalog.||) pg_catalog.decode(pg_catalog.repeat('00', 64 OPERATOR(pg_catalog.-) pg_catalog.length(v_key)), 'hex');
+    v_ipad := v_key;
+    v_opad := v_key;
+    FOR i IN 0 .. 63 LOOP
+        v_ipad := pg_catalog.set_byte(v_ipad, i, pg_catalog.get_byte(v_key, i) OPERATOR(pg_catalog.#) 54);
+        v_opad := pg_catalog.set_byte(v_opad, i, pg_catalog.get_byte(v_key, i) OPERATOR(pg_catalog.#) 92);
+    END LOOP;
+    RETURN pg_catalog.sha256(v_opad OPERATOR(pg_catalog.||) pg_catalog.sha256(v_ipad OPERATOR(pg_catalog.||) message));
+END
+$fn$;
+
+-- base64url without padding (RFC 4648 section 5), and its strict inverse (NULL when malformed).
+CREATE FUNCTION idempotency._p_b64url(bytes bytea)
+RETURNS text
+LANGUAGE sql IMMUTABLE STRICT PARALLEL SAFE
+SET search_path = pg_catalog, pg_temp
+AS $fn$
+    SELECT pg_catalog.translate(pg_catalog.rtrim(pg_catalog.encode(bytes, 'base64'), '='), E'+/\n', '-_')
+$fn$;
+
+-- A secret argument: 16 bytes at least.
+CREATE FUNCTION idempotency._p_check_secret(secret bytea)
+RETURNS void
+LANGUAGE plpgsql IMMUTABLE PARALLEL SAFE
+SET search_path = pg_catalog, pg_temp
+AS $fn$
+BEGIN
+    IF secret IS NULL THEN
+        RAISE EXCEPTION USING ERRCODE = 'null_value_not_allowed', MESSAGE = 'secret must not be NULL';
+    ELSIF pg_catalog.length(secret) OPERATOR(pg_catalog.<) 16 THEN
+        RAISE EXCEPTION USING ERRCODE = 'invalid_parameter_value', MESSAGE = 'secret must be at least 16 bytes';
+    END IF;
+END
+$fn$;
+
+-- The message a signature covers: "<kid>.<key>", then a zero byte and the scope prefix if any.
+CREATE FUNCTION idempotency._p_signed_message(kid integer, key text)
+RETURNS bytea
+LANGUAGE plpgsql STABLE
+SET search_path = pg_catalog, pg_temp
+AS $fn$
+DECLARE
+    v_prefix text := idempotency._p_scope_prefix();
+    v_message bytea := pg_catalog.convert_to(kid::text OPERATOR(pg_catalog.||) '.' OPERATOR(pg_catalog.||) key, 'UTF8');
+BEGIN
+    IF v_prefix OPERATOR(pg_catalog.<>) '' THEN
+        v_message := v_message OPERATOR(pg_catalog.||) '\x00'::bytea OPERATOR(pg_catalog.||) pg_catalog.convert_to(v_prefix, 'UTF8');
+    END IF;
+    RETURN v_message;
+END
+$fn$;
+
+-- A signed key's parts (key, secret id, signature), or NULLs when it is not shaped like one.
+CREATE FUNCTION idempotency._p_parse_signed(signed text, OUT key text, OUT kid integer, OUT signature bytea)
+LANGUAGE plpgsql IMMUTABLE PARALLEL SAFE
+SET search_path = pg_catalog, pg_temp
+AS $fn$
+DECLARE
+    v_m text[];
+BEGIN
+    v_m := pg_catalog.regexp_match(signed, '^(.*)\.([^.]*)\.([^.]*)$', 's');
+    IF v_m IS NULL OR v_m[1] OPERATOR(pg_catalog.=) '' OR pg_catalog.length(v_m[3]) OPERATOR(pg_catalog.<>) 43
+       OR pg_catalog.length(v_m[1]) OPERATOR(pg_catalog.>) 255
+       OR v_m[2] OPERATOR(pg_catalog.!~) '^[1-9][0-9]{0,9}$'
+       OR v_m[2]::bigint OPERATOR(pg_catalog.>) 2147483647
+       -- 43 characters of base64url hold 32 bytes and two bits that must be zero
+       OR v_m[3] OPERATOR(pg_catalog.!~) '^[A-Za-z0-9_-]{42}[AEIMQUYcgkosw048]$' THEN
+        RETURN;
+    END IF;
+    key := v_m[1];
+    kid := v_m[2]::integer;
+    signature := pg_catalog.decode(pg_catalog.translate(v_m[3], '-_', '+/') OPERATOR(pg_catalog.||) '=', 'base64');
+END
+$fn$;
+
+-- The owner of the store: the extension's owner, or the schema's where the plain script made it.
+CREATE FUNCTION idempotency._p_owner()
+RETURNS oid
+LANGUAGE sql STABLE
+SET search_path = pg_catalog, pg_temp
+AS $fn$
+    SELECT COALESCE((SELECT e.extowner FROM pg_catalog.pg_extension AS e
+                      WHERE e.extname OPERATOR(pg_catalog.=) 'idempotency'),
+                    (SELECT n.nspowner FROM pg_catalog.pg_namespace AS n
+                      WHERE n.nspname OPERATOR(pg_catalog.=) 'idempotency'))
+$fn$;
+
+-- Which rows a sweep may touch: all for the store's owner and superusers (and members of the
+-- owner's role), those under the session's scope prefix for a tenant, none otherwise.
+CREATE FUNCTION idempotency._p_sweep_prefix(function_name text)
+RETURNS text
+LANGUAGE plpgsql STABLE
+SET search_path = pg_catalog, pg_temp
+AS $fn$
+DECLARE
+    v_prefix text;
+BEGIN
+    IF (SELECT a.rolsuper FROM pg_catalog.pg_roles AS a WHERE a.rolname OPERATOR(pg_catalog.=) SESSION_USER)
+       OR pg_catalog.pg_has_role(SESSION_USER, idempotency._p_owner(), 'USAGE') THEN
+        RETURN '';
+    END IF;
+    v_prefix := idempotency._p_scope_prefix();
+    IF v_prefix OPERATOR(pg_catalog.=) '' THEN
+        RAISE EXCEPTION USING
+            ERRCODE = 'insufficient_privilege',
+            MESSAGE = pg_catalog.format('idempotency.%s of the whole store is for the extension''s owner and superusers', function_name),
+            HINT = 'run it as the owner (the background sweeper or pg_cron do), or bind this role to a scope prefix (idempotency.role_settings) to sweep only its own scopes';
+    END IF;
+    RETURN v_prefix;
+END
+$fn$;
+
+-- The batch_size argument of the sweep functions (NULL: idempotency.sweep_batch_size).
+CREATE FUNCTION idempotency._p_batch_size(batch_size integer)
+RETURNS integer
+LANGUAGE plpgsql STABLE
+SET search_path = pg_catalog, pg_temp
+AS $fn$
+DECLARE
+    v_batch integer := COALESCE(batch_size, idempotency._p_setting('idempotency.sweep_batch_size', 10000, ''));
+BEGIN
+    IF v_batch OPERATOR(pg_catalog.<) 1 THEN
+        RAISE EXCEPTION USING ERRCODE = 'invalid_parameter_value',
+            MESSAGE = pg_catalog.format('batch_size must be positive (got %s)', v_batch);
+    END IF;
+    RETURN v_batch;
+END
+$fn$;
+
+-- A TTL or lease checked on its own (positive, at most ten years, months counted as 30 days)
+-- and on the clock (now() + it after now() and at most ten calendar years ahead); returns
+-- now() + it. `name` is the argument or the setting that gave the value.
+CREATE FUNCTION idempotency._p_duration(name text, value interval)
+RETURNS timestamptz
+LANGUAGE plpgsql STABLE
+SET search_path = pg_catalog, pg_temp
+AS $fn$
+DECLARE
+    v_months numeric;
+    v_days numeric;
+    v_micros numeric;
+    v_total numeric;
+    v_ends timestamptz;
+BEGIN
+    IF NOT pg_catalog.isfinite(value) THEN
+        v_total := CASE WHEN value OPERATOR(pg_catalog.>) '0'::interval THEN 1e30 ELSE -1 END;
+    ELSE
+        v_months := EXTRACT(year FROM value) OPERATOR(pg_catalog.*) 12 OPERATOR(pg_catalog.+) EXTRACT(month FROM value);
+        v_days := EXTRACT(day FROM value);
+        v_micros := EXTRACT(epoch FROM (value OPERATOR(pg_catalog.-)
+                        pg_catalog.make_interval(months => v_months::integer, days => v_days::integer)))
+                    OPERATOR(pg_catalog.*) 1000000;
+        v_total := (v_months OPERATOR(pg_catalog.*) 30 OPERATOR(pg_catalog.+) v_days) OPERATOR(pg_catalog.*) 86400000000
+                   OPERATOR(pg_catalog.+) v_micros;
+    END IF;
+    IF v_total OPERATOR(pg_catalog.<=) 0 THEN
+        RAISE EXCEPTION USING ERRCODE = 'invalid_parameter_value',
+            MESSAGE = pg_catalog.format('%s must be a positive interval', name);
+    END IF;
+    IF v_total OPERATOR(pg_catalog.>) 316224000000000 THEN
+        RAISE EXCEPTION USING ERRCODE = 'invalid_parameter_value',
+            MESSAGE = pg_catalog.format('%s must be at most 10 years', name);
+    END IF;
+    v_ends := pg_catalog.now() OPERATOR(pg_catalog.+) value;
+    IF v_ends OPERATOR(pg_catalog.<=) pg_catalog.now() THEN
+        RAISE EXCEPTION USING ERRCODE = 'invalid_parameter_value',
+            MESSAGE = pg_catalog.format('%s must end in the future: now() + %s is not after now() (%s)',
+                                        name, name, idempotency._canon_quote(value::text));
+    END IF;
+    IF v_ends OPERATOR(pg_catalog.>) (pg_catalog.now() OPERATOR(pg_catalog.+) '120 months'::interval) THEN
+        RAISE EXCEPTION USING ERRCODE = 'invalid_parameter_value',
+            MESSAGE = pg_catalog.format('%s must be at most 10 years (got %s)', name, idempotency._canon_quote(value::text));
+    END IF;
+    RETURN v_ends;
+END
+$fn$;
+
+-- The TTL and lease of a claim: each argument, or its setting when NULL; with no lease given,
+-- least(idempotency.default_lease, ttl); a lease that would outlive the key is refused.
+CREATE FUNCTION idempotency._p_ttl_and_lease(ttl interval, lease interval, OUT ttl_value interval, OUT lease_value interval)
+LANGUAGE plpgsql STABLE
+SET search_path = pg_catalog, pg_temp
+AS $fn$
+DECLARE
+    v_ttl_name text := 'ttl';
+    v_lease_name text := 'lease';
+    v_ttl_ends timestamptz;
+    v_lease_ends timestamptz;
+BEGIN
+    IF ttl IS NULL THEN
+        v_ttl_name := 'idempotency.default_ttl';
+        ttl_value := pg_catalog.make_interval(secs => idempotency._p_setting('idempotency.default_ttl', 86400, 's'));
+    ELSE
+        ttl_value := ttl;
+    END IF;
+    v_ttl_ends := idempotency._p_duration(v_ttl_name, ttl_value);
+    IF lease IS NULL THEN
+        lease_value := pg_catalog.make_interval(secs => idempotency._p_setting('idempotency.default_lease', 300, 's'));
+        v_lease_ends := idempotency._p_duration('idempotency.default_lease', lease_value);
+        IF v_lease_ends OPERATOR(pg_catalog.>) v_ttl_ends THEN
+            lease_value := ttl_value;
+            v_lease_ends := v_ttl_ends;
+        ELSE
+            v_lease_name := 'idempotency.default_lease';
+        END IF;
+    ELSE
+        lease_value := lease;
+        v_lease_ends := idempotency._p_duration('lease', lease_value);
+    END IF;
+    IF v_lease_ends OPERATOR(pg_catalog.>) v_ttl_ends THEN
+        RAISE EXCEPTION USING ERRCODE = 'invalid_parameter_value',
+            MESSAGE = pg_catalog.format('%s (%s) must not be longer than %s (%s): the lease would outlive the key',
+                                        v_lease_name, idempotency._canon_quote(lease_value::text),
+                                        v_ttl_name, idempotency._canon_quote(ttl_value::text));
+    END IF;
+END
+$fn$;
+
+-- SHA-256 of a request's exact canonical form; errors name `arg`.
+CREATE FUNCTION idempotency._p_request_hash(request jsonb, arg text)
+RETURNS bytea
+LANGUAGE plpgsql IMMUTABLE PARALLEL SAFE
+SET search_path = pg_catalog, pg_temp
+AS $fn$
+BEGIN
+    IF request IS NULL THEN
+        RETURN NULL;
+    END IF;
+    PERFORM idempotency._canon_unicode_doc(request, arg);
+    RETURN pg_catalog.sha256(pg_catalog.convert_to(idempotency._canon_text(request, true, arg), 'UTF8'));
+END
+$fn$;
+
+-- The advisory lock number of a key (a 64-bit hash of scope and stored key).
+CREATE FUNCTION idempotency._p_lock_id(scope text, key text)
+RETURNS bigint
+LANGUAGE sql IMMUTABLE PARALLEL SAFE
+SET search_path = pg_catalog, pg_temp
+AS $fn$
+    SELECT pg_catalog.hashtextextended(pg_catalog.length(scope)::text OPERATOR(pg_catalog.||) ':'
+                                       OPERATOR(pg_catalog.||) scope OPERATOR(pg_catalog.||) key, 5432)
+$fn$;
+
+-- Marks a key as changed by this transaction: a transaction-scoped advisory lock on its lock
+-- number, taken by claim before it inserts a key (try: false when another open transaction
+-- holds it) and by the trigger below before any row of the store is inserted, updated or
+-- deleted (wait: as an UPDATE waits for the row). A claim that finds a key marked by another
+-- open transaction answers in_progress at once instead of waiting for that transaction (the
+-- native edition sees the uncommitted change itself). A transaction marks its first 1000 keys
+-- (the lock table is shared and finite; a backfill of 100,000 keys in one transaction must
+-- work): a claim of a later one by another session waits until the backfill's transaction
+-- ends, as an INSERT would.
+CREATE FUNCTION idempotency._p_mark(scope text, key text, wait boolean)
+RETURNS boolean
+LANGUAGE plpgsql VOLATILE
+SET search_path = pg_catalog, pg_temp
+AS $fn$
+DECLARE
+    v_xact text := pg_catalog.pg_current_xact_id()::text;
+    v_state text := pg_catalog.current_setting('idempotency.portable_marks', true);
+    v_count integer := 0;
+    v_lock bigint := idempotency._p_lock_id(scope, key);
+BEGIN
+    IF pg_catalog.split_part(v_state, ':', 1) OPERATOR(pg_catalog.=) v_xact THEN
+        v_count := pg_catalog.split_part(v_state, ':', 2)::integer;
+    END IF;
+    IF v_count OPERATOR(pg_catalog.>=) 1000 THEN
+        -- Not marked; a key another transaction marked is still refused.
+        RETURN wait OR NOT idempotency._p_marked(scope, key);
+    END IF;
+    IF wait THEN
+        PERFORM pg_catalog.pg_advisory_xact_lock(v_lock);
+    ELSIF NOT pg_catalog.pg_try_advisory_xact_lock(v_lock) THEN
+        RETURN false;
+    END IF;
+    -- Session-level (not LOCAL): the SET clause of this function would undo a local change.
+    -- Rolled back with the transaction, as the locks are released with it.
+    PERFORM pg_catalog.set_config('idempotency.portable_marks',
+                                  v_xact OPERATOR(pg_catalog.||) ':' OPERATOR(pg_catalog.||) (v_count OPERATOR(pg_catalog.+) 1), false);
+    RETURN true;
+END
+$fn$;
+
+-- Whether another open transaction marked the key (holds its lock): tested with a session-level
+-- shared lock, released at once (a backend's own locks never conflict with it).
+CREATE FUNCTION idempotency._p_marked(scope text, key text)
+RETURNS boolean
+LANGUAGE plpgsql VOLATILE
+SET search_path = pg_catalog, pg_temp
+AS $fn$
+DECLARE
+    v_lock bigint := idempotency._p_lock_id(scope, key);
+BEGIN
+    IF NOT pg_catalog.pg_try_advisory_lock_shared(v_lock) THEN
+        RETURN true;
+    END IF;
+    PERFORM pg_catalog.pg_advisory_unlock_shared(v_lock);
+    RETURN false;
+END
+$fn$;
+
+-- The trigger that marks every key whose row is inserted, updated or deleted (see _p_mark).
+CREATE FUNCTION idempotency._p_mark_row()
+RETURNS trigger
+LANGUAGE plpgsql VOLATILE
+SET search_path = pg_catalog, pg_temp
+AS $fn$
+BEGIN
+    IF TG_OP OPERATOR(pg_catalog.=) 'INSERT' THEN
+        PERFORM idempotency._p_mark(NEW.scope, NEW.key, true);
+        RETURN NEW;
+    END IF;
+    PERFORM idempotency._p_mark(OLD.scope, OLD.key, true);
+    IF TG_OP OPERATOR(pg_catalog.=) 'UPDATE' THEN
+        RETURN NEW;
+    END IF;
+    RETURN OLD;
+END
+$fn$;
+
+CREATE TRIGGER idempotency_keys_mark
+    BEFORE INSERT OR UPDATE OR DELETE ON idempotency.idempotency_keys
+    FOR EACH ROW EXECUTE FUNCTION idempotency._p_mark_row();
+
+-- The answer to a claim that meets another open transaction's claim of the key.
+CREATE FUNCTION idempotency._p_busy()
+RETURNS idempotency.claim_result
+LANGUAGE sql STABLE
+SET search_path = pg_catalog, pg_temp
+AS $fn$
+    SELECT ROW('in_progress', NULL, NULL, NULL,
+               pg_catalog.make_interval(secs => GREATEST(idempotency._p_setting('idempotency.busy_retry_after', 1000, 'ms'), 1)
+                                                OPERATOR(pg_catalog./) 1000.0),
+               NULL, NULL)::idempotency.claim_result
+$fn$;
+
+-- The claim algorithm on a key in its stored form, arguments checked: the outcome table
+-- applied to the row, the row read and written through SQL. Never waits on another
+-- transaction's claim of the key beyond idempotency.claim_wait (see _p_mark; a row
+-- another transaction is changing is skipped, not waited for).
+CREATE FUNCTION idempotency._p_claim(p_scope text, p_key text, p_hash bytea, p_ttl interval, p_lease interval)
+RETURNS idempotency.claim_result
+LANGUAGE plpgsql VOLATILE
+SET search_path = pg_catalog, pg_temp
+AS $fn$
+DECLARE
+    r record;
+    res idempotency.claim_result;
+    v_rounds integer := 0;
+    v_token bigint;
+    v_busy boolean;
+    v_started timestamptz;
+    v_wait integer;
+BEGIN
+    LOOP
+        v_busy := false;
+        SELECT k.status OPERATOR(pg_catalog.=) 'completed'::idempotency.key_status AS completed,
+               k.request_hash, k.token, k.response, k.response_status, k.recovery_point, k.expires_at,
+               k.expires_at OPERATOR(pg_catalog.<=) pg_catalog.now() AS expired,
+               k.locked_until OPERATOR(pg_catalog.<=) pg_catalog.now() AS lease_over,
+               GREATEST(k.locked_until OPERATOR(pg_catalog.-) pg_catalog.now(), '1 second'::pg_catalog.interval) AS retry_after
+          INTO r
+          FROM idempotency.idempotency_keys AS k
+         WHERE k.scope OPERATOR(pg_catalog.=) p_scope AND k.key OPERATOR(pg_catalog.=) p_key;
+        IF NOT FOUND THEN
+            IF NOT idempotency._p_mark(p_scope, p_key, false) THEN
+                v_busy := true;
+            ELSIF NOT EXISTS (SELECT FROM pg_catalog.pg_rewrite AS w
+                               WHERE w.ev_class OPERATOR(pg_catalog.=) 'idempotency.idempotency_keys'::pg_catalog.regclass) THEN
+                INSERT INTO idempotency.idempotency_keys AS k
+                       (scope, key, request_hash, status, token, created_at, locked_until, expires_at, ttl)
+                VALUES (p_scope, p_key, p_hash, 'in_progress', pg_catalog.nextval('idempotency.token_seq'), pg_catalog.now(),
+                        pg_catalog.now() OPERATOR(pg_catalog.+) p_lease, pg_catalog.now() OPERATOR(pg_catalog.+) p_ttl, p_ttl)
+                ON CONFLICT (scope, key) DO NOTHING
+                RETURNING k.token, k.expires_at INTO res.token, res.expires_at;
+                IF FOUND THEN
+                    res.outcome := 'new';
+                    RETURN res;
+                END IF;
+            ELSE
+                -- A store with rules (an owner's change) refuses ON CONFLICT: the key, found
+                -- absent and marked, is inserted without it; a row that got there first is read
+                -- in the next round.
+                BEGIN
+                    INSERT INTO idempotency.idempotency_keys AS k
+                           (scope, key, request_hash, status, token, created_at, locked_until, expires_at, ttl)
+                    VALUES (p_scope, p_key, p_hash, 'in_progress', pg_catalog.nextval('idempotency.token_seq'), pg_catalog.now(),
+                            pg_catalog.now() OPERATOR(pg_catalog.+) p_lease, pg_catalog.now() OPERATOR(pg_catalog.+) p_ttl, p_ttl);
+                    SELECT k.token, k.expires_at INTO res.token, res.expires_at
+                      FROM idempotency.idempotency_keys AS k
+                     WHERE k.scope OPERATOR(pg_catalog.=) p_scope AND k.key OPERATOR(pg_catalog.=) p_key;
+                    IF FOUND THEN
+                        res.outcome := 'new';
+                        RETURN res;
+                    END IF;
+                EXCEPTION WHEN unique_violation THEN
+                    NULL;
+                END;
+            END IF;
+        ELSIF idempotency._p_marked(p_scope, p_key) THEN
+            -- Another open transaction is changing the row.
+            v_busy := true;
+        ELSIF NOT r.expired AND r.request_hash IS NOT NULL AND p_hash IS NOT NULL
+              AND r.request_hash OPERATOR(pg_catalog.<>) p_hash THEN
+            RAISE WARNING '%', pg_catalog.format(
+                'idempotency: key reused with a different request: scope=%s key=%s stored_hash=%s request_hash=%s',
+                idempotency._p_debug(p_scope), idempotency._p_key_label(p_key),
+                pg_catalog.encode(pg_catalog.substr(r.request_hash, 1, 6), 'hex'),
+                pg_catalog.encode(pg_catalog.substr(p_hash, 1, 6), 'hex'));
+            res.outcome := 'mismatch';
+            res.expires_at := r.expires_at;
+            RETURN res;
+        ELSIF NOT r.expired AND r.completed THEN
+            res.outcome := 'replay';
+            res.token := r.token;
+            res.response := r.response;
+            res.response_status := r.response_status;
+            res.expires_at := r.expires_at;
+            RETURN res;
+        ELSIF NOT r.expired AND NOT r.lease_over THEN
+            res.outcome := 'in_progress';
+            res.retry_after := r.retry_after;
+            res.expires_at := r.expires_at;
+            res.recovery_point := r.recovery_point;
+            RETURN res;
+        ELSE
+            -- Expired (restart) or lease over (takeover): lock the newest version without
+            -- waiting, and decide again on it.
+            SELECT k.status OPERATOR(pg_catalog.=) 'completed'::idempotency.key_status AS completed,
+                   k.request_hash, k.token, k.response, k.response_status, k.recovery_point, k.expires_at,
+                   k.expires_at OPERATOR(pg_catalog.<=) pg_catalog.now() AS expired,
+                   k.locked_until OPERATOR(pg_catalog.<=) pg_catalog.now() AS lease_over,
+                   GREATEST(k.locked_until OPERATOR(pg_catalog.-) pg_catalog.now(), '1 second'::pg_catalog.interval) AS retry_after
+              INTO r
+              FROM idempotency.idempotency_keys AS k
+             WHERE k.scope OPERATOR(pg_catalog.=) p_scope AND k.key OPERATOR(pg_catalog.=) p_key
+               FOR UPDATE SKIP LOCKED;
+            IF NOT FOUND THEN
+                -- Still there: another claimer holds its row lock.
+                v_busy := EXISTS (SELECT FROM idempotency.idempotency_keys AS k
+                                   WHERE k.scope OPERATOR(pg_catalog.=) p_scope AND k.key OPERATOR(pg_catalog.=) p_key);
+            ELSIF r.expired THEN
+                -- A token above the key's previous one (the sequence may lag behind the store
+                -- after a restore of rows without it).
+                v_token := pg_catalog.nextval('idempotency.token_seq');
+                IF v_token OPERATOR(pg_catalog.<=) r.token THEN
+                    PERFORM pg_catalog.setval('idempotency.token_seq', r.token, true);
+                    v_token := pg_catalog.nextval('idempotency.token_seq');
+                END IF;
+                UPDATE idempotency.idempotency_keys AS k SET
+                       request_hash = p_hash, status = 'in_progress', token = v_token,
+                       response = NULL, response_status = NULL, recovery_point = NULL,
+                       created_at = pg_catalog.now(), completed_at = NULL,
+                       locked_until = pg_catalog.now() OPERATOR(pg_catalog.+) p_lease,
+                       expires_at = pg_catalog.now() OPERATOR(pg_catalog.+) p_ttl, ttl = p_ttl
+                 WHERE k.scope OPERATOR(pg_catalog.=) p_scope AND k.key OPERATOR(pg_catalog.=) p_key
+                   AND k.token OPERATOR(pg_catalog.<) v_token
+                RETURNING k.token, k.expires_at, k.recovery_point INTO res.token, res.expires_at, res.recovery_point;
+                IF FOUND THEN
+                    res.outcome := 'new';
+                    RETURN res;
+                END IF;
+            ELSIF (r.request_hash IS NULL OR p_hash IS NULL OR r.request_hash OPERATOR(pg_catalog.=) p_hash)
+                  AND NOT r.completed AND r.lease_over THEN
+                -- A token above the key's previous one (the sequence may lag behind the store
+                -- after a restore of rows without it).
+                v_token := pg_catalog.nextval('idempotency.token_seq');
+                IF v_token OPERATOR(pg_catalog.<=) r.token THEN
+                    PERFORM pg_catalog.setval('idempotency.token_seq', r.token, true);
+                    v_token := pg_catalog.nextval('idempotency.token_seq');
+                END IF;
+                UPDATE idempotency.idempotency_keys AS k SET
+                       request_hash = COALESCE(k.request_hash, p_hash), token = v_token,
+                       locked_until = pg_catalog.now() OPERATOR(pg_catalog.+) p_lease,
+                       expires_at = pg_catalog.now() OPERATOR(pg_catalog.+) p_ttl, ttl = p_ttl
+                 WHERE k.scope OPERATOR(pg_catalog.=) p_scope AND k.key OPERATOR(pg_catalog.=) p_key
+                   AND k.token OPERATOR(pg_catalog.<) v_token
+                RETURNING k.token, k.expires_at, k.recovery_point INTO res.token, res.expires_at, res.recovery_point;
+                IF FOUND THEN
+                    res.outcome := 'new';
+                    RETURN res;
+                END IF;
+            END IF;
+            -- Anything else: the row changed; read it again (answered in the next round).
+        END IF;
+        IF v_busy THEN
+            v_wait := idempotency._p_setting('idempotency.claim_wait', 0, 'ms');
+            v_started := COALESCE(v_started, pg_catalog.clock_timestamp());
+            IF pg_catalog.clock_timestamp() OPERATOR(pg_catalog.>=)
+               (v_started OPERATOR(pg_catalog.+) pg_catalog.make_interval(secs => GREATEST(v_wait, 0) OPERATOR(pg_catalog./) 1000.0)) THEN
+                RETURN idempotency._p_busy();
+            END IF;
+            PERFORM pg_catalog.pg_sleep(0.005);
+        ELSE
+            v_rounds := v_rounds OPERATOR(pg_catalog.+) 1;
+            IF v_rounds OPERATOR(pg_catalog.>=) 50 THEN
+                RAISE EXCEPTION USING
+                    ERRCODE = 'serialization_failure',
+                    MESSAGE = pg_catalog.format('idempotency.claim: key %s kept changing under concurrent claims',
+                                                idempotency._p_key_label(p_key)),
+                    HINT = 'retry the transaction';
+            END IF;
+        END IF;
+    END LOOP;
+END
+$fn$;
+
+-- A stored key as messages name it: quoted, or (hashed) where the store keeps keys hashed.
+CREATE FUNCTION idempotency._p_key_label(stored text)
+RETURNS text
+LANGUAGE plpgsql STABLE
+SET search_path = pg_catalog, pg_temp
+AS $fn$
+BEGIN
+    RETURN CASE WHEN EXISTS (SELECT FROM idempotency.config AS c
+                              WHERE c.key_storage OPERATOR(pg_catalog.=) 'sha256')
+                THEN '(hashed)' ELSE idempotency._p_debug(stored) END;
+END
+$fn$;
+
+-- complete's work as the store's owner; the completing role (for the audit row) is passed by
+-- _complete, which runs as the caller.
+CREATE FUNCTION idempotency._p_complete(
+    p_key text, p_response jsonb, p_status integer, p_scope text, p_token bigint, p_ttl interval, p_role name)
+RETURNS timestamptz
+LANGUAGE plpgsql VOLATILE SECURITY DEFINER
+SET search_path = pg_catalog, pg_temp
+AS $fn$
+DECLARE
+    v_key text;
+    v_expires_at timestamptz;
+    v_hash bytea;
+    v_token bigint;
+BEGIN
+    -- The role the caller ran as, where the session may act as it (inside another SECURITY
+    -- DEFINER function it may not: then, and for a role passed by anyone else, the session's
+    -- login role, which the native edition names there too unless SET ROLE changed it).
+    IF p_role IS NULL OR NOT pg_catalog.pg_has_role(SESSION_USER, p_role, 'MEMBER') THEN
+        p_role := SESSION_USER;
+    END IF;
+    v_key := idempotency._stored_key(p_key, p_scope);
+    IF p_status IS NULL THEN
+        RAISE EXCEPTION USING ERRCODE = 'null_value_not_allowed', MESSAGE = 'response_status must not be NULL';
+    ELSIF p_status OPERATOR(pg_catalog.<) 100 OR p_status OPERATOR(pg_catalog.>) 599 THEN
+        RAISE EXCEPTION USING ERRCODE = 'invalid_parameter_value',
+            MESSAGE = pg_catalog.format('response_status must be between 100 and 599 (got %s)', p_status);
+    END IF;
+    IF p_ttl IS NOT NULL THEN
+        PERFORM idempotency._p_duration('ttl', p_ttl);
+    END IF;
+    IF p_response IS NOT NULL THEN
+        PERFORM idempotency._p_check_size('response', pg_catalog.pg_column_size(p_response)::bigint, 'response');
+    END IF;
+    PERFORM idempotency._p_refuse_read_only('complete');
+    UPDATE idempotency.idempotency_keys AS k SET
+           status = 'completed'::idempotency.key_status, response = p_response, response_status = p_status,
+           completed_at = pg_catalog.now(), locked_until = NULL,
+           expires_at = pg_catalog.now() OPERATOR(pg_catalog.+) COALESCE(p_ttl, k.ttl),
+           ttl = COALESCE(p_ttl, k.ttl)
+     WHERE k.scope OPERATOR(pg_catalog.=) p_scope AND k.key OPERATOR(pg_catalog.=) v_key
+       AND k.status OPERATOR(pg_catalog.=) 'in_progress'::idempotency.key_status
+       AND k.expires_at OPERATOR(pg_catalog.>) pg_catalog.now()
+       AND (p_token IS NULL OR k.token OPERATOR(pg_catalog.=) p_token)
+    RETURNING k.expires_at, k.request_hash, k.token INTO v_expires_at, v_hash, v_token;
+    IF NOT FOUND THEN
+        RETURN NULL;
+    END IF;
+    IF idempotency._p_audit() THEN
+        INSERT INTO idempotency.audit
+               (scope, key, key_is_hash, request_hash, token, response_status, completed_at, completed_by)
+        VALUES (p_scope, v_key, v_key OPERATOR(pg_catalog.<>) p_key, v_hash, v_token, p_status, pg_catalog.now(), p_role);
+    END IF;
+    RETURN v_expires_at;
+END
+$fn$;
+
+-- The helpers are for the functions above (which run as the store's owner), not for callers;
+-- _p_complete only checks the role it is given (complete's work runs through it as the owner).
+DO $revoke$
+DECLARE
+    f regprocedure;
+BEGIN
+    FOR f IN SELECT p.oid::pg_catalog.regprocedure FROM pg_catalog.pg_proc AS p
+              WHERE p.pronamespace OPERATOR(pg_catalog.=) 'idempotency'::pg_catalog.regnamespace
+                AND p.proname OPERATOR(pg_catalog.~~) '\_p\_%'
+                AND p.proname OPERATOR(pg_catalog.<>) '_p_complete' LOOP
+        EXECUTE pg_catalog.format('REVOKE EXECUTE ON FUNCTION %s FROM PUBLIC', f);
+    END LOOP;
+END
+$revoke$;
+
+-- End of the portable edition's helpers ----------------------------------------------------
+
+-- The LANGUAGE c functions of sql/idempotency.sql --------------------------------------------
+
+CREATE FUNCTION idempotency.claim(
+    key   text,
+    request jsonb DEFAULT NULL,
+    scope text DEFAULT '',
+    ttl   interval DEFAULT NULL,
+    lease interval DEFAULT NULL
+) RETURNS idempotency.claim_result
+LANGUAGE plpgsql VOLATILE PARALLEL UNSAFE SECURITY DEFINER
+SET search_path = pg_catalog, pg_temp
+AS $fn$
+DECLARE
+    v_key text := idempotency._stored_key(claim.key, claim.scope);
+    v_ttl interval;
+    v_lease interval;
+    v_hash bytea;
+BEGIN
+    SELECT d.ttl_value, d.lease_value INTO v_ttl, v_lease FROM idempotency._p_ttl_and_lease(claim.ttl, claim.lease) AS d;
+    v_hash := idempotency._p_request_hash(claim.request, 'request');
+    PERFORM idempotency._p_refuse_read_only('claim');
+    RETURN idempotency._p_claim(claim.scope, v_key, v_hash, v_ttl, v_lease);
+END
+$fn$;
+-- claim, complete and sweep, the calls on every request's path, pin their search path inside
+-- the C code (to pg_catalog alone, for every statement they run) instead of with a SET clause,
+-- which costs a configuration save and restore per call and would stop complete from being
+-- inlined. Their statements also name every table, type, function and operator with its
+-- schema. The other functions pin search_path = pg_catalog, pg_temp with SET.
+
+-- Checks key and scope (the shared argument rules and the session's scope_prefix) and returns
+-- the key in the form the store keeps it: itself, or its keyed hash in hex (set_key_storage).
+CREATE FUNCTION idempotency._stored_key(key text, scope text)
+RETURNS text
+LANGUAGE plpgsql VOLATILE PARALLEL UNSAFE
+SET search_path = pg_catalog, pg_temp
+AS $fn$
+DECLARE
+    c record;
+BEGIN
+    PERFORM idempotency._canon_unicode(key, 'key');
+    PERFORM idempotency._canon_unicode(scope, 'scope');
+    PERFORM idempotency._canon_check_key('key', key, false);
+    PERFORM idempotency._p_check_scope(scope);
+    SELECT x.key_storage, x.key_secret INTO c FROM idempotency.config AS x;
+    IF NOT FOUND OR c.key_storage OPERATOR(pg_catalog.=) 'plain' THEN
+        RETURN key;
+    ELSIF c.key_secret IS NULL THEN
+        RETURN pg_catalog.encode(pg_catalog.sha256(pg_catalog.convert_to(key, 'UTF8')), 'hex');
+    END IF;
+    RETURN pg_catalog.encode(idempotency._p_hmac(c.key_secret, pg_catalog.sha256(pg_catalog.convert_to(key, 'UTF8'))), 'hex');
+END
+$fn$;
+
+-- Counts releases in shared memory (a no-op unless preloaded); the C functions count the rest.
+-- Counts nothing: the counters of the native edition live in shared memory (stats shows NULL).
+CREATE FUNCTION idempotency._count(event text)
+RETURNS void
+LANGUAGE plpgsql VOLATILE PARALLEL SAFE
+SET search_path = pg_catalog, pg_temp
+AS $fn$
+BEGIN
+    IF event IS DISTINCT FROM 'release' THEN
+        RAISE EXCEPTION USING ERRCODE = 'invalid_parameter_value',
+            MESSAGE = pg_catalog.format('event must be ''release'' (got %s)', idempotency._canon_quote(COALESCE(event, 'NULL')));
+    END IF;
+END
+$fn$;
+
+-- Refuses a recovery point over idempotency.max_recovery_point_size (54000).
+CREATE FUNCTION idempotency._check_recovery_point(recovery_point text)
+RETURNS void
+LANGUAGE plpgsql VOLATILE PARALLEL SAFE
+SET search_path = pg_catalog, pg_temp
+AS $fn$
+BEGIN
+    IF recovery_point IS NOT NULL THEN
+        PERFORM idempotency._p_check_size('recovery_point',
+            pg_catalog.octet_length(recovery_point)::bigint OPERATOR(pg_catalog.+) 4, 'recovery_point');
+    END IF;
+END
+$fn$;
+
+-- Raises the error that explains why complete/checkpoint found no row it may change.
+CREATE FUNCTION idempotency._raise_not_claimed(p_key text, p_scope text, p_token bigint, p_action text)
+RETURNS timestamptz
+LANGUAGE plpgsql VOLATILE SECURITY DEFINER
+SET search_path = pg_catalog, pg_temp
+AS $fn$
+DECLARE
+    r record;
+    v_key text := idempotency._stored_key(p_key, p_scope);
+    -- Messages name a hashed key as (hashed): nothing of its stored form, which the caller
+    -- could otherwise have computed for any key and matched against a copy of the table.
+    v_label text := CASE WHEN v_key OPERATOR(pg_catalog.=) p_key THEN pg_catalog.quote_literal(p_key)
+                         ELSE '(hashed)' END;
+BEGIN
+    SELECT k.status, k.token, k.expires_at OPERATOR(pg_catalog.>) pg_catalog.now() AS live
+      INTO r
+      FROM idempotency.idempotency_keys AS k
+     WHERE k.scope OPERATOR(pg_catalog.=) p_scope AND k.key OPERATOR(pg_catalog.=) v_key;
+    IF NOT FOUND OR NOT r.live THEN
+        RAISE EXCEPTION USING
+            ERRCODE = 'IK001',
+            MESSAGE = pg_catalog.format('cannot %s key %s in scope %L: no live claim', p_action, v_label, p_scope),
+            HINT = 'claim the key first; a claim that expired, was released or rolled back is gone';
+    ELSIF r.status OPERATOR(pg_catalog.=) 'completed'::idempotency.key_status THEN
+        RAISE EXCEPTION USING
+            ERRCODE = 'IK002',
+            MESSAGE = pg_catalog.format('cannot %s key %s in scope %L: it is already completed', p_action, v_label, p_scope),
+            HINT = 'a completed key replays its stored response; claim it to read that response';
+    ELSIF p_token OPERATOR(pg_catalog.<) r.token THEN
+        RAISE EXCEPTION USING
+            ERRCODE = 'IK003',
+            MESSAGE = pg_catalog.format('cannot %s key %s in scope %L: token %s is stale, the current token is %s',
+                                        p_action, v_label, p_scope, p_token, r.token),
+            HINT = 'another worker took the key over after this lease ran out (or the token is another key''s); abandon this attempt';
+    ELSE
+        RAISE EXCEPTION USING
+            ERRCODE = 'IK003',
+            MESSAGE = pg_catalog.format('cannot %s key %s in scope %L: token %s was never issued for it, the current token is %s',
+                                        p_action, v_label, p_scope, p_token, r.token),
+            HINT = 'pass the token that claim returned for this key';
+    END IF;
+    RETURN NULL;  -- not reached
+END
+$fn$;
+
+-- Runs as the caller (the audit row names the completing role), the work as the owner.
+CREATE FUNCTION idempotency._complete(
+    key text, response jsonb, response_status integer, scope text, token bigint, ttl interval)
+RETURNS timestamptz
+LANGUAGE plpgsql VOLATILE PARALLEL UNSAFE
+SET search_path = pg_catalog, pg_temp
+AS $fn$
+BEGIN
+    RETURN idempotency._p_complete(key, response, response_status, scope, token, ttl, CURRENT_USER);
+END
+$fn$;
+
+-- A single-expression SQL function, so the planner inlines it into the caller's statement:
+-- on success it costs one C call; otherwise _raise_not_claimed raises IK001..IK003.
+-- (No SET search_path here, which would prevent inlining: every name is schema-qualified.)
+CREATE FUNCTION idempotency.complete(
+    key             text,
+    response        jsonb,
+    response_status integer DEFAULT 200,
+    scope           text DEFAULT '',
+    token           bigint DEFAULT NULL,
+    ttl             interval DEFAULT NULL
+) RETURNS timestamptz
+LANGUAGE sql VOLATILE
+AS $fn$
+    SELECT COALESCE(idempotency._complete($1, $2, $3, $4, $5, $6),
+                    idempotency._raise_not_claimed($1, $4, $5, 'complete'))
+$fn$;
+
+CREATE FUNCTION idempotency.checkpoint(
+    key            text,
+    recovery_point text,
+    scope          text DEFAULT '',
+    token          bigint DEFAULT NULL
+) RETURNS void
+LANGUAGE plpgsql VOLATILE SECURITY DEFINER
+SET search_path = pg_catalog, pg_temp
+AS $fn$
+#variable_conflict use_column
+DECLARE
+    v_key text;
+BEGIN
+    v_key := idempotency._stored_key(checkpoint.key, checkpoint.scope);
+    PERFORM idempotency._check_recovery_point(checkpoint.recovery_point);
+    UPDATE idempotency.idempotency_keys AS k
+       SET recovery_point = checkpoint.recovery_point
+     WHERE k.scope OPERATOR(pg_catalog.=) checkpoint.scope
+       AND k.key OPERATOR(pg_catalog.=) v_key
+       AND k.status OPERATOR(pg_catalog.=) 'in_progress'::idempotency.key_status
+       AND k.expires_at OPERATOR(pg_catalog.>) pg_catalog.now()
+       AND (checkpoint.token IS NULL OR k.token OPERATOR(pg_catalog.=) checkpoint.token);
+    IF NOT FOUND THEN
+        PERFORM idempotency._raise_not_claimed(checkpoint.key, checkpoint.scope, checkpoint.token, 'checkpoint');
+    END IF;
+END
+$fn$;
+
+CREATE FUNCTION idempotency.release(key text, scope text DEFAULT '', token bigint DEFAULT NULL)
+RETURNS boolean
+LANGUAGE plpgsql VOLATILE SECURITY DEFINER
+SET search_path = pg_catalog, pg_temp
+AS $fn$
+#variable_conflict use_column
+DECLARE
+    v_key text;
+BEGIN
+    v_key := idempotency._stored_key(release.key, release.scope);
+    DELETE FROM idempotency.idempotency_keys AS k
+     WHERE k.scope OPERATOR(pg_catalog.=) release.scope
+       AND k.key OPERATOR(pg_catalog.=) v_key
+       AND k.status OPERATOR(pg_catalog.=) 'in_progress'::idempotency.key_status
+       AND k.expires_at OPERATOR(pg_catalog.>) pg_catalog.now()
+       AND (release.token IS NULL OR k.token OPERATOR(pg_catalog.=) release.token);
+    IF FOUND THEN
+        PERFORM idempotency._count('release');
+        RETURN true;
+    END IF;
+    RETURN false;
+END
+$fn$;
+
+CREATE FUNCTION idempotency.forget(key text, scope text DEFAULT '')
+RETURNS boolean
+LANGUAGE plpgsql VOLATILE SECURITY DEFINER
+SET search_path = pg_catalog, pg_temp
+AS $fn$
+#variable_conflict use_column
+DECLARE
+    v_key text;
+    v_expires_at timestamptz;
+BEGIN
+    v_key := idempotency._stored_key(forget.key, forget.scope);
+    DELETE FROM idempotency.idempotency_keys AS k
+     WHERE k.scope OPERATOR(pg_catalog.=) forget.scope
+       AND k.key OPERATOR(pg_catalog.=) v_key
+    RETURNING k.expires_at INTO v_expires_at;
+    -- Judged here, not in RETURNING: Citus allows only immutable functions there.
+    RETURN COALESCE(v_expires_at OPERATOR(pg_catalog.>) pg_catalog.now(), false);
+END
+$fn$;
+
+CREATE FUNCTION idempotency.lookup(key text, scope text DEFAULT '')
+RETURNS idempotency.idempotency_keys
+LANGUAGE plpgsql STABLE SECURITY DEFINER
+SET search_path = pg_catalog, pg_temp
+AS $fn$
+#variable_conflict use_column
+DECLARE
+    v_key text;
+    r idempotency.idempotency_keys;
+BEGIN
+    v_key := idempotency._stored_key(lookup.key, lookup.scope);
+    SELECT k.* INTO r
+      FROM idempotency.idempotency_keys AS k
+     WHERE k.scope OPERATOR(pg_catalog.=) lookup.scope
+       AND k.key OPERATOR(pg_catalog.=) v_key
+       AND k.expires_at OPERATOR(pg_catalog.>) pg_catalog.now();
+    IF NOT FOUND THEN
+        RETURN NULL;
+    END IF;
+    -- The key as the caller gave it: where keys are stored hashed, the stored form is not
+    -- returned (it would let the caller check a dictionary against a copy of the table).
+    r.key := lookup.key;
+    RETURN r;
+END
+$fn$;
+
+CREATE FUNCTION idempotency.sweep(batch_size integer DEFAULT NULL)
+RETURNS bigint
+LANGUAGE plpgsql VOLATILE PARALLEL UNSAFE SECURITY DEFINER
+SET search_path = pg_catalog, pg_temp
+AS $fn$
+DECLARE
+    v_batch integer := idempotency._p_batch_size(sweep.batch_size);
+    v_prefix text;
+    v_total bigint := 0;
+    v_n bigint;
+BEGIN
+    PERFORM idempotency._p_refuse_read_only('sweep');
+    v_prefix := idempotency._p_sweep_prefix('sweep');
+    LOOP
+        DELETE FROM idempotency.idempotency_keys AS k
+         USING (SELECT s.scope, s.key FROM idempotency.idempotency_keys AS s
+                 WHERE ((s.created_at AT TIME ZONE 'UTC') OPERATOR(pg_catalog.+) s.ttl)
+                       OPERATOR(pg_catalog.<=) (pg_catalog.now() AT TIME ZONE 'UTC')
+                   AND s.expires_at OPERATOR(pg_catalog.<=) pg_catalog.now()
+                   AND pg_catalog.starts_with(s.scope, v_prefix)
+                 ORDER BY ((s.created_at AT TIME ZONE 'UTC') OPERATOR(pg_catalog.+) s.ttl)
+                 LIMIT v_batch FOR UPDATE SKIP LOCKED) AS d
+         WHERE k.scope OPERATOR(pg_catalog.=) d.scope AND k.key OPERATOR(pg_catalog.=) d.key;
+        GET DIAGNOSTICS v_n = ROW_COUNT;
+        v_total := v_total OPERATOR(pg_catalog.+) v_n;
+        EXIT WHEN v_n OPERATOR(pg_catalog.<) v_batch;
+    END LOOP;
+    RETURN v_total;
+END
+$fn$;
+
+-- Sweeping without the background sweeper: a pg_cron job (the portable edition, a server that
+-- does not preload the library). Creates or replaces the caller's pg_cron job named
+-- 'idempotency-sweep' in this database (pg_cron's own, cron.database_name) and returns its id.
+-- Not SECURITY DEFINER: the job runs as the role that schedules it, which needs pg_cron's
+-- own grants (USAGE on schema cron) and EXECUTE on idempotency.sweep.
+CREATE FUNCTION idempotency.schedule_sweep(every interval DEFAULT '1 minute')
+RETURNS bigint
+LANGUAGE plpgsql VOLATILE
+SET search_path = pg_catalog, pg_temp
+AS $fn$
+DECLARE
+    v_seconds bigint;
+    v_schedule text;
+    v_version text;
+    v_database text := pg_catalog.current_setting('cron.database_name', true);
+    v_job bigint;
+BEGIN
+    IF every IS NULL OR every OPERATOR(pg_catalog.<=) '0'::interval OR NOT pg_catalog.isfinite(every) THEN
+        RAISE EXCEPTION USING
+            ERRCODE = 'invalid_parameter_value',
+            MESSAGE = pg_catalog.format('invalid every %s for idempotency.schedule_sweep: it must be a positive, finite interval',
+                                        COALESCE(every::text, 'NULL')),
+            HINT = 'pass how often to sweep, e.g. ''1 minute'' or ''30 seconds''';
+    END IF;
+    -- pg_cron takes whole seconds below a minute (1.5 and later) and cron expressions above;
+    -- only periods a cron expression repeats evenly are taken, so the period is the one asked.
+    IF pg_catalog.date_part('epoch', every) OPERATOR(pg_catalog.<>) pg_catalog.trunc(pg_catalog.date_part('epoch', every)) THEN
+        v_seconds := 0;  -- a fraction of a second: refused below
+    ELSE
+        v_seconds := pg_catalog.date_part('epoch', every);
+    END IF;
+    IF v_seconds OPERATOR(pg_catalog.=) 0 THEN
+        v_schedule := NULL;
+    ELSIF v_seconds OPERATOR(pg_catalog.<) 60 THEN
+        v_schedule := pg_catalog.format('%s seconds', v_seconds);
+    ELSIF v_seconds OPERATOR(pg_catalog.<) 3600 AND v_seconds OPERATOR(pg_catalog.%) 60 OPERATOR(pg_catalog.=) 0
+          AND 3600 OPERATOR(pg_catalog.%) v_seconds OPERATOR(pg_catalog.=) 0 THEN
+        v_schedule := CASE WHEN v_seconds OPERATOR(pg_catalog.=) 60 THEN '* * * * *'
+                           ELSE pg_catalog.format('*/%s * * * *', v_seconds OPERATOR(pg_catalog./) 60) END;
+    ELSIF v_seconds OPERATOR(pg_catalog.<) 86400 AND v_seconds OPERATOR(pg_catalog.%) 3600 OPERATOR(pg_catalog.=) 0
+          AND 86400 OPERATOR(pg_catalog.%) v_seconds OPERATOR(pg_catalog.=) 0 THEN
+        v_schedule := CASE WHEN v_seconds OPERATOR(pg_catalog.=) 3600 THEN '0 * * * *'
+                           ELSE pg_catalog.format('0 */%s * * *', v_seconds OPERATOR(pg_catalog./) 3600) END;
+    ELSIF v_seconds OPERATOR(pg_catalog.=) 86400 THEN
+        v_schedule := '0 0 * * *';
+    END IF;
+    IF v_schedule IS NULL THEN
+        RAISE EXCEPTION USING
+            ERRCODE = 'invalid_parameter_value',
+            MESSAGE = pg_catalog.format('invalid every %s for idempotency.schedule_sweep: pg_cron cannot repeat it evenly', every),
+            HINT = 'pass 1 to 59 seconds, a number of minutes that divides an hour, a number of hours that divides a day, or 1 day';
+    END IF;
+
+    SELECT e.extversion INTO v_version FROM pg_catalog.pg_extension AS e
+     WHERE e.extname OPERATOR(pg_catalog.=) 'pg_cron';
+    IF v_version IS NULL THEN
+        RAISE EXCEPTION USING
+            ERRCODE = 'feature_not_supported',
+            MESSAGE = pg_catalog.format('idempotency.schedule_sweep needs pg_cron, which is not installed in database %s',
+                                        pg_catalog.current_database()),
+            HINT = CASE WHEN v_database IS NOT NULL AND v_database OPERATOR(pg_catalog.<>) pg_catalog.current_database()
+                        THEN pg_catalog.format('pg_cron runs jobs from database %s (cron.database_name); there, run '
+                                               'SELECT cron.schedule_in_database(%L, %L, %L, %L)', v_database,
+                                               'idempotency-sweep-' OPERATOR(pg_catalog.||) pg_catalog.current_database(),
+                                               v_schedule, 'SELECT idempotency.sweep()', pg_catalog.current_database())
+                        ELSE 'preload pg_cron and CREATE EXTENSION pg_cron, or run SELECT idempotency.sweep() from a scheduler of your own; '
+                             'with the native edition preloaded, its background sweeper sweeps' END;
+    END IF;
+
+    IF v_schedule OPERATOR(pg_catalog.~) 'seconds$'
+       AND pg_catalog.string_to_array(pg_catalog.split_part(v_version, '-', 1), '.')::integer[]
+           OPERATOR(pg_catalog.<) ARRAY[1, 5] THEN
+        RAISE EXCEPTION USING
+            ERRCODE = 'feature_not_supported',
+            MESSAGE = pg_catalog.format('invalid every %s for idempotency.schedule_sweep: pg_cron %s schedules by the minute',
+                                        every, v_version),
+            HINT = 'pass a whole number of minutes, or update pg_cron to 1.5 or later for seconds';
+    END IF;
+
+    -- cron.schedule replaces the caller's job of the same name.
+    EXECUTE 'SELECT cron.schedule($1, $2, $3)' INTO v_job
+      USING 'idempotency-sweep', v_schedule, 'SELECT idempotency.sweep()';
+    RETURN v_job;
+END
+$fn$;
+
+-- Keys stored hashed ------------------------------------------------------------------------
+
+-- How the store keeps keys: no row (or 'plain') keeps them as given, 'sha256' keeps the hex
+-- HMAC-SHA256, under key_secret, of each key's SHA-256 (a keyed hash: without the secret a
+-- stored key cannot be checked against a dictionary of e-mail addresses or order numbers).
+-- Changed only by set_key_storage; dumped by pg_dump with the keys, secret included: a
+-- restored store needs it to find its keys.
+CREATE TABLE idempotency.config (
+    singleton   boolean PRIMARY KEY DEFAULT true CHECK (singleton),
+    key_storage text NOT NULL
+        CHECK (key_storage OPERATOR(pg_catalog.=) ANY (ARRAY['plain', 'sha256']::text[])),
+    key_secret  bytea CHECK (key_secret IS NULL OR pg_catalog.length(key_secret) OPERATOR(pg_catalog.=) 32)
+);
+
+-- Nothing to tell: no process of this edition caches how the store keeps keys.
+CREATE FUNCTION idempotency._store_changed()
+RETURNS void
+LANGUAGE plpgsql VOLATILE PARALLEL UNSAFE
+SET search_path = pg_catalog, pg_temp
+AS $fn$
+BEGIN
+END
+$fn$;
+
+-- The stored form of a key whose SHA-256 is digest, under secret.
+CREATE FUNCTION idempotency._rekey(digest bytea, secret bytea)
+RETURNS text
+LANGUAGE plpgsql IMMUTABLE PARALLEL SAFE
+SET search_path = pg_catalog, pg_temp
+AS $fn$
+BEGIN
+    IF digest IS NULL OR pg_catalog.length(digest) OPERATOR(pg_catalog.<>) 32 THEN
+        RAISE EXCEPTION USING ERRCODE = 'invalid_parameter_value', MESSAGE = 'digest must be a 32-byte SHA-256';
+    END IF;
+    PERFORM idempotency._p_check_secret(secret);
+    RETURN pg_catalog.encode(idempotency._p_hmac(secret, digest), 'hex');
+END
+$fn$;
+
+-- Switches how the store keeps keys. To 'sha256': every stored key (and every audit row) is
+-- replaced by its keyed hash in this transaction (the secret is made inside the server on
+-- first use and kept); callers change nothing. To 'plain': refused while any live key is
+-- stored hashed (a hash cannot be turned back into its key). Returns the number of keys
+-- rewritten.
+CREATE FUNCTION idempotency.set_key_storage(mode text)
+RETURNS bigint
+LANGUAGE plpgsql VOLATILE
+SET search_path = pg_catalog, pg_temp
+AS $fn$
+DECLARE
+    v_current text;
+    v_secret bytea;
+    v_rows bigint := 0;
+BEGIN
+    IF mode IS NULL THEN
+        RAISE EXCEPTION USING ERRCODE = '22004', MESSAGE = 'mode must not be NULL';
+    ELSIF mode OPERATOR(pg_catalog.<>) ALL (ARRAY['plain', 'sha256']::text[]) THEN
+        RAISE EXCEPTION USING ERRCODE = '22023',
+            MESSAGE = pg_catalog.format('mode must be ''plain'' or ''sha256'' (got %L)',
+                                        pg_catalog.left(mode, 40));
+    END IF;
+    -- On Citus the switch would have to reach the backends of every node at once (each caches
+    -- the mode) and Citus refuses the rekeying UPDATE: choose the storage before distributing.
+    -- (Nested: the catalog exists only where Citus is installed.)
+    IF pg_catalog.to_regclass('pg_catalog.pg_dist_partition') IS NOT NULL THEN
+        IF EXISTS (SELECT FROM pg_catalog.pg_dist_partition AS p
+                    WHERE p.logicalrelid OPERATOR(pg_catalog.=) 'idempotency.idempotency_keys'::pg_catalog.regclass) THEN
+            RAISE EXCEPTION USING
+                ERRCODE = 'feature_not_supported',
+                MESSAGE = 'idempotency.set_key_storage cannot change a store distributed by Citus',
+                HINT = 'choose the key storage before idempotency.distribute(); see docs/scaling.md';
+        END IF;
+    END IF;
+    -- Waits for running claims; claims that come later wait here and then see the new mode.
+    LOCK TABLE idempotency.idempotency_keys, idempotency.audit IN ACCESS EXCLUSIVE MODE;
+    SELECT c.key_storage, c.key_secret INTO v_current, v_secret FROM idempotency.config AS c;
+    IF COALESCE(v_current, 'plain') OPERATOR(pg_catalog.=) mode THEN
+        RETURN 0;
+    END IF;
+    IF mode OPERATOR(pg_catalog.=) 'sha256' THEN
+        v_secret := COALESCE(v_secret, idempotency._random_secret());
+        UPDATE idempotency.idempotency_keys AS k
+           SET key = idempotency._rekey(pg_catalog.sha256(pg_catalog.convert_to(k.key, 'UTF8')), v_secret);
+        GET DIAGNOSTICS v_rows = ROW_COUNT;
+        UPDATE idempotency.audit AS a
+           SET key = idempotency._rekey(pg_catalog.sha256(pg_catalog.convert_to(a.key, 'UTF8')), v_secret),
+               key_is_hash = true
+         WHERE NOT a.key_is_hash;
+    ELSE
+        DELETE FROM idempotency.idempotency_keys AS k
+         WHERE k.expires_at OPERATOR(pg_catalog.<=) pg_catalog.now();
+        SELECT pg_catalog.count(*) INTO v_rows FROM idempotency.idempotency_keys;
+        IF v_rows OPERATOR(pg_catalog.>) 0 THEN
+            RAISE EXCEPTION USING
+                ERRCODE = '55000',
+                MESSAGE = pg_catalog.format('cannot set mode to ''plain'': %s live keys are stored hashed and cannot be turned back into keys', v_rows),
+                HINT = 'switch when they have expired (or after forgetting them); until then the store stays sha256';
+        END IF;
+    END IF;
+    INSERT INTO idempotency.config AS c (singleton, key_storage, key_secret) VALUES (true, mode, v_secret)
+        ON CONFLICT (singleton) DO UPDATE
+        SET key_storage = excluded.key_storage, key_secret = COALESCE(c.key_secret, excluded.key_secret);
+    PERFORM idempotency._store_changed();
+    RETURN v_rows;
+END
+$fn$;
+
+-- Audit trail ---------------------------------------------------------------------------------
+
+CREATE SEQUENCE idempotency.audit_id_seq AS bigint;
+
+-- Append-only: one row per completion while idempotency.audit is on, written by complete in
+-- the completing transaction. The key sweeper never touches it; the background worker deletes
+-- rows older than idempotency.audit_retention (0, the default: kept).
+CREATE TABLE idempotency.audit (
+    id              bigint NOT NULL DEFAULT pg_catalog.nextval('idempotency.audit_id_seq') PRIMARY KEY,
+    scope           text COLLATE "C" NOT NULL,
+    key             text COLLATE "C" NOT NULL,
+    -- key holds the hex SHA-256 of the key (the store kept keys hashed)
+    key_is_hash     boolean NOT NULL,
+    request_hash    bytea,
+    token           bigint NOT NULL,
+    response_status integer NOT NULL,
+    completed_at    timestamptz NOT NULL,
+    -- the role that completed: the session's current role, not the functions' owner
+    completed_by    name NOT NULL
+);
+ALTER SEQUENCE idempotency.audit_id_seq OWNED BY idempotency.audit.id;
+CREATE INDEX audit_completed_at_idx ON idempotency.audit (completed_at);
+CREATE INDEX audit_scope_key_idx ON idempotency.audit (scope, key);
+COMMENT ON TABLE idempotency.audit IS
+    'One row per completion while idempotency.audit is on; append-only, kept after the key expires.';
+
+CREATE FUNCTION idempotency.sweep_audit(batch_size integer DEFAULT NULL)
+RETURNS bigint
+LANGUAGE plpgsql VOLATILE PARALLEL UNSAFE SECURITY DEFINER
+SET search_path = pg_catalog, pg_temp
+AS $fn$
+DECLARE
+    v_batch integer := idempotency._p_batch_size(sweep_audit.batch_size);
+    v_prefix text;
+    v_retention integer;
+    v_total bigint := 0;
+    v_n bigint;
+BEGIN
+    PERFORM idempotency._p_refuse_read_only('sweep_audit');
+    v_prefix := idempotency._p_sweep_prefix('sweep_audit');
+    v_retention := idempotency._p_setting('idempotency.audit_retention', 0, 's');
+    IF v_retention OPERATOR(pg_catalog.<=) 0 THEN
+        RETURN 0;
+    END IF;
+    LOOP
+        DELETE FROM idempotency.audit AS a
+         WHERE a.id OPERATOR(pg_catalog.=) ANY (ARRAY(
+               SELECT s.id FROM idempotency.audit AS s
+                WHERE s.completed_at OPERATOR(pg_catalog.<) (pg_catalog.now()
+                      OPERATOR(pg_catalog.-) pg_catalog.make_interval(secs => v_retention))
+                  AND pg_catalog.starts_with(s.scope, v_prefix)
+                LIMIT v_batch FOR UPDATE SKIP LOCKED));
+        GET DIAGNOSTICS v_n = ROW_COUNT;
+        v_total := v_total OPERATOR(pg_catalog.+) v_n;
+        EXIT WHEN v_n OPERATOR(pg_catalog.<) v_batch;
+    END LOOP;
+    RETURN v_total;
+END
+$fn$;
+
+-- Signed keys ---------------------------------------------------------------------------------
+
+-- Server secrets for sign_key/verify_key. Readable by no role but superusers (the functions
+-- read it as its owner), made inside the server (never in SQL text or logs), and deliberately
+-- not dumped by pg_dump: a restored database needs new secrets (rotate_signing_secret).
+CREATE TABLE idempotency.signing_secrets (
+    id         integer GENERATED ALWAYS AS IDENTITY PRIMARY KEY,
+    secret     bytea NOT NULL CHECK (pg_catalog.length(secret) OPERATOR(pg_catalog.>=) 16),
+    created_at timestamptz NOT NULL DEFAULT pg_catalog.now()
+);
+COMMENT ON TABLE idempotency.signing_secrets IS
+    'Secrets of sign_key/verify_key: the newest signs, all verify. Not dumped by pg_dump.';
+
+-- _sign and _verify bind the signature to the session's idempotency.scope_prefix (a key signed
+-- for one tenant does not verify for another): STABLE, not IMMUTABLE.
+CREATE FUNCTION idempotency._sign(key text, kid integer, secret bytea)
+RETURNS text
+LANGUAGE plpgsql STABLE PARALLEL SAFE
+SET search_path = pg_catalog, pg_temp
+AS $fn$
+BEGIN
+    PERFORM idempotency._canon_unicode(key, 'key');
+    PERFORM idempotency._canon_check_key('key', key, false);
+    IF kid IS NULL OR kid OPERATOR(pg_catalog.<=) 0 THEN
+        RAISE EXCEPTION USING ERRCODE = 'invalid_parameter_value', MESSAGE = 'kid must be a positive integer';
+    END IF;
+    PERFORM idempotency._p_check_secret(secret);
+    RETURN key OPERATOR(pg_catalog.||) '.' OPERATOR(pg_catalog.||) kid OPERATOR(pg_catalog.||) '.'
+           OPERATOR(pg_catalog.||) idempotency._p_b64url(idempotency._p_hmac(secret, idempotency._p_signed_message(kid, key)));
+END
+$fn$;
+
+CREATE FUNCTION idempotency._signed_kid(signed text)
+RETURNS integer
+LANGUAGE sql IMMUTABLE PARALLEL SAFE
+SET search_path = pg_catalog, pg_temp
+AS $fn$
+    SELECT p.kid FROM idempotency._p_parse_signed(signed) AS p
+$fn$;
+
+CREATE FUNCTION idempotency._verify(signed text, secret bytea)
+RETURNS text
+LANGUAGE plpgsql STABLE PARALLEL SAFE
+SET search_path = pg_catalog, pg_temp
+AS $fn$
+DECLARE
+    p record;
+BEGIN
+    PERFORM idempotency._p_check_secret(secret);
+    SELECT * INTO p FROM idempotency._p_parse_signed(signed);
+    IF p.key IS NULL THEN
+        RETURN NULL;
+    END IF;
+    IF idempotency._p_hmac(secret, idempotency._p_signed_message(p.kid, p.key)) OPERATOR(pg_catalog.=) p.signature THEN
+        RETURN p.key;
+    END IF;
+    RETURN NULL;
+END
+$fn$;
+
+-- 32 bytes from the server's strong random source (gen_random_uuid, in core since PostgreSQL
+-- 13: 122 random bits each), so a secret never appears in any SQL text or log.
+CREATE FUNCTION idempotency._random_secret()
+RETURNS bytea
+LANGUAGE sql VOLATILE PARALLEL SAFE
+SET search_path = pg_catalog, pg_temp
+AS $fn$
+    SELECT pg_catalog.sha256(pg_catalog.uuid_send(pg_catalog.gen_random_uuid())
+                             OPERATOR(pg_catalog.||) pg_catalog.uuid_send(pg_catalog.gen_random_uuid())
+                             OPERATOR(pg_catalog.||) pg_catalog.uuid_send(pg_catalog.gen_random_uuid()))
+$fn$;
+
+-- key + '.' + secret id + '.' + HMAC-SHA256 signature (base64url) with the newest secret.
+CREATE FUNCTION idempotency.sign_key(key text)
+RETURNS text
+LANGUAGE plpgsql STABLE SECURITY DEFINER
+SET search_path = pg_catalog, pg_temp
+AS $fn$
+#variable_conflict use_column
+DECLARE
+    s record;
+BEGIN
+    IF sign_key.key IS NULL THEN
+        RAISE EXCEPTION USING ERRCODE = '22004', MESSAGE = 'key must not be NULL';
+    END IF;
+    SELECT x.id, x.secret INTO s FROM idempotency.signing_secrets AS x ORDER BY x.id DESC LIMIT 1;
+    IF NOT FOUND THEN
+        RAISE EXCEPTION USING
+            ERRCODE = '55000',
+            MESSAGE = 'cannot sign key: no signing secret exists',
+            HINT = 'a superuser creates one with SELECT idempotency.rotate_signing_secret();';
+    END IF;
+    RETURN idempotency._sign(sign_key.key, s.id, s.secret);
+END
+$fn$;
+
+-- The bare key of a signed key, or IK004 for a malformed, forged, altered or retired one.
+CREATE FUNCTION idempotency.verify_key(signed text)
+RETURNS text
+LANGUAGE plpgsql STABLE SECURITY DEFINER
+SET search_path = pg_catalog, pg_temp
+AS $fn$
+DECLARE
+    v_kid integer;
+    v_secret bytea;
+    v_key text;
+BEGIN
+    IF signed IS NULL THEN
+        RAISE EXCEPTION USING ERRCODE = '22004', MESSAGE = 'signed must not be NULL';
+    END IF;
+    -- 255 characters of key (4 bytes each at most), the secret id and the signature: anything
+    -- longer is refused from its header, before any of it is read or MACed.
+    IF pg_catalog.octet_length(signed) OPERATOR(pg_catalog.>) 1100 THEN
+        RAISE EXCEPTION USING
+            ERRCODE = 'IK004',
+            MESSAGE = pg_catalog.format('signed is not a signed key: %s bytes, longer than any signed key', pg_catalog.octet_length(signed));
+    END IF;
+    v_kid := idempotency._signed_kid(signed);
+    IF v_kid IS NULL THEN
+        RAISE EXCEPTION USING
+            ERRCODE = 'IK004',
+            MESSAGE = 'signed is not a signed key: expected <key>.<secret id>.<signature>';
+    END IF;
+    SELECT x.secret INTO v_secret FROM idempotency.signing_secrets AS x
+     WHERE x.id OPERATOR(pg_catalog.=) v_kid;
+    IF NOT FOUND THEN
+        RAISE EXCEPTION USING
+            ERRCODE = 'IK004',
+            MESSAGE = pg_catalog.format('signed names signing secret %s, which does not exist (retired, or never made here)', v_kid);
+    END IF;
+    v_key := idempotency._verify(signed, v_secret);
+    IF v_key IS NULL THEN
+        RAISE EXCEPTION USING
+            ERRCODE = 'IK004',
+            MESSAGE = 'signed has a wrong signature: the key was forged or altered';
+    END IF;
+    RETURN v_key;
+END
+$fn$;
+
+-- Makes a new secret (32 random bytes), which signs from now on; older ones still verify.
+CREATE FUNCTION idempotency.rotate_signing_secret()
+RETURNS integer
+LANGUAGE plpgsql VOLATILE
+SET search_path = pg_catalog, pg_temp
+AS $fn$
+DECLARE
+    v_id integer;
+BEGIN
+    INSERT INTO idempotency.signing_secrets (secret) VALUES (idempotency._random_secret())
+    RETURNING id INTO v_id;
+    RETURN v_id;
+END
+$fn$;
+
+-- Deletes a secret: keys it signed no longer verify.
+CREATE FUNCTION idempotency.retire_signing_secret(id integer)
+RETURNS boolean
+LANGUAGE plpgsql VOLATILE
+SET search_path = pg_catalog, pg_temp
+AS $fn$
+#variable_conflict use_column
+BEGIN
+    IF retire_signing_secret.id IS NULL THEN
+        RAISE EXCEPTION USING ERRCODE = '22004', MESSAGE = 'id must not be NULL';
+    END IF;
+    DELETE FROM idempotency.signing_secrets AS x WHERE x.id OPERATOR(pg_catalog.=) retire_signing_secret.id;
+    RETURN FOUND;
+END
+$fn$;
+
+
 CREATE FUNCTION idempotency.canonical_json(doc jsonb, numbers text DEFAULT 'exact')
 RETURNS text
 LANGUAGE plpgsql IMMUTABLE PARALLEL SAFE
@@ -629,50 +2333,6 @@ BEGIN
 END
 $fn$;
 
--- from sql/portable/derivation.sql
-
--- Portable edition: derive_key, cron_key and request_fingerprint in PL/pgSQL, with the native
--- edition's results, checks, SQLSTATEs and messages (crates/idempotency-core/src/derivation.rs
--- and arguments.rs). Every function pins search_path; every reference is schema-qualified.
-
--- Refuses a document nested deeper than 1000 levels, naming the argument (as reading a jsonb
--- argument does in the native edition, before any other check of the call).
-CREATE FUNCTION idempotency._canon_check_depth(doc jsonb, arg text)
-RETURNS void
-LANGUAGE plpgsql IMMUTABLE STRICT PARALLEL SAFE
-SET search_path = pg_catalog, pg_temp
-AS $fn$
-BEGIN
-    IF pg_catalog.jsonb_path_exists(doc,
-           'strict $.**{1000 to last} ? (@.type() == "object" || @.type() == "array")') THEN
-        RAISE EXCEPTION USING
-            ERRCODE = 'statement_too_complex',
-            MESSAGE = arg OPERATOR(pg_catalog.||) ': document is nested deeper than 1000 levels';
-    END IF;
-END
-$fn$;
-
--- A key-like argument: not NULL, not empty (unless allowed), at most 255 characters.
-CREATE FUNCTION idempotency._canon_check_key(arg text, value text, allow_empty boolean)
-RETURNS void
-LANGUAGE plpgsql IMMUTABLE PARALLEL SAFE
-SET search_path = pg_catalog, pg_temp
-AS $fn$
-BEGIN
-    IF value IS NULL THEN
-        RAISE EXCEPTION USING ERRCODE = 'null_value_not_allowed', MESSAGE = arg OPERATOR(pg_catalog.||) ' must not be NULL';
-    END IF;
-    IF NOT allow_empty AND value OPERATOR(pg_catalog.=) '' THEN
-        RAISE EXCEPTION USING ERRCODE = 'invalid_parameter_value', MESSAGE = arg OPERATOR(pg_catalog.||) ' must not be empty';
-    END IF;
-    IF pg_catalog.length(value) OPERATOR(pg_catalog.>) 255 THEN
-        RAISE EXCEPTION USING
-            ERRCODE = 'invalid_parameter_value',
-            MESSAGE = pg_catalog.format('%s must be at most 255 characters (got %s)', arg, pg_catalog.length(value));
-    END IF;
-END
-$fn$;
-
 CREATE FUNCTION idempotency.derive_key(parent text, step text, params jsonb DEFAULT NULL)
 RETURNS text
 LANGUAGE plpgsql IMMUTABLE PARALLEL SAFE
@@ -717,17 +2377,6 @@ BEGIN
     END IF;
     RETURN v_key;
 END
-$fn$;
-
--- A date's year counted astronomically (1 BC is 0, 2 BC is -1), as the native edition does.
-CREATE FUNCTION idempotency._canon_year(day date)
-RETURNS numeric
-LANGUAGE sql IMMUTABLE STRICT PARALLEL SAFE
-SET search_path = pg_catalog, pg_temp
-AS $fn$
-    SELECT CASE WHEN pg_catalog.extract('year', day) OPERATOR(pg_catalog.<) 0
-                THEN pg_catalog.extract('year', day) OPERATOR(pg_catalog.+) 1
-                ELSE pg_catalog.extract('year', day) END
 $fn$;
 
 -- job:<slot start, UTC>/<slot length>: a slot is whole months (floored to calendar months
@@ -888,5 +2537,702 @@ BEGIN
         true, 'body', 1001), 'UTF8'));
 END
 $fn$;
+
+-- Citus ---------------------------------------------------------------------------------------
+
+-- On the coordinator of a Citus cluster: distributes the store by scope so that a tenant's keys
+-- live on the node holding the tenant's rows (docs/scaling.md). Applications colocate their
+-- tables with it: create_distributed_table(..., colocate_with => 'idempotency.idempotency_keys'),
+-- distribution column of type text COLLATE "C". Each step is skipped when it was done before,
+-- so a second call changes nothing (it only raises the token sequences of nodes added since).
+-- - idempotency_keys: hash-distributed by scope, in its own colocation group;
+-- - audit: distributed by scope with the keys (an audit row is written with its key's
+--   completion, on the same node, in the same local transaction); Citus needs the distribution
+--   column in every unique constraint, so its primary key becomes (scope, id);
+-- - config and signing_secrets: reference tables (a copy on every node), so a call that runs on
+--   a worker hashes and verifies keys with the coordinator's secrets;
+-- - claim, complete, checkpoint, release, forget and lookup: delegated by their scope argument
+--   to the node holding the scope's shard;
+-- On one Citus node (distribute() runs it on every node): gives this node's token sequence its
+-- class (it counts by 65536 from a value t with t % 65536 = the node's group id, above floor
+-- and above its own last value) and its audit id sequence its range (from group id << 48; the
+-- coordinator's, group 0, from 1), unless they have them; and keeps complete from being inlined
+-- there, so that Citus delegates it (below). Returns what it changed ('' for nothing).
+CREATE FUNCTION idempotency._node_sequences(floor bigint)
+RETURNS text
+LANGUAGE plpgsql VOLATILE
+SET search_path = pg_catalog, pg_temp
+AS $fn$
+DECLARE
+    v_stride constant bigint := 65536;
+    -- room for one more class above it
+    v_max_floor constant bigint := 9223372036854775807 OPERATOR(pg_catalog.-) 131072;
+    v_group bigint;
+    v_increment bigint;
+    v_last bigint;
+    v_base bigint;
+    v_next bigint;
+    v_changes text[] := '{}';
+    v_ddl text;
+BEGIN
+    IF floor IS NULL THEN
+        RAISE EXCEPTION USING ERRCODE = '22004', MESSAGE = 'floor must not be NULL';
+    ELSIF floor OPERATOR(pg_catalog.<) 0
+          OR floor OPERATOR(pg_catalog.>) v_max_floor THEN
+        RAISE EXCEPTION USING ERRCODE = '22023',
+            MESSAGE = pg_catalog.format('floor must be between 0 and %s (got %s)', v_max_floor, floor);
+    END IF;
+    IF pg_catalog.to_regclass('pg_catalog.pg_dist_local_group') IS NULL THEN
+        RAISE EXCEPTION USING
+            ERRCODE = 'feature_not_supported',
+            MESSAGE = 'idempotency._node_sequences needs Citus: the citus extension is not installed in this database',
+            HINT = 'idempotency.distribute() runs it on every node of a Citus cluster';
+    END IF;
+    SELECT g.groupid INTO v_group FROM pg_catalog.pg_dist_local_group AS g;
+    IF v_group OPERATOR(pg_catalog.>=) v_stride THEN
+        RAISE EXCEPTION USING
+            ERRCODE = 'program_limit_exceeded',
+            MESSAGE = pg_catalog.format('idempotency: Citus group id %s is too large for a token class (at most %s)',
+                                        v_group, v_stride OPERATOR(pg_catalog.-) 1);
+    END IF;
+    SELECT s.seqincrement INTO v_increment FROM pg_catalog.pg_sequence AS s
+     WHERE s.seqrelid OPERATOR(pg_catalog.=) 'idempotency.token_seq'::pg_catalog.regclass;
+    SELECT t.last_value INTO v_last FROM idempotency.token_seq AS t;
+    IF v_increment OPERATOR(pg_catalog.<>) v_stride
+       OR (v_last OPERATOR(pg_catalog.%) v_stride) OPERATOR(pg_catalog.<>) v_group THEN
+        IF v_increment OPERATOR(pg_catalog.<>) v_stride THEN
+            ALTER SEQUENCE idempotency.token_seq INCREMENT BY 65536;
+        END IF;
+        v_base := GREATEST(floor, v_last);
+        v_next := (v_base OPERATOR(pg_catalog.-) (v_base OPERATOR(pg_catalog.%) v_stride)) OPERATOR(pg_catalog.+) v_group;
+        IF v_next OPERATOR(pg_catalog.<=) v_base THEN
+            v_next := v_next OPERATOR(pg_catalog.+) v_stride;
+        END IF;
+        PERFORM pg_catalog.setval('idempotency.token_seq', v_next, false);
+        v_changes := v_changes OPERATOR(pg_catalog.||) pg_catalog.format(
+            'tokens from %s by 65536 (group %s)', v_next, v_group);
+    END IF;
+    SELECT a.last_value INTO v_last FROM idempotency.audit_id_seq AS a;
+    IF v_group OPERATOR(pg_catalog.>) 0
+       AND (v_last OPERATOR(pg_catalog.>>) 48) OPERATOR(pg_catalog.<>) v_group THEN
+        v_next := (v_group OPERATOR(pg_catalog.<<) 48) OPERATOR(pg_catalog.+) 1;
+        PERFORM pg_catalog.setval('idempotency.audit_id_seq', GREATEST(v_next, v_last), false);
+        v_changes := v_changes OPERATOR(pg_catalog.||) pg_catalog.format('audit ids from %s', GREATEST(v_next, v_last));
+    END IF;
+    -- complete is a one-expression SQL function, which the planner inlines into the statement
+    -- that calls it; Citus looks for a call of a distributed function only after PostgreSQL's
+    -- planner ran, and would find _complete and _raise_not_claimed instead: the call would run
+    -- on the calling node and reach the shard statement by statement (BEGIN, UPDATE, COMMIT).
+    -- A SET clause keeps a function from being inlined: complete stays a call of itself, which
+    -- Citus delegates whole, and which the node it is delegated to recognizes as delegated
+    -- (its UPDATE of the key's shard is allowed there). Each node's own catalog (not
+    -- propagated: Citus would refuse the ALTER on a worker, and a node added later gets the
+    -- extension as CREATE EXTENSION makes it). A single node keeps complete inlined.
+    IF EXISTS (SELECT FROM pg_catalog.pg_proc AS p
+                WHERE p.oid OPERATOR(pg_catalog.=) 'idempotency.complete(text, jsonb, integer, text, bigint, interval)'::pg_catalog.regprocedure
+                  AND p.proconfig IS NULL) THEN
+        v_ddl := pg_catalog.current_setting('citus.enable_ddl_propagation');
+        PERFORM pg_catalog.set_config('citus.enable_ddl_propagation', 'off', true);
+        ALTER FUNCTION idempotency.complete(text, jsonb, integer, text, bigint, interval)
+            SET search_path = pg_catalog, pg_temp;
+        PERFORM pg_catalog.set_config('citus.enable_ddl_propagation', v_ddl, true);
+        v_changes := v_changes OPERATOR(pg_catalog.||) 'complete delegable as one call'::text;
+    END IF;
+    RETURN pg_catalog.array_to_string(v_changes, ', ');
+END
+$fn$;
+
+-- - token_seq and audit_id_seq on every node (_node_sequences): node g hands out the tokens
+--   t with t % 65536 = g, above every token handed out before, and audit ids from g << 48, so
+--   no two nodes hand out the same token or audit id; a takeover takes a token of its node's
+--   class above the key's previous one, whatever node gave that. A claim on a node without
+--   them (added since) is refused until this function is called again.
+CREATE FUNCTION idempotency.distribute(shard_count integer DEFAULT NULL)
+RETURNS void
+LANGUAGE plpgsql VOLATILE
+SET search_path = pg_catalog, pg_temp
+AS $fn$
+DECLARE
+    v_changed boolean := false;
+    v_rel regclass;
+    v_fn regprocedure;
+    v_node record;
+    v_floor bigint := 0;
+BEGIN
+    IF NOT EXISTS (SELECT FROM pg_catalog.pg_extension AS e WHERE e.extname OPERATOR(pg_catalog.=) 'citus') THEN
+        RAISE EXCEPTION USING
+            ERRCODE = 'feature_not_supported',
+            MESSAGE = 'idempotency.distribute needs Citus: the citus extension is not installed in this database',
+            HINT = 'on a Citus coordinator run CREATE EXTENSION citus first; a single PostgreSQL node needs no distribution';
+    END IF;
+    IF (SELECT g.groupid FROM pg_catalog.pg_dist_local_group AS g) OPERATOR(pg_catalog.<>) 0 THEN
+        RAISE EXCEPTION USING
+            ERRCODE = 'object_not_in_prerequisite_state',
+            MESSAGE = 'idempotency.distribute must run on the Citus coordinator; this node is a worker',
+            HINT = 'connect to the coordinator and call idempotency.distribute() there';
+    END IF;
+
+    IF (SELECT c.relkind FROM pg_catalog.pg_class AS c
+         WHERE c.oid OPERATOR(pg_catalog.=) 'idempotency.idempotency_keys'::pg_catalog.regclass) OPERATOR(pg_catalog.=) 'p' THEN
+        RAISE EXCEPTION USING
+            ERRCODE = 'feature_not_supported',
+            MESSAGE = 'idempotency.distribute cannot distribute a partitioned store (idempotency.partitions)',
+            HINT = 'on Citus create the extension with idempotency.partitions = 0: the shards split the store instead';
+    END IF;
+    IF NOT EXISTS (SELECT FROM pg_catalog.pg_dist_partition AS p
+                    WHERE p.logicalrelid OPERATOR(pg_catalog.=) 'idempotency.idempotency_keys'::pg_catalog.regclass) THEN
+        PERFORM pg_catalog.create_distributed_table('idempotency.idempotency_keys', 'scope',
+                                                    colocate_with => 'none',
+                                                    shard_count => distribute.shard_count);
+        v_changed := true;
+    ELSIF NOT EXISTS (SELECT FROM pg_catalog.pg_dist_partition AS p
+                       WHERE p.logicalrelid OPERATOR(pg_catalog.=) 'idempotency.idempotency_keys'::pg_catalog.regclass
+                         AND p.partmethod OPERATOR(pg_catalog.=) 'h'
+                         AND pg_catalog.column_to_column_name(p.logicalrelid, p.partkey) OPERATOR(pg_catalog.=) 'scope') THEN
+        RAISE EXCEPTION USING
+            ERRCODE = 'object_not_in_prerequisite_state',
+            MESSAGE = 'idempotency.idempotency_keys is a Citus table, but not hash-distributed by scope',
+            HINT = 'Citus cannot convert the tables of an extension (undistribute_table refuses them): copy the store out, re-create the extension and copy it back (docs/scaling.md, "Undistributing the store"), then call idempotency.distribute()';
+    END IF;
+
+    IF NOT EXISTS (SELECT FROM pg_catalog.pg_dist_partition AS p
+                    WHERE p.logicalrelid OPERATOR(pg_catalog.=) 'idempotency.audit'::pg_catalog.regclass) THEN
+        IF NOT EXISTS (SELECT FROM pg_catalog.pg_constraint AS c
+                        WHERE c.conrelid OPERATOR(pg_catalog.=) 'idempotency.audit'::pg_catalog.regclass
+                          AND c.conname OPERATOR(pg_catalog.=) 'audit_pkey'
+                          AND c.conkey OPERATOR(pg_catalog.=) ARRAY[2, 1]::pg_catalog.int2[]) THEN
+            ALTER TABLE idempotency.audit DROP CONSTRAINT audit_pkey,
+                ADD CONSTRAINT audit_pkey PRIMARY KEY (scope, id);
+        END IF;
+        PERFORM pg_catalog.create_distributed_table('idempotency.audit', 'scope',
+                                                    colocate_with => 'idempotency.idempotency_keys');
+        v_changed := true;
+    END IF;
+
+    FOREACH v_rel IN ARRAY ARRAY['idempotency.config', 'idempotency.signing_secrets']::pg_catalog.regclass[] LOOP
+        IF NOT EXISTS (SELECT FROM pg_catalog.pg_dist_partition AS p
+                        WHERE p.logicalrelid OPERATOR(pg_catalog.=) v_rel) THEN
+            PERFORM pg_catalog.create_reference_table(v_rel);
+            v_changed := true;
+        END IF;
+    END LOOP;
+
+    FOREACH v_fn IN ARRAY ARRAY[
+        'idempotency.claim(text, jsonb, text, interval, interval)',
+        'idempotency.complete(text, jsonb, integer, text, bigint, interval)',
+        'idempotency.checkpoint(text, text, text, bigint)',
+        'idempotency.release(text, text, bigint)',
+        'idempotency.forget(text, text)',
+        'idempotency.lookup(text, text)',
+        -- A batch has one scope: delegated whole to the worker holding its shard.
+        'idempotency.claim_many(text[], jsonb[], text, interval, interval)',
+        'idempotency.complete_many(text[], jsonb[], integer[], text, bigint[], interval)']::pg_catalog.regprocedure[] LOOP
+        IF NOT EXISTS (SELECT FROM pg_catalog.pg_dist_object AS o
+                        WHERE o.classid OPERATOR(pg_catalog.=) 'pg_catalog.pg_proc'::pg_catalog.regclass
+                          AND o.objid OPERATOR(pg_catalog.=) v_fn::pg_catalog.oid
+                          AND o.distribution_argument_index IS NOT NULL) THEN
+            PERFORM pg_catalog.create_distributed_function(v_fn, distribution_arg_name => 'scope',
+                                                           colocate_with => 'idempotency.idempotency_keys');
+            v_changed := true;
+        END IF;
+    END LOOP;
+
+    -- Citus copies the rows of a table it distributes into the shards, and leaves them in the
+    -- coordinator's own (shell) table too, where nothing reads or sweeps them: empty it. Every
+    -- call looks, so a store distributed before with its rows left there is emptied as well.
+    FOREACH v_rel IN ARRAY ARRAY['idempotency.idempotency_keys', 'idempotency.audit',
+                                 'idempotency.config', 'idempotency.signing_secrets']::pg_catalog.regclass[] LOOP
+        IF pg_catalog.pg_relation_size(v_rel) OPERATOR(pg_catalog.>) 0 THEN
+            PERFORM pg_catalog.truncate_local_data_after_distributing_table(v_rel);
+            RAISE NOTICE 'idempotency.distribute: emptied the coordinator''s local table of % (its rows are in the shards)', v_rel;
+            v_changed := true;
+        END IF;
+    END LOOP;
+
+    -- Token classes and audit id ranges, on every node (nodes added later get theirs at the
+    -- next call; until then claims there are refused). A node given its class starts above
+    -- every token any node handed out so far (its class may hold tokens handed out before
+    -- the classes, on a single node or by an older release).
+    FOR v_node IN
+        SELECT r.nodeid, r.success, r.result FROM pg_catalog.run_command_on_all_nodes(
+            $cmd$SELECT t.last_value FROM idempotency.token_seq AS t$cmd$) AS r
+    LOOP
+        IF NOT v_node.success THEN
+            RAISE EXCEPTION USING
+                ERRCODE = 'connection_exception',
+                MESSAGE = pg_catalog.format('idempotency.distribute could not read the token sequence of Citus node %s: %s',
+                                            v_node.nodeid, v_node.result),
+                HINT = 'call idempotency.distribute() again once every node is reachable';
+        END IF;
+        v_floor := GREATEST(v_floor, v_node.result::bigint);
+    END LOOP;
+    v_floor := GREATEST(v_floor, (SELECT pg_catalog.max(k.token) FROM idempotency.idempotency_keys AS k));
+    FOR v_node IN
+        SELECT n.nodename, n.nodeport, r.success, r.result
+          FROM pg_catalog.run_command_on_all_nodes(
+                   pg_catalog.format('SELECT idempotency._node_sequences(%s)', v_floor)) AS r
+          LEFT JOIN pg_catalog.pg_dist_node AS n ON n.nodeid OPERATOR(pg_catalog.=) r.nodeid
+    LOOP
+        IF NOT v_node.success THEN
+            RAISE EXCEPTION USING
+                ERRCODE = 'connection_exception',
+                MESSAGE = pg_catalog.format('idempotency.distribute could not set the token and audit id ranges of Citus node %s:%s: %s',
+                                            v_node.nodename, v_node.nodeport, v_node.result),
+                HINT = 'call idempotency.distribute() again once every node is reachable';
+        END IF;
+        IF v_node.result OPERATOR(pg_catalog.<>) '' THEN
+            RAISE NOTICE 'idempotency.distribute: node %:% now hands out %', v_node.nodename, v_node.nodeport, v_node.result;
+            v_changed := true;
+        END IF;
+    END LOOP;
+
+    IF NOT v_changed THEN
+        RAISE NOTICE 'idempotency.distribute: the store is distributed already; nothing changed';
+    END IF;
+END
+$fn$;
+
+-- Observability -------------------------------------------------------------------------------
+
+-- No background sweeper in this edition (see idempotency.schedule_sweep).
+CREATE FUNCTION idempotency._sweeper_preloaded()
+RETURNS boolean
+LANGUAGE sql STABLE PARALLEL SAFE
+SET search_path = pg_catalog, pg_temp
+AS $fn$
+    SELECT false
+$fn$;
+
+-- The counters need shared memory: NULL in this edition, for the roles that may read them.
+CREATE FUNCTION idempotency._shared_stats(
+    OUT preloaded          boolean,
+    OUT claims_new         bigint,
+    OUT claims_replay      bigint,
+    OUT claims_in_progress bigint,
+    OUT claims_mismatch    bigint,
+    OUT completions        bigint,
+    OUT releases           bigint,
+    OUT rows_swept         bigint,
+    OUT last_sweep_at      timestamptz,
+    OUT last_sweep_rows    bigint
+)
+LANGUAGE plpgsql VOLATILE PARALLEL SAFE
+SET search_path = pg_catalog, pg_temp
+AS $fn$
+BEGIN
+    -- One check after the other: naming idempotency.stats needs USAGE on its schema.
+    IF (SELECT a.rolsuper FROM pg_catalog.pg_roles AS a WHERE a.rolname OPERATOR(pg_catalog.=) CURRENT_USER) THEN
+        preloaded := false;
+        RETURN;
+    END IF;
+    IF pg_catalog.has_schema_privilege(CURRENT_USER, 'idempotency_monitor', 'USAGE') THEN
+        preloaded := false;
+        RETURN;
+    END IF;
+    IF NOT (pg_catalog.has_schema_privilege(CURRENT_USER, 'idempotency', 'USAGE')
+            AND pg_catalog.has_table_privilege(CURRENT_USER, 'idempotency.stats', 'SELECT')) THEN
+        RAISE EXCEPTION USING
+            ERRCODE = 'insufficient_privilege',
+            MESSAGE = 'idempotency._shared_stats: the database-wide counters are for roles that may read idempotency.stats',
+            HINT = 'for a monitoring role: GRANT USAGE ON SCHEMA idempotency_monitor TO <role>; (see the README''s Privileges and tenants)';
+    END IF;
+    preloaded := false;
+END
+$fn$;
+
+-- The counters of the whole store: this node's, or, where the store is a Citus distributed table,
+-- the sum over every node of the cluster (each node counts the calls it ran, and its sweeper the
+-- rows it swept). Last sweep: the least recent of the nodes' last sweeps (a node whose sweeper
+-- stalled shows), its rows summed; the sweeper is enabled only if it is on every node.
+CREATE FUNCTION idempotency._cluster_stats(
+    OUT preloaded          boolean,
+    OUT claims_new         bigint,
+    OUT claims_replay      bigint,
+    OUT claims_in_progress bigint,
+    OUT claims_mismatch    bigint,
+    OUT completions        bigint,
+    OUT releases           bigint,
+    OUT rows_swept         bigint,
+    OUT last_sweep_at      timestamptz,
+    OUT last_sweep_rows    bigint
+)
+RETURNS SETOF record
+LANGUAGE plpgsql VOLATILE
+SET search_path = pg_catalog, pg_temp
+AS $fn$
+DECLARE
+    v_docs jsonb[] := '{}';
+    v_node record;
+BEGIN
+    IF pg_catalog.to_regclass('pg_catalog.pg_dist_partition') IS NOT NULL THEN
+        IF EXISTS (SELECT FROM pg_catalog.pg_dist_partition AS p
+                    WHERE p.logicalrelid OPERATOR(pg_catalog.=) 'idempotency.idempotency_keys'::pg_catalog.regclass
+                      AND p.partmethod OPERATOR(pg_catalog.=) 'h') THEN
+            FOR v_node IN
+                SELECT r.nodeid, r.success, r.result
+                  FROM pg_catalog.run_command_on_all_nodes(
+                           $c$SELECT pg_catalog.row_to_json(s) FROM idempotency._shared_stats() AS s$c$) AS r
+            LOOP
+                IF NOT v_node.success AND pg_catalog.strpos(v_node.result, 'idempotency._shared_stats:') OPERATOR(pg_catalog.>) 0 THEN
+                    RAISE EXCEPTION USING
+                        ERRCODE = 'insufficient_privilege',
+                        MESSAGE = pg_catalog.format('idempotency.stats: this role may not read the counters of Citus node %s',
+                                                    v_node.nodeid),
+                        HINT = 'grant SELECT on the view on every node: SELECT run_command_on_all_nodes(''GRANT SELECT ON idempotency.stats TO <role>'')';
+                END IF;
+                IF NOT v_node.success THEN
+                    RAISE EXCEPTION USING
+                        ERRCODE = 'connection_exception',
+                        MESSAGE = pg_catalog.format('idempotency.stats could not read the counters of Citus node %s: %s',
+                                                    v_node.nodeid, v_node.result),
+                        HINT = 'the store is distributed: its statistics need every node (see pg_dist_node)';
+                END IF;
+                v_docs := v_docs OPERATOR(pg_catalog.||) v_node.result::jsonb;
+            END LOOP;
+            RETURN QUERY
+            SELECT pg_catalog.bool_and(j.preloaded),
+                   pg_catalog.sum(j.claims_new)::bigint, pg_catalog.sum(j.claims_replay)::bigint,
+                   pg_catalog.sum(j.claims_in_progress)::bigint, pg_catalog.sum(j.claims_mismatch)::bigint,
+                   pg_catalog.sum(j.completions)::bigint, pg_catalog.sum(j.releases)::bigint,
+                   pg_catalog.sum(j.rows_swept)::bigint,
+                   CASE WHEN pg_catalog.bool_and(j.last_sweep_at IS NOT NULL)
+                        THEN pg_catalog.min(j.last_sweep_at) END,
+                   pg_catalog.sum(j.last_sweep_rows)::bigint
+              FROM pg_catalog.unnest(v_docs) AS d(doc),
+                   pg_catalog.jsonb_to_record(d.doc) AS j(preloaded boolean, claims_new bigint,
+                       claims_replay bigint, claims_in_progress bigint, claims_mismatch bigint,
+                       completions bigint, releases bigint, rows_swept bigint,
+                       last_sweep_at timestamptz, last_sweep_rows bigint);
+            RETURN;
+        END IF;
+    END IF;
+    RETURN QUERY SELECT * FROM idempotency._shared_stats();
+END
+$fn$;
+
+-- One row for the current database: the store's contents (expired rows count apart: they are
+-- absent to claim and wait for the sweeper) and the counters since server start.
+CREATE VIEW idempotency.stats AS
+SELECT pg_catalog.current_database() AS database,
+       t.rows_in_progress,
+       t.rows_completed,
+       t.rows_expired,
+       t.oldest_expiry,
+       s.last_sweep_at,
+       s.last_sweep_rows,
+       s.claims_new,
+       s.claims_replay,
+       s.claims_in_progress,
+       s.claims_mismatch,
+       s.completions,
+       s.releases,
+       s.rows_swept,
+       s.preloaded AS sweeper_enabled
+  FROM (SELECT pg_catalog.count(*) FILTER (
+                   WHERE k.status OPERATOR(pg_catalog.=) 'in_progress'::idempotency.key_status
+                     AND k.expires_at OPERATOR(pg_catalog.>) pg_catalog.now()) AS rows_in_progress,
+               pg_catalog.count(*) FILTER (
+                   WHERE k.status OPERATOR(pg_catalog.=) 'completed'::idempotency.key_status
+                     AND k.expires_at OPERATOR(pg_catalog.>) pg_catalog.now()) AS rows_completed,
+               pg_catalog.count(*) FILTER (
+                   WHERE k.expires_at OPERATOR(pg_catalog.<=) pg_catalog.now()) AS rows_expired,
+               pg_catalog.min(k.expires_at) AS oldest_expiry
+          FROM idempotency.idempotency_keys AS k) AS t,
+       idempotency._cluster_stats() AS s;
+
+-- Monitoring: a schema of its own, so that a monitoring role is granted the counters and
+-- nothing else (GRANT USAGE ON SCHEMA idempotency_monitor TO monitor). USAGE on schema
+-- idempotency is the application's grant, the whole API. The view is idempotency.stats (the
+-- same columns, kept in step: test_privileges.py); it reads the table as its owner, and its
+-- counters (_shared_stats) answer roles granted this schema.
+CREATE SCHEMA idempotency_monitor;
+COMMENT ON SCHEMA idempotency_monitor IS
+    'The counters of idempotency.stats for monitoring roles: GRANT USAGE ON SCHEMA idempotency_monitor TO <role>';
+CREATE VIEW idempotency_monitor.stats AS
+SELECT pg_catalog.current_database() AS database,
+       t.rows_in_progress,
+       t.rows_completed,
+       t.rows_expired,
+       t.oldest_expiry,
+       s.last_sweep_at,
+       s.last_sweep_rows,
+       s.claims_new,
+       s.claims_replay,
+       s.claims_in_progress,
+       s.claims_mismatch,
+       s.completions,
+       s.releases,
+       s.rows_swept,
+       s.preloaded AS sweeper_enabled
+  FROM (SELECT pg_catalog.count(*) FILTER (
+                   WHERE k.status OPERATOR(pg_catalog.=) 'in_progress'::idempotency.key_status
+                     AND k.expires_at OPERATOR(pg_catalog.>) pg_catalog.now()) AS rows_in_progress,
+               pg_catalog.count(*) FILTER (
+                   WHERE k.status OPERATOR(pg_catalog.=) 'completed'::idempotency.key_status
+                     AND k.expires_at OPERATOR(pg_catalog.>) pg_catalog.now()) AS rows_completed,
+               pg_catalog.count(*) FILTER (
+                   WHERE k.expires_at OPERATOR(pg_catalog.<=) pg_catalog.now()) AS rows_expired,
+               pg_catalog.min(k.expires_at) AS oldest_expiry
+          FROM idempotency.idempotency_keys AS k) AS t,
+       -- Without Citus, this server's counters straight from the C function, which checks the
+       -- querying role itself: the PL/pgSQL _cluster_stats would name idempotency._shared_stats
+       -- as that role, and a role granted only the monitoring schema may name nothing in schema
+       -- idempotency. Where Citus is installed, every node's (_cluster_stats). The conditions
+       -- are evaluated once, before either function runs.
+       (SELECT * FROM idempotency._shared_stats()
+         WHERE pg_catalog.to_regclass('pg_catalog.pg_dist_partition') IS NULL
+        UNION ALL
+        SELECT * FROM idempotency._cluster_stats()
+         WHERE pg_catalog.to_regclass('pg_catalog.pg_dist_partition') IS NOT NULL) AS s;
+GRANT SELECT ON idempotency_monitor.stats TO PUBLIC;
+
+-- No background sweeper to tell.
+CREATE FUNCTION idempotency._announce()
+RETURNS void
+LANGUAGE plpgsql VOLATILE PARALLEL UNSAFE
+SET search_path = pg_catalog, pg_temp
+AS $fn$
+BEGIN
+END
+$fn$;
+
+DO $notice$
+BEGIN
+    -- CREATE EXTENSION runs its script with client_min_messages = warning; let this through.
+    PERFORM pg_catalog.set_config('client_min_messages', 'notice', true);
+    RAISE NOTICE 'idempotency (portable edition): no background sweeper runs in this edition'
+        USING HINT = 'Schedule SELECT idempotency.sweep(); (with pg_cron: SELECT idempotency.schedule_sweep();). '
+                     'Expired keys count as absent either way.';
+END
+$notice$;
+
+-- Superusers only; the internal helpers are not for applications either.
+REVOKE EXECUTE ON FUNCTION idempotency.set_key_storage(text), idempotency.rotate_signing_secret(),
+    idempotency.retire_signing_secret(integer), idempotency._store_changed(),
+    idempotency._random_secret(), idempotency._count(text), idempotency._announce(),
+    idempotency._rekey(bytea, bytea), idempotency.distribute(integer), idempotency._node_sequences(bigint)
+    FROM PUBLIC;
+-- Helpers that only the SECURITY DEFINER functions call (as the owner). _stored_key in
+-- particular computes a key's stored form (its keyed hash): no caller may have that computed.
+REVOKE EXECUTE ON FUNCTION idempotency._stored_key(text, text), idempotency._check_recovery_point(text),
+    idempotency._sign(text, integer, bytea), idempotency._signed_kid(text), idempotency._verify(text, bytea)
+    FROM PUBLIC;
+
+-- Batches (0.4.0): claim_many and complete_many, one call for a batch of messages (a queue
+-- consumer's batch, a webhook delivery's events). Each position is answered as claim /
+-- complete would answer it alone, in input order; bad arrays are refused before anything is
+-- written. claim_many inserts the absent keys of a batch in one statement (C).
+CREATE FUNCTION idempotency.claim_many(
+    keys     text[],
+    requests jsonb[] DEFAULT NULL,
+    scope    text DEFAULT '',
+    ttl      interval DEFAULT NULL,
+    lease    interval DEFAULT NULL
+) RETURNS TABLE (
+    ord             integer,
+    key             text,
+    outcome         idempotency.outcome,
+    token           bigint,
+    response        jsonb,
+    response_status integer,
+    retry_after     interval,
+    expires_at      timestamptz,
+    recovery_point  text
+)
+LANGUAGE plpgsql VOLATILE PARALLEL UNSAFE SECURITY DEFINER ROWS 100
+SET search_path = pg_catalog, pg_temp
+AS $fn$
+#variable_conflict use_variable
+DECLARE
+    n integer;
+    v_stored text[] := '{}';
+    v_hashes bytea[] := '{}';
+    v_key text;
+    v_ttl interval;
+    v_lease interval;
+    res idempotency.claim_result;
+BEGIN
+    IF claim_many.keys IS NULL THEN
+        RAISE EXCEPTION USING ERRCODE = 'null_value_not_allowed', MESSAGE = 'keys must not be NULL';
+    END IF;
+    IF pg_catalog.array_ndims(claim_many.keys) OPERATOR(pg_catalog.>) 1 THEN
+        RAISE EXCEPTION USING ERRCODE = 'array_subscript_error',
+            MESSAGE = pg_catalog.format('keys must be a one-dimensional array (got %s dimensions)', pg_catalog.array_ndims(claim_many.keys));
+    END IF;
+    n := pg_catalog.cardinality(claim_many.keys);
+    IF pg_catalog.array_ndims(claim_many.requests) OPERATOR(pg_catalog.>) 1 THEN
+        RAISE EXCEPTION USING ERRCODE = 'array_subscript_error',
+            MESSAGE = pg_catalog.format('requests must be a one-dimensional array (got %s dimensions)', pg_catalog.array_ndims(claim_many.requests));
+    END IF;
+    IF claim_many.requests IS NOT NULL AND pg_catalog.cardinality(claim_many.requests) OPERATOR(pg_catalog.<>) n THEN
+        RAISE EXCEPTION USING ERRCODE = 'invalid_parameter_value', MESSAGE = pg_catalog.format(
+            'requests must have one element per key: it has %s, keys has %s', pg_catalog.cardinality(claim_many.requests), n);
+    END IF;
+    PERFORM idempotency._canon_unicode(claim_many.scope, 'scope');
+    PERFORM idempotency._p_check_scope(claim_many.scope);
+    FOR i IN 1 .. n LOOP
+        v_key := claim_many.keys[pg_catalog.array_lower(claim_many.keys, 1) OPERATOR(pg_catalog.+) i OPERATOR(pg_catalog.-) 1];
+        PERFORM idempotency._canon_unicode(v_key, 'keys');
+        PERFORM idempotency._canon_check_key('keys[' OPERATOR(pg_catalog.||) i OPERATOR(pg_catalog.||) ']', v_key, false);
+        v_stored := v_stored OPERATOR(pg_catalog.||) idempotency._stored_key(v_key, claim_many.scope);
+    END LOOP;
+    SELECT d.ttl_value, d.lease_value INTO v_ttl, v_lease FROM idempotency._p_ttl_and_lease(claim_many.ttl, claim_many.lease) AS d;
+    FOR i IN 1 .. n LOOP
+        v_hashes := v_hashes OPERATOR(pg_catalog.||) idempotency._p_request_hash(
+            claim_many.requests[pg_catalog.array_lower(claim_many.requests, 1) OPERATOR(pg_catalog.+) i OPERATOR(pg_catalog.-) 1], 'requests');
+    END LOOP;
+    PERFORM idempotency._p_refuse_read_only('claim_many');
+    FOR i IN 1 .. n LOOP
+        res := idempotency._p_claim(claim_many.scope, v_stored[i], v_hashes[i], v_ttl, v_lease);
+        ord := i;
+        key := claim_many.keys[pg_catalog.array_lower(claim_many.keys, 1) OPERATOR(pg_catalog.+) i OPERATOR(pg_catalog.-) 1];
+        outcome := res.outcome;
+        token := res.token;
+        response := res.response;
+        response_status := res.response_status;
+        retry_after := res.retry_after;
+        expires_at := res.expires_at;
+        recovery_point := res.recovery_point;
+        RETURN NEXT;
+    END LOOP;
+END
+$fn$;
+
+-- complete for each position, in input order, in one statement: a position whose claim is
+-- gone, completed or fenced raises complete's own error (IK001..IK003) and the statement
+-- writes nothing. NULL responses: no response for any key; NULL response_statuses: 200 each;
+-- NULL tokens (or a NULL element): no token check for that key.
+CREATE FUNCTION idempotency.complete_many(
+    keys              text[],
+    responses         jsonb[],
+    response_statuses integer[] DEFAULT NULL,
+    scope             text DEFAULT '',
+    tokens            bigint[] DEFAULT NULL,
+    ttl               interval DEFAULT NULL
+) RETURNS SETOF timestamptz
+LANGUAGE plpgsql VOLATILE
+SET search_path = pg_catalog, pg_temp
+AS $fn$
+DECLARE
+    n integer;
+    i integer;
+    v_status integer;
+    v_len integer;
+BEGIN
+    IF complete_many.keys IS NULL THEN
+        RAISE EXCEPTION USING ERRCODE = '22004', MESSAGE = 'keys must not be NULL';
+    END IF;
+    IF pg_catalog.array_ndims(complete_many.keys) OPERATOR(pg_catalog.>) 1 THEN
+        RAISE EXCEPTION USING ERRCODE = '2202E', MESSAGE = 'keys must be a one-dimensional array';
+    END IF;
+    IF pg_catalog.array_ndims(complete_many.responses) OPERATOR(pg_catalog.>) 1 THEN
+        RAISE EXCEPTION USING ERRCODE = '2202E', MESSAGE = 'responses must be a one-dimensional array';
+    END IF;
+    IF pg_catalog.array_ndims(complete_many.response_statuses) OPERATOR(pg_catalog.>) 1 THEN
+        RAISE EXCEPTION USING ERRCODE = '2202E', MESSAGE = 'response_statuses must be a one-dimensional array';
+    END IF;
+    IF pg_catalog.array_ndims(complete_many.tokens) OPERATOR(pg_catalog.>) 1 THEN
+        RAISE EXCEPTION USING ERRCODE = '2202E', MESSAGE = 'tokens must be a one-dimensional array';
+    END IF;
+    n := pg_catalog.cardinality(complete_many.keys);
+    IF complete_many.responses IS NOT NULL
+       AND pg_catalog.cardinality(complete_many.responses) OPERATOR(pg_catalog.<>) n THEN
+        RAISE EXCEPTION USING ERRCODE = '22023', MESSAGE = pg_catalog.format(
+            'responses must have one element per key: it has %s, keys has %s',
+            pg_catalog.cardinality(complete_many.responses), n);
+    END IF;
+    IF complete_many.response_statuses IS NOT NULL
+       AND pg_catalog.cardinality(complete_many.response_statuses) OPERATOR(pg_catalog.<>) n THEN
+        RAISE EXCEPTION USING ERRCODE = '22023', MESSAGE = pg_catalog.format(
+            'response_statuses must have one element per key: it has %s, keys has %s',
+            pg_catalog.cardinality(complete_many.response_statuses), n);
+    END IF;
+    IF complete_many.tokens IS NOT NULL
+       AND pg_catalog.cardinality(complete_many.tokens) OPERATOR(pg_catalog.<>) n THEN
+        RAISE EXCEPTION USING ERRCODE = '22023', MESSAGE = pg_catalog.format(
+            'tokens must have one element per key: it has %s, keys has %s',
+            pg_catalog.cardinality(complete_many.tokens), n);
+    END IF;
+    -- Every position is checked before the first is completed.
+    FOR i IN 1 .. n LOOP
+        IF complete_many.keys[pg_catalog.array_lower(complete_many.keys, 1) OPERATOR(pg_catalog.+) i OPERATOR(pg_catalog.-) 1] IS NULL THEN
+            RAISE EXCEPTION USING ERRCODE = '22004', MESSAGE = pg_catalog.format('keys[%s] must not be NULL', i);
+        END IF;
+        v_len := pg_catalog.char_length(complete_many.keys[pg_catalog.array_lower(complete_many.keys, 1) OPERATOR(pg_catalog.+) i OPERATOR(pg_catalog.-) 1]);
+        IF v_len OPERATOR(pg_catalog.=) 0 THEN
+            RAISE EXCEPTION USING ERRCODE = '22023', MESSAGE = pg_catalog.format('keys[%s] must not be empty', i);
+        ELSIF v_len OPERATOR(pg_catalog.>) 255 THEN
+            RAISE EXCEPTION USING ERRCODE = '22023',
+                MESSAGE = pg_catalog.format('keys[%s] must be at most 255 characters (got %s)', i, v_len);
+        END IF;
+        IF complete_many.response_statuses IS NOT NULL THEN
+            v_status := complete_many.response_statuses[pg_catalog.array_lower(complete_many.response_statuses, 1) OPERATOR(pg_catalog.+) i OPERATOR(pg_catalog.-) 1];
+            IF v_status IS NULL THEN
+                RAISE EXCEPTION USING ERRCODE = '22004',
+                    MESSAGE = pg_catalog.format('response_statuses[%s] must not be NULL', i);
+            END IF;
+            IF v_status OPERATOR(pg_catalog.<) 100 OR v_status OPERATOR(pg_catalog.>) 599 THEN
+                RAISE EXCEPTION USING ERRCODE = '22023',
+                    MESSAGE = pg_catalog.format('response_statuses[%s] must be between 100 and 599 (got %s)', i, v_status);
+            END IF;
+        END IF;
+    END LOOP;
+    RETURN QUERY
+        SELECT idempotency.complete(u.k, u.r, COALESCE(u.s, 200), complete_many.scope, u.t, complete_many.ttl)
+          FROM ROWS FROM (pg_catalog.unnest(complete_many.keys),
+                          pg_catalog.unnest(complete_many.responses),
+                          pg_catalog.unnest(complete_many.response_statuses),
+                          pg_catalog.unnest(complete_many.tokens))
+               WITH ORDINALITY AS u(k, r, s, t, o)
+         ORDER BY u.o;
+END
+$fn$;
+
+-- Binding settings (0.5.0) ----------------------------------------------------------------------
+
+-- What binds a role, kept by the extension's owner: one row per login role, applied to the
+-- session user (the role PostgreSQL applies ALTER ROLE ... SET to at login). A role can change
+-- its own ALTER ROLE ... SET values, and a startup option can shadow them; it cannot write this
+-- table. The scope prefix of a row replaces idempotency.scope_prefix, its audit = true adds to
+-- idempotency.audit, its size limits (kB) lower idempotency.max_response_size and
+-- idempotency.max_recovery_point_size (NULL: nothing bound). Dumped by pg_dump with its rows.
+CREATE TABLE idempotency.role_settings (
+    role                    pg_catalog.regrole PRIMARY KEY,
+    scope_prefix            text COLLATE "C"
+        CONSTRAINT role_settings_scope_prefix_check
+        CHECK (scope_prefix OPERATOR(pg_catalog.<>) ''
+               AND pg_catalog.char_length(scope_prefix) OPERATOR(pg_catalog.<=) 255),
+    audit                   boolean NOT NULL DEFAULT false,
+    max_response_size       integer
+        CONSTRAINT role_settings_max_response_size_check
+        CHECK (max_response_size OPERATOR(pg_catalog.>=) 1
+               AND max_response_size OPERATOR(pg_catalog.<=) 1048576),
+    max_recovery_point_size integer
+        CONSTRAINT role_settings_max_recovery_point_size_check
+        CHECK (max_recovery_point_size OPERATOR(pg_catalog.>=) 1
+               AND max_recovery_point_size OPERATOR(pg_catalog.<=) 1048576)
+);
+COMMENT ON TABLE idempotency.role_settings IS
+    'Settings that bind a login role (the session user): its scope prefix, audit on, size limits in kB. Kept by the extension''s owner; the role can neither read nor change them.';
+
+-- Every session caches its own row: a change tells every session to read it again once the
+-- changing transaction commits (a relation cache invalidation of the table).
+-- No session caches role_settings in this edition: every call reads the role's row.
+CREATE FUNCTION idempotency._role_settings_changed()
+RETURNS trigger
+LANGUAGE plpgsql VOLATILE PARALLEL UNSAFE
+SET search_path = pg_catalog, pg_temp
+AS $fn$
+BEGIN
+    RETURN NULL;
+END
+$fn$;
+CREATE TRIGGER role_settings_changed
+    AFTER INSERT OR UPDATE OR DELETE OR TRUNCATE ON idempotency.role_settings
+    FOR EACH STATEMENT EXECUTE FUNCTION idempotency._role_settings_changed();
+-- Also where triggers are off for replication (session_replication_role = replica): a row
+-- applied by a subscription binds as one written by hand.
+ALTER TABLE idempotency.role_settings ENABLE ALWAYS TRIGGER role_settings_changed;
+REVOKE EXECUTE ON FUNCTION idempotency._role_settings_changed() FROM PUBLIC;
 
 COMMIT;

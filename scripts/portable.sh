@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # Builds the portable edition (SQL and PL/pgSQL only, for servers that load no library of
-# ours, docs/managed.md) into dist/, from sql/portable/*.sql (the PL/pgSQL bodies of what the
-# native edition does in Rust) and the parts of sql/idempotency.sql both editions share:
+# ours, docs/managed.md) into dist/: the native install script sql/idempotency.sql with each of
+# its LANGUAGE c functions replaced by the PL/pgSQL function of the same name in
+# sql/portable/*.sql (scripts/portable-build.py; it fails when one has no portable body):
 #   dist/idempotency-portable.sql  a plain script: psql -v ON_ERROR_STOP=1 -f ... creates
-#                                  schema idempotency and its functions
+#                                  schema idempotency and everything in it, in one transaction
 #   dist/pgtle-idempotency.sql     pgtle.install_extension(...): then CREATE EXTENSION idempotency
 # dist/ is committed (a user downloads one file). `scripts/portable.sh --check` writes nothing
 # and fails when dist/ is not what this script would write (CI runs it).
@@ -19,14 +20,9 @@ esac
 
 version=$(sed -n 's/^version = "\(.*\)"$/\1/p' Cargo.toml | head -n 1)
 comment=$(sed -n "s/^comment = '\(.*\)'$/\1/p" idempotency.control)
-# What the portable edition holds so far, in the order the sources are applied.
-sources=(sql/portable/canonical.sql sql/portable/derivation.sql)
+# The PL/pgSQL bodies of the native edition's C functions, and their helpers.
+sources=(sql/portable/canonical.sql sql/portable/derivation.sql sql/portable/store.sql)
 [ -n "$version" ] && [ -n "$comment" ] || { echo "portable.sh: no version or comment found" >&2; exit 1; }
-
-# The native install script's encoding check (SQL_ASCII and MULE_INTERNAL refused), verbatim.
-encoding_check() {
-    awk '/^DO \$encoding\$$/ { on = 1 } on { print } /^\$encoding\$;$/ { exit }' sql/idempotency.sql
-}
 
 header() {
     cat <<EOF
@@ -36,25 +32,20 @@ header() {
 -- edit; change the sources and run scripts/portable.sh.
 --
 -- The portable edition is written only in SQL and PL/pgSQL, for managed PostgreSQL services
--- where no shared library can be loaded (docs/managed.md). It holds the canonical functions
--- only so far: canonical_json, canonical_hash, derive_key, cron_key and request_fingerprint,
--- with the native edition's bytes. The store (claim, complete, ...) is not in it yet.
+-- where no shared library can be loaded (docs/managed.md): the native edition's install script
+-- (sql/idempotency.sql) with each LANGUAGE c function replaced by a PL/pgSQL body of the same
+-- declaration (scripts/portable-build.py).
 EOF
 }
 
+# body pgtle|plain: the install script of the edition (scripts/portable-build.py).
 body() {
-    encoding_check
-    for f in "${sources[@]}"; do
-        echo
-        echo "-- from $f"
-        echo
-        cat "$f"
-    done
+    python3 scripts/portable-build.py "$1" sql/idempotency.sql "${sources[@]}"
 }
 
 pgtle() {
     header "pg_tle (run this, then CREATE EXTENSION idempotency)"
-    if body | grep -q '\$_pgtle_\$'; then
+    if body pgtle | grep -q '\$_pgtle_\$'; then
         echo "portable.sh: the sources contain \$_pgtle_\$, which quotes them here" >&2
         exit 1
     fi
@@ -66,7 +57,7 @@ SELECT pgtle.install_extension(
     '$comment',
 \$_pgtle_\$
 EOF
-    body
+    body pgtle
     cat <<'EOF'
 $_pgtle_$,
     NULL,
@@ -76,7 +67,8 @@ EOF
 }
 
 # The plain script refuses a database where the native extension exists (its functions would
-# be replaced by the script's): after the encoding check, before anything is created.
+# be replaced by the script's), before anything is created (the encoding check follows, in the
+# same transaction).
 refuse_extension() {
     cat <<'EOF'
 
@@ -101,13 +93,10 @@ trap 'rm -rf "$out"' EXIT
     header "plain script (psql -v ON_ERROR_STOP=1 -f idempotency-portable.sql)"
     printf '\nBEGIN;\n\n'
     printf -- '-- Names in this script resolve in pg_catalog first, whatever the session'"'"'s search_path.\n'
-    printf 'SET LOCAL search_path = pg_catalog, pg_temp;\n\n'
-    encoding_check
+    printf 'SET LOCAL search_path = pg_catalog, pg_temp;\n'
     refuse_extension
-    for f in "${sources[@]}"; do
-        printf '\n-- from %s\n\n' "$f"
-        cat "$f"
-    done
+    printf '\n'
+    body plain
     printf '\nCOMMIT;\n'
 } >"$out/idempotency-portable.sql"
 pgtle >"$out/pgtle-idempotency.sql"

@@ -15,6 +15,31 @@ import time
 # another major version (PG_BIN=<prefix>/bin, see scripts/pg-server.sh).
 PG_BIN = os.environ.get("PG_BIN", "/usr/lib/postgresql/15/bin")
 
+# IDEMPOTENCY_EDITION=portable runs the suite against the portable edition (dist/, docs/managed.md)
+# on a server without the native library (PG_BIN of scripts/pg-tle.sh or scripts/pg-portable.sh):
+# with pg_tle there, the pg_tle route (pg_tle preloaded; where a test says CREATE EXTENSION
+# idempotency, conftest.py creates pg_tle and registers dist/pgtle-idempotency.sql in that
+# database first); without it, the plain route (conftest.py runs dist/idempotency-portable.sql
+# instead).
+EDITION = os.environ.get("IDEMPOTENCY_EDITION", "native")
+ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
+PORTABLE_PLAIN = os.path.join(ROOT, "dist", "idempotency-portable.sql")
+PORTABLE_PGTLE = os.path.join(ROOT, "dist", "pgtle-idempotency.sql")
+
+
+def pkglibdir(bin_dir):
+    return subprocess.run([f"{bin_dir}/pg_config", "--pkglibdir"], check=True, capture_output=True,
+                          text=True).stdout.strip()
+
+
+def portable_route(bin_dir):
+    """'pgtle' or 'plain' for a server without the native library; raises where it has it."""
+    lib = pkglibdir(bin_dir)
+    if os.path.exists(os.path.join(lib, "idempotency.so")):
+        raise RuntimeError(f"IDEMPOTENCY_EDITION=portable needs a server without idempotency.so; {lib} has it "
+                           "(PG_BIN from scripts/pg-tle.sh or scripts/pg-portable.sh)")
+    return "pgtle" if os.path.exists(os.path.join(lib, "pg_tle.so")) else "plain"
+
 
 def _as_postgres(*cmd, check=True, **kw):
     prefix = [] if os.geteuid() != 0 else ["runuser", "-u", "postgres", "--"]
@@ -47,6 +72,15 @@ class Cluster:
             "restart_after_crash": "on",
         }
         self.settings.update(settings or {})
+        self.edition = EDITION
+        if self.edition == "portable":
+            self.route = portable_route(self.bin)
+            # No library of ours to preload; pg_tle's where that route is taken.
+            libs = [l.strip() for l in self.settings.get("shared_preload_libraries", "''").strip("'").split(",")]
+            libs = [l for l in libs if l and l != "idempotency"]
+            if self.route == "pgtle" and "pg_tle" not in libs:
+                libs.append("pg_tle")
+            self.settings["shared_preload_libraries"] = "'" + ",".join(libs) + "'"
 
     def start(self):
         self.initdb()

@@ -64,6 +64,8 @@ def test_never_on_release_rollback_or_failed_complete(audit, connect):
     assert [r[1] for r in rows(db)] == ["done"]
 
 
+@pytest.mark.native_only("the background worker deletes audit rows past idempotency.audit_retention; "
+                         "in the portable edition a scheduled idempotency.sweep_audit() does")
 def test_rows_outlive_the_key_and_follow_retention(cluster, audit):
     db = audit
     db.execute("SET idempotency.audit = on")

@@ -167,6 +167,8 @@ def assert_bound(su, conn, tag, limits_named=True):
 
 @pytest.mark.parametrize("vector", ["ALTER ROLE RESET", "ALTER ROLE SET off", "ALTER ROLE RESET ALL",
                                     "ALTER ROLE IN DATABASE", "ALTER DATABASE"])
+@pytest.mark.native_only("it undoes the settings in the catalog as far as the library lets a role; without the "
+                         "library PostgreSQL refuses a role's change of a placeholder a superuser set, so there is nothing to undo")
 def test_a_role_cannot_undo_its_row_in_the_catalog(bcluster, su, vector):
     """0.4.0: the role's own ALTER ROLE / ALTER DATABASE replaced the superuser's entry in
     pg_db_role_setting, and from its next login no audit rows were written."""
@@ -340,6 +342,8 @@ def test_role_settings_are_dumped_with_their_rows(bcluster, su):
         su.execute(f"DROP DATABASE {restored} WITH (FORCE)")
 
 
+@pytest.mark.native_only("the library reads the row below SQL and refuses an altered column; "
+                         "the portable edition reads it through SQL, which converts the value")
 def test_an_altered_table_is_refused_not_misread(bcluster, su):
     """The row is read below SQL: a column of another type is refused (55000, naming it)."""
     bind_tenant(su)

@@ -82,6 +82,8 @@ ATTACKS = [
 ]
 
 
+@pytest.mark.native_only("the library refuses a prefix set by a startup option; "
+                         "the portable edition binds tenants by idempotency.role_settings (test_binding_settings.py)")
 @pytest.mark.parametrize("how", ["options", "PGOPTIONS"])
 @pytest.mark.parametrize("value", ["x", "", "shop_a:"])
 def test_a_startup_option_cannot_lift_the_prefix(tenant_cluster, su, how, value):
@@ -167,6 +169,8 @@ def test_audit_off_is_the_roles_choice_without_a_superusers_on(tenant_cluster, s
     assert audit_rows(su) == [("audited", "app")]
 
 
+@pytest.mark.native_only("the role's own ALTER ROLE SET of the audit setting is what the library lets it do; "
+                         "without the library PostgreSQL refuses it (a placeholder a superuser set)")
 def test_a_roles_own_setting_cannot_undo_a_database_wide_audit(tenant_cluster, su):
     su.execute("ALTER DATABASE idem SET idempotency.audit = on")
     try:
@@ -218,6 +222,7 @@ def test_sweeping_the_whole_store_is_for_the_owner(tenant_cluster, su):
     assert su.execute("SELECT idempotency.sweep()").fetchone()[0] == 1
 
 
+@pytest.mark.native_only("the counters live in the library's shared memory (NULL in the portable edition)")
 def test_database_wide_counters_are_for_the_stats_readers(tenant_cluster, su):
     for role in ("shop_a", "app"):
         with login(tenant_cluster, role) as conn:

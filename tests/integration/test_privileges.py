@@ -142,6 +142,8 @@ def test_rows_change_only_through_the_functions(tenants):
     assert owner.execute("SELECT count(*), min(completed_by) FROM idempotency.audit").fetchone() == (1, "app")
 
 
+@pytest.mark.native_only("idempotency.scope_prefix is a superuser-only setting only where the library defines it; "
+                         "the portable edition binds tenants by idempotency.role_settings (test_binding_settings.py)")
 def test_tenants_are_kept_apart(tenants):
     owner, login = tenants
     a, b = login("shop_a"), login("shop_b")
@@ -189,6 +191,8 @@ def test_tenants_are_kept_apart(tenants):
     assert claim(a, "order-1", {"x": 1}, scope="a:client-1")[0] == "replay"
 
 
+@pytest.mark.native_only("the library refuses a prefix the role set itself; "
+                         "the portable edition binds tenants by idempotency.role_settings (test_binding_settings.py)")
 def test_prefix_cannot_be_dodged_before_the_library_loads(cluster, tenants):
     """Without shared_preload_libraries the setting is a placeholder until the library loads
     in the session; a value the role set itself is then thrown away, the superuser's kept."""

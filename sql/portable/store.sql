@@ -1,0 +1,1187 @@
+-- Portable edition: the store in PL/pgSQL. Each function here named like a LANGUAGE c function
+-- of sql/idempotency.sql replaces that declaration in the portable scripts (scripts/portable.sh
+-- refuses to build while a C function has no body here or in the other sql/portable/ files);
+-- the functions named idempotency._p_* are the portable edition's own helpers. The rules are the
+-- native edition's (src/api.rs, src/store/, crates/idempotency-core/src/arguments.rs and
+-- signing.rs): the same checks in the same order, SQLSTATEs and messages, the same rows, tokens
+-- and stored keys. Every function pins search_path; every reference is schema-qualified.
+--
+-- Settings: the native library defines idempotency.* as settings; without it they are
+-- placeholders that hold text, read here with current_setting(name, true), with the native
+-- defaults and units. What binds a role comes from idempotency.role_settings (its session
+-- user's row), which the role can neither read nor change, exactly as the native edition reads it.
+
+-- Helpers ---------------------------------------------------------------------------------------
+
+-- An integer setting in its unit ('s', 'ms' or 'kB'): a bare number is in that unit, a number
+-- with a unit (10s, 5min, 1h, 4MB) is converted and rounded, as PostgreSQL does for the native
+-- edition's settings; unset or empty: the native default.
+CREATE FUNCTION idempotency._p_setting(name text, default_value integer, unit text)
+RETURNS integer
+LANGUAGE plpgsql STABLE PARALLEL SAFE
+SET search_path = pg_catalog, pg_temp
+AS $fn$
+DECLARE
+    v_raw text := pg_catalog.btrim(pg_catalog.current_setting(name, true));
+    v_m text[];
+    v_factor numeric;
+    v_base numeric;
+BEGIN
+    IF v_raw IS NULL OR v_raw OPERATOR(pg_catalog.=) '' THEN
+        RETURN default_value;
+    END IF;
+    v_m := pg_catalog.regexp_match(v_raw, '^(-?[0-9]+(?:\.[0-9]*)?)\s*([A-Za-z]*)$');
+    IF v_m IS NOT NULL THEN
+        v_factor := CASE v_m[2]
+            WHEN '' THEN 1 WHEN 'us' THEN 0.001 WHEN 'ms' THEN 1 WHEN 's' THEN 1000
+            WHEN 'min' THEN 60000 WHEN 'h' THEN 3600000 WHEN 'd' THEN 86400000
+            WHEN 'B' THEN 1.0 OPERATOR(pg_catalog./) 1024 WHEN 'kB' THEN 1 WHEN 'MB' THEN 1024
+            WHEN 'GB' THEN 1048576 WHEN 'TB' THEN 1073741824 END;
+        v_base := CASE unit WHEN 's' THEN 1000 ELSE 1 END;
+        IF v_factor IS NOT NULL AND (v_m[2] OPERATOR(pg_catalog.=) ''
+              OR (v_m[2] OPERATOR(pg_catalog.~) 'B$') OPERATOR(pg_catalog.=) (unit OPERATOR(pg_catalog.=) 'kB')) THEN
+            IF v_m[2] OPERATOR(pg_catalog.=) '' THEN
+                RETURN pg_catalog.round(v_m[1]::numeric)::integer;
+            END IF;
+            RETURN pg_catalog.round(v_m[1]::numeric OPERATOR(pg_catalog.*) v_factor OPERATOR(pg_catalog./) v_base)::integer;
+        END IF;
+    END IF;
+    RAISE EXCEPTION USING
+        ERRCODE = 'invalid_parameter_value',
+        MESSAGE = pg_catalog.format('invalid value for parameter "%s": %L', name, v_raw);
+END
+$fn$;
+
+-- A boolean setting (unset: false), spelled as PostgreSQL accepts it.
+CREATE FUNCTION idempotency._p_setting_on(name text)
+RETURNS boolean
+LANGUAGE sql STABLE PARALLEL SAFE
+SET search_path = pg_catalog, pg_temp
+AS $fn$
+    SELECT COALESCE(pg_catalog.lower(pg_catalog.btrim(pg_catalog.current_setting(name, true)))
+                    OPERATOR(pg_catalog.=) ANY (ARRAY['on', 'true', 'tru', 'tr', 't', 'yes', 'ye', 'y', '1']), false)
+$fn$;
+
+-- The session user's row of idempotency.role_settings (NULLs: nothing binds it).
+CREATE FUNCTION idempotency._p_role_settings(
+    OUT scope_prefix text, OUT audit boolean, OUT max_response_size integer, OUT max_recovery_point_size integer)
+LANGUAGE plpgsql STABLE
+SET search_path = pg_catalog, pg_temp
+AS $fn$
+BEGIN
+    SELECT r.scope_prefix, r.audit, r.max_response_size, r.max_recovery_point_size
+      INTO scope_prefix, audit, max_response_size, max_recovery_point_size
+      FROM idempotency.role_settings AS r
+     WHERE r.role::pg_catalog.oid OPERATOR(pg_catalog.=)
+           (SELECT a.oid FROM pg_catalog.pg_roles AS a WHERE a.rolname OPERATOR(pg_catalog.=) SESSION_USER);
+END
+$fn$;
+
+-- The scope prefix of this session: its role's row of idempotency.role_settings, which binds;
+-- else idempotency.scope_prefix (without the library a session can set that itself: a default,
+-- not a boundary); else '' (every scope).
+CREATE FUNCTION idempotency._p_scope_prefix()
+RETURNS text
+LANGUAGE plpgsql STABLE
+SET search_path = pg_catalog, pg_temp
+AS $fn$
+BEGIN
+    RETURN COALESCE((SELECT s.scope_prefix FROM idempotency._p_role_settings() AS s),
+                    pg_catalog.current_setting('idempotency.scope_prefix', true), '');
+END
+$fn$;
+
+-- Whether completions write audit rows: idempotency.audit on (also where ALTER ROLE or ALTER
+-- DATABASE ... SET turned it on, which the session cannot SET off), or audit in the role's row.
+CREATE FUNCTION idempotency._p_audit()
+RETURNS boolean
+LANGUAGE plpgsql STABLE
+SET search_path = pg_catalog, pg_temp
+AS $fn$
+BEGIN
+    RETURN idempotency._p_setting_on('idempotency.audit')
+        OR COALESCE((SELECT s.audit FROM idempotency._p_role_settings() AS s), false)
+        OR EXISTS (SELECT FROM pg_catalog.pg_db_role_setting AS s, pg_catalog.unnest(s.setconfig) AS c(entry)
+                    WHERE s.setdatabase OPERATOR(pg_catalog.=) ANY (ARRAY[(SELECT d.oid FROM pg_catalog.pg_database AS d
+                                                   WHERE d.datname OPERATOR(pg_catalog.=) pg_catalog.current_database()), 0]::pg_catalog.oid[])
+                      AND s.setrole OPERATOR(pg_catalog.=) ANY (ARRAY[(SELECT a.oid FROM pg_catalog.pg_roles AS a
+                                                   WHERE a.rolname OPERATOR(pg_catalog.=) SESSION_USER), 0]::pg_catalog.oid[])
+                      AND pg_catalog.lower(pg_catalog.split_part(c.entry, '=', 1)) OPERATOR(pg_catalog.=) 'idempotency.audit'
+                      AND pg_catalog.lower(pg_catalog.btrim(pg_catalog.substr(c.entry,
+                            pg_catalog.strpos(c.entry, '=') OPERATOR(pg_catalog.+) 1)))
+                          OPERATOR(pg_catalog.=) ANY (ARRAY['on', 'true', 'tru', 'tr', 't', 'yes', 'ye', 'y', '1']));
+END
+$fn$;
+
+-- The limit (kB) and the name of what set it: the setting, or a lower value in the role's row.
+CREATE FUNCTION idempotency._p_limit(what text, OUT limit_kb integer, OUT setting text)
+LANGUAGE plpgsql STABLE
+SET search_path = pg_catalog, pg_temp
+AS $fn$
+DECLARE
+    v_bound integer;
+BEGIN
+    IF what OPERATOR(pg_catalog.=) 'response' THEN
+        limit_kb := idempotency._p_setting('idempotency.max_response_size', 4096, 'kB');
+        setting := 'idempotency.max_response_size';
+        SELECT s.max_response_size INTO v_bound FROM idempotency._p_role_settings() AS s;
+    ELSE
+        limit_kb := idempotency._p_setting('idempotency.max_recovery_point_size', 64, 'kB');
+        setting := 'idempotency.max_recovery_point_size';
+        SELECT s.max_recovery_point_size INTO v_bound FROM idempotency._p_role_settings() AS s;
+    END IF;
+    IF v_bound OPERATOR(pg_catalog.<) limit_kb THEN
+        limit_kb := v_bound;
+        setting := 'idempotency.role_settings.' OPERATOR(pg_catalog.||) setting;
+        setting := pg_catalog.replace(setting, 'settings.idempotency.', 'settings.');
+    END IF;
+END
+$fn$;
+
+-- Refuses a value larger than a size limit (54000), before anything is written.
+CREATE FUNCTION idempotency._p_check_size(arg text, size bigint, what text)
+RETURNS void
+LANGUAGE plpgsql STABLE
+SET search_path = pg_catalog, pg_temp
+AS $fn$
+DECLARE
+    l record;
+BEGIN
+    SELECT * INTO l FROM idempotency._p_limit(what);
+    IF size OPERATOR(pg_catalog.>) (l.limit_kb::bigint OPERATOR(pg_catalog.*) 1024) THEN
+        RAISE EXCEPTION USING
+            ERRCODE = 'program_limit_exceeded',
+            MESSAGE = pg_catalog.format('%s is too large: %s bytes, %s allows %s', arg, size, l.setting,
+                                        l.limit_kb::bigint OPERATOR(pg_catalog.*) 1024),
+            HINT = 'store a reference to large results (a row id, an object store key) instead, or raise the limit';
+    END IF;
+END
+$fn$;
+
+-- Claims, completions and sweeps write: refused at once in a read-only transaction.
+CREATE FUNCTION idempotency._p_refuse_read_only(function_name text)
+RETURNS void
+LANGUAGE plpgsql STABLE
+SET search_path = pg_catalog, pg_temp
+AS $fn$
+BEGIN
+    IF pg_catalog.current_setting('transaction_read_only') OPERATOR(pg_catalog.=) 'on' THEN
+        RAISE EXCEPTION USING
+            ERRCODE = 'read_only_sql_transaction',
+            MESSAGE = pg_catalog.format('idempotency.%s cannot run in a read-only transaction%s', function_name,
+                                        CASE WHEN pg_catalog.pg_is_in_recovery() THEN ' (this server is a standby)' ELSE '' END),
+            HINT = 'claim, complete and sweep on the primary; idempotency.lookup works on a standby';
+    END IF;
+END
+$fn$;
+
+-- The scope argument's rules: not NULL, at most 255 characters, under the session's prefix.
+CREATE FUNCTION idempotency._p_check_scope(scope text)
+RETURNS void
+LANGUAGE plpgsql STABLE
+SET search_path = pg_catalog, pg_temp
+AS $fn$
+DECLARE
+    v_prefix text;
+BEGIN
+    PERFORM idempotency._canon_check_key('scope', scope, true);
+    v_prefix := idempotency._p_scope_prefix();
+    IF NOT pg_catalog.starts_with(scope, v_prefix) THEN
+        RAISE EXCEPTION USING
+            ERRCODE = 'insufficient_privilege',
+            MESSAGE = pg_catalog.format('scope %s is outside this role''s scopes: its scope prefix is %s',
+                                        idempotency._p_debug(scope), idempotency._p_debug(v_prefix));
+    END IF;
+END
+$fn$;
+
+-- A text as Rust's Debug writes a string (the native edition's messages quote values so).
+CREATE FUNCTION idempotency._p_debug(value text)
+RETURNS text
+LANGUAGE sql IMMUTABLE STRICT PARALLEL SAFE
+SET search_path = pg_catalog, pg_temp
+AS $fn$
+    SELECT pg_catalog.string_agg(idempotency._canon_quote(p.part), '' ORDER BY p.n)
+      FROM (SELECT pg_catalog.substr(value, i, 40) AS part, i AS n
+              FROM pg_catalog.generate_series(1, GREATEST(pg_catalog.length(value), 1), 40) AS i) AS p
+$fn$;
+
+-- HMAC-SHA256 (RFC 2104) on the core sha256(): the native edition's keyed hashes and signatures.
+CREATE FUNCTION idempotency._p_hmac(secret bytea, message bytea)
+RETURNS bytea
+LANGUAGE plpgsql IMMUTABLE STRICT PARALLEL SAFE
+SET search_path = pg_catalog, pg_temp
+AS $fn$
+DECLARE
+    v_key bytea := secret;
+    v_ipad bytea;
+    v_opad bytea;
+BEGIN
+    IF pg_catalog.length(v_key) OPERATOR(pg_catalog.>) 64 THEN
+        v_key := pg_catalog.sha256(v_key);
+    END IF;
+    v_key := v_key OPERATOR(pg_catalog.||) pg_catalog.decode(pg_catalog.repeat('00', 64 OPERATOR(pg_catalog.-) pg_catalog.length(v_key)), 'hex');
+    v_ipad := v_key;
+    v_opad := v_key;
+    FOR i IN 0 .. 63 LOOP
+        v_ipad := pg_catalog.set_byte(v_ipad, i, pg_catalog.get_byte(v_key, i) OPERATOR(pg_catalog.#) 54);
+        v_opad := pg_catalog.set_byte(v_opad, i, pg_catalog.get_byte(v_key, i) OPERATOR(pg_catalog.#) 92);
+    END LOOP;
+    RETURN pg_catalog.sha256(v_opad OPERATOR(pg_catalog.||) pg_catalog.sha256(v_ipad OPERATOR(pg_catalog.||) message));
+END
+$fn$;
+
+-- base64url without padding (RFC 4648 section 5), and its strict inverse (NULL when malformed).
+CREATE FUNCTION idempotency._p_b64url(bytes bytea)
+RETURNS text
+LANGUAGE sql IMMUTABLE STRICT PARALLEL SAFE
+SET search_path = pg_catalog, pg_temp
+AS $fn$
+    SELECT pg_catalog.translate(pg_catalog.rtrim(pg_catalog.encode(bytes, 'base64'), '='), E'+/\n', '-_')
+$fn$;
+
+-- A secret argument: 16 bytes at least.
+CREATE FUNCTION idempotency._p_check_secret(secret bytea)
+RETURNS void
+LANGUAGE plpgsql IMMUTABLE PARALLEL SAFE
+SET search_path = pg_catalog, pg_temp
+AS $fn$
+BEGIN
+    IF secret IS NULL THEN
+        RAISE EXCEPTION USING ERRCODE = 'null_value_not_allowed', MESSAGE = 'secret must not be NULL';
+    ELSIF pg_catalog.length(secret) OPERATOR(pg_catalog.<) 16 THEN
+        RAISE EXCEPTION USING ERRCODE = 'invalid_parameter_value', MESSAGE = 'secret must be at least 16 bytes';
+    END IF;
+END
+$fn$;
+
+-- The message a signature covers: "<kid>.<key>", then a zero byte and the scope prefix if any.
+CREATE FUNCTION idempotency._p_signed_message(kid integer, key text)
+RETURNS bytea
+LANGUAGE plpgsql STABLE
+SET search_path = pg_catalog, pg_temp
+AS $fn$
+DECLARE
+    v_prefix text := idempotency._p_scope_prefix();
+    v_message bytea := pg_catalog.convert_to(kid::text OPERATOR(pg_catalog.||) '.' OPERATOR(pg_catalog.||) key, 'UTF8');
+BEGIN
+    IF v_prefix OPERATOR(pg_catalog.<>) '' THEN
+        v_message := v_message OPERATOR(pg_catalog.||) '\x00'::bytea OPERATOR(pg_catalog.||) pg_catalog.convert_to(v_prefix, 'UTF8');
+    END IF;
+    RETURN v_message;
+END
+$fn$;
+
+-- A signed key's parts (key, secret id, signature), or NULLs when it is not shaped like one.
+CREATE FUNCTION idempotency._p_parse_signed(signed text, OUT key text, OUT kid integer, OUT signature bytea)
+LANGUAGE plpgsql IMMUTABLE PARALLEL SAFE
+SET search_path = pg_catalog, pg_temp
+AS $fn$
+DECLARE
+    v_m text[];
+BEGIN
+    v_m := pg_catalog.regexp_match(signed, '^(.*)\.([^.]*)\.([^.]*)$', 's');
+    IF v_m IS NULL OR v_m[1] OPERATOR(pg_catalog.=) '' OR pg_catalog.length(v_m[3]) OPERATOR(pg_catalog.<>) 43
+       OR pg_catalog.length(v_m[1]) OPERATOR(pg_catalog.>) 255
+       OR v_m[2] OPERATOR(pg_catalog.!~) '^[1-9][0-9]{0,9}$'
+       OR v_m[2]::bigint OPERATOR(pg_catalog.>) 2147483647
+       -- 43 characters of base64url hold 32 bytes and two bits that must be zero
+       OR v_m[3] OPERATOR(pg_catalog.!~) '^[A-Za-z0-9_-]{42}[AEIMQUYcgkosw048]$' THEN
+        RETURN;
+    END IF;
+    key := v_m[1];
+    kid := v_m[2]::integer;
+    signature := pg_catalog.decode(pg_catalog.translate(v_m[3], '-_', '+/') OPERATOR(pg_catalog.||) '=', 'base64');
+END
+$fn$;
+
+-- The owner of the store: the extension's owner, or the schema's where the plain script made it.
+CREATE FUNCTION idempotency._p_owner()
+RETURNS oid
+LANGUAGE sql STABLE
+SET search_path = pg_catalog, pg_temp
+AS $fn$
+    SELECT COALESCE((SELECT e.extowner FROM pg_catalog.pg_extension AS e
+                      WHERE e.extname OPERATOR(pg_catalog.=) 'idempotency'),
+                    (SELECT n.nspowner FROM pg_catalog.pg_namespace AS n
+                      WHERE n.nspname OPERATOR(pg_catalog.=) 'idempotency'))
+$fn$;
+
+-- Which rows a sweep may touch: all for the store's owner and superusers (and members of the
+-- owner's role), those under the session's scope prefix for a tenant, none otherwise.
+CREATE FUNCTION idempotency._p_sweep_prefix(function_name text)
+RETURNS text
+LANGUAGE plpgsql STABLE
+SET search_path = pg_catalog, pg_temp
+AS $fn$
+DECLARE
+    v_prefix text;
+BEGIN
+    IF (SELECT a.rolsuper FROM pg_catalog.pg_roles AS a WHERE a.rolname OPERATOR(pg_catalog.=) SESSION_USER)
+       OR pg_catalog.pg_has_role(SESSION_USER, idempotency._p_owner(), 'USAGE') THEN
+        RETURN '';
+    END IF;
+    v_prefix := idempotency._p_scope_prefix();
+    IF v_prefix OPERATOR(pg_catalog.=) '' THEN
+        RAISE EXCEPTION USING
+            ERRCODE = 'insufficient_privilege',
+            MESSAGE = pg_catalog.format('idempotency.%s of the whole store is for the extension''s owner and superusers', function_name),
+            HINT = 'run it as the owner (the background sweeper or pg_cron do), or bind this role to a scope prefix (idempotency.role_settings) to sweep only its own scopes';
+    END IF;
+    RETURN v_prefix;
+END
+$fn$;
+
+-- The batch_size argument of the sweep functions (NULL: idempotency.sweep_batch_size).
+CREATE FUNCTION idempotency._p_batch_size(batch_size integer)
+RETURNS integer
+LANGUAGE plpgsql STABLE
+SET search_path = pg_catalog, pg_temp
+AS $fn$
+DECLARE
+    v_batch integer := COALESCE(batch_size, idempotency._p_setting('idempotency.sweep_batch_size', 10000, ''));
+BEGIN
+    IF v_batch OPERATOR(pg_catalog.<) 1 THEN
+        RAISE EXCEPTION USING ERRCODE = 'invalid_parameter_value',
+            MESSAGE = pg_catalog.format('batch_size must be positive (got %s)', v_batch);
+    END IF;
+    RETURN v_batch;
+END
+$fn$;
+
+-- A TTL or lease checked on its own (positive, at most ten years, months counted as 30 days)
+-- and on the clock (now() + it after now() and at most ten calendar years ahead); returns
+-- now() + it. `name` is the argument or the setting that gave the value.
+CREATE FUNCTION idempotency._p_duration(name text, value interval)
+RETURNS timestamptz
+LANGUAGE plpgsql STABLE
+SET search_path = pg_catalog, pg_temp
+AS $fn$
+DECLARE
+    v_months numeric;
+    v_days numeric;
+    v_micros numeric;
+    v_total numeric;
+    v_ends timestamptz;
+BEGIN
+    IF NOT pg_catalog.isfinite(value) THEN
+        v_total := CASE WHEN value OPERATOR(pg_catalog.>) '0'::interval THEN 1e30 ELSE -1 END;
+    ELSE
+        v_months := EXTRACT(year FROM value) OPERATOR(pg_catalog.*) 12 OPERATOR(pg_catalog.+) EXTRACT(month FROM value);
+        v_days := EXTRACT(day FROM value);
+        v_micros := EXTRACT(epoch FROM (value OPERATOR(pg_catalog.-)
+                        pg_catalog.make_interval(months => v_months::integer, days => v_days::integer)))
+                    OPERATOR(pg_catalog.*) 1000000;
+        v_total := (v_months OPERATOR(pg_catalog.*) 30 OPERATOR(pg_catalog.+) v_days) OPERATOR(pg_catalog.*) 86400000000
+                   OPERATOR(pg_catalog.+) v_micros;
+    END IF;
+    IF v_total OPERATOR(pg_catalog.<=) 0 THEN
+        RAISE EXCEPTION USING ERRCODE = 'invalid_parameter_value',
+            MESSAGE = pg_catalog.format('%s must be a positive interval', name);
+    END IF;
+    IF v_total OPERATOR(pg_catalog.>) 316224000000000 THEN
+        RAISE EXCEPTION USING ERRCODE = 'invalid_parameter_value',
+            MESSAGE = pg_catalog.format('%s must be at most 10 years', name);
+    END IF;
+    v_ends := pg_catalog.now() OPERATOR(pg_catalog.+) value;
+    IF v_ends OPERATOR(pg_catalog.<=) pg_catalog.now() THEN
+        RAISE EXCEPTION USING ERRCODE = 'invalid_parameter_value',
+            MESSAGE = pg_catalog.format('%s must end in the future: now() + %s is not after now() (%s)',
+                                        name, name, idempotency._canon_quote(value::text));
+    END IF;
+    IF v_ends OPERATOR(pg_catalog.>) (pg_catalog.now() OPERATOR(pg_catalog.+) '120 months'::interval) THEN
+        RAISE EXCEPTION USING ERRCODE = 'invalid_parameter_value',
+            MESSAGE = pg_catalog.format('%s must be at most 10 years (got %s)', name, idempotency._canon_quote(value::text));
+    END IF;
+    RETURN v_ends;
+END
+$fn$;
+
+-- The TTL and lease of a claim: each argument, or its setting when NULL; with no lease given,
+-- least(idempotency.default_lease, ttl); a lease that would outlive the key is refused.
+CREATE FUNCTION idempotency._p_ttl_and_lease(ttl interval, lease interval, OUT ttl_value interval, OUT lease_value interval)
+LANGUAGE plpgsql STABLE
+SET search_path = pg_catalog, pg_temp
+AS $fn$
+DECLARE
+    v_ttl_name text := 'ttl';
+    v_lease_name text := 'lease';
+    v_ttl_ends timestamptz;
+    v_lease_ends timestamptz;
+BEGIN
+    IF ttl IS NULL THEN
+        v_ttl_name := 'idempotency.default_ttl';
+        ttl_value := pg_catalog.make_interval(secs => idempotency._p_setting('idempotency.default_ttl', 86400, 's'));
+    ELSE
+        ttl_value := ttl;
+    END IF;
+    v_ttl_ends := idempotency._p_duration(v_ttl_name, ttl_value);
+    IF lease IS NULL THEN
+        lease_value := pg_catalog.make_interval(secs => idempotency._p_setting('idempotency.default_lease', 300, 's'));
+        v_lease_ends := idempotency._p_duration('idempotency.default_lease', lease_value);
+        IF v_lease_ends OPERATOR(pg_catalog.>) v_ttl_ends THEN
+            lease_value := ttl_value;
+            v_lease_ends := v_ttl_ends;
+        ELSE
+            v_lease_name := 'idempotency.default_lease';
+        END IF;
+    ELSE
+        lease_value := lease;
+        v_lease_ends := idempotency._p_duration('lease', lease_value);
+    END IF;
+    IF v_lease_ends OPERATOR(pg_catalog.>) v_ttl_ends THEN
+        RAISE EXCEPTION USING ERRCODE = 'invalid_parameter_value',
+            MESSAGE = pg_catalog.format('%s (%s) must not be longer than %s (%s): the lease would outlive the key',
+                                        v_lease_name, idempotency._canon_quote(lease_value::text),
+                                        v_ttl_name, idempotency._canon_quote(ttl_value::text));
+    END IF;
+END
+$fn$;
+
+-- SHA-256 of a request's exact canonical form; errors name `arg`.
+CREATE FUNCTION idempotency._p_request_hash(request jsonb, arg text)
+RETURNS bytea
+LANGUAGE plpgsql IMMUTABLE PARALLEL SAFE
+SET search_path = pg_catalog, pg_temp
+AS $fn$
+BEGIN
+    IF request IS NULL THEN
+        RETURN NULL;
+    END IF;
+    PERFORM idempotency._canon_unicode_doc(request, arg);
+    RETURN pg_catalog.sha256(pg_catalog.convert_to(idempotency._canon_text(request, true, arg), 'UTF8'));
+END
+$fn$;
+
+-- The advisory lock number of a key (a 64-bit hash of scope and stored key).
+CREATE FUNCTION idempotency._p_lock_id(scope text, key text)
+RETURNS bigint
+LANGUAGE sql IMMUTABLE PARALLEL SAFE
+SET search_path = pg_catalog, pg_temp
+AS $fn$
+    SELECT pg_catalog.hashtextextended(pg_catalog.length(scope)::text OPERATOR(pg_catalog.||) ':'
+                                       OPERATOR(pg_catalog.||) scope OPERATOR(pg_catalog.||) key, 5432)
+$fn$;
+
+-- Marks a key as changed by this transaction: a transaction-scoped advisory lock on its lock
+-- number, taken by claim before it inserts a key (try: false when another open transaction
+-- holds it) and by the trigger below before any row of the store is inserted, updated or
+-- deleted (wait: as an UPDATE waits for the row). A claim that finds a key marked by another
+-- open transaction answers in_progress at once instead of waiting for that transaction (the
+-- native edition sees the uncommitted change itself). A transaction marks its first 1000 keys
+-- (the lock table is shared and finite; a backfill of 100,000 keys in one transaction must
+-- work): a claim of a later one by another session waits until the backfill's transaction
+-- ends, as an INSERT would.
+CREATE FUNCTION idempotency._p_mark(scope text, key text, wait boolean)
+RETURNS boolean
+LANGUAGE plpgsql VOLATILE
+SET search_path = pg_catalog, pg_temp
+AS $fn$
+DECLARE
+    v_xact text := pg_catalog.pg_current_xact_id()::text;
+    v_state text := pg_catalog.current_setting('idempotency.portable_marks', true);
+    v_count integer := 0;
+    v_lock bigint := idempotency._p_lock_id(scope, key);
+BEGIN
+    IF pg_catalog.split_part(v_state, ':', 1) OPERATOR(pg_catalog.=) v_xact THEN
+        v_count := pg_catalog.split_part(v_state, ':', 2)::integer;
+    END IF;
+    IF v_count OPERATOR(pg_catalog.>=) 1000 THEN
+        -- Not marked; a key another transaction marked is still refused.
+        RETURN wait OR NOT idempotency._p_marked(scope, key);
+    END IF;
+    IF wait THEN
+        PERFORM pg_catalog.pg_advisory_xact_lock(v_lock);
+    ELSIF NOT pg_catalog.pg_try_advisory_xact_lock(v_lock) THEN
+        RETURN false;
+    END IF;
+    -- Session-level (not LOCAL): the SET clause of this function would undo a local change.
+    -- Rolled back with the transaction, as the locks are released with it.
+    PERFORM pg_catalog.set_config('idempotency.portable_marks',
+                                  v_xact OPERATOR(pg_catalog.||) ':' OPERATOR(pg_catalog.||) (v_count OPERATOR(pg_catalog.+) 1), false);
+    RETURN true;
+END
+$fn$;
+
+-- Whether another open transaction marked the key (holds its lock): tested with a session-level
+-- shared lock, released at once (a backend's own locks never conflict with it).
+CREATE FUNCTION idempotency._p_marked(scope text, key text)
+RETURNS boolean
+LANGUAGE plpgsql VOLATILE
+SET search_path = pg_catalog, pg_temp
+AS $fn$
+DECLARE
+    v_lock bigint := idempotency._p_lock_id(scope, key);
+BEGIN
+    IF NOT pg_catalog.pg_try_advisory_lock_shared(v_lock) THEN
+        RETURN true;
+    END IF;
+    PERFORM pg_catalog.pg_advisory_unlock_shared(v_lock);
+    RETURN false;
+END
+$fn$;
+
+-- The trigger that marks every key whose row is inserted, updated or deleted (see _p_mark).
+CREATE FUNCTION idempotency._p_mark_row()
+RETURNS trigger
+LANGUAGE plpgsql VOLATILE
+SET search_path = pg_catalog, pg_temp
+AS $fn$
+BEGIN
+    IF TG_OP OPERATOR(pg_catalog.=) 'INSERT' THEN
+        PERFORM idempotency._p_mark(NEW.scope, NEW.key, true);
+        RETURN NEW;
+    END IF;
+    PERFORM idempotency._p_mark(OLD.scope, OLD.key, true);
+    IF TG_OP OPERATOR(pg_catalog.=) 'UPDATE' THEN
+        RETURN NEW;
+    END IF;
+    RETURN OLD;
+END
+$fn$;
+
+CREATE TRIGGER idempotency_keys_mark
+    BEFORE INSERT OR UPDATE OR DELETE ON idempotency.idempotency_keys
+    FOR EACH ROW EXECUTE FUNCTION idempotency._p_mark_row();
+
+-- The answer to a claim that meets another open transaction's claim of the key.
+CREATE FUNCTION idempotency._p_busy()
+RETURNS idempotency.claim_result
+LANGUAGE sql STABLE
+SET search_path = pg_catalog, pg_temp
+AS $fn$
+    SELECT ROW('in_progress', NULL, NULL, NULL,
+               pg_catalog.make_interval(secs => GREATEST(idempotency._p_setting('idempotency.busy_retry_after', 1000, 'ms'), 1)
+                                                OPERATOR(pg_catalog./) 1000.0),
+               NULL, NULL)::idempotency.claim_result
+$fn$;
+
+-- The claim algorithm on a key in its stored form, arguments checked: the outcome table
+-- applied to the row, the row read and written through SQL. Never waits on another
+-- transaction's claim of the key beyond idempotency.claim_wait (see _p_mark; a row
+-- another transaction is changing is skipped, not waited for).
+CREATE FUNCTION idempotency._p_claim(p_scope text, p_key text, p_hash bytea, p_ttl interval, p_lease interval)
+RETURNS idempotency.claim_result
+LANGUAGE plpgsql VOLATILE
+SET search_path = pg_catalog, pg_temp
+AS $fn$
+DECLARE
+    r record;
+    res idempotency.claim_result;
+    v_rounds integer := 0;
+    v_token bigint;
+    v_busy boolean;
+    v_started timestamptz;
+    v_wait integer;
+BEGIN
+    LOOP
+        v_busy := false;
+        SELECT k.status OPERATOR(pg_catalog.=) 'completed'::idempotency.key_status AS completed,
+               k.request_hash, k.token, k.response, k.response_status, k.recovery_point, k.expires_at,
+               k.expires_at OPERATOR(pg_catalog.<=) pg_catalog.now() AS expired,
+               k.locked_until OPERATOR(pg_catalog.<=) pg_catalog.now() AS lease_over,
+               GREATEST(k.locked_until OPERATOR(pg_catalog.-) pg_catalog.now(), '1 second'::pg_catalog.interval) AS retry_after
+          INTO r
+          FROM idempotency.idempotency_keys AS k
+         WHERE k.scope OPERATOR(pg_catalog.=) p_scope AND k.key OPERATOR(pg_catalog.=) p_key;
+        IF NOT FOUND THEN
+            IF NOT idempotency._p_mark(p_scope, p_key, false) THEN
+                v_busy := true;
+            ELSIF NOT EXISTS (SELECT FROM pg_catalog.pg_rewrite AS w
+                               WHERE w.ev_class OPERATOR(pg_catalog.=) 'idempotency.idempotency_keys'::pg_catalog.regclass) THEN
+                INSERT INTO idempotency.idempotency_keys AS k
+                       (scope, key, request_hash, status, token, created_at, locked_until, expires_at, ttl)
+                VALUES (p_scope, p_key, p_hash, 'in_progress', pg_catalog.nextval('idempotency.token_seq'), pg_catalog.now(),
+                        pg_catalog.now() OPERATOR(pg_catalog.+) p_lease, pg_catalog.now() OPERATOR(pg_catalog.+) p_ttl, p_ttl)
+                ON CONFLICT (scope, key) DO NOTHING
+                RETURNING k.token, k.expires_at INTO res.token, res.expires_at;
+                IF FOUND THEN
+                    res.outcome := 'new';
+                    RETURN res;
+                END IF;
+            ELSE
+                -- A store with rules (an owner's change) refuses ON CONFLICT: the key, found
+                -- absent and marked, is inserted without it; a row that got there first is read
+                -- in the next round.
+                BEGIN
+                    INSERT INTO idempotency.idempotency_keys AS k
+                           (scope, key, request_hash, status, token, created_at, locked_until, expires_at, ttl)
+                    VALUES (p_scope, p_key, p_hash, 'in_progress', pg_catalog.nextval('idempotency.token_seq'), pg_catalog.now(),
+                            pg_catalog.now() OPERATOR(pg_catalog.+) p_lease, pg_catalog.now() OPERATOR(pg_catalog.+) p_ttl, p_ttl);
+                    SELECT k.token, k.expires_at INTO res.token, res.expires_at
+                      FROM idempotency.idempotency_keys AS k
+                     WHERE k.scope OPERATOR(pg_catalog.=) p_scope AND k.key OPERATOR(pg_catalog.=) p_key;
+                    IF FOUND THEN
+                        res.outcome := 'new';
+                        RETURN res;
+                    END IF;
+                EXCEPTION WHEN unique_violation THEN
+                    NULL;
+                END;
+            END IF;
+        ELSIF idempotency._p_marked(p_scope, p_key) THEN
+            -- Another open transaction is changing the row.
+            v_busy := true;
+        ELSIF NOT r.expired AND r.request_hash IS NOT NULL AND p_hash IS NOT NULL
+              AND r.request_hash OPERATOR(pg_catalog.<>) p_hash THEN
+            RAISE WARNING '%', pg_catalog.format(
+                'idempotency: key reused with a different request: scope=%s key=%s stored_hash=%s request_hash=%s',
+                idempotency._p_debug(p_scope), idempotency._p_key_label(p_key),
+                pg_catalog.encode(pg_catalog.substr(r.request_hash, 1, 6), 'hex'),
+                pg_catalog.encode(pg_catalog.substr(p_hash, 1, 6), 'hex'));
+            res.outcome := 'mismatch';
+            res.expires_at := r.expires_at;
+            RETURN res;
+        ELSIF NOT r.expired AND r.completed THEN
+            res.outcome := 'replay';
+            res.token := r.token;
+            res.response := r.response;
+            res.response_status := r.response_status;
+            res.expires_at := r.expires_at;
+            RETURN res;
+        ELSIF NOT r.expired AND NOT r.lease_over THEN
+            res.outcome := 'in_progress';
+            res.retry_after := r.retry_after;
+            res.expires_at := r.expires_at;
+            res.recovery_point := r.recovery_point;
+            RETURN res;
+        ELSE
+            -- Expired (restart) or lease over (takeover): lock the newest version without
+            -- waiting, and decide again on it.
+            SELECT k.status OPERATOR(pg_catalog.=) 'completed'::idempotency.key_status AS completed,
+                   k.request_hash, k.token, k.response, k.response_status, k.recovery_point, k.expires_at,
+                   k.expires_at OPERATOR(pg_catalog.<=) pg_catalog.now() AS expired,
+                   k.locked_until OPERATOR(pg_catalog.<=) pg_catalog.now() AS lease_over,
+                   GREATEST(k.locked_until OPERATOR(pg_catalog.-) pg_catalog.now(), '1 second'::pg_catalog.interval) AS retry_after
+              INTO r
+              FROM idempotency.idempotency_keys AS k
+             WHERE k.scope OPERATOR(pg_catalog.=) p_scope AND k.key OPERATOR(pg_catalog.=) p_key
+               FOR UPDATE SKIP LOCKED;
+            IF NOT FOUND THEN
+                -- Still there: another claimer holds its row lock.
+                v_busy := EXISTS (SELECT FROM idempotency.idempotency_keys AS k
+                                   WHERE k.scope OPERATOR(pg_catalog.=) p_scope AND k.key OPERATOR(pg_catalog.=) p_key);
+            ELSIF r.expired THEN
+                -- A token above the key's previous one (the sequence may lag behind the store
+                -- after a restore of rows without it).
+                v_token := pg_catalog.nextval('idempotency.token_seq');
+                IF v_token OPERATOR(pg_catalog.<=) r.token THEN
+                    PERFORM pg_catalog.setval('idempotency.token_seq', r.token, true);
+                    v_token := pg_catalog.nextval('idempotency.token_seq');
+                END IF;
+                UPDATE idempotency.idempotency_keys AS k SET
+                       request_hash = p_hash, status = 'in_progress', token = v_token,
+                       response = NULL, response_status = NULL, recovery_point = NULL,
+                       created_at = pg_catalog.now(), completed_at = NULL,
+                       locked_until = pg_catalog.now() OPERATOR(pg_catalog.+) p_lease,
+                       expires_at = pg_catalog.now() OPERATOR(pg_catalog.+) p_ttl, ttl = p_ttl
+                 WHERE k.scope OPERATOR(pg_catalog.=) p_scope AND k.key OPERATOR(pg_catalog.=) p_key
+                   AND k.token OPERATOR(pg_catalog.<) v_token
+                RETURNING k.token, k.expires_at, k.recovery_point INTO res.token, res.expires_at, res.recovery_point;
+                IF FOUND THEN
+                    res.outcome := 'new';
+                    RETURN res;
+                END IF;
+            ELSIF (r.request_hash IS NULL OR p_hash IS NULL OR r.request_hash OPERATOR(pg_catalog.=) p_hash)
+                  AND NOT r.completed AND r.lease_over THEN
+                -- A token above the key's previous one (the sequence may lag behind the store
+                -- after a restore of rows without it).
+                v_token := pg_catalog.nextval('idempotency.token_seq');
+                IF v_token OPERATOR(pg_catalog.<=) r.token THEN
+                    PERFORM pg_catalog.setval('idempotency.token_seq', r.token, true);
+                    v_token := pg_catalog.nextval('idempotency.token_seq');
+                END IF;
+                UPDATE idempotency.idempotency_keys AS k SET
+                       request_hash = COALESCE(k.request_hash, p_hash), token = v_token,
+                       locked_until = pg_catalog.now() OPERATOR(pg_catalog.+) p_lease,
+                       expires_at = pg_catalog.now() OPERATOR(pg_catalog.+) p_ttl, ttl = p_ttl
+                 WHERE k.scope OPERATOR(pg_catalog.=) p_scope AND k.key OPERATOR(pg_catalog.=) p_key
+                   AND k.token OPERATOR(pg_catalog.<) v_token
+                RETURNING k.token, k.expires_at, k.recovery_point INTO res.token, res.expires_at, res.recovery_point;
+                IF FOUND THEN
+                    res.outcome := 'new';
+                    RETURN res;
+                END IF;
+            END IF;
+            -- Anything else: the row changed; read it again (answered in the next round).
+        END IF;
+        IF v_busy THEN
+            v_wait := idempotency._p_setting('idempotency.claim_wait', 0, 'ms');
+            v_started := COALESCE(v_started, pg_catalog.clock_timestamp());
+            IF pg_catalog.clock_timestamp() OPERATOR(pg_catalog.>=)
+               (v_started OPERATOR(pg_catalog.+) pg_catalog.make_interval(secs => GREATEST(v_wait, 0) OPERATOR(pg_catalog./) 1000.0)) THEN
+                RETURN idempotency._p_busy();
+            END IF;
+            PERFORM pg_catalog.pg_sleep(0.005);
+        ELSE
+            v_rounds := v_rounds OPERATOR(pg_catalog.+) 1;
+            IF v_rounds OPERATOR(pg_catalog.>=) 50 THEN
+                RAISE EXCEPTION USING
+                    ERRCODE = 'serialization_failure',
+                    MESSAGE = pg_catalog.format('idempotency.claim: key %s kept changing under concurrent claims',
+                                                idempotency._p_key_label(p_key)),
+                    HINT = 'retry the transaction';
+            END IF;
+        END IF;
+    END LOOP;
+END
+$fn$;
+
+-- A stored key as messages name it: quoted, or (hashed) where the store keeps keys hashed.
+CREATE FUNCTION idempotency._p_key_label(stored text)
+RETURNS text
+LANGUAGE plpgsql STABLE
+SET search_path = pg_catalog, pg_temp
+AS $fn$
+BEGIN
+    RETURN CASE WHEN EXISTS (SELECT FROM idempotency.config AS c
+                              WHERE c.key_storage OPERATOR(pg_catalog.=) 'sha256')
+                THEN '(hashed)' ELSE idempotency._p_debug(stored) END;
+END
+$fn$;
+
+-- complete's work as the store's owner; the completing role (for the audit row) is passed by
+-- _complete, which runs as the caller.
+CREATE FUNCTION idempotency._p_complete(
+    p_key text, p_response jsonb, p_status integer, p_scope text, p_token bigint, p_ttl interval, p_role name)
+RETURNS timestamptz
+LANGUAGE plpgsql VOLATILE SECURITY DEFINER
+SET search_path = pg_catalog, pg_temp
+AS $fn$
+DECLARE
+    v_key text;
+    v_expires_at timestamptz;
+    v_hash bytea;
+    v_token bigint;
+BEGIN
+    -- The role the caller ran as, where the session may act as it (inside another SECURITY
+    -- DEFINER function it may not: then, and for a role passed by anyone else, the session's
+    -- login role, which the native edition names there too unless SET ROLE changed it).
+    IF p_role IS NULL OR NOT pg_catalog.pg_has_role(SESSION_USER, p_role, 'MEMBER') THEN
+        p_role := SESSION_USER;
+    END IF;
+    v_key := idempotency._stored_key(p_key, p_scope);
+    IF p_status IS NULL THEN
+        RAISE EXCEPTION USING ERRCODE = 'null_value_not_allowed', MESSAGE = 'response_status must not be NULL';
+    ELSIF p_status OPERATOR(pg_catalog.<) 100 OR p_status OPERATOR(pg_catalog.>) 599 THEN
+        RAISE EXCEPTION USING ERRCODE = 'invalid_parameter_value',
+            MESSAGE = pg_catalog.format('response_status must be between 100 and 599 (got %s)', p_status);
+    END IF;
+    IF p_ttl IS NOT NULL THEN
+        PERFORM idempotency._p_duration('ttl', p_ttl);
+    END IF;
+    IF p_response IS NOT NULL THEN
+        PERFORM idempotency._p_check_size('response', pg_catalog.pg_column_size(p_response)::bigint, 'response');
+    END IF;
+    PERFORM idempotency._p_refuse_read_only('complete');
+    UPDATE idempotency.idempotency_keys AS k SET
+           status = 'completed'::idempotency.key_status, response = p_response, response_status = p_status,
+           completed_at = pg_catalog.now(), locked_until = NULL,
+           expires_at = pg_catalog.now() OPERATOR(pg_catalog.+) COALESCE(p_ttl, k.ttl),
+           ttl = COALESCE(p_ttl, k.ttl)
+     WHERE k.scope OPERATOR(pg_catalog.=) p_scope AND k.key OPERATOR(pg_catalog.=) v_key
+       AND k.status OPERATOR(pg_catalog.=) 'in_progress'::idempotency.key_status
+       AND k.expires_at OPERATOR(pg_catalog.>) pg_catalog.now()
+       AND (p_token IS NULL OR k.token OPERATOR(pg_catalog.=) p_token)
+    RETURNING k.expires_at, k.request_hash, k.token INTO v_expires_at, v_hash, v_token;
+    IF NOT FOUND THEN
+        RETURN NULL;
+    END IF;
+    IF idempotency._p_audit() THEN
+        INSERT INTO idempotency.audit
+               (scope, key, key_is_hash, request_hash, token, response_status, completed_at, completed_by)
+        VALUES (p_scope, v_key, v_key OPERATOR(pg_catalog.<>) p_key, v_hash, v_token, p_status, pg_catalog.now(), p_role);
+    END IF;
+    RETURN v_expires_at;
+END
+$fn$;
+
+-- The helpers are for the functions above (which run as the store's owner), not for callers;
+-- _p_complete only checks the role it is given (complete's work runs through it as the owner).
+DO $revoke$
+DECLARE
+    f regprocedure;
+BEGIN
+    FOR f IN SELECT p.oid::pg_catalog.regprocedure FROM pg_catalog.pg_proc AS p
+              WHERE p.pronamespace OPERATOR(pg_catalog.=) 'idempotency'::pg_catalog.regnamespace
+                AND p.proname OPERATOR(pg_catalog.~~) '\_p\_%'
+                AND p.proname OPERATOR(pg_catalog.<>) '_p_complete' LOOP
+        EXECUTE pg_catalog.format('REVOKE EXECUTE ON FUNCTION %s FROM PUBLIC', f);
+    END LOOP;
+END
+$revoke$;
+
+-- The LANGUAGE c functions of sql/idempotency.sql --------------------------------------------
+
+CREATE FUNCTION idempotency.claim(
+    key   text,
+    request jsonb DEFAULT NULL,
+    scope text DEFAULT '',
+    ttl   interval DEFAULT NULL,
+    lease interval DEFAULT NULL
+) RETURNS idempotency.claim_result
+LANGUAGE plpgsql VOLATILE PARALLEL UNSAFE SECURITY DEFINER
+SET search_path = pg_catalog, pg_temp
+AS $fn$
+DECLARE
+    v_key text := idempotency._stored_key(claim.key, claim.scope);
+    v_ttl interval;
+    v_lease interval;
+    v_hash bytea;
+BEGIN
+    SELECT d.ttl_value, d.lease_value INTO v_ttl, v_lease FROM idempotency._p_ttl_and_lease(claim.ttl, claim.lease) AS d;
+    v_hash := idempotency._p_request_hash(claim.request, 'request');
+    PERFORM idempotency._p_refuse_read_only('claim');
+    RETURN idempotency._p_claim(claim.scope, v_key, v_hash, v_ttl, v_lease);
+END
+$fn$;
+
+CREATE FUNCTION idempotency._stored_key(key text, scope text)
+RETURNS text
+LANGUAGE plpgsql VOLATILE PARALLEL UNSAFE
+SET search_path = pg_catalog, pg_temp
+AS $fn$
+DECLARE
+    c record;
+BEGIN
+    PERFORM idempotency._canon_unicode(key, 'key');
+    PERFORM idempotency._canon_unicode(scope, 'scope');
+    PERFORM idempotency._canon_check_key('key', key, false);
+    PERFORM idempotency._p_check_scope(scope);
+    SELECT x.key_storage, x.key_secret INTO c FROM idempotency.config AS x;
+    IF NOT FOUND OR c.key_storage OPERATOR(pg_catalog.=) 'plain' THEN
+        RETURN key;
+    ELSIF c.key_secret IS NULL THEN
+        RETURN pg_catalog.encode(pg_catalog.sha256(pg_catalog.convert_to(key, 'UTF8')), 'hex');
+    END IF;
+    RETURN pg_catalog.encode(idempotency._p_hmac(c.key_secret, pg_catalog.sha256(pg_catalog.convert_to(key, 'UTF8'))), 'hex');
+END
+$fn$;
+
+-- Counts nothing: the counters of the native edition live in shared memory (stats shows NULL).
+CREATE FUNCTION idempotency._count(event text)
+RETURNS void
+LANGUAGE plpgsql VOLATILE PARALLEL SAFE
+SET search_path = pg_catalog, pg_temp
+AS $fn$
+BEGIN
+    IF event IS DISTINCT FROM 'release' THEN
+        RAISE EXCEPTION USING ERRCODE = 'invalid_parameter_value',
+            MESSAGE = pg_catalog.format('event must be ''release'' (got %s)', idempotency._canon_quote(COALESCE(event, 'NULL')));
+    END IF;
+END
+$fn$;
+
+CREATE FUNCTION idempotency._check_recovery_point(recovery_point text)
+RETURNS void
+LANGUAGE plpgsql VOLATILE PARALLEL SAFE
+SET search_path = pg_catalog, pg_temp
+AS $fn$
+BEGIN
+    IF recovery_point IS NOT NULL THEN
+        PERFORM idempotency._p_check_size('recovery_point',
+            pg_catalog.octet_length(recovery_point)::bigint OPERATOR(pg_catalog.+) 4, 'recovery_point');
+    END IF;
+END
+$fn$;
+
+-- Runs as the caller (the audit row names the completing role), the work as the owner.
+CREATE FUNCTION idempotency._complete(
+    key text, response jsonb, response_status integer, scope text, token bigint, ttl interval)
+RETURNS timestamptz
+LANGUAGE plpgsql VOLATILE PARALLEL UNSAFE
+SET search_path = pg_catalog, pg_temp
+AS $fn$
+BEGIN
+    RETURN idempotency._p_complete(key, response, response_status, scope, token, ttl, CURRENT_USER);
+END
+$fn$;
+
+CREATE FUNCTION idempotency.sweep(batch_size integer DEFAULT NULL)
+RETURNS bigint
+LANGUAGE plpgsql VOLATILE PARALLEL UNSAFE SECURITY DEFINER
+SET search_path = pg_catalog, pg_temp
+AS $fn$
+DECLARE
+    v_batch integer := idempotency._p_batch_size(sweep.batch_size);
+    v_prefix text;
+    v_total bigint := 0;
+    v_n bigint;
+BEGIN
+    PERFORM idempotency._p_refuse_read_only('sweep');
+    v_prefix := idempotency._p_sweep_prefix('sweep');
+    LOOP
+        DELETE FROM idempotency.idempotency_keys AS k
+         USING (SELECT s.scope, s.key FROM idempotency.idempotency_keys AS s
+                 WHERE ((s.created_at AT TIME ZONE 'UTC') OPERATOR(pg_catalog.+) s.ttl)
+                       OPERATOR(pg_catalog.<=) (pg_catalog.now() AT TIME ZONE 'UTC')
+                   AND s.expires_at OPERATOR(pg_catalog.<=) pg_catalog.now()
+                   AND pg_catalog.starts_with(s.scope, v_prefix)
+                 ORDER BY ((s.created_at AT TIME ZONE 'UTC') OPERATOR(pg_catalog.+) s.ttl)
+                 LIMIT v_batch FOR UPDATE SKIP LOCKED) AS d
+         WHERE k.scope OPERATOR(pg_catalog.=) d.scope AND k.key OPERATOR(pg_catalog.=) d.key;
+        GET DIAGNOSTICS v_n = ROW_COUNT;
+        v_total := v_total OPERATOR(pg_catalog.+) v_n;
+        EXIT WHEN v_n OPERATOR(pg_catalog.<) v_batch;
+    END LOOP;
+    RETURN v_total;
+END
+$fn$;
+
+-- Nothing to tell: no process of this edition caches how the store keeps keys.
+CREATE FUNCTION idempotency._store_changed()
+RETURNS void
+LANGUAGE plpgsql VOLATILE PARALLEL UNSAFE
+SET search_path = pg_catalog, pg_temp
+AS $fn$
+BEGIN
+END
+$fn$;
+
+CREATE FUNCTION idempotency._rekey(digest bytea, secret bytea)
+RETURNS text
+LANGUAGE plpgsql IMMUTABLE PARALLEL SAFE
+SET search_path = pg_catalog, pg_temp
+AS $fn$
+BEGIN
+    IF digest IS NULL OR pg_catalog.length(digest) OPERATOR(pg_catalog.<>) 32 THEN
+        RAISE EXCEPTION USING ERRCODE = 'invalid_parameter_value', MESSAGE = 'digest must be a 32-byte SHA-256';
+    END IF;
+    PERFORM idempotency._p_check_secret(secret);
+    RETURN pg_catalog.encode(idempotency._p_hmac(secret, digest), 'hex');
+END
+$fn$;
+
+CREATE FUNCTION idempotency.sweep_audit(batch_size integer DEFAULT NULL)
+RETURNS bigint
+LANGUAGE plpgsql VOLATILE PARALLEL UNSAFE SECURITY DEFINER
+SET search_path = pg_catalog, pg_temp
+AS $fn$
+DECLARE
+    v_batch integer := idempotency._p_batch_size(sweep_audit.batch_size);
+    v_prefix text;
+    v_retention integer;
+    v_total bigint := 0;
+    v_n bigint;
+BEGIN
+    PERFORM idempotency._p_refuse_read_only('sweep_audit');
+    v_prefix := idempotency._p_sweep_prefix('sweep_audit');
+    v_retention := idempotency._p_setting('idempotency.audit_retention', 0, 's');
+    IF v_retention OPERATOR(pg_catalog.<=) 0 THEN
+        RETURN 0;
+    END IF;
+    LOOP
+        DELETE FROM idempotency.audit AS a
+         WHERE a.id OPERATOR(pg_catalog.=) ANY (ARRAY(
+               SELECT s.id FROM idempotency.audit AS s
+                WHERE s.completed_at OPERATOR(pg_catalog.<) (pg_catalog.now()
+                      OPERATOR(pg_catalog.-) pg_catalog.make_interval(secs => v_retention))
+                  AND pg_catalog.starts_with(s.scope, v_prefix)
+                LIMIT v_batch FOR UPDATE SKIP LOCKED));
+        GET DIAGNOSTICS v_n = ROW_COUNT;
+        v_total := v_total OPERATOR(pg_catalog.+) v_n;
+        EXIT WHEN v_n OPERATOR(pg_catalog.<) v_batch;
+    END LOOP;
+    RETURN v_total;
+END
+$fn$;
+
+CREATE FUNCTION idempotency._sign(key text, kid integer, secret bytea)
+RETURNS text
+LANGUAGE plpgsql STABLE PARALLEL SAFE
+SET search_path = pg_catalog, pg_temp
+AS $fn$
+BEGIN
+    PERFORM idempotency._canon_unicode(key, 'key');
+    PERFORM idempotency._canon_check_key('key', key, false);
+    IF kid IS NULL OR kid OPERATOR(pg_catalog.<=) 0 THEN
+        RAISE EXCEPTION USING ERRCODE = 'invalid_parameter_value', MESSAGE = 'kid must be a positive integer';
+    END IF;
+    PERFORM idempotency._p_check_secret(secret);
+    RETURN key OPERATOR(pg_catalog.||) '.' OPERATOR(pg_catalog.||) kid OPERATOR(pg_catalog.||) '.'
+           OPERATOR(pg_catalog.||) idempotency._p_b64url(idempotency._p_hmac(secret, idempotency._p_signed_message(kid, key)));
+END
+$fn$;
+
+CREATE FUNCTION idempotency._signed_kid(signed text)
+RETURNS integer
+LANGUAGE sql IMMUTABLE PARALLEL SAFE
+SET search_path = pg_catalog, pg_temp
+AS $fn$
+    SELECT p.kid FROM idempotency._p_parse_signed(signed) AS p
+$fn$;
+
+CREATE FUNCTION idempotency._verify(signed text, secret bytea)
+RETURNS text
+LANGUAGE plpgsql STABLE PARALLEL SAFE
+SET search_path = pg_catalog, pg_temp
+AS $fn$
+DECLARE
+    p record;
+BEGIN
+    PERFORM idempotency._p_check_secret(secret);
+    SELECT * INTO p FROM idempotency._p_parse_signed(signed);
+    IF p.key IS NULL THEN
+        RETURN NULL;
+    END IF;
+    IF idempotency._p_hmac(secret, idempotency._p_signed_message(p.kid, p.key)) OPERATOR(pg_catalog.=) p.signature THEN
+        RETURN p.key;
+    END IF;
+    RETURN NULL;
+END
+$fn$;
+
+-- 32 bytes from the server's strong random source (gen_random_uuid, in core since PostgreSQL
+-- 13: 122 random bits each), so a secret never appears in any SQL text or log.
+CREATE FUNCTION idempotency._random_secret()
+RETURNS bytea
+LANGUAGE sql VOLATILE PARALLEL SAFE
+SET search_path = pg_catalog, pg_temp
+AS $fn$
+    SELECT pg_catalog.sha256(pg_catalog.uuid_send(pg_catalog.gen_random_uuid())
+                             OPERATOR(pg_catalog.||) pg_catalog.uuid_send(pg_catalog.gen_random_uuid())
+                             OPERATOR(pg_catalog.||) pg_catalog.uuid_send(pg_catalog.gen_random_uuid()))
+$fn$;
+
+-- No background sweeper in this edition (see idempotency.schedule_sweep).
+CREATE FUNCTION idempotency._sweeper_preloaded()
+RETURNS boolean
+LANGUAGE sql STABLE PARALLEL SAFE
+SET search_path = pg_catalog, pg_temp
+AS $fn$
+    SELECT false
+$fn$;
+
+-- The counters need shared memory: NULL in this edition, for the roles that may read them.
+CREATE FUNCTION idempotency._shared_stats(
+    OUT preloaded          boolean,
+    OUT claims_new         bigint,
+    OUT claims_replay      bigint,
+    OUT claims_in_progress bigint,
+    OUT claims_mismatch    bigint,
+    OUT completions        bigint,
+    OUT releases           bigint,
+    OUT rows_swept         bigint,
+    OUT last_sweep_at      timestamptz,
+    OUT last_sweep_rows    bigint
+)
+LANGUAGE plpgsql VOLATILE PARALLEL SAFE
+SET search_path = pg_catalog, pg_temp
+AS $fn$
+BEGIN
+    -- One check after the other: naming idempotency.stats needs USAGE on its schema.
+    IF (SELECT a.rolsuper FROM pg_catalog.pg_roles AS a WHERE a.rolname OPERATOR(pg_catalog.=) CURRENT_USER) THEN
+        preloaded := false;
+        RETURN;
+    END IF;
+    IF pg_catalog.has_schema_privilege(CURRENT_USER, 'idempotency_monitor', 'USAGE') THEN
+        preloaded := false;
+        RETURN;
+    END IF;
+    IF NOT (pg_catalog.has_schema_privilege(CURRENT_USER, 'idempotency', 'USAGE')
+            AND pg_catalog.has_table_privilege(CURRENT_USER, 'idempotency.stats', 'SELECT')) THEN
+        RAISE EXCEPTION USING
+            ERRCODE = 'insufficient_privilege',
+            MESSAGE = 'idempotency._shared_stats: the database-wide counters are for roles that may read idempotency.stats',
+            HINT = 'for a monitoring role: GRANT USAGE ON SCHEMA idempotency_monitor TO <role>; (see the README''s Privileges and tenants)';
+    END IF;
+    preloaded := false;
+END
+$fn$;
+
+-- No background sweeper to tell.
+CREATE FUNCTION idempotency._announce()
+RETURNS void
+LANGUAGE plpgsql VOLATILE PARALLEL UNSAFE
+SET search_path = pg_catalog, pg_temp
+AS $fn$
+BEGIN
+END
+$fn$;
+
+CREATE FUNCTION idempotency.claim_many(
+    keys     text[],
+    requests jsonb[] DEFAULT NULL,
+    scope    text DEFAULT '',
+    ttl      interval DEFAULT NULL,
+    lease    interval DEFAULT NULL
+) RETURNS TABLE (
+    ord             integer,
+    key             text,
+    outcome         idempotency.outcome,
+    token           bigint,
+    response        jsonb,
+    response_status integer,
+    retry_after     interval,
+    expires_at      timestamptz,
+    recovery_point  text
+)
+LANGUAGE plpgsql VOLATILE PARALLEL UNSAFE SECURITY DEFINER ROWS 100
+SET search_path = pg_catalog, pg_temp
+AS $fn$
+#variable_conflict use_variable
+DECLARE
+    n integer;
+    v_stored text[] := '{}';
+    v_hashes bytea[] := '{}';
+    v_key text;
+    v_ttl interval;
+    v_lease interval;
+    res idempotency.claim_result;
+BEGIN
+    IF claim_many.keys IS NULL THEN
+        RAISE EXCEPTION USING ERRCODE = 'null_value_not_allowed', MESSAGE = 'keys must not be NULL';
+    END IF;
+    IF pg_catalog.array_ndims(claim_many.keys) OPERATOR(pg_catalog.>) 1 THEN
+        RAISE EXCEPTION USING ERRCODE = 'array_subscript_error',
+            MESSAGE = pg_catalog.format('keys must be a one-dimensional array (got %s dimensions)', pg_catalog.array_ndims(claim_many.keys));
+    END IF;
+    n := pg_catalog.cardinality(claim_many.keys);
+    IF pg_catalog.array_ndims(claim_many.requests) OPERATOR(pg_catalog.>) 1 THEN
+        RAISE EXCEPTION USING ERRCODE = 'array_subscript_error',
+            MESSAGE = pg_catalog.format('requests must be a one-dimensional array (got %s dimensions)', pg_catalog.array_ndims(claim_many.requests));
+    END IF;
+    IF claim_many.requests IS NOT NULL AND pg_catalog.cardinality(claim_many.requests) OPERATOR(pg_catalog.<>) n THEN
+        RAISE EXCEPTION USING ERRCODE = 'invalid_parameter_value', MESSAGE = pg_catalog.format(
+            'requests must have one element per key: it has %s, keys has %s', pg_catalog.cardinality(claim_many.requests), n);
+    END IF;
+    PERFORM idempotency._canon_unicode(claim_many.scope, 'scope');
+    PERFORM idempotency._p_check_scope(claim_many.scope);
+    FOR i IN 1 .. n LOOP
+        v_key := claim_many.keys[pg_catalog.array_lower(claim_many.keys, 1) OPERATOR(pg_catalog.+) i OPERATOR(pg_catalog.-) 1];
+        PERFORM idempotency._canon_unicode(v_key, 'keys');
+        PERFORM idempotency._canon_check_key('keys[' OPERATOR(pg_catalog.||) i OPERATOR(pg_catalog.||) ']', v_key, false);
+        v_stored := v_stored OPERATOR(pg_catalog.||) idempotency._stored_key(v_key, claim_many.scope);
+    END LOOP;
+    SELECT d.ttl_value, d.lease_value INTO v_ttl, v_lease FROM idempotency._p_ttl_and_lease(claim_many.ttl, claim_many.lease) AS d;
+    FOR i IN 1 .. n LOOP
+        v_hashes := v_hashes OPERATOR(pg_catalog.||) idempotency._p_request_hash(
+            claim_many.requests[pg_catalog.array_lower(claim_many.requests, 1) OPERATOR(pg_catalog.+) i OPERATOR(pg_catalog.-) 1], 'requests');
+    END LOOP;
+    PERFORM idempotency._p_refuse_read_only('claim_many');
+    FOR i IN 1 .. n LOOP
+        res := idempotency._p_claim(claim_many.scope, v_stored[i], v_hashes[i], v_ttl, v_lease);
+        ord := i;
+        key := claim_many.keys[pg_catalog.array_lower(claim_many.keys, 1) OPERATOR(pg_catalog.+) i OPERATOR(pg_catalog.-) 1];
+        outcome := res.outcome;
+        token := res.token;
+        response := res.response;
+        response_status := res.response_status;
+        retry_after := res.retry_after;
+        expires_at := res.expires_at;
+        recovery_point := res.recovery_point;
+        RETURN NEXT;
+    END LOOP;
+END
+$fn$;
+
+-- No session caches role_settings in this edition: every call reads the role's row.
+CREATE FUNCTION idempotency._role_settings_changed()
+RETURNS trigger
+LANGUAGE plpgsql VOLATILE PARALLEL UNSAFE
+SET search_path = pg_catalog, pg_temp
+AS $fn$
+BEGIN
+    RETURN NULL;
+END
+$fn$;
