@@ -1214,7 +1214,7 @@ SET search_path = pg_catalog, pg_temp
 AS $fn$
 DECLARE
     v_xact text := pg_catalog.pg_current_xact_id()::text;
-    v_state text := pg_catalog.current_setting('idempotency.portable_marks', true);
+    v_state text := pg_catalog.current_setting('idempotency_portable.marks', true);
     v_count integer := 0;
     v_lock bigint := idempotency._p_lock_id(scope, key);
 BEGIN
@@ -1231,8 +1231,10 @@ BEGIN
         RETURN false;
     END IF;
     -- Session-level (not LOCAL): the SET clause of this function would undo a local change.
-    -- Rolled back with the transaction, as the locks are released with it.
-    PERFORM pg_catalog.set_config('idempotency.portable_marks',
+    -- Rolled back with the transaction, as the locks are released with it. Not under the
+    -- prefix idempotency.: where the native library is loaded (a server moving between the
+    -- editions) that prefix is reserved for its settings.
+    PERFORM pg_catalog.set_config('idempotency_portable.marks',
                                   v_xact OPERATOR(pg_catalog.||) ':' OPERATOR(pg_catalog.||) (v_count OPERATOR(pg_catalog.+) 1), false);
     RETURN true;
 END

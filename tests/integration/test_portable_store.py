@@ -339,6 +339,31 @@ def test_refusals_have_the_native_editions_sqlstates_messages_and_hints():
     assert [(sql, e, g) for sql, e, g in zip(CALLS, expected, got) if e != g] == []
 
 
+def test_the_portable_edition_works_where_the_native_library_is_preloaded():
+    """A server moving from the portable edition to the native one preloads the library first:
+    its settings prefix (idempotency.) is then reserved, and the portable edition's own session
+    state must not live under it."""
+    if not os.path.exists(os.path.join(pkglibdir(NATIVE_BIN[15]), "idempotency.so")):
+        pytest.skip("no native edition installed for PostgreSQL 15")
+    c = Cluster(bin=NATIVE_BIN[15], settings={"shared_preload_libraries": "'idempotency'"}).start()
+    try:
+        install(c, "plain")
+        with psycopg.connect(conninfo(c), autocommit=True) as a, psycopg.connect(conninfo(c)) as b:
+            assert a.execute("SELECT l.lanname FROM pg_proc p JOIN pg_language l ON l.oid = p.prolang "
+                             "WHERE p.oid = 'idempotency.claim'::regproc").fetchone() == ("plpgsql",)
+            assert a.execute("SELECT (idempotency.claim('moving', '{\"a\": 1}')).outcome::text").fetchone() == ("new",)
+            a.execute("SELECT idempotency.complete('moving', '{\"ok\": true}')")
+            assert a.execute("SELECT (c).outcome::text, (c).response FROM idempotency.claim('moving', '{\"a\": 1}') c"
+                             ).fetchone() == ("replay", {"ok": True})
+            # An open transaction's claim is answered in_progress at once in another session.
+            assert b.execute("SELECT (idempotency.claim('open', '{}')).outcome::text").fetchone() == ("new",)
+            a.execute("SET statement_timeout = '2s'")
+            assert a.execute("SELECT (idempotency.claim('open', '{}')).outcome::text").fetchone() == ("in_progress",)
+            b.rollback()
+    finally:
+        c.destroy()
+
+
 def test_the_build_refuses_a_c_function_without_a_portable_body(tmp_path):
     """A C function added to the native install script cannot be forgotten by the portable
     edition: the build fails, naming it (and builds again once its body exists)."""
