@@ -364,6 +364,44 @@ def test_the_portable_edition_works_where_the_native_library_is_preloaded():
         c.destroy()
 
 
+def test_schedule_sweep_makes_pg_cron_sweep_the_portable_store():
+    """The route without a background sweeper: pg_cron (1.6.7, built into the library-free pg_tle
+    server) runs the job schedule_sweep creates, and the expired keys go while live ones stay."""
+    bin_dir = server_bin("pg-tle.sh", 18)
+    try:
+        subprocess.run([os.path.join(ROOT, "scripts", "pg-cron.sh"), "18", os.path.join(bin_dir, "pg_config")],
+                       check=True, capture_output=True, text=True, timeout=600)
+    except (subprocess.CalledProcessError, subprocess.TimeoutExpired) as e:
+        pytest.skip(f"scripts/pg-cron.sh 18 failed: {getattr(e, 'stderr', '')[-500:]}")
+    c = Cluster(bin=bin_dir, settings={"shared_preload_libraries": "'pg_tle,pg_cron'",
+                                       "cron.database_name": "'idem'", "cron.use_background_workers": "on",
+                                       "max_worker_processes": "16"}).start()
+    try:
+        psql(c, ["-c", "CREATE EXTENSION pg_tle"])
+        install(c, "pgtle")
+        with psycopg.connect(conninfo(c), autocommit=True) as db:
+            assert_no_library(c, "pgtle", db)
+            db.execute("CREATE EXTENSION pg_cron")
+            db.execute("SELECT count(*) FROM generate_series(1, 50) i, "
+                       "idempotency.claim('old-' || i, ttl => '1 second', lease => '1 second')")
+            db.execute("SELECT count(*) FROM generate_series(1, 5) i, idempotency.claim('live-' || i)")
+            time.sleep(1.2)
+            assert db.execute("SELECT count(*) FROM idempotency.idempotency_keys WHERE expires_at <= now()"
+                              ).fetchone() == (50,)
+            job = db.execute("SELECT idempotency.schedule_sweep('2 seconds')").fetchone()[0]
+            assert db.execute("SELECT schedule, command FROM cron.job WHERE jobid = %s", (job,)).fetchone() == \
+                ("2 seconds", "SELECT idempotency.sweep()")
+            deadline = time.monotonic() + 30
+            while db.execute("SELECT count(*) FROM idempotency.idempotency_keys WHERE key LIKE 'old-%%'").fetchone()[0]:
+                assert time.monotonic() < deadline, db.execute(
+                    "SELECT status, return_message FROM cron.job_run_details ORDER BY runid DESC LIMIT 3").fetchall()
+                time.sleep(0.5)
+            assert db.execute("SELECT count(*) FROM idempotency.idempotency_keys").fetchone() == (5,)
+            db.execute("SELECT cron.unschedule(%s)", (job,))
+    finally:
+        c.destroy()
+
+
 def test_the_build_refuses_a_c_function_without_a_portable_body(tmp_path):
     """A C function added to the native install script cannot be forgotten by the portable
     edition: the build fails, naming it (and builds again once its body exists)."""
