@@ -29,6 +29,8 @@ case "$version:$major" in
 esac
 
 pg_config=$("$here/pg-server.sh" "$major")
+# shellcheck source=scripts/vendor.sh
+. "$here/vendor.sh"
 
 tarball="$tarballs/citus-$version.tar.gz"
 if [ ! -f "$tarball" ] || [ ! -f "$tarballs/SHA256SUMS" ]; then
@@ -46,37 +48,18 @@ if [ ! -f "$stage/.built" ]; then
     if grep -qs '^#define HAVE_LIBZSTD 1' "$("$pg_config" --includedir-server)/pg_config.h"; then
         need+=(libzstd-dev)
     fi
-    missing=()
-    for p in "${need[@]}"; do
-        dpkg -s "$p" >/dev/null 2>&1 || missing+=("$p")
-    done
-    if [ "${#missing[@]}" -gt 0 ]; then
-        if [ "$(id -u)" -ne 0 ]; then
-            echo "citus.sh: missing build packages: ${missing[*]} (apt-get install them, or run as root)" >&2
-            exit 1
-        fi
-        echo "citus.sh: installing ${missing[*]}" >&2
-        apt-get install -y -q "${missing[@]}" >&2 \
-            || { apt-get update -q >&2 && apt-get install -y -q "${missing[@]}" >&2; }
-    fi
+    vendor_need_packages citus.sh "${need[@]}"
     # Optional libraries: used when their headers are there, left out otherwise.
     opts=()
     dpkg -s libcurl4-openssl-dev >/dev/null 2>&1 || opts+=(--without-libcurl)
     dpkg -s liblz4-dev >/dev/null 2>&1 || opts+=(--without-lz4)
     dpkg -s libzstd-dev >/dev/null 2>&1 || opts+=(--without-zstd)
 
-    want=$(awk -v f="citus-$version.tar.gz" '$2 == f { print $1 }' "$tarballs/SHA256SUMS")
-    got=$(sha256sum "$tarball" | cut -d' ' -f1)
-    if [ -z "$want" ] || [ "$want" != "$got" ]; then
-        echo "citus.sh: $tarball does not match its SHA256SUMS entry" >&2
-        exit 1
-    fi
+    vendor_check_sum citus.sh "$tarball"
 
     echo "citus.sh: building Citus $version against $pg_config (about a minute)" >&2
-    src=$(mktemp -d)
-    trap 'rm -rf "$src"' EXIT
-    tar xzf "$tarball" -C "$src"
-    dir=$(find "$src" -mindepth 1 -maxdepth 1 -type d | head -n 1)
+    vendor_unpack "$tarball"
+    dir=$VENDOR_SRC
     rm -rf "$stage.new"
     mkdir -p "$stage.new"
     (
@@ -89,19 +72,7 @@ if [ ! -f "$stage/.built" ]; then
     rm -rf "$stage" && mv "$stage.new" "$stage"
 fi
 
-# The staged tree holds absolute paths of the server (its lib and share directories): copy what
-# is missing or different.
-changed=0
-while IFS= read -r -d '' f; do
-    rel=${f#"$stage"}
-    if ! cmp -s "$f" "$rel"; then
-        mkdir -p "$(dirname "$rel")"
-        cp "$f" "$rel"
-        chmod a+rX "$rel"
-        changed=1
-    fi
-done < <(find "$stage" -type f ! -name .built -print0)
-if [ "$changed" = 1 ]; then
+if [ -n "$(vendor_install_stage "$stage")" ]; then
     echo "citus.sh: Citus $version installed into $(dirname "$(dirname "$pg_config")")" >&2
 fi
 echo "$pg_config"

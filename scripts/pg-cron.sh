@@ -20,12 +20,11 @@ root=$(cd "$here/.." && pwd)
 cache=${IDEMPOTENCY_CACHE:-/var/cache/idempotency}
 tarballs=${PG_CRON_TARBALL_DIR:-$root/../shared/vendor/pg_cron}
 
+# shellcheck source=scripts/vendor.sh
+. "$here/vendor.sh"
+
 if [ "$major" = 15 ] && [ -z "${2:-}" ]; then
-    if ! dpkg -s postgresql-15-cron >/dev/null 2>&1; then
-        echo "pg-cron.sh: installing postgresql-15-cron" >&2
-        apt-get install -y -q postgresql-15-cron >&2 \
-            || { apt-get update -q >&2 && apt-get install -y -q postgresql-15-cron >&2; }
-    fi
+    vendor_need_packages pg-cron.sh postgresql-15-cron
     "$here/pg-server.sh" 15
     exit 0
 fi
@@ -45,44 +44,14 @@ fi
 tree=$(echo "$pg_config" | sha256sum | cut -c1-12)
 stage="$cache/pg-cron/$version-pg$major-$tree"
 if [ ! -f "$stage/.built" ]; then
-    want=$(awk -v f="pg_cron-$version.tar.gz" '$2 == f { print $1 }' "$tarballs/SHA256SUMS")
-    got=$(sha256sum "$tarball" | cut -d' ' -f1)
-    if [ -z "$want" ] || [ "$want" != "$got" ]; then
-        echo "pg-cron.sh: $tarball does not match its SHA256SUMS entry" >&2
-        exit 1
-    fi
+    vendor_check_sum pg-cron.sh "$tarball"
     # The server headers include gssapi: libkrb5-dev is needed (as for Citus and pg_tle).
-    if ! dpkg -s libkrb5-dev >/dev/null 2>&1; then
-        apt-get install -y -q libkrb5-dev >&2 || { apt-get update -q >&2 && apt-get install -y -q libkrb5-dev >&2; }
-    fi
+    vendor_need_packages pg-cron.sh libkrb5-dev
     echo "pg-cron.sh: building pg_cron $version against $pg_config (seconds)" >&2
-    src=$(mktemp -d)
-    trap 'rm -rf "$src"' EXIT
-    tar xzf "$tarball" -C "$src"
-    dir=$(find "$src" -mindepth 1 -maxdepth 1 -type d | head -n 1)
-    rm -rf "$stage.new"
-    mkdir -p "$stage.new"
-    (
-        cd "$dir"
-        make -s -j"$(nproc)" PG_CONFIG="$pg_config"
-        make -s install PG_CONFIG="$pg_config" DESTDIR="$stage.new"
-    ) >&2
-    touch "$stage.new/.built"
-    rm -rf "$stage" && mv "$stage.new" "$stage"
+    vendor_unpack "$tarball"
+    vendor_build_pgxs "$VENDOR_SRC" "$pg_config" "$stage"
 fi
-
-# The staged tree holds the server's absolute paths (its lib and share directories).
-changed=0
-while IFS= read -r -d '' f; do
-    rel=${f#"$stage"}
-    if ! cmp -s "$f" "$rel"; then
-        mkdir -p "$(dirname "$rel")"
-        cp "$f" "$rel"
-        chmod a+rX "$rel"
-        changed=1
-    fi
-done < <(find "$stage" -type f ! -name .built -print0)
-if [ "$changed" = 1 ]; then
+if [ -n "$(vendor_install_stage "$stage")" ]; then
     echo "pg-cron.sh: pg_cron $version installed into $(dirname "$(dirname "$pg_config")")" >&2
 fi
 echo "$pg_config"

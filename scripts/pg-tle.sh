@@ -36,12 +36,9 @@ if [ -z "$tarball" ] || [ ! -f "$tarballs/SHA256SUMS" ]; then
     exit 1
 fi
 name=$(basename "$tarball")
-want=$(awk -v f="$name" '$2 == f { print $1 }' "$tarballs/SHA256SUMS")
-got=$(sha256sum "$tarball" | cut -d' ' -f1)
-if [ -z "$want" ] || [ "$want" != "$got" ]; then
-    echo "pg-tle.sh: $tarball does not match its SHA256SUMS entry" >&2
-    exit 1
-fi
+# shellcheck source=scripts/vendor.sh
+. "$here/vendor.sh"
+vendor_check_sum pg-tle.sh "$tarball"
 
 # The server: a copy without the native extension (copied again when the source is newer).
 server="$cache/pg-tle/$major"
@@ -56,43 +53,11 @@ rm -f "$("$pg_config" --pkglibdir)"/idempotency*.so "$("$pg_config" --sharedir)"
 
 stage="$cache/pg-tle/${name%.tar.gz}-pg$major"
 if [ ! -f "$stage/.built" ]; then
-    missing=()
-    for p in flex libkrb5-dev; do
-        dpkg -s "$p" >/dev/null 2>&1 || missing+=("$p")
-    done
-    if [ "${#missing[@]}" -gt 0 ]; then
-        if [ "$(id -u)" -ne 0 ]; then
-            echo "pg-tle.sh: missing build packages: ${missing[*]} (apt-get install them, or run as root)" >&2
-            exit 1
-        fi
-        echo "pg-tle.sh: installing ${missing[*]}" >&2
-        apt-get install -y -q "${missing[@]}" >&2 \
-            || { apt-get update -q >&2 && apt-get install -y -q "${missing[@]}" >&2; }
-    fi
+    # pg_tle's build runs flex; the server headers include gssapi.
+    vendor_need_packages pg-tle.sh flex libkrb5-dev
     echo "pg-tle.sh: building $name against $pg_config" >&2
-    src=$(mktemp -d)
-    trap 'rm -rf "$src"' EXIT
-    tar xzf "$tarball" -C "$src"
-    dir=$(find "$src" -mindepth 1 -maxdepth 1 -type d | head -n 1)
-    [ -n "$dir" ] || dir=$src
-    rm -rf "$stage.new"
-    mkdir -p "$stage.new"
-    (
-        cd "$dir"
-        make -s -j"$(nproc)" PG_CONFIG="$pg_config"
-        make -s install PG_CONFIG="$pg_config" DESTDIR="$stage.new"
-    ) >&2
-    touch "$stage.new/.built"
-    rm -rf "$stage" && mv "$stage.new" "$stage"
+    vendor_unpack "$tarball"
+    vendor_build_pgxs "$VENDOR_SRC" "$pg_config" "$stage"
 fi
-
-# The staged tree holds the server's absolute paths: copy what is missing or different.
-while IFS= read -r -d '' f; do
-    rel=${f#"$stage"}
-    if ! cmp -s "$f" "$rel"; then
-        mkdir -p "$(dirname "$rel")"
-        cp "$f" "$rel"
-        chmod a+rX "$rel"
-    fi
-done < <(find "$stage" -type f ! -name .built -print0)
+vendor_install_stage "$stage" >/dev/null
 echo "$pg_config"
