@@ -39,6 +39,12 @@ REQUEST = '{"amount": 100, "currency": "EUR"}'
 
 
 PGBENCH_ENV = dict(os.environ, PGOPTIONS="-c client_min_messages=error")
+# The benchmark server: durable (fsync, synchronous_commit on), the library preloaded.
+SERVER_SETTINGS = {
+    "shared_buffers": "256MB", "fsync": "on", "max_connections": "100",
+    "shared_preload_libraries": "'idempotency'", "idempotency.sweep_interval": "'1s'",
+    "log_min_messages": "error",
+}
 
 
 def pgbench_command(cluster, script, clients, seconds, prefix):
@@ -446,11 +452,7 @@ def main():
         args.seconds, args.rounds, args.big = 1, 1, 100_000
     logdir = tempfile.mkdtemp(prefix="idempotency-bench-")
     os.chmod(logdir, 0o777)
-    cluster = Cluster(settings={
-        "shared_buffers": "256MB", "fsync": "on", "max_connections": "100",
-        "shared_preload_libraries": "'idempotency'", "idempotency.sweep_interval": "'1s'",
-        "log_min_messages": "error",
-    }, dbname="bench").start()
+    cluster = Cluster(settings=SERVER_SETTINGS, dbname="bench").start()
     try:
         sql(cluster, "CREATE EXTENSION idempotency")
         with open(os.path.join(HERE, "sql", "setup.sql")) as f:

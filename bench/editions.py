@@ -35,7 +35,7 @@ from cluster import PG_BIN, Cluster  # noqa: E402
 
 import psycopg  # noqa: E402
 
-from bench import REQUEST, make_doc  # noqa: E402
+from bench import REQUEST, SERVER_SETTINGS, make_doc  # noqa: E402
 
 EDITIONS = ["native", "portable"]
 CLIENTS = [4, 16]
@@ -179,11 +179,7 @@ def main():
     args = ap.parse_args()
     if args.quick:
         args.seconds, args.rounds = 1, 1
-    cluster = Cluster(settings={
-        "shared_buffers": "256MB", "fsync": "on", "max_connections": "100",
-        "shared_preload_libraries": "'idempotency'", "idempotency.sweep_interval": "'1s'",
-        "log_min_messages": "error",
-    }, dbname="bench").start()
+    cluster = Cluster(settings=SERVER_SETTINGS, dbname="bench").start()
     try:
         for e in EDITIONS:
             install(cluster, e, args.script)
