@@ -1459,12 +1459,8 @@ BEGIN
             res.expires_at := r.expires_at;
             RETURN res;
         ELSIF NOT r.expired AND r.completed THEN
-            res.outcome := 'replay';
-            res.token := r.token;
-            res.response := r.response;
-            res.response_status := r.response_status;
-            res.expires_at := r.expires_at;
-            RETURN res;
+            -- One statement (each costs, in every transaction).
+            RETURN ROW('replay', r.token, r.response, r.response_status, NULL, r.expires_at, NULL)::idempotency.claim_result;
         ELSIF NOT r.expired AND NOT r.lease_over THEN
             res.outcome := 'in_progress';
             res.retry_after := r.retry_after;
@@ -1725,29 +1721,29 @@ AS $fn$
 DECLARE
     c record;
 BEGIN
-    -- The checks of _canon_unicode, _canon_check_key and _p_check_scope, written out: their
-    -- functions are called only where they fail (raising their errors), and the scope prefix
-    -- is read with the store's configuration in one statement (nested calls and statements
-    -- cost more than the checks on this path, run by every claim and completion).
-    IF pg_catalog.getdatabaseencoding() OPERATOR(pg_catalog.<>) 'UTF8' THEN
-        PERFORM idempotency._canon_unicode(key, 'key');
-        PERFORM idempotency._canon_unicode(scope, 'scope');
-    END IF;
-    IF key IS NULL OR key OPERATOR(pg_catalog.=) '' OR pg_catalog.length(key) OPERATOR(pg_catalog.>) 255 THEN
-        PERFORM idempotency._canon_check_key('key', key, false);  -- raises
-    END IF;
-    IF scope IS NULL OR pg_catalog.length(scope) OPERATOR(pg_catalog.>) 255 THEN
-        PERFORM idempotency._canon_check_key('scope', scope, true);  -- raises
-    END IF;
-    SELECT x.key_storage, x.key_secret,
-           COALESCE((SELECT r.scope_prefix FROM idempotency.role_settings AS r
-                      WHERE r.role::pg_catalog.oid OPERATOR(pg_catalog.=)
-                            (SELECT a.oid FROM pg_catalog.pg_roles AS a WHERE a.rolname OPERATOR(pg_catalog.=) SESSION_USER)),
-                    pg_catalog.current_setting('idempotency.scope_prefix', true), '') AS prefix
+    -- The checks of _canon_unicode, _canon_check_key and _p_check_scope tested in the statement
+    -- that reads the store's configuration and the scope prefix; their functions are called
+    -- only where one may fail (they raise its error) or the database is not UTF-8 (each
+    -- statement, and each nested call, costs more than the checks on this path, run by every
+    -- claim and completion, in every transaction).
+    SELECT pg_catalog.getdatabaseencoding() OPERATOR(pg_catalog.=) 'UTF8'
+           AND key IS NOT NULL AND key OPERATOR(pg_catalog.<>) '' AND pg_catalog.length(key) OPERATOR(pg_catalog.<=) 255
+           AND scope IS NOT NULL AND pg_catalog.length(scope) OPERATOR(pg_catalog.<=) 255
+           AND pg_catalog.starts_with(scope, COALESCE(
+                   (SELECT r.scope_prefix FROM idempotency.role_settings AS r
+                     WHERE r.role::pg_catalog.oid OPERATOR(pg_catalog.=)
+                           (SELECT a.oid FROM pg_catalog.pg_roles AS a WHERE a.rolname OPERATOR(pg_catalog.=) SESSION_USER)),
+                   pg_catalog.current_setting('idempotency.scope_prefix', true), '')) AS ok,
+           x.key_storage, x.key_secret
       INTO c
       FROM (SELECT) AS one LEFT JOIN idempotency.config AS x ON true;
-    IF NOT pg_catalog.starts_with(scope, c.prefix) THEN
-        PERFORM idempotency._p_check_scope(scope);  -- raises
+    IF c.ok IS NOT TRUE THEN
+        IF pg_catalog.getdatabaseencoding() OPERATOR(pg_catalog.<>) 'UTF8' THEN
+            PERFORM idempotency._canon_unicode(key, 'key');
+            PERFORM idempotency._canon_unicode(scope, 'scope');
+        END IF;
+        PERFORM idempotency._canon_check_key('key', key, false);
+        PERFORM idempotency._p_check_scope(scope);
     END IF;
     IF c.key_storage IS NULL OR c.key_storage OPERATOR(pg_catalog.=) 'plain' THEN
         RETURN key;
