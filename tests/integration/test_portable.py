@@ -301,6 +301,10 @@ FLAT_EDGES = [
     '[0, -0, 100.0, 1e2, -7, 123456789012345678901, 1234567890123456789012, -123456789012345678901]',
     '[123456789012345, 1234567890123456, 9007199254740993, -999999999999999, 0.5, 1.0e-7]',
     '{"n": -0, "m": 100.0, "big": 1234567890123456789012, "d": 9007199254740993}',
+    # The same integers without a fraction beside them (a fraction sends the whole document to
+    # the general path): 21 digits and more, 15 digits and more.
+    '[123456789012345678901, 1234567890123456789012, -10000000000000000000000, -0, 1e2]',
+    '{"a": 1234567890123456, "b": 9007199254740993, "c": 123456789012345, "d": -99999999999999999}',
     # Strings with every escape, control characters, DEL, quotes, non-ASCII; true, false, null.
     '{"s": "x\\b\\f\\n\\r\\t\\u0001\\u001f\\u007f\\"\\\\/\\u00e9\\ud83d\\ude00", "t": true, "f": false, "z": null}',
     '["\\u2028\\u2029", "", true, null, false, "\\\\u0041"]',
