@@ -279,7 +279,44 @@ DECLARE
     v_fail     text;
     v_bad_num  text;
     v_out      text;
+    v_flat     boolean;
 BEGIN
+    -- A container of scalars only (no nested object or array), in a UTF-8 database: written in
+    -- one statement. Its strings and names come out of jsonb escaped as RFC 8785 says; integers
+    -- of at most 21 digits (15 in 'rfc8785' mode, exact as doubles) are written as they are
+    -- (other numbers: the general path below); member names sort in UTF-16 code-unit order as
+    -- their UTF-8 bytes do (COLLATE "C"), unless one has a character of U+E000..U+FFFF (see
+    -- _canon_name_order: then the general path).
+    IF depth OPERATOR(pg_catalog.>=) 1 AND (v_kind OPERATOR(pg_catalog.=) 'object' OR v_kind OPERATOR(pg_catalog.=) 'array')
+       AND pg_catalog.getdatabaseencoding() OPERATOR(pg_catalog.=) 'UTF8' THEN
+        IF v_kind OPERATOR(pg_catalog.=) 'object' THEN
+            SELECT pg_catalog.bool_and(CASE pg_catalog.jsonb_typeof(e.value)
+                       WHEN 'string' THEN true WHEN 'boolean' THEN true WHEN 'null' THEN true
+                       WHEN 'number' THEN e.value::pg_catalog.text OPERATOR(pg_catalog.~)
+                                          CASE WHEN exact THEN '^(0|-?[1-9][0-9]{0,20})$' ELSE '^(0|-?[1-9][0-9]{0,14})$' END
+                       ELSE false END
+                       AND e.key OPERATOR(pg_catalog.!~) '[\uE000-\uFFFF]'),
+                   '{' OPERATOR(pg_catalog.||) COALESCE(pg_catalog.string_agg(
+                       pg_catalog.to_json(e.key)::pg_catalog.text OPERATOR(pg_catalog.||) ':'
+                       OPERATOR(pg_catalog.||) e.value::pg_catalog.text, ','
+                       ORDER BY e.key COLLATE pg_catalog."C"), '') OPERATOR(pg_catalog.||) '}'
+              INTO v_flat, v_out
+              FROM pg_catalog.jsonb_each(doc) AS e;
+        ELSE
+            SELECT pg_catalog.bool_and(CASE pg_catalog.jsonb_typeof(a.value)
+                       WHEN 'string' THEN true WHEN 'boolean' THEN true WHEN 'null' THEN true
+                       WHEN 'number' THEN a.value::pg_catalog.text OPERATOR(pg_catalog.~)
+                                          CASE WHEN exact THEN '^(0|-?[1-9][0-9]{0,20})$' ELSE '^(0|-?[1-9][0-9]{0,14})$' END
+                       ELSE false END),
+                   '[' OPERATOR(pg_catalog.||) COALESCE(pg_catalog.string_agg(a.value::pg_catalog.text, ',' ORDER BY a.pos), '')
+                   OPERATOR(pg_catalog.||) ']'
+              INTO v_flat, v_out
+              FROM pg_catalog.jsonb_array_elements(doc) WITH ORDINALITY AS a(value, pos);
+        END IF;
+        IF v_flat IS NOT FALSE THEN
+            RETURN v_out;
+        END IF;
+    END IF;
     IF v_kind OPERATOR(pg_catalog.=) 'number' THEN
         v_out := CASE WHEN exact THEN idempotency._canon_layout(doc::pg_catalog.text)
                       ELSE idempotency._canon_double(doc::pg_catalog.numeric) END;
@@ -309,7 +346,10 @@ BEGIN
                               OPERATOR(pg_catalog.||) ':' AS head
                          FROM (SELECT e.key, e.value,
                                       pg_catalog.row_number() OVER (
-                                          ORDER BY idempotency._canon_name_order(e.key)) AS pos
+                                          ORDER BY CASE WHEN pg_catalog.getdatabaseencoding() OPERATOR(pg_catalog.=) 'UTF8'
+                                                             AND e.key OPERATOR(pg_catalog.!~) '[\uE000-\uFFFF]'
+                                                        THEN pg_catalog.convert_to(e.key, 'UTF8')
+                                                        ELSE idempotency._canon_name_order(e.key) END) AS pos
                                  FROM pg_catalog.jsonb_each(
                                           CASE WHEN n.kind OPERATOR(pg_catalog.=) 'object' THEN n.v
                                                ELSE '{}'::pg_catalog.jsonb END) AS e) AS m
@@ -330,7 +370,10 @@ BEGIN
                        WHEN 'object' THEN '{'
                        WHEN 'array' THEN '['
                        WHEN 'number' THEN
-                           CASE WHEN exact THEN idempotency._canon_layout(n.v::pg_catalog.text)
+                           CASE WHEN n.v::pg_catalog.text OPERATOR(pg_catalog.~)
+                                     CASE WHEN exact THEN '^(0|-?[1-9][0-9]{0,20})$' ELSE '^(0|-?[1-9][0-9]{0,14})$' END
+                                THEN n.v::pg_catalog.text
+                                WHEN exact THEN idempotency._canon_layout(n.v::pg_catalog.text)
                                 ELSE idempotency._canon_double(n.v::pg_catalog.numeric) END
                        ELSE n.v::pg_catalog.text END
               FROM node AS n

@@ -86,7 +86,11 @@ LANGUAGE plpgsql STABLE
 SET search_path = pg_catalog, pg_temp
 AS $fn$
 BEGIN
-    RETURN COALESCE((SELECT s.scope_prefix FROM idempotency._p_role_settings() AS s),
+    -- The row of _p_role_settings, read here in the same statement (a nested call costs more
+    -- than the lookup on this path, run by every claim and completion).
+    RETURN COALESCE((SELECT r.scope_prefix FROM idempotency.role_settings AS r
+                      WHERE r.role::pg_catalog.oid OPERATOR(pg_catalog.=)
+                            (SELECT a.oid FROM pg_catalog.pg_roles AS a WHERE a.rolname OPERATOR(pg_catalog.=) SESSION_USER)),
                     pg_catalog.current_setting('idempotency.scope_prefix', true), '');
 END
 $fn$;
@@ -99,8 +103,13 @@ LANGUAGE plpgsql STABLE
 SET search_path = pg_catalog, pg_temp
 AS $fn$
 BEGIN
-    RETURN idempotency._p_setting_on('idempotency.audit')
-        OR COALESCE((SELECT s.audit FROM idempotency._p_role_settings() AS s), false)
+    -- _p_setting_on and the row of _p_role_settings, written out here (nested calls cost more
+    -- than the lookups on this path, run by every completion).
+    RETURN COALESCE(pg_catalog.lower(pg_catalog.btrim(pg_catalog.current_setting('idempotency.audit', true)))
+                    OPERATOR(pg_catalog.=) ANY (ARRAY['on', 'true', 'tru', 'tr', 't', 'yes', 'ye', 'y', '1']), false)
+        OR COALESCE((SELECT r.audit FROM idempotency.role_settings AS r
+                      WHERE r.role::pg_catalog.oid OPERATOR(pg_catalog.=)
+                            (SELECT a.oid FROM pg_catalog.pg_roles AS a WHERE a.rolname OPERATOR(pg_catalog.=) SESSION_USER)), false)
         OR EXISTS (SELECT FROM pg_catalog.pg_db_role_setting AS s, pg_catalog.unnest(s.setconfig) AS c(entry)
                     WHERE s.setdatabase OPERATOR(pg_catalog.=) ANY (ARRAY[(SELECT d.oid FROM pg_catalog.pg_database AS d
                                                    WHERE d.datname OPERATOR(pg_catalog.=) pg_catalog.current_database()), 0]::pg_catalog.oid[])
@@ -124,11 +133,13 @@ BEGIN
     IF what OPERATOR(pg_catalog.=) 'response' THEN
         limit_kb := idempotency._p_setting('idempotency.max_response_size', 4096, 'kB');
         setting := 'idempotency.max_response_size';
-        SELECT s.max_response_size INTO v_bound FROM idempotency._p_role_settings() AS s;
+        SELECT r.max_response_size INTO v_bound FROM idempotency.role_settings AS r
+         WHERE r.role::pg_catalog.oid OPERATOR(pg_catalog.=) (SELECT a.oid FROM pg_catalog.pg_roles AS a WHERE a.rolname OPERATOR(pg_catalog.=) SESSION_USER);
     ELSE
         limit_kb := idempotency._p_setting('idempotency.max_recovery_point_size', 64, 'kB');
         setting := 'idempotency.max_recovery_point_size';
-        SELECT s.max_recovery_point_size INTO v_bound FROM idempotency._p_role_settings() AS s;
+        SELECT r.max_recovery_point_size INTO v_bound FROM idempotency.role_settings AS r
+         WHERE r.role::pg_catalog.oid OPERATOR(pg_catalog.=) (SELECT a.oid FROM pg_catalog.pg_roles AS a WHERE a.rolname OPERATOR(pg_catalog.=) SESSION_USER);
     END IF;
     IF v_bound OPERATOR(pg_catalog.<) limit_kb THEN
         limit_kb := v_bound;
@@ -184,8 +195,13 @@ AS $fn$
 DECLARE
     v_prefix text;
 BEGIN
-    PERFORM idempotency._canon_check_key('scope', scope, true);
-    v_prefix := idempotency._p_scope_prefix();
+    IF scope IS NULL OR pg_catalog.length(scope) OPERATOR(pg_catalog.>) 255 THEN
+        PERFORM idempotency._canon_check_key('scope', scope, true);  -- raises
+    END IF;
+    v_prefix := COALESCE((SELECT r.scope_prefix FROM idempotency.role_settings AS r
+                           WHERE r.role::pg_catalog.oid OPERATOR(pg_catalog.=)
+                                 (SELECT a.oid FROM pg_catalog.pg_roles AS a WHERE a.rolname OPERATOR(pg_catalog.=) SESSION_USER)),
+                         pg_catalog.current_setting('idempotency.scope_prefix', true), '');
     IF NOT pg_catalog.starts_with(scope, v_prefix) THEN
         RAISE EXCEPTION USING
             ERRCODE = 'insufficient_privilege',
@@ -481,7 +497,8 @@ DECLARE
     v_xact text := pg_catalog.pg_current_xact_id()::text;
     v_state text := pg_catalog.current_setting('idempotency_portable.marks', true);
     v_count integer := 0;
-    v_lock bigint := idempotency._p_lock_id(scope, key);
+    v_lock bigint := pg_catalog.hashtextextended(pg_catalog.length(scope)::pg_catalog.text OPERATOR(pg_catalog.||) ':'
+                                   OPERATOR(pg_catalog.||) scope OPERATOR(pg_catalog.||) key, 5432);  -- _p_lock_id
 BEGIN
     IF pg_catalog.split_part(v_state, ':', 1) OPERATOR(pg_catalog.=) v_xact THEN
         v_count := pg_catalog.split_part(v_state, ':', 2)::integer;
@@ -513,7 +530,8 @@ LANGUAGE plpgsql VOLATILE
 SET search_path = pg_catalog, pg_temp
 AS $fn$
 DECLARE
-    v_lock bigint := idempotency._p_lock_id(scope, key);
+    v_lock bigint := pg_catalog.hashtextextended(pg_catalog.length(scope)::pg_catalog.text OPERATOR(pg_catalog.||) ':'
+                                   OPERATOR(pg_catalog.||) scope OPERATOR(pg_catalog.||) key, 5432);  -- _p_lock_id
 BEGIN
     IF NOT pg_catalog.pg_try_advisory_lock_shared(v_lock) THEN
         RETURN true;
@@ -529,16 +547,38 @@ RETURNS trigger
 LANGUAGE plpgsql VOLATILE
 SET search_path = pg_catalog, pg_temp
 AS $fn$
+DECLARE
+    v_xact text;
+    v_state text;
+    v_count integer := 0;
+    v_scope text;
+    v_key text;
 BEGIN
     IF TG_OP OPERATOR(pg_catalog.=) 'INSERT' THEN
-        PERFORM idempotency._p_mark(NEW.scope, NEW.key, true);
-        RETURN NEW;
+        v_scope := NEW.scope;
+        v_key := NEW.key;
+    ELSE
+        v_scope := OLD.scope;
+        v_key := OLD.key;
     END IF;
-    PERFORM idempotency._p_mark(OLD.scope, OLD.key, true);
-    IF TG_OP OPERATOR(pg_catalog.=) 'UPDATE' THEN
-        RETURN NEW;
+    -- _p_mark(v_scope, v_key, true) written out (a nested call costs more than its work here,
+    -- on every row a claim or a completion writes).
+    v_xact := pg_catalog.pg_current_xact_id()::pg_catalog.text;
+    v_state := pg_catalog.current_setting('idempotency_portable.marks', true);
+    IF pg_catalog.split_part(v_state, ':', 1) OPERATOR(pg_catalog.=) v_xact THEN
+        v_count := pg_catalog.split_part(v_state, ':', 2)::pg_catalog.int4;
     END IF;
-    RETURN OLD;
+    IF v_count OPERATOR(pg_catalog.<) 1000 THEN
+        PERFORM pg_catalog.pg_advisory_xact_lock(pg_catalog.hashtextextended(
+                    pg_catalog.length(v_scope)::pg_catalog.text OPERATOR(pg_catalog.||) ':'
+                    OPERATOR(pg_catalog.||) v_scope OPERATOR(pg_catalog.||) v_key, 5432));
+        PERFORM pg_catalog.set_config('idempotency_portable.marks',
+                                      v_xact OPERATOR(pg_catalog.||) ':' OPERATOR(pg_catalog.||) (v_count OPERATOR(pg_catalog.+) 1), false);
+    END IF;
+    IF TG_OP OPERATOR(pg_catalog.=) 'DELETE' THEN
+        RETURN OLD;
+    END IF;
+    RETURN NEW;
 END
 $fn$;
 
@@ -621,9 +661,15 @@ BEGIN
                     NULL;
                 END;
             END IF;
-        ELSIF idempotency._p_marked(p_scope, p_key) THEN
-            -- Another open transaction is changing the row.
+        ELSIF NOT pg_catalog.pg_try_advisory_lock_shared(pg_catalog.hashtextextended(
+                      pg_catalog.length(p_scope)::pg_catalog.text OPERATOR(pg_catalog.||) ':'
+                      OPERATOR(pg_catalog.||) p_scope OPERATOR(pg_catalog.||) p_key, 5432)) THEN
+            -- _p_marked written out: another open transaction is changing the row.
             v_busy := true;
+        ELSIF NOT pg_catalog.pg_advisory_unlock_shared(pg_catalog.hashtextextended(
+                      pg_catalog.length(p_scope)::pg_catalog.text OPERATOR(pg_catalog.||) ':'
+                      OPERATOR(pg_catalog.||) p_scope OPERATOR(pg_catalog.||) p_key, 5432)) THEN
+            NULL;  -- never: the shared lock taken just above is released
         ELSIF NOT r.expired AND r.request_hash IS NOT NULL AND p_hash IS NOT NULL
               AND r.request_hash OPERATOR(pg_catalog.<>) p_hash THEN
             RAISE WARNING '%', pg_catalog.format(
@@ -635,12 +681,8 @@ BEGIN
             res.expires_at := r.expires_at;
             RETURN res;
         ELSIF NOT r.expired AND r.completed THEN
-            res.outcome := 'replay';
-            res.token := r.token;
-            res.response := r.response;
-            res.response_status := r.response_status;
-            res.expires_at := r.expires_at;
-            RETURN res;
+            -- One statement (each costs, in every transaction).
+            RETURN ROW('replay', r.token, r.response, r.response_status, NULL, r.expires_at, NULL)::idempotency.claim_result;
         ELSIF NOT r.expired AND NOT r.lease_over THEN
             res.outcome := 'in_progress';
             res.retry_after := r.retry_after;
@@ -755,6 +797,9 @@ DECLARE
     v_expires_at timestamptz;
     v_hash bytea;
     v_token bigint;
+    v_bound integer;
+    v_audit boolean;
+    v_raw text;
 BEGIN
     -- The role the caller ran as, where the session may act as it (inside another SECURITY
     -- DEFINER function it may not: then, and for a role passed by anyone else, the session's
@@ -772,10 +817,34 @@ BEGIN
     IF p_ttl IS NOT NULL THEN
         PERFORM idempotency._p_duration('ttl', p_ttl);
     END IF;
+    -- What _p_check_size (through _p_limit) and _p_audit read, in one statement: the role's
+    -- row of idempotency.role_settings and the settings made with ALTER ROLE or ALTER DATABASE
+    -- (nested calls and statements cost more than the lookups on this path); _p_check_size is
+    -- called where the response is too large (it raises) or idempotency.max_response_size is set.
+    SELECT r.max_response_size,
+           r.audit IS TRUE OR EXISTS (SELECT FROM pg_catalog.pg_db_role_setting AS s, pg_catalog.unnest(s.setconfig) AS c(entry)
+                       WHERE s.setdatabase OPERATOR(pg_catalog.=) ANY (ARRAY[(SELECT d.oid FROM pg_catalog.pg_database AS d
+                                                      WHERE d.datname OPERATOR(pg_catalog.=) pg_catalog.current_database()), 0]::pg_catalog.oid[])
+                         AND s.setrole OPERATOR(pg_catalog.=) ANY (ARRAY[(SELECT a.oid FROM pg_catalog.pg_roles AS a
+                                                      WHERE a.rolname OPERATOR(pg_catalog.=) SESSION_USER), 0]::pg_catalog.oid[])
+                         AND pg_catalog.lower(pg_catalog.split_part(c.entry, '=', 1)) OPERATOR(pg_catalog.=) 'idempotency.audit'
+                         AND pg_catalog.lower(pg_catalog.btrim(pg_catalog.substr(c.entry,
+                               pg_catalog.strpos(c.entry, '=') OPERATOR(pg_catalog.+) 1)))
+                             OPERATOR(pg_catalog.=) ANY (ARRAY['on', 'true', 'tru', 'tr', 't', 'yes', 'ye', 'y', '1']))
+      INTO v_bound, v_audit
+      FROM (SELECT) AS one LEFT JOIN idempotency.role_settings AS r
+           ON r.role::pg_catalog.oid OPERATOR(pg_catalog.=) (SELECT a.oid FROM pg_catalog.pg_roles AS a WHERE a.rolname OPERATOR(pg_catalog.=) SESSION_USER);
     IF p_response IS NOT NULL THEN
-        PERFORM idempotency._p_check_size('response', pg_catalog.pg_column_size(p_response)::bigint, 'response');
+        v_raw := pg_catalog.btrim(pg_catalog.current_setting('idempotency.max_response_size', true));
+        IF (v_raw IS NOT NULL AND v_raw OPERATOR(pg_catalog.<>) '')
+           OR pg_catalog.pg_column_size(p_response)::bigint OPERATOR(pg_catalog.>)
+              (LEAST(4096, v_bound)::bigint OPERATOR(pg_catalog.*) 1024) THEN
+            PERFORM idempotency._p_check_size('response', pg_catalog.pg_column_size(p_response)::bigint, 'response');
+        END IF;
     END IF;
-    PERFORM idempotency._p_refuse_read_only('complete');
+    IF pg_catalog.current_setting('transaction_read_only') OPERATOR(pg_catalog.=) 'on' THEN
+        PERFORM idempotency._p_refuse_read_only('complete');  -- raises
+    END IF;
     UPDATE idempotency.idempotency_keys AS k SET
            status = 'completed'::idempotency.key_status, response = p_response, response_status = p_status,
            completed_at = pg_catalog.now(), locked_until = NULL,
@@ -789,7 +858,9 @@ BEGIN
     IF NOT FOUND THEN
         RETURN NULL;
     END IF;
-    IF idempotency._p_audit() THEN
+    IF v_audit
+       OR COALESCE(pg_catalog.lower(pg_catalog.btrim(pg_catalog.current_setting('idempotency.audit', true)))
+                   OPERATOR(pg_catalog.=) ANY (ARRAY['on', 'true', 'tru', 'tr', 't', 'yes', 'ye', 'y', '1']), false) THEN
         INSERT INTO idempotency.audit
                (scope, key, key_is_hash, request_hash, token, response_status, completed_at, completed_by)
         VALUES (p_scope, v_key, v_key OPERATOR(pg_catalog.<>) p_key, v_hash, v_token, p_status, pg_catalog.now(), p_role);
@@ -831,9 +902,26 @@ DECLARE
     v_lease interval;
     v_hash bytea;
 BEGIN
-    SELECT d.ttl_value, d.lease_value INTO v_ttl, v_lease FROM idempotency._p_ttl_and_lease(claim.ttl, claim.lease) AS d;
-    v_hash := idempotency._p_request_hash(claim.request, 'request');
-    PERFORM idempotency._p_refuse_read_only('claim');
+    -- Neither given nor set: the defaults (one day, five minutes), which pass every check of
+    -- _p_ttl_and_lease (not called: a nested call costs more than its checks on this path).
+    IF claim.ttl IS NULL AND claim.lease IS NULL
+       AND COALESCE(pg_catalog.btrim(pg_catalog.current_setting('idempotency.default_ttl', true)), '') OPERATOR(pg_catalog.=) ''
+       AND COALESCE(pg_catalog.btrim(pg_catalog.current_setting('idempotency.default_lease', true)), '') OPERATOR(pg_catalog.=) '' THEN
+        v_ttl := pg_catalog.make_interval(secs => 86400);
+        v_lease := pg_catalog.make_interval(secs => 300);
+    ELSE
+        SELECT d.ttl_value, d.lease_value INTO v_ttl, v_lease FROM idempotency._p_ttl_and_lease(claim.ttl, claim.lease) AS d;
+    END IF;
+    -- _p_request_hash and _p_refuse_read_only written out (nested calls cost more than they do).
+    IF claim.request IS NOT NULL THEN
+        IF pg_catalog.getdatabaseencoding() OPERATOR(pg_catalog.<>) 'UTF8' THEN
+            PERFORM idempotency._canon_unicode_doc(claim.request, 'request');
+        END IF;
+        v_hash := pg_catalog.sha256(pg_catalog.convert_to(idempotency._canon_text(claim.request, true, 'request'), 'UTF8'));
+    END IF;
+    IF pg_catalog.current_setting('transaction_read_only') OPERATOR(pg_catalog.=) 'on' THEN
+        PERFORM idempotency._p_refuse_read_only('claim');  -- raises
+    END IF;
     RETURN idempotency._p_claim(claim.scope, v_key, v_hash, v_ttl, v_lease);
 END
 $fn$;
@@ -846,12 +934,31 @@ AS $fn$
 DECLARE
     c record;
 BEGIN
-    PERFORM idempotency._canon_unicode(key, 'key');
-    PERFORM idempotency._canon_unicode(scope, 'scope');
-    PERFORM idempotency._canon_check_key('key', key, false);
-    PERFORM idempotency._p_check_scope(scope);
-    SELECT x.key_storage, x.key_secret INTO c FROM idempotency.config AS x;
-    IF NOT FOUND OR c.key_storage OPERATOR(pg_catalog.=) 'plain' THEN
+    -- The checks of _canon_unicode, _canon_check_key and _p_check_scope tested in the statement
+    -- that reads the store's configuration and the scope prefix; their functions are called
+    -- only where one may fail (they raise its error) or the database is not UTF-8 (each
+    -- statement, and each nested call, costs more than the checks on this path, run by every
+    -- claim and completion, in every transaction).
+    SELECT pg_catalog.getdatabaseencoding() OPERATOR(pg_catalog.=) 'UTF8'
+           AND key IS NOT NULL AND key OPERATOR(pg_catalog.<>) '' AND pg_catalog.length(key) OPERATOR(pg_catalog.<=) 255
+           AND scope IS NOT NULL AND pg_catalog.length(scope) OPERATOR(pg_catalog.<=) 255
+           AND pg_catalog.starts_with(scope, COALESCE(
+                   (SELECT r.scope_prefix FROM idempotency.role_settings AS r
+                     WHERE r.role::pg_catalog.oid OPERATOR(pg_catalog.=)
+                           (SELECT a.oid FROM pg_catalog.pg_roles AS a WHERE a.rolname OPERATOR(pg_catalog.=) SESSION_USER)),
+                   pg_catalog.current_setting('idempotency.scope_prefix', true), '')) AS ok,
+           x.key_storage, x.key_secret
+      INTO c
+      FROM (SELECT) AS one LEFT JOIN idempotency.config AS x ON true;
+    IF c.ok IS NOT TRUE THEN
+        IF pg_catalog.getdatabaseencoding() OPERATOR(pg_catalog.<>) 'UTF8' THEN
+            PERFORM idempotency._canon_unicode(key, 'key');
+            PERFORM idempotency._canon_unicode(scope, 'scope');
+        END IF;
+        PERFORM idempotency._canon_check_key('key', key, false);
+        PERFORM idempotency._p_check_scope(scope);
+    END IF;
+    IF c.key_storage IS NULL OR c.key_storage OPERATOR(pg_catalog.=) 'plain' THEN
         RETURN key;
     ELSIF c.key_secret IS NULL THEN
         RETURN pg_catalog.encode(pg_catalog.sha256(pg_catalog.convert_to(key, 'UTF8')), 'hex');

@@ -291,6 +291,41 @@ BAD_CALLS = [
 ]
 
 
+FLAT_EDGES = [
+    # Names whose UTF-16 order differs from their UTF-8 byte order (U+E000..U+FFFF against
+    # supplementary characters), next to plain ones; jsonb itself orders names by length first.
+    '{"\\ue000": 1, "\\ud83d\\ude00": 2, "a": 3, "\\uffff": 4, "bb": 5, "\\ufb01": 6}',
+    '{"zz": 1, "a": 2, "\\u00e9": 3, "": 4, "A": 5, "\\u2028": 6, "\\ud800\\udc00x": 7}',
+    # Numbers at the edges of "written as they are": -0, 100.0, 1e2, 21 and 22 digits, 15 and 16
+    # digits (exact doubles only up to 2^53 in rfc8785 mode), fractions.
+    '[0, -0, 100.0, 1e2, -7, 123456789012345678901, 1234567890123456789012, -123456789012345678901]',
+    '[123456789012345, 1234567890123456, 9007199254740993, -999999999999999, 0.5, 1.0e-7]',
+    '{"n": -0, "m": 100.0, "big": 1234567890123456789012, "d": 9007199254740993}',
+    # The same integers without a fraction beside them (a fraction sends the whole document to
+    # the general path): 21 digits and more, 15 digits and more.
+    '[123456789012345678901, 1234567890123456789012, -10000000000000000000000, -0, 1e2]',
+    '{"a": 1234567890123456, "b": 9007199254740993, "c": 123456789012345, "d": -99999999999999999}',
+    # Strings with every escape, control characters, DEL, quotes, non-ASCII; true, false, null.
+    '{"s": "x\\b\\f\\n\\r\\t\\u0001\\u001f\\u007f\\"\\\\/\\u00e9\\ud83d\\ude00", "t": true, "f": false, "z": null}',
+    '["\\u2028\\u2029", "", true, null, false, "\\\\u0041"]',
+    # Empty containers, and a container of scalars next to one with a nested container.
+    '{}', '[]', '{"a": {}, "b": 1}', '[1, [2], "x"]', '{"a": 1, "b": [null]}',
+]
+
+
+@pytest.mark.parametrize("mode", ["exact", "rfc8785", "hash"])
+def test_flat_documents_match_the_native_edition(editions, mode):
+    """Objects and arrays of scalars only, which the portable edition writes in one statement:
+    the same bytes as the native edition where jsonb's own order or spelling would be wrong
+    (names in U+E000..U+FFFF, -0, 100.0, integers past 21 digits or past 2^53 in rfc8785 mode,
+    escapes)."""
+    native, portable = editions
+    docs = FLAT_EDGES
+    expected = run(native, docs, mode)
+    assert not any(e.startswith("!error") for e in expected if e is not None), expected
+    assert differences(docs, expected, run(portable, docs, mode)) == []
+
+
 def test_arguments_and_errors_match_the_native_edition(editions):
     native, portable = editions
     for call in BAD_CALLS:
