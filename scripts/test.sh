@@ -7,7 +7,10 @@
 # and 18 (README, "Tests", says which files).
 #
 # IDEMPOTENCY_PG_VERSIONS (default "15 16 17 18") chooses the versions, e.g. "15" for a quick
-# local run; the whole integration suite runs on the first one listed.
+# local run; the whole integration suite runs on the first one listed. The core's tests marked
+# slow (backlogs swept under claim load, pg_cron's recipe) run on the first and the last version;
+# IDEMPOTENCY_SLOW_EVERYWHERE=1 runs them on the versions between too (CI keeps to 60 minutes
+# without them).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -45,6 +48,7 @@ cargo test --manifest-path examples/http-service/Cargo.toml --locked -q
 pgdata_dirs=()
 trap 'rm -rf "${pgdata_dirs[@]}"' EXIT
 first=${VERSIONS[0]}
+last=${VERSIONS[-1]}
 for v in "${VERSIONS[@]}"; do
     pg_config=$(scripts/pg-server.sh "$v")
     echo "== PostgreSQL $v: unit and #[pg_test] tests (cargo pgrx test pg$v)"
@@ -64,9 +68,12 @@ for v in "${VERSIONS[@]}"; do
     scripts/pg-cron.sh "$v" >/dev/null  # schedule_sweep's tests (Debian's package on 15, built on 16-18)
     # No -m: the tests marked slow (pytest.ini) run too; `-m "not slow"` is only for quick local runs.
     if [ "$v" = "$first" ]; then
-        PG_BIN=$(dirname "$pg_config") python3 -m pytest -q tests/integration
+        PG_BIN=$(dirname "$pg_config") python3 -m pytest -q --durations=10 tests/integration
+    elif [ "$v" = "$last" ] || [ "${IDEMPOTENCY_SLOW_EVERYWHERE:-0}" = 1 ]; then
+        PG_BIN=$(dirname "$pg_config") python3 -m pytest -q --durations=10 "${CORE[@]/#/tests/integration/}"
     else
-        PG_BIN=$(dirname "$pg_config") python3 -m pytest -q "${CORE[@]/#/tests/integration/}"
+        PG_BIN=$(dirname "$pg_config") python3 -m pytest -q --durations=10 -m "not slow" \
+            "${CORE[@]/#/tests/integration/}"
     fi
 done
 

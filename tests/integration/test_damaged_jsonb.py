@@ -241,6 +241,11 @@ def test_a_long_canonical_hash_answers_cancel_and_terminate(cluster, db, how):
     try:
         pid = victim.execute("SELECT pg_backend_pid()").fetchone()[0]
         victim.execute("CREATE TEMP TABLE d AS SELECT %s::jsonb AS doc, %s::text[] AS ex", (doc, exclude))
+        # One call, timed on this machine as it is now: a reader that checked for interrupts only
+        # between calls would answer the signal when the call in progress ends.
+        started = time.monotonic()
+        victim.execute("SELECT idempotency.canonical_hash(doc, ex) FROM d").fetchall()
+        one_call = time.monotonic() - started
         sent = []
         if how == "statement_timeout":
             victim.execute("SET statement_timeout = '300ms'")
@@ -262,8 +267,9 @@ def test_a_long_canonical_hash_answers_cancel_and_terminate(cluster, db, how):
             assert isinstance(e.value, psycopg.OperationalError) or e.value.sqlstate == "57P01", e.value
         else:
             assert e.value.sqlstate == "57014", e.value
-        # Answered within a second of the signal (or of the timeout).
+        # Answered within a second of the signal (or of the timeout), or, where other work
+        # slows this machine down, well before the call in progress could have ended.
         signalled = sent[0] - started if sent else 0.3
-        assert elapsed - signalled < 1.0, (elapsed, signalled)
+        assert elapsed - signalled < max(1.0, 0.4 * one_call), (elapsed, signalled, one_call)
     finally:
         victim.close()
