@@ -986,10 +986,7 @@ BEGIN
     IF scope IS NULL OR pg_catalog.length(scope) OPERATOR(pg_catalog.>) 255 THEN
         PERFORM idempotency._canon_check_key('scope', scope, true);  -- raises
     END IF;
-    v_prefix := COALESCE((SELECT r.scope_prefix FROM idempotency.role_settings AS r
-                           WHERE r.role::pg_catalog.oid OPERATOR(pg_catalog.=)
-                                 (SELECT a.oid FROM pg_catalog.pg_roles AS a WHERE a.rolname OPERATOR(pg_catalog.=) SESSION_USER)),
-                         pg_catalog.current_setting('idempotency.scope_prefix', true), '');
+    v_prefix := idempotency._p_scope_prefix();
     IF NOT pg_catalog.starts_with(scope, v_prefix) THEN
         RAISE EXCEPTION USING
             ERRCODE = 'insufficient_privilege',
@@ -1732,7 +1729,9 @@ DECLARE
     c record;
 BEGIN
     -- The checks of _canon_unicode, _canon_check_key and _p_check_scope tested in the statement
-    -- that reads the store's configuration and the scope prefix; their functions are called
+    -- that reads the store's configuration and the scope prefix (the expression of
+    -- _p_scope_prefix, which must stay the same: a change there changes this copy too); their
+    -- functions are called
     -- only where one may fail (they raise its error) or the database is not UTF-8 (each
     -- statement, and each nested call, costs more than the checks on this path, run by every
     -- claim and completion, in every transaction).
