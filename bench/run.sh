@@ -10,18 +10,23 @@
 # e.g. --fillfactor 90, follow), which a full run includes. --edition portable runs
 # bench/editions.py instead: the native and the portable edition side by side in one server
 # (claim + complete and replay against the floor, canonical_hash), written to
-# bench/RESULTS-editions[-pgNN].md. Other options go to the script that runs.
+# bench/RESULTS-editions[-pgNN].md. --profile runs bench/profile.py instead: claim-only
+# deduplication against Redis SET NX EX at equal durability, CPU per operation of each server
+# and a perf profile of PostgreSQL's (a few minutes), written to bench/PROFILE[-pgNN].md.
+# Other options go to the script that runs.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 pg=15
 edition=native
 args=()
 in_flight=
+profile=
 while (($#)); do
     case "$1" in
         --pg) pg=$2; shift 2 ;;
         --edition) edition=$2; shift 2 ;;
         --hot-in-flight) in_flight=1; shift ;;
+        --profile) profile=1; shift ;;
         *) args+=("$1"); shift ;;
     esac
 done
@@ -42,11 +47,20 @@ if [ -n "$in_flight" ]; then
     cargo pgrx install --release --pg-config "$pg_config" >/dev/null
     exec python3 bench/hot_in_flight.py "${args[@]}"
 fi
-[ "$pg" = 15 ] || args=(--out "RESULTS-pg$pg" "${args[@]}")
 if ! command -v redis-server >/dev/null || ! command -v redis-benchmark >/dev/null; then
     apt-get update -qq
     DEBIAN_FRONTEND=noninteractive apt-get install -y -qq redis-server >/dev/null
 fi
+if [ -n "$profile" ]; then
+    if ! command -v perf >/dev/null; then
+        apt-get update -qq
+        DEBIAN_FRONTEND=noninteractive apt-get install -y -qq linux-perf >/dev/null
+    fi
+    [ "$pg" = 15 ] || args=(--out "PROFILE-pg$pg" "${args[@]}")
+    cargo pgrx install --release --pg-config "$pg_config" >/dev/null
+    exec python3 bench/profile.py "${args[@]}"
+fi
+[ "$pg" = 15 ] || args=(--out "RESULTS-pg$pg" "${args[@]}")
 python3 -c "import matplotlib" 2>/dev/null || python3 -m pip install -q --root-user-action=ignore "matplotlib>=3.7,<4"
 cargo pgrx install --release --pg-config "$pg_config" >/dev/null
 exec python3 bench/bench.py "${args[@]}"
