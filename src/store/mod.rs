@@ -28,6 +28,7 @@ mod catalog;
 mod claim;
 mod complete;
 mod heap;
+mod path;
 mod sql;
 mod sweep;
 
