@@ -34,18 +34,9 @@ fn busy_result() -> ClaimResult {
     r
 }
 
-pub(crate) fn sleep_a_little() {
-    // SAFETY: waits on this backend's own latch from its main thread; WaitLatch raises no
-    // ERROR with these flags (it exits the process on postmaster death).
-    unsafe {
-        pg_sys::WaitLatch(
-            pg_sys::MyLatch,
-            (pg_sys::WL_LATCH_SET | pg_sys::WL_TIMEOUT | pg_sys::WL_EXIT_ON_PM_DEATH) as i32,
-            5,
-            pg_sys::PG_WAIT_EXTENSION,
-        );
-        pg_sys::ResetLatch(pg_sys::MyLatch);
-    }
+/// The pause before a busy key is looked at again: 5 ms, or less should the latch be set.
+fn sleep_a_little() {
+    crate::compat::wait_latch(5);
     pgrx::check_for_interrupts!();
 }
 

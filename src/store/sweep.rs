@@ -89,6 +89,29 @@ pub fn sweep_start() {
     CURSOR.with(|c| c.set(DT_NOBEGIN));
 }
 
+/// Runs batches until one comes back short: `next_batch()` gives the size of the next batch
+/// (None: stop before it), `delete(size)` deletes up to that many rows and says how many (None:
+/// stop), `after_full_batch()` runs after each full one (false: stop). Returns the rows
+/// deleted in all. `idempotency.sweep`, `idempotency.sweep_audit` and the background sweeper
+/// (keys and audit rows) all sweep through this one loop.
+pub fn in_batches(
+    mut next_batch: impl FnMut() -> Option<i64>,
+    mut delete: impl FnMut(i64) -> Option<i64>,
+    mut after_full_batch: impl FnMut() -> bool,
+) -> i64 {
+    let mut total = 0;
+    while let Some(batch) = next_batch() {
+        let Some(deleted) = delete(batch) else {
+            break;
+        };
+        total += deleted;
+        if deleted < batch || !after_full_batch() {
+            break;
+        }
+    }
+    total
+}
+
 /// Deletes up to `batch` expired rows whose scope starts with `prefix` ("": every row),
 /// skipping rows other transactions hold, in sweep-key order from where the last batch of this
 /// sweep ([`sweep_start`]) ended; counts them (`rows_swept`) and returns how many.
