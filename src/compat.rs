@@ -186,6 +186,26 @@ pub unsafe fn insert_index_tuples(
     }
 }
 
+/// Waits on this process's latch until it is set or `ms` milliseconds have passed, then resets
+/// it: the one latch wait of the extension (a claim's pause before it looks at a busy key
+/// again, the sweeper's naps, the debug builds' pause inside the look-up). It makes no error
+/// boundary and checks no interrupts, so it may run inside the look-up's boundary; callers
+/// outside one check interrupts themselves. It raises no ERROR: on postmaster death the process
+/// exits, as PostgreSQL's own processes do.
+pub(crate) fn wait_latch(ms: i64) {
+    // SAFETY: this process's own latch, waited on from its main thread; WaitLatch raises no
+    // ERROR with these flags (WL_EXIT_ON_PM_DEATH exits the process instead), ResetLatch none.
+    unsafe {
+        raw::WaitLatch(
+            pg_sys::MyLatch,
+            (pg_sys::WL_LATCH_SET | pg_sys::WL_TIMEOUT | pg_sys::WL_EXIT_ON_PM_DEATH) as i32,
+            ms.clamp(0, i32::MAX as i64) as std::ffi::c_long,
+            pg_sys::PG_WAIT_EXTENSION,
+        );
+        raw::ResetLatch(pg_sys::MyLatch);
+    }
+}
+
 /// Server functions declared directly, without pgrx's per-call error boundary: those
 /// `store/heap` calls inside one boundary of its own, those that only read backend state and
 /// cannot raise an error, and the V1 functions `DirectFunctionCall` calls from C. Every
@@ -207,11 +227,19 @@ pub mod raw {
         };
     }
 
-    // Backend state that cannot raise an error: called directly, no boundary needed.
+    // Backend state that cannot raise an error: called directly, no boundary needed. The latch
+    // calls too (`super::wait_latch`, with flags under which WaitLatch raises none).
     declare! {
         fn GetUserId() -> pg_sys::Oid;
         fn GetSessionUserId() -> pg_sys::Oid;
         fn GetCurrentTransactionStartTimestamp() -> pg_sys::TimestampTz;
+        fn WaitLatch(
+            latch: *mut pg_sys::Latch,
+            wake_events: c_int,
+            timeout: c_long,
+            wait_event_info: u32,
+        ) -> c_int;
+        fn ResetLatch(latch: *mut pg_sys::Latch);
     }
 
     // The V1 functions themselves, for DirectFunctionCall (which calls them from C): pgrx's
@@ -259,15 +287,6 @@ pub mod raw {
         fn GetLatestSnapshot() -> pg_sys::Snapshot;
         fn RegisterSnapshot(snapshot: pg_sys::Snapshot) -> pg_sys::Snapshot;
         fn UnregisterSnapshot(snapshot: pg_sys::Snapshot);
-        #[cfg(debug_assertions)]
-        fn WaitLatch(
-            latch: *mut pg_sys::Latch,
-            wake_events: c_int,
-            timeout: c_long,
-            wait_event_info: u32,
-        ) -> c_int;
-        #[cfg(debug_assertions)]
-        fn ResetLatch(latch: *mut pg_sys::Latch);
         fn slot_getsomeattrs_int(slot: *mut pg_sys::TupleTableSlot, attnum: c_int);
         fn pg_detoast_datum_copy(datum: *mut pg_sys::varlena) -> *mut pg_sys::varlena;
         fn ExecDropSingleTupleTableSlot(slot: *mut pg_sys::TupleTableSlot);

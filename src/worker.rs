@@ -67,7 +67,9 @@ fn reload_if_asked() {
 
 /// Sleeps up to `d`, waking early for a signal. Returns false once the worker should stop.
 fn nap(d: Duration) -> bool {
-    BackgroundWorker::wait_latch(Some(d)) && !shutdown_requested()
+    crate::compat::wait_latch(d.as_millis().min(i64::MAX as u128) as i64);
+    pgrx::check_for_interrupts!();
+    !BackgroundWorker::sigterm_received() && !shutdown_requested()
 }
 
 struct Database {
@@ -332,10 +334,11 @@ fn sweep_in_batches(
     delete_batch: fn(i64) -> Option<i64>,
     inflow: Option<fn(pg_sys::TimestampTz) -> i64>,
 ) -> i64 {
-    let mut total = 0i64;
     // Until the first pause has shown whether others write, assume they do: a full first batch
     // into a busy server is the one the application would notice.
-    let mut busy = true;
+    let busy = std::cell::Cell::new(true);
+    // The WAL position before the batch under way (its cycle: the batch and its pause).
+    let cycle = std::cell::Cell::new(wal_mark());
     // A sweeper's latch may be set from its start (the signals of its own startup): clear it,
     // or the first pause would end at once. A reload asked meanwhile is still seen, through
     // its own flag, after the first batch.
@@ -343,12 +346,12 @@ fn sweep_in_batches(
     unsafe { pg_sys::ResetLatch(pg_sys::MyLatch) };
     // SAFETY: reads the clock; never raises an error.
     let mut since = unsafe { pg_sys::GetCurrentTimestamp() };
-    loop {
+    let next_batch = || {
         if shutdown_requested() || database_wanted_exclusively() {
-            break;
+            return None;
         }
         let full = guc::SWEEP_BATCH_SIZE.get().max(1) as i64;
-        let batch = if busy {
+        let batch = if busy.get() {
             // Keep up with what expired since the last look, and take a slice of the backlog.
             let expired = match inflow {
                 Some(count) => {
@@ -366,32 +369,33 @@ fn sweep_in_batches(
             since = unsafe { pg_sys::GetCurrentTimestamp() };
             full
         };
-        let cycle = wal_mark();
-        let Some(deleted) = BackgroundWorker::transaction(move || delete_batch(batch)) else {
-            break;
-        };
-        total += deleted;
-        if deleted < batch {
-            break;
-        }
+        cycle.set(wal_mark());
+        Some(batch)
+    };
+    let after_full_batch = || {
         let delay = Duration::from_millis(guc::SWEEP_DELAY.get().max(0) as u64);
         if !delay.is_zero() {
-            let pause = pacing::pause(delay, busy);
+            let pause = pacing::pause(delay, busy.get());
             let napped = Instant::now();
             if !nap(pause) {
-                break;
+                return false;
             }
             // Whole: at least nine tenths of it (the latch's timeout is counted in whole
             // milliseconds, and may end a little before this clock says).
-            busy = pacing::busy_after(
-                busy,
-                pacing::others_wrote(&cycle, &wal_mark()),
+            busy.set(pacing::busy_after(
+                busy.get(),
+                pacing::others_wrote(&cycle.get(), &wal_mark()),
                 napped.elapsed() >= pause - pause / 10,
-            );
+            ));
         }
         reload_if_asked();
-    }
-    total
+        true
+    };
+    store::in_batches(
+        next_batch,
+        |batch| BackgroundWorker::transaction(move || delete_batch(batch)),
+        after_full_batch,
+    )
 }
 
 /// Where the WAL is and how much of it this process wrote: two of these around a cycle of the

@@ -132,10 +132,10 @@ impl TextArray<'_> {
         // SAFETY: a non-NULL text[] datum of the call; its elements are text datums that live
         // as long as the detoasted array, inside this call.
         unsafe {
-            let array = pgrx::Array::<pg_sys::Datum>::from_datum(self.0, false)?;
+            let (_, elements) = array_elements(self.0);
             Some(
-                array
-                    .iter()
+                elements
+                    .into_iter()
                     .map(|d| d.map(|d| encoding::text_of(d, arg).into_owned()))
                     .collect(),
             )
@@ -386,23 +386,36 @@ pub(super) unsafe fn array_arg(
     n: usize,
     arg: &str,
 ) -> Option<Vec<Option<pg_sys::Datum>>> {
-    // SAFETY: the caller's guarantees: a non-NULL argument `n` is an array datum; it is
-    // detoasted into the call's context, and deconstruct_array reads it with its element
-    // type's length, by-value flag and alignment, returning `count` datums and null flags.
-    unsafe {
+    // SAFETY: the caller's guarantees: a non-NULL argument `n` is an array datum.
+    let (ndim, elements) = unsafe {
         if pgrx::fcinfo::pg_arg_is_null(fcinfo, n) {
             return None;
         }
-        let raw = pgrx::fcinfo::pg_getarg_datum_raw(fcinfo, n);
-        let array = pg_sys::pg_detoast_datum(raw.cast_mut_ptr()) as *mut pg_sys::ArrayType;
+        array_elements(pgrx::fcinfo::pg_getarg_datum_raw(fcinfo, n))
+    };
+    if ndim > 1 {
+        raise(
+            PgSqlErrorCode::ERRCODE_ARRAY_ELEMENT_ERROR,
+            format!("{arg} must be a one-dimensional array (got {ndim} dimensions)"),
+            None,
+        );
+    }
+    Some(elements)
+}
+
+/// The one reader of array arguments: the elements of an array datum in storage order (an
+/// element None: NULL), with the array's number of dimensions. The element datums point into
+/// the detoasted array, which lives in the current memory context.
+///
+/// # Safety
+/// `datum` is a non-NULL array datum that lives as long as the current memory context.
+unsafe fn array_elements(datum: pg_sys::Datum) -> (i32, Vec<Option<pg_sys::Datum>>) {
+    // SAFETY: the caller's guarantees: the array is detoasted into the current context, and
+    // deconstruct_array reads it with its element type's length, by-value flag and alignment,
+    // returning `count` datums and null flags.
+    unsafe {
+        let array = pg_sys::pg_detoast_datum(datum.cast_mut_ptr()) as *mut pg_sys::ArrayType;
         let ndim = (*array).ndim;
-        if ndim > 1 {
-            raise(
-                PgSqlErrorCode::ERRCODE_ARRAY_ELEMENT_ERROR,
-                format!("{arg} must be a one-dimensional array (got {ndim} dimensions)"),
-                None,
-            );
-        }
         let elemtype = (*array).elemtype;
         let (mut len, mut byval, mut align) = (0i16, false, 0 as std::ffi::c_char);
         pg_sys::get_typlenbyvalalign(elemtype, &mut len, &mut byval, &mut align);
@@ -412,11 +425,10 @@ pub(super) unsafe fn array_arg(
         pg_sys::deconstruct_array(
             array, elemtype, len as i32, byval, align, &mut elems, &mut nulls, &mut count,
         );
-        Some(
-            (0..count.max(0) as usize)
-                .map(|i| (!*nulls.add(i)).then(|| *elems.add(i)))
-                .collect(),
-        )
+        let elements = (0..count.max(0) as usize)
+            .map(|i| (!*nulls.add(i)).then(|| *elems.add(i)))
+            .collect();
+        (ndim, elements)
     }
 }
 

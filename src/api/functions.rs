@@ -214,17 +214,17 @@ fn batch_size_arg(batch_size: Option<i32>) -> i64 {
     batch as i64
 }
 
-/// Runs `delete_batch` until a batch comes back short; returns the rows deleted in all.
+/// Runs `delete_batch` until a batch comes back short ([`store::in_batches`], checking for
+/// interrupts between batches); returns the rows deleted in all.
 fn in_batches(batch: i64, mut delete_batch: impl FnMut(i64) -> i64) -> i64 {
-    let mut total = 0;
-    loop {
-        let n = delete_batch(batch);
-        total += n;
-        if n < batch {
-            return total;
-        }
-        pgrx::check_for_interrupts!();
-    }
+    store::in_batches(
+        || Some(batch),
+        |b| Some(delete_batch(b)),
+        || {
+            pgrx::check_for_interrupts!();
+            true
+        },
+    )
 }
 
 /// `idempotency._count(event text)`: counts an event of a PL/pgSQL function (`release`;

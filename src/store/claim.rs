@@ -1,10 +1,9 @@
 //! The claim algorithm: the outcome table ([`crate::decision`]) applied to the key's row, read
 //! below SQL where it can be ([`heap`]) and through the statements ([`sql`]) where it must.
 
-use super::catalog::{
-    check_access, check_citus_node, direct_layout_for_write, key_label, sql_only,
-};
+use super::catalog::{check_access, check_citus_node, key_label};
 use super::heap::{self, probe, KeyInsertLock, Probe};
+use super::path::Path;
 use super::sql::{insert_batch, read_row, with_spi, write_claim, Write};
 use super::{spi_failed, ClaimRequest, ClaimResult, Outcome, Row, MAX_ROUNDS};
 use crate::decision::{self, Decision, Stored};
@@ -35,18 +34,9 @@ fn busy_result() -> ClaimResult {
     r
 }
 
-pub(crate) fn sleep_a_little() {
-    // SAFETY: waits on this backend's own latch from its main thread; WaitLatch raises no
-    // ERROR with these flags (it exits the process on postmaster death).
-    unsafe {
-        pg_sys::WaitLatch(
-            pg_sys::MyLatch,
-            (pg_sys::WL_LATCH_SET | pg_sys::WL_TIMEOUT | pg_sys::WL_EXIT_ON_PM_DEATH) as i32,
-            5,
-            pg_sys::PG_WAIT_EXTENSION,
-        );
-        pg_sys::ResetLatch(pg_sys::MyLatch);
-    }
+/// The pause before a busy key is looked at again: 5 ms, or less should the latch be set.
+fn sleep_a_little() {
+    crate::compat::wait_latch(5);
     pgrx::check_for_interrupts!();
 }
 
@@ -69,29 +59,27 @@ pub(crate) fn log_mismatch(req: &ClaimRequest<'_>, stored: Option<&[u8]>) {
 /// `idempotency.claim_wait`: uncommitted inserts and changes are seen through a dirty-snapshot
 /// probe and locked rows are skipped, both answered `in_progress`.
 ///
-/// Under READ COMMITTED (where every statement sees the newest committed data anyway) the
-/// probe's row is the answer: replays, mismatches and in-progress answers touch no SQL at all.
-/// Under REPEATABLE READ and SERIALIZABLE the row is read through the transaction's snapshot.
+/// The [`Path`] is chosen once per call. Under READ COMMITTED (where every statement sees the
+/// newest committed data anyway) the probe's row is the answer: replays, mismatches and
+/// in-progress answers touch no SQL at all. Under REPEATABLE READ and SERIALIZABLE the row is
+/// read through the transaction's snapshot; on a partitioned or Citus store through SQL alone.
 pub fn claim(req: &ClaimRequest<'_>) -> ClaimResult {
     check_access();
     let wait = Duration::from_millis(guc::int(&guc::CLAIM_WAIT).max(0) as u64);
     // Only a wait for a busy key needs the clock.
     let mut started = None;
-    // SAFETY: reads a backend variable, set for the transaction.
-    let snapshot_reads = unsafe { pg_sys::XactIsoLevel } >= pg_sys::XACT_REPEATABLE_READ as i32;
-    let sql_only = sql_only();
-    if sql_only {
+    let path = Path::choose("claim");
+    if path == Path::SqlOnly {
         // On Citus: this node must hand out tokens of its own range.
         check_citus_node();
     }
     let mut rounds = 0;
     while rounds < MAX_ROUNDS {
-        let step = if sql_only {
-            with_spi(|client| claim_sql(client, req))
-        } else if snapshot_reads {
-            with_spi(|client| match read_row(client, false, req)? {
-                Some(row) => decide(client, req, row),
-                None => match probe_or_insert(req, || insert(client, req)) {
+        let step = match path {
+            Path::SqlOnly => with_spi(|client| claim_sql(client, req)),
+            Path::Snapshot => with_spi(|client| match read_row(client, false, req)? {
+                Some(row) => decide(client, req, row, path),
+                None => match probe_or_insert(req, false, || insert(client, req)) {
                     Looked::Inserted(step) => step,
                     Looked::Found(Probe::Busy) => Ok(Step::Busy),
                     // Committed, but not in this REPEATABLE READ snapshot: the insert fails with
@@ -99,35 +87,9 @@ pub fn claim(req: &ClaimRequest<'_>) -> ClaimResult {
                     Looked::Found(Probe::Committed(_)) => insert(client, req),
                     Looked::Found(Probe::Absent | Probe::Changed) => Ok(Step::Again),
                 },
-            })
-        } else {
-            // First a look without the insert lock: a key that exists (the replay, mismatch and
-            // in-progress answers) needs no lock at all. Only an absent key is looked at again
-            // under the lock, confirmed, and inserted.
-            let found = match probe(req.scope, req.key, false) {
-                Probe::Absent => probe_or_insert(req, || match direct_layout_for_write() {
-                    Some(d) => Ok(Step::Done(heap::insert_direct(&d, req))),
-                    None => with_spi(|client| {
-                        Ok(write_claim(client, Write::InsertFresh, req)?
-                            .map_or(Step::Again, Step::Done))
-                    }),
-                }),
-                found => Looked::Found(found),
-            };
-            match found {
-                Looked::Inserted(step) => step,
-                Looked::Found(Probe::Busy) => Ok(Step::Busy),
-                Looked::Found(Probe::Committed(row)) => {
-                    match decision::decide(stored(&row), request_hash(req)) {
-                        d @ (Decision::Replay | Decision::Mismatch | Decision::InProgress) => {
-                            Ok(Step::Done(answer(req, d, row)))
-                        }
-                        Decision::Restart | Decision::TakeOver => {
-                            with_spi(|client| decide(client, req, row))
-                        }
-                    }
-                }
-                Looked::Found(Probe::Absent | Probe::Changed) => Ok(Step::Again),
+            }),
+            Path::Direct | Path::SqlWrites | Path::ForcedSqlWrites => {
+                claim_read_committed(req, path)
             }
         };
         match step {
@@ -153,13 +115,45 @@ pub fn claim(req: &ClaimRequest<'_>) -> ClaimResult {
     )
 }
 
+/// One round of a claim under READ COMMITTED, the look-up below SQL: first a look without the
+/// insert lock, since a key that exists (the replay, mismatch and in-progress answers) needs no
+/// lock at all. Only an absent key is looked at again under the lock, confirmed, and inserted:
+/// below SQL on the direct path (the table confirmed under its write lock), else by the
+/// statement.
+fn claim_read_committed(req: &ClaimRequest<'_>, path: Path) -> Result<Step, pgrx::spi::Error> {
+    let found = match probe(req.scope, req.key, false) {
+        Probe::Absent => probe_or_insert(req, true, || match path.write_layout("claim") {
+            Some(d) => Ok(Step::Done(heap::insert_direct(&d, req))),
+            None => with_spi(|client| {
+                Ok(write_claim(client, Write::InsertFresh, req)?.map_or(Step::Again, Step::Done))
+            }),
+        }),
+        found => Looked::Found(found),
+    };
+    match found {
+        Looked::Inserted(step) => step,
+        Looked::Found(Probe::Busy) => Ok(Step::Busy),
+        Looked::Found(Probe::Committed(row)) => {
+            match decision::decide(stored(&row), request_hash(req)) {
+                d @ (Decision::Replay | Decision::Mismatch | Decision::InProgress) => {
+                    Ok(Step::Done(answer(req, d, row)))
+                }
+                Decision::Restart | Decision::TakeOver => {
+                    with_spi(|client| decide(client, req, row, path))
+                }
+            }
+        }
+        Looked::Found(Probe::Absent | Probe::Changed) => Ok(Step::Again),
+    }
+}
+
 /// The claim through SQL alone, for a table whose rows the probe cannot see (a Citus
 /// distributed table, whose own relation is an empty shell): read the row and decide; an
 /// absent key is inserted with ON CONFLICT DO NOTHING, which waits for another transaction
 /// that is inserting the same key (as a unique check does) and then finds its row.
 fn claim_sql(client: &mut SpiClient<'_>, req: &ClaimRequest<'_>) -> Result<Step, pgrx::spi::Error> {
     match read_row(client, false, req)? {
-        Some(row) => decide(client, req, row),
+        Some(row) => decide(client, req, row, Path::SqlOnly),
         None => insert(client, req),
     }
 }
@@ -170,12 +164,14 @@ pub(crate) enum Looked {
 }
 
 /// One look at the key under its insert lock: an absent key is inserted at once (by `insert`);
-/// anything else is returned after the lock is released. The lock serializes probe+insert of
+/// anything else is returned after the lock is released. `confirm_miss` under READ COMMITTED
+/// (see below). The lock serializes probe+insert of
 /// a key across backends for a moment, so an insert never meets another claimer's
 /// half-finished insert of the same key (which would wait for that transaction to end). Under
 /// READ COMMITTED a key that exists was already answered by a look without the lock.
 fn probe_or_insert(
     req: &ClaimRequest<'_>,
+    confirm_miss: bool,
     insert: impl FnOnce() -> Result<Step, pgrx::spi::Error>,
 ) -> Looked {
     let _insert_lock = KeyInsertLock::acquire(req.scope, req.key);
@@ -184,9 +180,7 @@ fn probe_or_insert(
     // row should have been answered). Under REPEATABLE READ the insert's ON CONFLICT DO
     // NOTHING handles that race (the executor re-checks), and a fresh snapshot outside the
     // transaction's own would only confuse SERIALIZABLE's conflict checks.
-    // SAFETY: reads a backend variable.
-    let read_committed = unsafe { pg_sys::XactIsoLevel } < pg_sys::XACT_REPEATABLE_READ as i32;
-    match probe(req.scope, req.key, read_committed) {
+    match probe(req.scope, req.key, confirm_miss) {
         Probe::Absent => Looked::Inserted(insert()),
         found => Looked::Found(found),
     }
@@ -219,11 +213,12 @@ pub(crate) fn answer(req: &ClaimRequest<'_>, decision: Decision, row: Row) -> Cl
     }
 }
 
-/// Applies the outcome table to a row that exists.
+/// Applies the outcome table to a row that exists, found on `path`.
 fn decide(
     client: &mut SpiClient<'_>,
     req: &ClaimRequest<'_>,
     row: Row,
+    path: Path,
 ) -> Result<Step, pgrx::spi::Error> {
     match decision::decide(stored(&row), request_hash(req)) {
         d @ (Decision::Replay | Decision::Mismatch | Decision::InProgress) => {
@@ -232,7 +227,7 @@ fn decide(
         Decision::Restart | Decision::TakeOver => {
             // Lock the newest version without waiting, then decide again on it.
             let Some(locked) = read_row(client, true, req)? else {
-                if sql_only() {
+                if path == Path::SqlOnly {
                     // Through SQL: still there, so another claimer holds its row lock.
                     return Ok(match read_row(client, false, req)? {
                         Some(_) => Step::Busy,
@@ -333,7 +328,8 @@ pub fn claim_many(
 /// position is None, for the caller to claim one by one with [`claim`] (so a key that exists,
 /// is busy, or repeats an earlier position of the batch gets exactly `claim`'s answer).
 ///
-/// Only under READ COMMITTED on a table the probe can see (not Citus). The insert lock of each
+/// Only on a path that looks keys up below SQL ([`Path::looks_up_below_sql`]: READ COMMITTED,
+/// the store neither partitioned nor a Citus table). The insert lock of each
 /// distinct key is taken first, in the order of the locks' hash (so two batches never wait for
 /// each other in a cycle), and held until the insert has run, so no other claimer inserts any
 /// of the keys meanwhile, as for one key in [`probe_or_insert`]. Then, on a table the direct
@@ -354,9 +350,11 @@ fn claim_fresh_batch(
     lease: Interval,
 ) -> Vec<Option<ClaimResult>> {
     let mut out: Vec<Option<ClaimResult>> = keys.iter().map(|_| None).collect();
-    // SAFETY: reads a backend variable, set for the transaction.
-    let read_committed = unsafe { pg_sys::XactIsoLevel } < pg_sys::XACT_REPEATABLE_READ as i32;
-    if !read_committed || keys.is_empty() || sql_only() {
+    if keys.is_empty() {
+        return out;
+    }
+    let path = Path::choose("claim_many");
+    if !path.looks_up_below_sql() {
         return out;
     }
     check_access();
@@ -381,7 +379,7 @@ fn claim_fresh_batch(
             .map(|(j, token, expires_at)| (positions[j], token, expires_at))
             .collect::<Vec<_>>()
     };
-    let inserted = match direct_layout_for_write() {
+    let inserted = match path.write_layout("claim_many") {
         // Below SQL: each key looked at with the dirty probe alone (no confirmation), the absent
         // ones inserted at once. The unique index still checks each of them: a key the probe
         // missed (an update racing its scan, see `probe`) is a unique violation or a wait for

@@ -1,32 +1,24 @@
 //! Completion: the response stored on the live in-progress claim, directly in the heap under
 //! READ COMMITTED on a table as the extension made it, through the UPDATE statement otherwise.
 
-use super::catalog::{
-    check_access, check_citus_node, check_layout, direct_layout_for_write, layout, PinnedSearchPath,
-};
+use super::catalog::{check_access, check_citus_node, check_layout, layout, PinnedSearchPath};
+use super::path::Path;
 use super::{heap, sql, CompleteRequest};
 use pgrx::datum::TimestampWithTimeZone;
-use pgrx::pg_sys;
 
 /// Completes a claim (`req.key` in its stored form); None when there is no live in-progress
 /// claim with that token (the SQL wrapper then explains why, with its own SQLSTATE).
 ///
-/// Under READ COMMITTED the row is updated directly ([`heap::complete_direct`]); under REPEATABLE
-/// READ and SERIALIZABLE (whose snapshot and predicate-lock rules the executor applies) and on
-/// a table that is not as the extension made it (`catalog::direct_layout`: changed by hand,
-/// with rules, or published), through the UPDATE statement.
+/// On the direct [`Path`] (READ COMMITTED, the table as the extension made it) the row is
+/// updated below SQL ([`heap::complete_direct`]); on every other path (REPEATABLE READ and
+/// SERIALIZABLE, whose snapshot and predicate-lock rules the executor applies; a table changed
+/// by hand, with rules, or published; `idempotency.force_sql_path`; a partitioned or Citus
+/// store) through the UPDATE statement.
 pub fn complete(req: &CompleteRequest<'_>) -> Option<TimestampWithTimeZone> {
-    let _path = PinnedSearchPath::pin();
+    let _search_path = PinnedSearchPath::pin();
     // Both paths read the completed row's columns as the extension's types.
     check_layout(&layout());
-    // SAFETY: reads a backend variable, set for the transaction.
-    let read_committed = unsafe { pg_sys::XactIsoLevel } < pg_sys::XACT_REPEATABLE_READ as i32;
-    let direct = if read_committed {
-        direct_layout_for_write()
-    } else {
-        None
-    };
-    let done = match direct {
+    let done = match Path::choose("complete").write_layout("complete") {
         Some(d) => {
             check_access();
             heap::complete_direct(&d, req)

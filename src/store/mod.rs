@@ -28,6 +28,7 @@ mod catalog;
 mod claim;
 mod complete;
 mod heap;
+mod path;
 mod sql;
 mod sweep;
 
@@ -36,7 +37,7 @@ pub use catalog::{role_settings, stored_key};
 pub use claim::{claim, claim_many};
 pub use complete::complete;
 pub use heap::{now_plus, transaction_start};
-pub use sweep::{expired_since, sweep_audit_batch, sweep_batch, sweep_start};
+pub use sweep::{expired_since, in_batches, sweep_audit_batch, sweep_batch, sweep_start};
 
 /// A jsonb value copied out of an SPI result into the caller's memory context.
 pub struct OwnedJsonb(pub pg_sys::Datum);

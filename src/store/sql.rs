@@ -28,43 +28,55 @@ pub(crate) fn select_sql(lock: bool) -> String {
     )
 }
 
-pub(crate) const INSERT_SQL: &str = "INSERT INTO idempotency.idempotency_keys AS k \
-       (scope, key, request_hash, status, token, created_at, locked_until, expires_at, ttl) \
-     VALUES ($1, $2, $3, 'in_progress', pg_catalog.nextval('idempotency.token_seq'), pg_catalog.now(), \
-       pg_catalog.now() OPERATOR(pg_catalog.+) $4, pg_catalog.now() OPERATOR(pg_catalog.+) $5, $5) \
-     ON CONFLICT (scope, key) DO NOTHING \
-     RETURNING k.token, k.expires_at";
-
-/// The insert of a key that the probe, under the key's insert lock, found absent: no other
-/// claimer can insert it meanwhile, so no ON CONFLICT arbiter (its extra index check and
-/// speculative-insertion record) is needed. Under REPEATABLE READ the ON CONFLICT form is kept:
-/// it turns a row committed after the snapshot into the serialization error it must be.
-pub(crate) const INSERT_FRESH_SQL: &str = "INSERT INTO idempotency.idempotency_keys AS k \
-       (scope, key, request_hash, status, token, created_at, locked_until, expires_at, ttl) \
-     VALUES ($1, $2, $3, 'in_progress', pg_catalog.nextval('idempotency.token_seq'), pg_catalog.now(), \
-       pg_catalog.now() OPERATOR(pg_catalog.+) $4, pg_catalog.now() OPERATOR(pg_catalog.+) $5, $5) \
-     RETURNING k.token, k.expires_at";
-
-/// The insert of the keys of a `claim_many` that the probe, each under its key's insert lock
-/// (all held until this statement ends), found absent: one statement for the whole batch, in
-/// the batch's order, without ON CONFLICT for the reason [`INSERT_FRESH_SQL`] gives. $2 are the
-/// keys (stored form), $3 their request hashes (NULL elements: no request).
-const INSERT_BATCH_SQL: &str = "INSERT INTO idempotency.idempotency_keys AS k \
-       (scope, key, request_hash, status, token, created_at, locked_until, expires_at, ttl) \
-     SELECT $1, u.key, u.request_hash, 'in_progress', pg_catalog.nextval('idempotency.token_seq'), \
+/// The insert of fresh claims: `(scope, key, request_hash, ...)` of the columns a fresh claim
+/// sets, with the values of `status` through `ttl` ($4 the lease, $5 the TTL) that every fresh
+/// claim gets.
+const INSERT_INTO: &str = "INSERT INTO idempotency.idempotency_keys AS k \
+       (scope, key, request_hash, status, token, created_at, locked_until, expires_at, ttl)";
+const FRESH_CLAIM_VALUES: &str = "'in_progress', pg_catalog.nextval('idempotency.token_seq'), \
        pg_catalog.now(), pg_catalog.now() OPERATOR(pg_catalog.+) $4, \
-       pg_catalog.now() OPERATOR(pg_catalog.+) $5, $5 \
-       FROM ROWS FROM (pg_catalog.unnest($2), pg_catalog.unnest($3)) AS u(key, request_hash) \
-     RETURNING k.key, k.token, k.expires_at";
+       pg_catalog.now() OPERATOR(pg_catalog.+) $5, $5";
 
-/// [`INSERT_BATCH_SQL`] with `ON CONFLICT (scope, key) DO NOTHING`: the statement a batch runs
-/// first, holding the insert locks of all its keys without having looked at them; a key that
-/// exists is skipped (and claimed one by one afterwards).
-fn insert_batch_on_conflict_sql() -> String {
-    INSERT_BATCH_SQL.replace(
-        " RETURNING k.key",
-        " ON CONFLICT (scope, key) DO NOTHING RETURNING k.key",
-    )
+/// Which rows an insert of fresh claims takes ([`insert_sql`]).
+#[derive(Clone, Copy)]
+pub(crate) enum InsertRows {
+    /// One key: $1 the scope, $2 the key (stored form), $3 the request hash; returns the token
+    /// and expiry.
+    One,
+    /// The keys of a `claim_many` in the batch's order: $2 the keys (stored form), $3 their
+    /// request hashes (NULL elements: no request); returns each inserted key with its token
+    /// and expiry.
+    Batch,
+}
+
+/// The text of an insert of fresh claims, the one builder of them all.
+///
+/// With `on_conflict`, `ON CONFLICT (scope, key) DO NOTHING`: a key that exists is skipped.
+/// `claim` under REPEATABLE READ and SERIALIZABLE keeps it (it turns a row committed after the
+/// snapshot into the serialization error it must be), and on a partitioned or Citus store
+/// (where it waits for another transaction inserting the key); a batch runs it first, holding
+/// the insert locks of all its keys without having looked at them.
+///
+/// Without it, the insert of keys that the probe, under each key's insert lock (held until the
+/// statement ends), found absent: no other claimer can insert them meanwhile, so no arbiter
+/// (its extra index check and speculative-insertion record) is needed.
+pub(crate) fn insert_sql(rows: InsertRows, on_conflict: bool) -> String {
+    let (rows, returning) = match rows {
+        InsertRows::One => (format!("VALUES ($1, $2, $3, {FRESH_CLAIM_VALUES})"), ""),
+        InsertRows::Batch => (
+            format!(
+                "SELECT $1, u.key, u.request_hash, {FRESH_CLAIM_VALUES} \
+                   FROM ROWS FROM (pg_catalog.unnest($2), pg_catalog.unnest($3)) AS u(key, request_hash)"
+            ),
+            "k.key, ",
+        ),
+    };
+    let on_conflict = if on_conflict {
+        " ON CONFLICT (scope, key) DO NOTHING"
+    } else {
+        ""
+    };
+    format!("{INSERT_INTO} {rows}{on_conflict} RETURNING {returning}k.token, k.expires_at")
 }
 
 /// Rewrites an expired row as a fresh claim (it counted as absent). $6 is the new token, a
@@ -159,18 +171,21 @@ pub(crate) fn plan(
         Plan::SelectLocked => client
             .prepare_mut(select_sql(true).as_str(), &key_args)?
             .keep(),
-        Plan::Insert => client.prepare_mut(INSERT_SQL, &claim_args)?.keep(),
-        Plan::InsertFresh => client.prepare_mut(INSERT_FRESH_SQL, &claim_args)?.keep(),
+        Plan::Insert | Plan::InsertFresh => client
+            .prepare_mut(
+                insert_sql(InsertRows::One, matches!(which, Plan::Insert)).as_str(),
+                &claim_args,
+            )?
+            .keep(),
         Plan::Restart => client.prepare_mut(RESTART_SQL, &token_args)?.keep(),
         Plan::TakeOver => client.prepare_mut(TAKEOVER_SQL, &token_args)?.keep(),
         Plan::NextToken => client.prepare_mut(NEXT_TOKEN_SQL, &[])?.keep(),
         Plan::InsertBatch | Plan::InsertBatchOnConflict => client
             .prepare_mut(
-                if matches!(which, Plan::InsertBatch) {
-                    INSERT_BATCH_SQL.to_string()
-                } else {
-                    insert_batch_on_conflict_sql()
-                }
+                insert_sql(
+                    InsertRows::Batch,
+                    matches!(which, Plan::InsertBatchOnConflict),
+                )
                 .as_str(),
                 &[
                     text,
@@ -196,13 +211,13 @@ pub(crate) fn plan(
             .keep(),
         Plan::SweepByExpiresAt => client
             .prepare_mut(
-                SWEEP_BY_EXPIRES_AT_SQL,
+                sweep_by_expires_at_sql().as_str(),
                 &[PgOid::from(pg_sys::INT8OID), text],
             )?
             .keep(),
         Plan::Sweep => client
             .prepare_mut(
-                SWEEP_SQL,
+                sweep_sql(STORE).as_str(),
                 &[
                     PgOid::from(pg_sys::INT8OID),
                     text,
@@ -380,7 +395,7 @@ fn next_token_above(client: &mut SpiClient<'_>, old: i64) -> Result<i64, pgrx::s
 /// A key a batch inserted (its index in the `keys` given), its token and its expiry.
 pub(crate) type Inserted = (usize, Option<i64>, Option<TimestampWithTimeZone>);
 
-/// Inserts the fresh keys of a batch in one statement ([`INSERT_BATCH_SQL`]); returns each
+/// Inserts the fresh keys of a batch in one statement ([`insert_sql`]); returns each
 /// inserted key (its index in `keys`) with its token and expiry. The statement inserts in the
 /// order of `keys` and returns the inserted rows in that order, so each returned key is looked
 /// for from the previous one on (and from the start, should that find nothing).
@@ -479,15 +494,42 @@ const AUDIT_SQL: &str = "INSERT INTO idempotency.audit \
        (scope, key, key_is_hash, request_hash, token, response_status, completed_at, completed_by) \
      VALUES ($1, $2, $3, $4, $5, $6, pg_catalog.now(), $7)";
 
-/// Deletes up to $2 audit rows older than $1 seconds whose scope starts with $3 ('' for all),
-/// skipping rows other transactions hold.
-pub(crate) const AUDIT_SWEEP_SQL: &str = "DELETE FROM idempotency.audit AS a \
-     WHERE a.ctid OPERATOR(pg_catalog.=) ANY (ARRAY( \
-       SELECT s.ctid FROM idempotency.audit AS s \
-        WHERE s.completed_at OPERATOR(pg_catalog.<) (pg_catalog.now() \
-              OPERATOR(pg_catalog.-) pg_catalog.make_interval(secs => $1)) \
-          AND pg_catalog.starts_with(s.scope, $3) \
-        LIMIT $2 FOR UPDATE SKIP LOCKED))";
+/// The audit table, as statements name it.
+pub(crate) const AUDIT: &str = "idempotency.audit";
+
+/// Deletes up to $2 audit rows of `table` (the audit table, or one part of it) older than $1
+/// seconds whose scope starts with $3 ('' for all), skipping rows other transactions hold.
+pub(crate) fn audit_sweep_sql(table: &str) -> String {
+    delete_skip_locked(
+        table,
+        "s.completed_at OPERATOR(pg_catalog.<) (pg_catalog.now() \
+           OPERATOR(pg_catalog.-) pg_catalog.make_interval(secs => $1)) \
+         AND pg_catalog.starts_with(s.scope, $3)",
+        "",
+        "$2",
+        "",
+    )
+}
+
+/// The form of every sweep statement: a DELETE of the rows of `table` (schema-qualified) that a
+/// subquery selects by `condition` (over the alias `s`), in `order` (an `ORDER BY` clause, or
+/// empty), at most `limit` (a parameter) of them, skipping rows other transactions hold, then
+/// `returning` (a `RETURNING` clause, or empty). The rows are matched by ctid, which is unique
+/// within one table: on a partitioned or Citus store the statement runs part by part.
+fn delete_skip_locked(
+    table: &str,
+    condition: &str,
+    order: &str,
+    limit: &str,
+    returning: &str,
+) -> String {
+    format!(
+        "DELETE FROM {table} AS d \
+          WHERE d.ctid OPERATOR(pg_catalog.=) ANY (ARRAY( \
+            SELECT s.ctid FROM {table} AS s WHERE {condition} {order} \
+             LIMIT {limit} FOR UPDATE SKIP LOCKED)) {returning}"
+    )
+}
 
 /// The audit statements, prepared on first use (a store created by release 0.1.0 and not yet
 /// updated has no audit table).
@@ -529,7 +571,7 @@ pub(crate) fn audit_plans(client: &SpiClient<'_>) -> Result<&'static AuditPlans,
             .keep(),
         sweep: client
             .prepare_mut(
-                AUDIT_SWEEP_SQL,
+                audit_sweep_sql(AUDIT).as_str(),
                 &[
                     oid(pg_sys::FLOAT8OID),
                     oid(pg_sys::INT8OID),
@@ -614,41 +656,76 @@ pub(crate) fn audit(req: &CompleteRequest<'_>, done: &Completed) {
     .unwrap_or_else(|e| spi_failed("complete", e))
 }
 
-/// Deletes up to $1 expired rows whose scope starts with $2 ('' for all), in the order of
-/// their sweep key from $3 on (the key a previous batch of the same sweep reached; -infinity at
-/// first), through the index on it; returns their keys.
-///
-/// The sweep key of a row is the expiry its claim set, in UTC (`created_at + ttl`), the
-/// expression of the sweeper's index `idempotency_keys_sweep_idx`. It is never later than
-/// `expires_at` (a completion moves that only later, or changes `ttl`, and so the key, too),
-/// except by the clock change between a claim and its expiry when a calendar TTL (days, months)
-/// is added in a time zone with daylight saving time. `complete` changes neither column, so its
-/// update is HOT (docs/architecture.md#the-sweep-index). Rows whose key has passed but whose
-/// `expires_at` has not (completed after their claim, or with a longer TTL) are read and left;
-/// starting each batch where the last one ended reads them once per sweep, not once per batch.
-pub(crate) const SWEEP_SQL: &str = "DELETE FROM idempotency.idempotency_keys AS k \
-     WHERE k.ctid OPERATOR(pg_catalog.=) ANY (ARRAY( \
-       SELECT s.ctid FROM idempotency.idempotency_keys AS s \
-        WHERE ((s.created_at AT TIME ZONE 'UTC') OPERATOR(pg_catalog.+) s.ttl) \
-              OPERATOR(pg_catalog.<=) (pg_catalog.now() AT TIME ZONE 'UTC') \
-          AND ((s.created_at AT TIME ZONE 'UTC') OPERATOR(pg_catalog.+) s.ttl) \
-              OPERATOR(pg_catalog.>=) $3 \
-          AND s.expires_at OPERATOR(pg_catalog.<=) pg_catalog.now() \
-          AND pg_catalog.starts_with(s.scope, $2) \
-        ORDER BY ((s.created_at AT TIME ZONE 'UTC') OPERATOR(pg_catalog.+) s.ttl) \
-        LIMIT $1 FOR UPDATE SKIP LOCKED)) \
-     RETURNING ((k.created_at AT TIME ZONE 'UTC') OPERATOR(pg_catalog.+) k.ttl)";
+/// The store table, as statements name it.
+pub(crate) const STORE: &str = "idempotency.idempotency_keys";
 
-/// [`SWEEP_SQL`] for a store whose extension is not yet updated to 0.4.0 (the new library
+/// The sweep key of a row: the expiry its claim set, in UTC (`created_at + ttl`), the expression
+/// of the sweeper's index `idempotency_keys_sweep_idx` as `sql/idempotency.sql` writes it. Every
+/// statement that reads it is built from this one text; its columns are unqualified, so in each
+/// statement they are those of the innermost table read (the subquery's, in a DELETE's
+/// selection; the deleted row's, in its RETURNING clause).
+///
+/// It is never later than `expires_at` (a completion moves that only later, or changes `ttl`,
+/// and so the key, too), except by the clock change between a claim and its expiry when a
+/// calendar TTL (days, months) is added in a time zone with daylight saving time. `complete`
+/// changes neither column, so its update is HOT (docs/architecture.md#the-sweep-index).
+pub(crate) const SWEEP_KEY: &str = "((created_at AT TIME ZONE 'UTC') OPERATOR(pg_catalog.+) ttl)";
+
+/// Deletes up to $1 expired rows of `table` (the store, or one part of it) whose scope starts
+/// with $2 ('' for all), in the order of their [`SWEEP_KEY`] from $3 on (the key a previous
+/// batch of the same sweep reached; -infinity at first), through the index on it; returns their
+/// keys. Rows whose key has passed but whose `expires_at` has not (completed after their claim,
+/// or with a longer TTL) are read and left; starting each batch where the last one ended reads
+/// them once per sweep, not once per batch.
+pub(crate) fn sweep_sql(table: &str) -> String {
+    delete_skip_locked(
+        table,
+        &format!(
+            "{SWEEP_KEY} OPERATOR(pg_catalog.<=) (pg_catalog.now() AT TIME ZONE 'UTC') \
+             AND {SWEEP_KEY} OPERATOR(pg_catalog.>=) $3 \
+             AND s.expires_at OPERATOR(pg_catalog.<=) pg_catalog.now() \
+             AND pg_catalog.starts_with(s.scope, $2)"
+        ),
+        &format!("ORDER BY {SWEEP_KEY}"),
+        "$1",
+        &format!("RETURNING {SWEEP_KEY}"),
+    )
+}
+
+/// How many rows of `table` (the store, or one part of it) expired after $1 (and by now()):
+/// with the sweep index, an index range scan over the newest [`SWEEP_KEY`]s ($1 a timestamp in
+/// UTC); without it (a store not yet updated to 0.4.0), over `expires_at` ($1 a timestamptz).
+pub(crate) fn expired_since_sql(table: &str, sweep_index: bool) -> String {
+    if sweep_index {
+        format!(
+            "SELECT pg_catalog.count(*) FROM {table} AS s \
+              WHERE {SWEEP_KEY} OPERATOR(pg_catalog.>) $1 \
+                AND {SWEEP_KEY} OPERATOR(pg_catalog.<=) (pg_catalog.now() AT TIME ZONE 'UTC') \
+                AND s.expires_at OPERATOR(pg_catalog.<=) pg_catalog.now()"
+        )
+    } else {
+        format!(
+            "SELECT pg_catalog.count(*) FROM {table} AS s \
+              WHERE s.expires_at OPERATOR(pg_catalog.>) $1 \
+                AND s.expires_at OPERATOR(pg_catalog.<=) pg_catalog.now()"
+        )
+    }
+}
+
+/// [`sweep_sql`] for a store whose extension is not yet updated to 0.4.0 (the new library
 /// serves the old schema until `ALTER EXTENSION idempotency UPDATE`): it has the index on
 /// `expires_at`, not the sweep index, which the ordered statement would have to replace with a
 /// sort of every expired row per batch.
-pub(crate) const SWEEP_BY_EXPIRES_AT_SQL: &str = "DELETE FROM idempotency.idempotency_keys AS k \
-     WHERE k.ctid OPERATOR(pg_catalog.=) ANY (ARRAY( \
-       SELECT s.ctid FROM idempotency.idempotency_keys AS s \
-        WHERE s.expires_at OPERATOR(pg_catalog.<=) pg_catalog.now() \
-          AND pg_catalog.starts_with(s.scope, $2) \
-        LIMIT $1 FOR UPDATE SKIP LOCKED))";
+fn sweep_by_expires_at_sql() -> String {
+    delete_skip_locked(
+        STORE,
+        "s.expires_at OPERATOR(pg_catalog.<=) pg_catalog.now() \
+         AND pg_catalog.starts_with(s.scope, $2)",
+        "",
+        "$1",
+        "",
+    )
+}
 
 /// This node's shards of `table`: the placements in its group whose relation exists here (a
 /// shard being moved away stays until Citus drops it; one being moved here appears when the
@@ -687,16 +764,16 @@ pub(crate) fn local_parts(
         .collect())
 }
 
-/// A sweep on Citus or of a partitioned store: runs `statement`, a DELETE that names `table` (schema-qualified, as in
-/// the statement), on each of this node's shards of `table` in its place, until `batch` rows
-/// are deleted; `args(left)` gives the statement's arguments for at most `left` more rows.
-/// Each node sweeps the shards it holds (its background sweeper runs this): a DELETE of the
-/// distributed table with a row-locking subquery is no statement Citus runs across shards.
-/// Without Citus the parts are the table's partitions: the statement matches rows by ctid,
-/// which is unique in one partition only.
+/// A sweep on Citus or of a partitioned store: runs the DELETE `statement(part)` on each of this
+/// node's parts of `table` (schema-qualified), until `batch` rows are deleted; `args(left)`
+/// gives the statement's arguments for at most `left` more rows. Each node sweeps the shards
+/// it holds (its background sweeper runs this): a DELETE of the distributed table with a
+/// row-locking subquery is no statement Citus runs across shards. Without Citus the parts are
+/// the table's partitions: the statement matches rows by ctid, which is unique in one
+/// partition only.
 pub(crate) fn sweep_local_shards<'a>(
     table: &str,
-    statement: &str,
+    statement: impl Fn(&str) -> String,
     batch: i64,
     args: impl Fn(i64) -> Vec<pgrx::datum::DatumWithOid<'a>>,
 ) -> Result<i64, pgrx::spi::Error> {
@@ -708,9 +785,8 @@ pub(crate) fn sweep_local_shards<'a>(
             if deleted >= batch {
                 break;
             }
-            let sql = statement.replace(table, &shard);
             deleted += client
-                .update(sql.as_str(), None, &args(batch - deleted))?
+                .update(statement(&shard).as_str(), None, &args(batch - deleted))?
                 .len() as i64;
         }
         Ok(deleted)

@@ -6,7 +6,8 @@ use super::catalog::{check_no_inheritance_children, layout};
 use super::catalog::{citus_table, sql_only};
 use super::spi_failed;
 use super::sql::{
-    audit_plans, local_parts, plan, sweep_local_shards, Plan, AUDIT_SWEEP_SQL, SWEEP_SQL,
+    audit_plans, audit_sweep_sql, expired_since_sql, local_parts, plan, sweep_local_shards,
+    sweep_sql, Plan, AUDIT, STORE,
 };
 use crate::encoding;
 use pgrx::pg_sys;
@@ -15,31 +16,18 @@ use std::cell::Cell;
 
 /// How many rows still in the table expired after `since` (and by now()): the inflow the
 /// sweeper must keep up with while it yields to the application. An index range scan over the
-/// newest sweep keys only (see [`SWEEP_SQL`]): a row whose key was already at or before `since`
-/// but whose later `expires_at` passed since (completed late) is not counted; the estimate only
-/// sizes the next batch.
+/// newest sweep keys only ([`expired_since_sql`]): a row whose key was already at or before
+/// `since` but whose later `expires_at` passed since (completed late) is not counted; the
+/// estimate only sizes the next batch.
 pub fn expired_since(since: pg_sys::TimestampTz) -> i64 {
     let _path = PinnedSearchPath::pin();
-    let (statement, type_oid) = if sweep_index_exists() {
-        (
-            "SELECT pg_catalog.count(*) FROM idempotency.idempotency_keys AS s \
-              WHERE ((s.created_at AT TIME ZONE 'UTC') OPERATOR(pg_catalog.+) s.ttl) \
-                    OPERATOR(pg_catalog.>) $1 \
-                AND ((s.created_at AT TIME ZONE 'UTC') OPERATOR(pg_catalog.+) s.ttl) \
-                    OPERATOR(pg_catalog.<=) (pg_catalog.now() AT TIME ZONE 'UTC') \
-                AND s.expires_at OPERATOR(pg_catalog.<=) pg_catalog.now()",
-            // As a timestamp, `since` is the same instant in UTC (both count microseconds
-            // since 2000-01-01 00:00 UTC), which the sweep key is.
-            pg_sys::TIMESTAMPOID,
-        )
+    let sweep_index = sweep_index_exists();
+    // As a timestamp, `since` is the same instant in UTC (both count microseconds since
+    // 2000-01-01 00:00 UTC), which the sweep key is.
+    let type_oid = if sweep_index {
+        pg_sys::TIMESTAMPOID
     } else {
-        // Not yet updated to 0.4.0: its index is on expires_at.
-        (
-            "SELECT pg_catalog.count(*) FROM idempotency.idempotency_keys AS s \
-              WHERE s.expires_at OPERATOR(pg_catalog.>) $1 \
-                AND s.expires_at OPERATOR(pg_catalog.<=) pg_catalog.now()",
-            pg_sys::TIMESTAMPTZOID,
-        )
+        pg_sys::TIMESTAMPTZOID
     };
     let since = || {
         // SAFETY: a timestamptz (or the same value as a timestamp, see above) is passed by
@@ -51,10 +39,13 @@ pub fn expired_since(since: pg_sys::TimestampTz) -> i64 {
         // table would reach every node, and fail (and stop this node's sweep) while one is down.
         return Spi::connect(|client| {
             let mut total = 0i64;
-            for shard in local_parts(client, "idempotency.idempotency_keys")? {
-                let sql = statement.replace("idempotency.idempotency_keys", &shard);
+            for shard in local_parts(client, STORE)? {
                 let n = client
-                    .select(sql.as_str(), None, &[since()])?
+                    .select(
+                        expired_since_sql(&shard, sweep_index).as_str(),
+                        None,
+                        &[since()],
+                    )?
                     .first()
                     .get_one::<i64>()?;
                 total += n.unwrap_or(0);
@@ -63,7 +54,7 @@ pub fn expired_since(since: pg_sys::TimestampTz) -> i64 {
         })
         .unwrap_or(0);
     }
-    Spi::get_one_with_args::<i64>(statement, &[since()])
+    Spi::get_one_with_args::<i64>(&expired_since_sql(STORE, sweep_index), &[since()])
         .ok()
         .flatten()
         .unwrap_or(0)
@@ -79,7 +70,8 @@ static CURSOR: crate::local::BackendLocal<Cell<pg_sys::Timestamp>> =
 const DT_NOBEGIN: pg_sys::Timestamp = i64::MIN;
 
 /// Whether the store has the sweep index (0.4.0 on): a store not yet updated has its index on
-/// `expires_at` instead (see [`super::sql::SWEEP_BY_EXPIRES_AT_SQL`]), which the update drops.
+/// `expires_at` instead (swept by the 0.3.0 statement, `sql::sweep_by_expires_at_sql`), which
+/// the update drops.
 fn sweep_index_exists() -> bool {
     relation_oid(c"idempotency_keys_expires_at_idx") == pg_sys::InvalidOid
 }
@@ -87,6 +79,29 @@ fn sweep_index_exists() -> bool {
 /// Starts a sweep: its first batch begins at the start of the sweep index.
 pub fn sweep_start() {
     CURSOR.with(|c| c.set(DT_NOBEGIN));
+}
+
+/// Runs batches until one comes back short: `next_batch()` gives the size of the next batch
+/// (None: stop before it), `delete(size)` deletes up to that many rows and says how many (None:
+/// stop), `after_full_batch()` runs after each full one (false: stop). Returns the rows
+/// deleted in all. `idempotency.sweep`, `idempotency.sweep_audit` and the background sweeper
+/// (keys and audit rows) all sweep through this one loop.
+pub fn in_batches(
+    mut next_batch: impl FnMut() -> Option<i64>,
+    mut delete: impl FnMut(i64) -> Option<i64>,
+    mut after_full_batch: impl FnMut() -> bool,
+) -> i64 {
+    let mut total = 0;
+    while let Some(batch) = next_batch() {
+        let Some(deleted) = delete(batch) else {
+            break;
+        };
+        total += deleted;
+        if deleted < batch || !after_full_batch() {
+            break;
+        }
+    }
+    total
 }
 
 /// Deletes up to `batch` expired rows whose scope starts with `prefix` ("": every row),
@@ -110,7 +125,7 @@ fn delete_expired(batch: i64, prefix: &str) -> i64 {
     if sql_only() {
         // Shard by shard (Citus) or partition by partition: one cursor cannot span them, so
         // each batch starts at the start of each part's sweep index.
-        return sweep_local_shards("idempotency.idempotency_keys", SWEEP_SQL, batch, |left| {
+        return sweep_local_shards(STORE, sweep_sql, batch, |left| {
             vec![
                 left.into(),
                 encoding::spi_text(prefix, "idempotency.scope_prefix"),
@@ -167,7 +182,7 @@ pub fn sweep_audit_batch(retention_secs: f64, batch: i64, prefix: &str) -> i64 {
     if sql_only() {
         // idempotency.distribute() distributes the audit table with the store; with a
         // partitioned store, the plain audit table is its own only part.
-        return sweep_local_shards("idempotency.audit", AUDIT_SWEEP_SQL, batch, |left| {
+        return sweep_local_shards(AUDIT, audit_sweep_sql, batch, |left| {
             vec![
                 retention_secs.into(),
                 left.into(),

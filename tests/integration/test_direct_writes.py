@@ -11,7 +11,7 @@ import psycopg
 import pytest
 from psycopg.types.json import Jsonb
 
-from helpers import claim
+from helpers import claim, paths_taken
 
 
 def complete(conn, key, response, **kw):
@@ -128,34 +128,23 @@ def test_replays_return_stored_responses_of_every_size_and_storage(connect):
             assert claim(b, f"size-{name}", {"n": name})[2] == response, name
 
 
-# The store's write statements. A statement runs through SPI only once its plan is prepared
-# (once per backend, on first use) and kept in a "CachedPlanSource" memory context named by its
-# text; the direct writes prepare none. So the contexts of a session tell which way it wrote.
-SQL_WRITES = ("INSERT INTO idempotency.idempotency_keys",
-              "UPDATE idempotency.idempotency_keys AS k SET status = 'completed'")
-
-
-def prepared_writes(conn):
-    idents = [r[0] for r in conn.execute(
-        "SELECT ident FROM pg_backend_memory_contexts "
-        "WHERE name = 'CachedPlanSource' AND ident IS NOT NULL")]
-    return {s for s in SQL_WRITES if any(i.startswith(s) for i in idents)}
-
-
 def test_force_sql_path_sends_writes_through_the_statements(connect):
     """With idempotency.force_sql_path on, a fresh claim's insert and a completion's update run
     as the INSERT and UPDATE statements (as a trigger on the table makes them, without one),
     and leave the same rows and answers as the direct writes do."""
     direct, forced = connect(), connect()
     forced.execute("SET idempotency.force_sql_path = on")
+    taken = {}
     for conn, key in ((direct, "fsp-direct"), (forced, "fsp-sql")):
-        with conn.transaction():
-            assert claim(conn, key, None)[0] == "new"
-            complete(conn, key, {"ok": True}, response_status=201)
+        def write():
+            with conn.transaction():
+                assert claim(conn, key, None)[0] == "new"
+                complete(conn, key, {"ok": True}, response_status=201)
+        taken[key] = paths_taken(conn, write)
         replay = claim(conn, key, None)
         assert replay[0] == "replay", replay
-    assert prepared_writes(direct) == set()
-    assert prepared_writes(forced) == set(SQL_WRITES)
+    assert taken["fsp-direct"] == ["claim direct", "complete direct"]
+    assert taken["fsp-sql"] == ["claim forced_sql_writes", "complete forced_sql_writes"]
     rows = direct.execute(
         """SELECT key, status::text, response, response_status, locked_until IS NULL,
                   completed_at = created_at, expires_at - completed_at, request_hash IS NULL
@@ -166,7 +155,46 @@ def test_force_sql_path_sends_writes_through_the_statements(connect):
     plain = connect()
     plain.execute("SET idempotency.force_sql_path = on")
     plain.execute("RESET idempotency.force_sql_path")
-    with plain.transaction():
-        assert claim(plain, "fsp-reset", None)[0] == "new"
-        complete(plain, "fsp-reset", {"ok": True})
-    assert prepared_writes(plain) == set()
+
+    def write():
+        with plain.transaction():
+            assert claim(plain, "fsp-reset", None)[0] == "new"
+            complete(plain, "fsp-reset", {"ok": True})
+    assert paths_taken(plain, write) == ["claim direct", "complete direct"]
+
+
+@pytest.mark.parametrize("isolation", ["READ COMMITTED", "REPEATABLE READ", "SERIALIZABLE"])
+def test_each_call_reports_the_path_of_the_table_it_takes(connect, isolation):
+    """Which path a call takes (docs/architecture.md) is decided once per call, and reported at
+    DEBUG1: the direct path on the table as the extension made it under READ COMMITTED, the
+    statements for the writes on a changed table (here a trigger), the snapshot path under
+    REPEATABLE READ and SERIALIZABLE on either; a replay reports its path and writes nothing."""
+    a = connect()
+    a.execute("CREATE OR REPLACE FUNCTION public.keep() RETURNS trigger LANGUAGE plpgsql AS "
+              "$$ BEGIN RETURN NEW; END $$")
+    rc = isolation == "READ COMMITTED"
+    for changed in (False, True):
+        if changed:
+            a.execute("CREATE TRIGGER keep BEFORE INSERT OR UPDATE ON idempotency.idempotency_keys "
+                      "FOR EACH ROW EXECUTE FUNCTION public.keep()")
+        key = f"path-{isolation}-{changed}"
+
+        def calls():
+            with a.transaction():
+                a.execute(f"SET TRANSACTION ISOLATION LEVEL {isolation}")
+                assert claim(a, key, {"n": 1})[0] == "new"
+                complete(a, key, {"ok": True})
+                assert claim(a, key, {"n": 1})[0] == "replay"
+                a.execute("SELECT * FROM idempotency.claim_many(ARRAY[%s, %s], NULL)",
+                          (key, key + "-2")).fetchall()
+        try:
+            taken = paths_taken(a, calls)
+        finally:
+            a.execute("DROP TRIGGER IF EXISTS keep ON idempotency.idempotency_keys")
+        path = ("sql_writes" if changed else "direct") if rc else "snapshot"
+        # claim_many claims the key it finds (and, off READ COMMITTED, every key) one by one.
+        many = [f"claim_many {path}", "claim " + path] + ([] if rc else ["claim " + path])
+        assert taken == [f"claim {path}", f"complete {path}", f"claim {path}"] + many, taken
+        assert a.execute("SELECT count(*) FROM idempotency.idempotency_keys WHERE key LIKE %s",
+                         (key + "%",)).fetchone()[0] == 2
+    a.execute("DROP FUNCTION public.keep()")

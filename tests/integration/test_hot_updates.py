@@ -39,12 +39,27 @@ def index_entries(conn, index):
                         (index, index)).fetchone()[0]
 
 
-def sweep_sql():
-    """SWEEP_SQL as src/store/sql.rs has it (a Rust string with line continuations)."""
+def sweep_sql(conn):
+    """The sweep statement as the library runs it: a sweep (of an empty store) prepares it in the
+    session, whose plan cache keeps its text as the identifier of its memory context."""
+    assert conn.execute("SELECT count(*) FROM idempotency.idempotency_keys").fetchone()[0] == 0
+    conn.execute("SELECT idempotency.sweep()")
+    texts = [r[0] for r in conn.execute(
+        "SELECT ident FROM pg_backend_memory_contexts WHERE name = 'CachedPlanSource' "
+        "AND ident LIKE 'DELETE FROM idempotency.idempotency_keys %' AND ident LIKE '%RETURNING%'")]
+    assert len(texts) == 1, texts
+    return texts[0]
+
+
+def test_the_statements_sweep_key_is_the_expression_the_sweep_index_is_on():
+    """Every statement that reads the sweep key is built from one text of it (`SWEEP_KEY`): it
+    must be the expression the install script indexes, or the sweep would scan the table."""
     src = open(os.path.join(ROOT, "src", "store", "sql.rs")).read()
-    m = re.search(r'pub\(crate\) const SWEEP_SQL: &str = "(.*?)";', src, re.S)
-    assert m, "SWEEP_SQL not found in src/store/sql.rs"
-    return re.sub(r"\\\n\s*", "", m.group(1))
+    key = re.search(r'pub\(crate\) const SWEEP_KEY: &str = "(.*?)";', src, re.S).group(1)
+    script = open(os.path.join(ROOT, "sql", "idempotency.sql")).read()
+    index = re.search(r"CREATE INDEX idempotency_keys_sweep_idx[^;]*;", script).group(0)
+    assert key in " ".join(index.split()), (key, index)
+    assert src.count("AT TIME ZONE 'UTC') OPERATOR(pg_catalog.+)") == 1, "a second copy of the sweep key"
 
 
 @pytest.mark.parametrize("path", ["direct", "sql"])
@@ -149,10 +164,11 @@ def fill(conn, rows):
 
 def test_the_sweep_finds_expired_rows_through_the_index_not_a_sequential_scan(connect):
     a = connect()
+    statement = sweep_sql(a)
     fill(a, 50_000)
     a.execute("ANALYZE idempotency.idempotency_keys")
     assert a.execute("SELECT count(*) FROM idempotency.idempotency_keys").fetchone()[0] == 50_000
-    a.execute(f"PREPARE sweep_stmt(bigint, text, timestamp) AS {sweep_sql()}")
+    a.execute(f"PREPARE sweep_stmt(bigint, text, timestamp) AS {statement}")
     for mode in ("force_custom_plan", "force_generic_plan"):
         a.execute(f"SET plan_cache_mode = {mode}")
         for start in ("-infinity", "2000-01-01"):

@@ -12,6 +12,7 @@ import psycopg
 import pytest
 
 from cluster import PG_BIN
+from helpers import paths_taken
 
 DB = "partitioned"
 PARTS = 8
@@ -53,6 +54,20 @@ def complete(c, key, response, scope="", token=None, status=200):
 def rows_per_partition(c):
     return dict(c.execute("SELECT tableoid::regclass::text, count(*) FROM idempotency.idempotency_keys "
                           "GROUP BY 1").fetchall())
+
+
+@pytest.mark.native_only("the library's report of the path it takes")
+def test_claims_batches_and_completions_take_the_sql_only_path(p):
+    """The parent holds no rows, so the look-up below SQL would find nothing: every call goes
+    through SQL (the `sql_only` path), at READ COMMITTED too, and says so at DEBUG1."""
+    def calls():
+        assert claim(p, "po-1")[0] == "new"
+        assert complete(p, "po-1", {"ok": True}) is not None
+        assert claim(p, "po-1")[0] == "replay"
+        p.execute("SELECT * FROM idempotency.claim_many(ARRAY['po-2'], NULL)").fetchall()
+    assert paths_taken(p, calls) == ["claim sql_only", "complete sql_only", "claim sql_only",
+                                     "claim_many sql_only", "claim sql_only"]
+    assert p.execute("SELECT count(*) FROM idempotency.idempotency_keys").fetchone()[0] == 2
 
 
 @pytest.mark.extension_only("the partitions are members of the extension, kept by pg_dump as configuration")

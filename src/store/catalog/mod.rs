@@ -20,7 +20,7 @@ mod key_storage;
 mod role_settings;
 
 pub(crate) use columns::{looked_up_index, Column, COLUMNS, LOOKED_UP, LOOKED_UP_COUNT};
-pub(crate) use direct::{direct_layout_for_write, DirectLayout};
+pub(crate) use direct::{direct_layout, direct_layout_for_write, DirectLayout};
 pub use key_storage::{key_label, stored_key};
 pub(crate) use key_storage::{keys_hashed, KeyStorage};
 pub use role_settings::role_settings;

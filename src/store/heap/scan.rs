@@ -37,8 +37,6 @@ use crate::compat::raw::{
     ExecDropSingleTupleTableSlot, ExecFetchSlotHeapTuple, GetLatestSnapshot, RegisterSnapshot,
     ScanKeyInit, UnregisterSnapshot,
 };
-#[cfg(debug_assertions)]
-use crate::compat::raw::{ResetLatch, WaitLatch};
 
 /// The columns the look-up reads, in the order of `catalog::LOOKED_UP`.
 const N: usize = LOOKED_UP_COUNT;
@@ -169,33 +167,18 @@ unsafe fn copy_columns(slot: *mut pg_sys::TupleTableSlot, att: &[i32; N], found:
 }
 
 /// Waits `ms` milliseconds (debug builds only: the test hook between index and heap).
-///
-/// # Safety
-/// Called on the backend's main thread, inside the scan's error boundary.
 #[cfg(debug_assertions)]
-unsafe fn pause(ms: i32) {
+fn pause(ms: i32) {
     if ms > 0 {
-        // SAFETY: called on the backend's main thread; WaitLatch raises no error with these
-        // flags (it exits the process on postmaster death).
-        unsafe {
-            WaitLatch(
-                pg_sys::MyLatch,
-                (pg_sys::WL_LATCH_SET | pg_sys::WL_TIMEOUT | pg_sys::WL_EXIT_ON_PM_DEATH) as i32,
-                ms as std::ffi::c_long,
-                pg_sys::PG_WAIT_EXTENSION,
-            );
-            ResetLatch(pg_sys::MyLatch);
-        }
+        // Makes no error boundary and raises no error: fit for inside the scan's boundary.
+        crate::compat::wait_latch(ms as i64);
     }
 }
 
 /// Release builds: nothing.
-///
-/// # Safety
-/// None needed; unsafe as the debug build's.
 #[cfg(not(debug_assertions))]
 #[inline(always)]
-unsafe fn pause(_ms: i32) {}
+fn pause(_ms: i32) {}
 
 /// The next version the index scan finds, as `index_getnext_slot` does it (which is these
 /// two calls), with the test pause between the index and the heap.
