@@ -1738,3 +1738,42 @@ def test_store_distributed_by_a_uuid_tenant(citus):
             with pytest.raises(psycopg.Error) as e:
                 c.execute("SELECT idempotency.claim('buy', '{}', %s)", (bad,))
             assert e.value.sqlstate == "22P02", (bad, e.value)
+
+
+def test_node_added_to_a_bigint_tenant_store_after_its_tenant_columns(citus, typed):
+    """Adding a node to a store distributed by its tenant: Citus creates the extension on the
+    new node with shell tables without the tenant column, which its metadata names, so the
+    node's activation fails. Prepared as docs/scaling.md says (citus, idempotency and
+    _tenant_columns('bigint') on the new node first), the node is added, distribute() gives it
+    its token class, a rebalance moves shards to it, and keys of its shards are claimed there,
+    replay and keep their orders colocated. Last in this file: the node stays in that database."""
+    from cluster import Cluster
+    from citus_cluster import CITUS_PG_BIN
+    t = typed
+    w = Cluster(settings=citus.settings, bin=CITUS_PG_BIN).start()
+    try:
+        with psycopg.connect(w.conninfo(), autocommit=True) as c:
+            c.execute("CREATE DATABASE typed")
+        with psycopg.connect(w.conninfo().replace(f"dbname={w.dbname}", "dbname=typed"), autocommit=True) as c:
+            c.execute("CREATE EXTENSION citus")
+            c.execute("CREATE EXTENSION idempotency")
+            assert "tenant" in c.execute("SELECT idempotency._tenant_columns('bigint')").fetchone()[0]
+        t.execute("SELECT citus_add_node('127.0.0.1', %s)", (w.port,))
+        notices = []
+        t.add_notice_handler(lambda d: notices.append(d.message_primary))
+        t.execute("SELECT idempotency.distribute()")
+        assert any(f":{w.port} now hands out tokens" in n for n in notices), notices
+        t.execute("SELECT rebalance_table_shards('shop.orders', shard_transfer_mode => 'block_writes')")
+        group = t.execute("SELECT groupid FROM pg_dist_node WHERE nodeport = %s", (w.port,)).fetchone()[0]
+        tenant = tenant_on(t, w.port, start=5000)
+        box = {}
+        sent = commands_with_nodes(t, lambda: box.update(r=typed_claim(t, "new-node", {"n": 1}, tenant)))
+        r = box["r"]
+        assert r[0] == "new" and r[1] % STRIDE == group, (r, group)
+        assert len(sent) == 1 and f":{w.port}" in sent[0][1], sent
+        with t.transaction():
+            t.execute("INSERT INTO shop.orders VALUES (%s, 1, 10)", (tenant,))
+            typed_complete(t, "new-node", {"ok": 1}, tenant, token=r[1])
+        assert typed_claim(t, "new-node", {"n": 1}, tenant)[:3] == ("replay", r[1], {"ok": 1})
+    finally:
+        w.destroy()
