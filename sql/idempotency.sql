@@ -177,6 +177,43 @@ RETURNS void
 LANGUAGE c VOLATILE PARALLEL SAFE
 AS 'MODULE_PATHNAME', 'idempotency_check_recovery_point';
 
+-- The condition on the tenant that the PL/pgSQL functions add to their statements on a store
+-- distributed by its tenant (distribute(tenant_type => ...), Citus), so that Citus sends each
+-- to the tenant's shard alone: ' AND k.tenant OPERATOR(pg_catalog.=) <the scope as the type>'; ''
+-- on any other store. A scope that is not the tenant id as the type writes it is refused
+-- (22P02, naming scope), as claim and complete refuse it.
+CREATE FUNCTION idempotency._tenant_filter(scope text)
+RETURNS text
+LANGUAGE plpgsql STABLE
+SET search_path = pg_catalog, pg_temp
+AS $fn$
+DECLARE
+    v_tenant pg_catalog.regtype;
+BEGIN
+    SELECT a.atttypid::pg_catalog.regtype INTO v_tenant FROM pg_catalog.pg_attribute AS a
+     WHERE a.attrelid OPERATOR(pg_catalog.=) 'idempotency.idempotency_keys'::pg_catalog.regclass
+       AND a.attname OPERATOR(pg_catalog.=) 'tenant' AND NOT a.attisdropped;
+    IF v_tenant IS NULL OR _tenant_filter.scope IS NULL THEN
+        RETURN '';
+    END IF;
+    IF NOT (CASE WHEN v_tenant OPERATOR(pg_catalog.=) 'bigint'::pg_catalog.regtype
+                THEN _tenant_filter.scope OPERATOR(pg_catalog.~) '^(0|-?[1-9][0-9]{0,18})$'
+                     AND _tenant_filter.scope::pg_catalog.numeric
+                         OPERATOR(pg_catalog.<=) 9223372036854775807::pg_catalog.numeric
+                     AND _tenant_filter.scope::pg_catalog.numeric
+                         OPERATOR(pg_catalog.>=) (-9223372036854775808)::pg_catalog.numeric
+                ELSE _tenant_filter.scope OPERATOR(pg_catalog.~) '^[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}$'
+           END) THEN
+        RAISE EXCEPTION USING
+            ERRCODE = 'invalid_text_representation',
+            MESSAGE = pg_catalog.format('scope must be a tenant id of this store, a %s as PostgreSQL writes it: got %L',
+                                        v_tenant, _tenant_filter.scope),
+            HINT = 'the store is distributed by its tenant (idempotency.distribute(tenant_type => ...)): pass the tenant id as the scope';
+    END IF;
+    RETURN pg_catalog.format(' AND k.tenant OPERATOR(pg_catalog.=) %L::%s', _tenant_filter.scope, v_tenant);
+END
+$fn$;
+
 -- Raises the error that explains why complete/checkpoint found no row it may change.
 CREATE FUNCTION idempotency._raise_not_claimed(p_key text, p_scope text, p_token bigint, p_action text)
 RETURNS timestamptz
@@ -185,29 +222,24 @@ SET search_path = pg_catalog, pg_temp
 AS $fn$
 DECLARE
     r record;
-    v_tenant pg_catalog.regtype;
+    v_filter text;
     v_key text := idempotency._stored_key(p_key, p_scope);
     -- Messages name a hashed key as (hashed): nothing of its stored form, which the caller
     -- could otherwise have computed for any key and matched against a copy of the table.
     v_label text := CASE WHEN v_key OPERATOR(pg_catalog.=) p_key THEN pg_catalog.quote_literal(p_key)
                          ELSE '(hashed)' END;
 BEGIN
-    -- A store distributed by its tenant (distribute(tenant_type => ...)) has a column tenant,
-    -- which the statement names too, so that Citus reads the tenant's shard alone.
-    SELECT a.atttypid::pg_catalog.regtype INTO v_tenant FROM pg_catalog.pg_attribute AS a
-     WHERE a.attrelid OPERATOR(pg_catalog.=) 'idempotency.idempotency_keys'::pg_catalog.regclass
-       AND a.attname OPERATOR(pg_catalog.=) 'tenant' AND NOT a.attisdropped;
-    IF v_tenant IS NULL THEN
+    -- A store distributed by its tenant: the statement names the tenant too (_tenant_filter).
+    v_filter := idempotency._tenant_filter(p_scope);
+    IF v_filter OPERATOR(pg_catalog.=) '' THEN
         SELECT k.status, k.token, k.expires_at OPERATOR(pg_catalog.>) pg_catalog.now() AS live
           INTO r
           FROM idempotency.idempotency_keys AS k
          WHERE k.scope OPERATOR(pg_catalog.=) p_scope AND k.key OPERATOR(pg_catalog.=) v_key;
     ELSE
-        EXECUTE pg_catalog.format(
-            'SELECT k.status, k.token, k.expires_at OPERATOR(pg_catalog.>) pg_catalog.now() AS live '
-            'FROM idempotency.idempotency_keys AS k WHERE k.scope OPERATOR(pg_catalog.=) $1 '
-            'AND k.key OPERATOR(pg_catalog.=) $2 AND k.tenant OPERATOR(pg_catalog.=) %L::%s',
-            p_scope, v_tenant)
+        EXECUTE 'SELECT k.status, k.token, k.expires_at OPERATOR(pg_catalog.>) pg_catalog.now() AS live '
+                'FROM idempotency.idempotency_keys AS k WHERE k.scope OPERATOR(pg_catalog.=) $1 '
+                'AND k.key OPERATOR(pg_catalog.=) $2' OPERATOR(pg_catalog.||) v_filter
           INTO r USING p_scope, v_key;
     END IF;
     IF r IS NULL OR NOT r.live THEN
@@ -344,17 +376,31 @@ AS $fn$
 #variable_conflict use_column
 DECLARE
     v_key text;
+    v_filter text;
+    v_rows bigint;
 BEGIN
     v_key := idempotency._stored_key(checkpoint.key, checkpoint.scope);
     PERFORM idempotency._check_recovery_point(checkpoint.recovery_point);
-    UPDATE idempotency.idempotency_keys AS k
-       SET recovery_point = checkpoint.recovery_point
-     WHERE k.scope OPERATOR(pg_catalog.=) checkpoint.scope
-       AND k.key OPERATOR(pg_catalog.=) v_key
-       AND k.status OPERATOR(pg_catalog.=) 'in_progress'::idempotency.key_status
-       AND k.expires_at OPERATOR(pg_catalog.>) pg_catalog.now()
-       AND (checkpoint.token IS NULL OR k.token OPERATOR(pg_catalog.=) checkpoint.token);
-    IF NOT FOUND THEN
+    v_filter := idempotency._tenant_filter(checkpoint.scope);
+    IF v_filter OPERATOR(pg_catalog.=) '' THEN
+        UPDATE idempotency.idempotency_keys AS k
+           SET recovery_point = checkpoint.recovery_point
+         WHERE k.scope OPERATOR(pg_catalog.=) checkpoint.scope
+           AND k.key OPERATOR(pg_catalog.=) v_key
+           AND k.status OPERATOR(pg_catalog.=) 'in_progress'::idempotency.key_status
+           AND k.expires_at OPERATOR(pg_catalog.>) pg_catalog.now()
+           AND (checkpoint.token IS NULL OR k.token OPERATOR(pg_catalog.=) checkpoint.token);
+        GET DIAGNOSTICS v_rows = ROW_COUNT;
+    ELSE
+        EXECUTE 'UPDATE idempotency.idempotency_keys AS k SET recovery_point = $1 '
+                'WHERE k.scope OPERATOR(pg_catalog.=) $2 AND k.key OPERATOR(pg_catalog.=) $3 '
+                'AND k.status OPERATOR(pg_catalog.=) ''in_progress''::idempotency.key_status '
+                'AND k.expires_at OPERATOR(pg_catalog.>) pg_catalog.now() '
+                'AND ($4 IS NULL OR k.token OPERATOR(pg_catalog.=) $4)' OPERATOR(pg_catalog.||) v_filter
+          USING checkpoint.recovery_point, checkpoint.scope, v_key, checkpoint.token;
+        GET DIAGNOSTICS v_rows = ROW_COUNT;
+    END IF;
+    IF v_rows OPERATOR(pg_catalog.=) 0 THEN
         PERFORM idempotency._raise_not_claimed(checkpoint.key, checkpoint.scope, checkpoint.token, 'checkpoint');
     END IF;
 END
@@ -368,15 +414,29 @@ AS $fn$
 #variable_conflict use_column
 DECLARE
     v_key text;
+    v_filter text;
+    v_rows bigint;
 BEGIN
     v_key := idempotency._stored_key(release.key, release.scope);
-    DELETE FROM idempotency.idempotency_keys AS k
-     WHERE k.scope OPERATOR(pg_catalog.=) release.scope
-       AND k.key OPERATOR(pg_catalog.=) v_key
-       AND k.status OPERATOR(pg_catalog.=) 'in_progress'::idempotency.key_status
-       AND k.expires_at OPERATOR(pg_catalog.>) pg_catalog.now()
-       AND (release.token IS NULL OR k.token OPERATOR(pg_catalog.=) release.token);
-    IF FOUND THEN
+    v_filter := idempotency._tenant_filter(release.scope);
+    IF v_filter OPERATOR(pg_catalog.=) '' THEN
+        DELETE FROM idempotency.idempotency_keys AS k
+         WHERE k.scope OPERATOR(pg_catalog.=) release.scope
+           AND k.key OPERATOR(pg_catalog.=) v_key
+           AND k.status OPERATOR(pg_catalog.=) 'in_progress'::idempotency.key_status
+           AND k.expires_at OPERATOR(pg_catalog.>) pg_catalog.now()
+           AND (release.token IS NULL OR k.token OPERATOR(pg_catalog.=) release.token);
+        GET DIAGNOSTICS v_rows = ROW_COUNT;
+    ELSE
+        EXECUTE 'DELETE FROM idempotency.idempotency_keys AS k '
+                'WHERE k.scope OPERATOR(pg_catalog.=) $1 AND k.key OPERATOR(pg_catalog.=) $2 '
+                'AND k.status OPERATOR(pg_catalog.=) ''in_progress''::idempotency.key_status '
+                'AND k.expires_at OPERATOR(pg_catalog.>) pg_catalog.now() '
+                'AND ($3 IS NULL OR k.token OPERATOR(pg_catalog.=) $3)' OPERATOR(pg_catalog.||) v_filter
+          USING release.scope, v_key, release.token;
+        GET DIAGNOSTICS v_rows = ROW_COUNT;
+    END IF;
+    IF v_rows OPERATOR(pg_catalog.>) 0 THEN
         PERFORM idempotency._count('release');
         RETURN true;
     END IF;
@@ -392,13 +452,22 @@ AS $fn$
 #variable_conflict use_column
 DECLARE
     v_key text;
+    v_filter text;
     v_expires_at timestamptz;
 BEGIN
     v_key := idempotency._stored_key(forget.key, forget.scope);
-    DELETE FROM idempotency.idempotency_keys AS k
-     WHERE k.scope OPERATOR(pg_catalog.=) forget.scope
-       AND k.key OPERATOR(pg_catalog.=) v_key
-    RETURNING k.expires_at INTO v_expires_at;
+    v_filter := idempotency._tenant_filter(forget.scope);
+    IF v_filter OPERATOR(pg_catalog.=) '' THEN
+        DELETE FROM idempotency.idempotency_keys AS k
+         WHERE k.scope OPERATOR(pg_catalog.=) forget.scope
+           AND k.key OPERATOR(pg_catalog.=) v_key
+        RETURNING k.expires_at INTO v_expires_at;
+    ELSE
+        EXECUTE 'DELETE FROM idempotency.idempotency_keys AS k '
+                'WHERE k.scope OPERATOR(pg_catalog.=) $1 AND k.key OPERATOR(pg_catalog.=) $2'
+                OPERATOR(pg_catalog.||) v_filter OPERATOR(pg_catalog.||) ' RETURNING k.expires_at'
+          INTO v_expires_at USING forget.scope, v_key;
+    END IF;
     -- Judged here, not in RETURNING: Citus allows only immutable functions there.
     RETURN COALESCE(v_expires_at OPERATOR(pg_catalog.>) pg_catalog.now(), false);
 END
@@ -412,15 +481,24 @@ AS $fn$
 #variable_conflict use_column
 DECLARE
     v_key text;
+    v_filter text;
     r idempotency.idempotency_keys;
 BEGIN
     v_key := idempotency._stored_key(lookup.key, lookup.scope);
-    SELECT k.* INTO r
-      FROM idempotency.idempotency_keys AS k
-     WHERE k.scope OPERATOR(pg_catalog.=) lookup.scope
-       AND k.key OPERATOR(pg_catalog.=) v_key
-       AND k.expires_at OPERATOR(pg_catalog.>) pg_catalog.now();
-    IF NOT FOUND THEN
+    v_filter := idempotency._tenant_filter(lookup.scope);
+    IF v_filter OPERATOR(pg_catalog.=) '' THEN
+        SELECT k.* INTO r
+          FROM idempotency.idempotency_keys AS k
+         WHERE k.scope OPERATOR(pg_catalog.=) lookup.scope
+           AND k.key OPERATOR(pg_catalog.=) v_key
+           AND k.expires_at OPERATOR(pg_catalog.>) pg_catalog.now();
+    ELSE
+        EXECUTE 'SELECT k.* FROM idempotency.idempotency_keys AS k '
+                'WHERE k.scope OPERATOR(pg_catalog.=) $1 AND k.key OPERATOR(pg_catalog.=) $2 '
+                'AND k.expires_at OPERATOR(pg_catalog.>) pg_catalog.now()' OPERATOR(pg_catalog.||) v_filter
+          INTO r USING lookup.scope, v_key;
+    END IF;
+    IF r.key IS NULL THEN
         RETURN NULL;
     END IF;
     -- The key as the caller gave it: where keys are stored hashed, the stored form is not
@@ -1431,6 +1509,7 @@ REVOKE EXECUTE ON FUNCTION idempotency.set_key_storage(text), idempotency.rotate
 -- Helpers that only the SECURITY DEFINER functions call (as the owner). _stored_key in
 -- particular computes a key's stored form (its keyed hash): no caller may have that computed.
 REVOKE EXECUTE ON FUNCTION idempotency._stored_key(text, text), idempotency._check_recovery_point(text),
+    idempotency._tenant_filter(text),
     idempotency._sign(text, integer, bytea), idempotency._signed_kid(text), idempotency._verify(text, bytea)
     FROM PUBLIC;
 

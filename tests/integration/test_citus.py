@@ -1671,6 +1671,44 @@ def test_bigint_tenant_calls_are_delegated_and_fence_a_stale_holder(citus, typed
     assert typed_claim(t, "m2", None, tenant)[0] == "new"
 
 
+def test_bigint_tenant_checkpoint_release_forget_lookup_reach_one_shard(citus, typed):
+    """checkpoint, release, forget and lookup have no bigint overloads: on a store distributed by
+    its tenant their statements name the tenant too, so in a transaction with a business write
+    they reach the tenant's shard alone (no multi-shard statement, no two-phase commit); a scope
+    that is not a tenant id is refused (22P02, naming scope)."""
+    t = typed
+    worker = citus.workers[1]
+    tenant = tenant_on(t, worker.port, start=2000)
+    shard = t.execute("SELECT get_shard_id_for_distribution_column('idempotency.idempotency_keys', %s::bigint)",
+                      (tenant,)).fetchone()[0]
+    s = str(tenant)
+    box = {}
+
+    def run():
+        with t.transaction():
+            r = typed_claim(t, "cp", {"n": 1}, tenant)
+            t.execute("SELECT idempotency.checkpoint('cp', 'step-1', %s, %s)", (s, r[1]))
+            box["lookup"] = t.execute("SELECT recovery_point, tenant FROM idempotency.lookup('cp', %s)", (s,)).fetchone()
+            t.execute("INSERT INTO shop.orders VALUES (%s, 9, 90)", (tenant,))
+            box["release"] = t.execute("SELECT idempotency.release('cp', %s, %s)", (s, r[1])).fetchone()[0]
+            r2 = typed_claim(t, "fg", {"n": 1}, tenant)
+            box["forget"] = t.execute("SELECT idempotency.forget('fg', %s)", (s,)).fetchone()[0]
+            box["r2"] = r2
+    sent = commands_with_nodes(t, run)
+    assert box["lookup"] == ("step-1", tenant) and box["release"] is True and box["forget"] is True, box
+    assert all(f":{worker.port}" in d for _, d in sent), sent
+    assert not any("PREPARE TRANSACTION" in c for c, _ in sent), sent
+    shards = {int(x) for c, _ in sent for x in __import__("re").findall(r"idempotency_keys_(\d+)", c)}
+    assert shards == {shard}, (shards, shard, sent)
+    assert t.execute("SELECT count(*) FROM idempotency.idempotency_keys WHERE tenant = %s AND key IN ('cp', 'fg')",
+                     (tenant,)).fetchone()[0] == 0
+    for call in ("SELECT idempotency.release('cp', %s)", "SELECT idempotency.forget('cp', %s)",
+                 "SELECT * FROM idempotency.lookup('cp', %s)", "SELECT idempotency.checkpoint('cp', 'x', %s)"):
+        with pytest.raises(psycopg.Error) as e:
+            t.execute(call, ("0042",))
+        assert e.value.sqlstate == "22P02" and "scope" in str(e.value), (call, e.value)
+
+
 def test_bigint_tenants_stay_apart(citus, typed):
     """Tenant isolation on a store distributed by a bigint tenant: a role bound to its tenant
     id (its scope prefix, on every node) claims its own keys, delegated and in a transaction,
