@@ -1562,6 +1562,11 @@ def test_store_distributed_by_a_bigint_tenant_is_colocated_with_a_bigint_keyed_t
     with pytest.raises(psycopg.Error) as e:
         t.execute("SELECT idempotency.distribute(tenant_type => 'date')")
     assert e.value.sqlstate == "22023" and "tenant_type" in str(e.value), e.value
+    t.execute("CREATE TABLE shop.other (tenant_id bigint NOT NULL)")
+    t.execute("SELECT create_distributed_table('shop.other', 'tenant_id', colocate_with => 'none')")
+    with pytest.raises(psycopg.Error) as e:
+        t.execute("SELECT idempotency.distribute(tenant_type => NULL, colocate_with => 'shop.other')")
+    assert e.value.sqlstate == "55000" and "alter_distributed_table" in (e.value.diag.message_hint or ""), e.value
     # A scope that is not the tenant id as bigint writes it: 22P02 naming scope, nothing written.
     for bad in ("abc", "042", " 42", "", "99999999999999999999"):
         with pytest.raises(psycopg.Error) as e:
@@ -1754,6 +1759,16 @@ def test_store_distributed_by_a_uuid_tenant(citus):
         c.execute("CREATE TABLE orders (tenant_id uuid NOT NULL, order_id bigint NOT NULL, PRIMARY KEY (tenant_id, order_id))")
         c.execute("SELECT create_distributed_table('orders', 'tenant_id', shard_count => 4)")
         c.execute("CREATE EXTENSION idempotency")
+        # A store holding a key whose scope is no uuid is refused, and nothing changes.
+        c.execute("SELECT idempotency.claim('old', NULL, 'not-a-uuid')")
+        with pytest.raises(psycopg.Error) as e:
+            c.execute("SELECT idempotency.distribute(tenant_type => 'uuid', colocate_with => 'orders')")
+        assert e.value.sqlstate == "22P02" and "not-a-uuid" in str(e.value), e.value
+        assert c.execute("SELECT count(*) FROM pg_attribute WHERE attname = 'tenant' AND attrelid = "
+                         "'idempotency.idempotency_keys'::regclass").fetchone()[0] == 0
+        assert not c.execute("SELECT count(*) FROM pg_dist_partition WHERE logicalrelid = "
+                             "'idempotency.idempotency_keys'::regclass").fetchone()[0]
+        c.execute("SELECT idempotency.forget('old', 'not-a-uuid')")
         c.execute("SELECT idempotency.distribute(tenant_type => 'uuid', colocate_with => 'orders')")
         tenant = "a0eebc99-9c0b-4ef8-bb6d-6bb9bd380a11"
         box = {}
