@@ -20,10 +20,22 @@ partition, `idempotency.partitions = 1`: no probe, no direct writes, plus partit
   statement routed to the shard's worker);
 - leased: claim, then complete, each autocommitted (on Citus: each delegated to the worker);
 - replay: claim of a completed key (on Citus: delegated).
+
+`--bare` runs only the Citus cluster and compares the store's styles with the bare statements
+an application would run without the extension, on a distributed table of the store's shape
+(`bench.bare`, distributed by scope, the same 1,000 scopes): `one_tx` against `bare_one_tx`
+(BEGIN, INSERT ... ON CONFLICT DO NOTHING, UPDATE, END) and `leased` against `bare_leased` (the
+INSERT and the UPDATE, each autocommitted), cell by cell in that order; then `one_tx` again with
+`claim` and `complete` distributed with `force_delegation` (docs/scaling.md):
+
+    PG_BIN=... python3 bench/citus.py --bare --seconds 5 --repeat 3 --clients 4,8
+
+(each cell the median of `--repeat` runs, the store's and the bare script's alternating).
 """
 
 import argparse
 import os
+import statistics
 import subprocess
 import sys
 
@@ -60,11 +72,18 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--seconds", type=int, default=10)
     ap.add_argument("--clients", default="1,8")
+    ap.add_argument("--bare", action="store_true",
+                    help="the store's styles against the bare statements, on the cluster only")
+    ap.add_argument("--repeat", type=int, default=1,
+                    help="with --bare: runs per cell, alternating, the median reported")
+    ap.add_argument("--out", help="with --bare: also write the report to bench/OUT.md")
     args = ap.parse_args()
     missing = citus_missing()
     if missing:
         sys.exit(missing)
     clients = [int(c) for c in args.clients.split(",")]
+    if args.bare:
+        return bare(clients, args.seconds, args.repeat, args.out)
     single = Cluster(settings={"shared_preload_libraries": "'idempotency'"}).start()
     citus = None
     try:
@@ -96,6 +115,76 @@ def main():
         single.destroy()
         if citus:
             citus.destroy()
+
+
+FORCED = ["idempotency.claim(text,jsonb,text,interval,interval)",
+          "idempotency.complete(text,jsonb,integer,text,bigint,interval)"]
+
+BARE_TABLE = """CREATE TABLE bench.bare (LIKE idempotency.idempotency_keys INCLUDING DEFAULTS
+    INCLUDING CONSTRAINTS INCLUDING INDEXES) WITH (fillfactor = 25)"""
+
+
+def pair(node, ext, raw, n, seconds, repeat):
+    """tps of `ext` and of `raw`, each the median of `repeat` runs, the two alternating (on a
+    busy machine the load changes from one run to the next)."""
+    a, b = [], []
+    for _ in range(repeat):
+        a.append(pgbench(node, ext, n, seconds))
+        b.append(pgbench(node, raw, n, seconds))
+    return statistics.median(a), statistics.median(b)
+
+
+def uptime():
+    return subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip()
+
+
+def bare(clients, seconds, repeat, out=None):
+    """The store on the cluster against the bare INSERT + UPDATE on a distributed table of its
+    shape (see the module's docstring)."""
+    lines = []
+
+    def emit(line):
+        print(line, flush=True)
+        lines.append(line)
+    started = uptime()
+    citus = CitusCluster().start()
+    try:
+        with citus.connect() as c:
+            c.execute("SELECT idempotency.distribute()")
+            setup(c)
+            c.execute("CREATE SCHEMA bench")
+            c.execute(BARE_TABLE)
+            c.execute("SELECT create_distributed_table('bench.bare', 'scope', "
+                      "colocate_with => 'idempotency.idempotency_keys')")
+        emit("| style | clients | extension (tps) | bare statements (tps) | extension / bare |")
+        emit("|---|---|---|---|---|")
+        for n in clients:
+            for ext, raw in (("one_tx", "bare_one_tx"), ("leased", "bare_leased")):
+                a, b = pair(citus.coordinator, ext, raw, n, seconds, repeat)
+                emit(f"| {ext} | {n} | {a:.0f} | {b:.0f} | {a / b:.2f} |")
+        # The one-transaction style with claim and complete force-delegated (docs/scaling.md):
+        # the calls themselves run on the worker, inside the transaction.
+        with citus.connect() as c:
+            for f in FORCED:
+                c.execute("SELECT create_distributed_function(%s, 'scope', colocate_with => "
+                          "'idempotency.idempotency_keys', force_delegation => true)", (f,))
+        for n in clients:
+            a, b = pair(citus.coordinator, "one_tx", "bare_one_tx", n, seconds, repeat)
+            emit(f"| one_tx, force_delegation | {n} | {a:.0f} | {b:.0f} | {a / b:.2f} |")
+        with citus.connect() as c:
+            server = c.execute("SELECT version()").fetchone()[0].split(" on ")[0]
+            cit = c.execute("SELECT extversion FROM pg_extension WHERE extname = 'citus'").fetchone()[0]
+    finally:
+        citus.destroy()
+    if out:
+        with open(os.path.join(HERE, f"{out}.md"), "w", encoding="utf-8") as f:
+            f.write("# Citus: the store against the bare statements\n\n"
+                    f"Written by `bench/citus.py --bare --seconds {seconds} --repeat {repeat} "
+                    f"--clients {','.join(map(str, clients))} --out {out}` ({server}, citus extension {cit}, a "
+                    "coordinator and two workers on one machine; each cell the median of the runs, "
+                    "the store's and the bare script's alternating). The machine's load "
+                    f"(`uptime`) at the start: `{started}`; at the end: `{uptime()}`.\n\n")
+            f.write("\n".join(lines) + "\n")
 
 
 if __name__ == "__main__":

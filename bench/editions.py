@@ -79,7 +79,7 @@ def install(cluster, edition, script):
                        check=True, capture_output=True, env=PGBENCH_ENV)
         # The claim must be the portable edition's, not a library's.
         lang = sql(cluster, edition, "SELECT l.lanname FROM pg_proc p JOIN pg_language l ON l.oid = p.prolang "
-                                     "WHERE p.oid = 'idempotency.claim'::regproc")[0][0]
+                                     "WHERE p.oid = 'idempotency.claim(text, jsonb, text, interval, interval)'::regprocedure")[0][0]
         assert lang in ("sql", "plpgsql"), f"the portable claim is {lang}"
     with open(os.path.join(HERE, "sql", "setup.sql")) as f:
         sql(cluster, edition, f.read())

@@ -177,6 +177,43 @@ RETURNS void
 LANGUAGE c VOLATILE PARALLEL SAFE
 AS 'MODULE_PATHNAME', 'idempotency_check_recovery_point';
 
+-- The condition on the tenant that the PL/pgSQL functions add to their statements on a store
+-- distributed by its tenant (distribute(tenant_type => ...), Citus), so that Citus sends each
+-- to the tenant's shard alone: ' AND k.tenant OPERATOR(pg_catalog.=) <the scope as the type>'; ''
+-- on any other store. A scope that is not the tenant id as the type writes it is refused
+-- (22P02, naming scope), as claim and complete refuse it.
+CREATE FUNCTION idempotency._tenant_filter(scope text)
+RETURNS text
+LANGUAGE plpgsql STABLE
+SET search_path = pg_catalog, pg_temp
+AS $fn$
+DECLARE
+    v_tenant pg_catalog.regtype;
+BEGIN
+    SELECT a.atttypid::pg_catalog.regtype INTO v_tenant FROM pg_catalog.pg_attribute AS a
+     WHERE a.attrelid OPERATOR(pg_catalog.=) 'idempotency.idempotency_keys'::pg_catalog.regclass
+       AND a.attname OPERATOR(pg_catalog.=) 'tenant' AND NOT a.attisdropped;
+    IF v_tenant IS NULL OR _tenant_filter.scope IS NULL THEN
+        RETURN '';
+    END IF;
+    IF NOT (CASE WHEN v_tenant OPERATOR(pg_catalog.=) 'bigint'::pg_catalog.regtype
+                THEN _tenant_filter.scope OPERATOR(pg_catalog.~) '^(0|-?[1-9][0-9]{0,18})$'
+                     AND _tenant_filter.scope::pg_catalog.numeric
+                         OPERATOR(pg_catalog.<=) 9223372036854775807::pg_catalog.numeric
+                     AND _tenant_filter.scope::pg_catalog.numeric
+                         OPERATOR(pg_catalog.>=) (-9223372036854775808)::pg_catalog.numeric
+                ELSE _tenant_filter.scope OPERATOR(pg_catalog.~) '^[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}$'
+           END) THEN
+        RAISE EXCEPTION USING
+            ERRCODE = 'invalid_text_representation',
+            MESSAGE = pg_catalog.format('scope must be a tenant id of this store, a %s as PostgreSQL writes it: got %L',
+                                        v_tenant, _tenant_filter.scope),
+            HINT = 'the store is distributed by its tenant (idempotency.distribute(tenant_type => ...)): pass the tenant id as the scope';
+    END IF;
+    RETURN pg_catalog.format(' AND k.tenant OPERATOR(pg_catalog.=) %L::%s', _tenant_filter.scope, v_tenant);
+END
+$fn$;
+
 -- Raises the error that explains why complete/checkpoint found no row it may change.
 CREATE FUNCTION idempotency._raise_not_claimed(p_key text, p_scope text, p_token bigint, p_action text)
 RETURNS timestamptz
@@ -185,17 +222,27 @@ SET search_path = pg_catalog, pg_temp
 AS $fn$
 DECLARE
     r record;
+    v_filter text;
     v_key text := idempotency._stored_key(p_key, p_scope);
     -- Messages name a hashed key as (hashed): nothing of its stored form, which the caller
     -- could otherwise have computed for any key and matched against a copy of the table.
     v_label text := CASE WHEN v_key OPERATOR(pg_catalog.=) p_key THEN pg_catalog.quote_literal(p_key)
                          ELSE '(hashed)' END;
 BEGIN
-    SELECT k.status, k.token, k.expires_at OPERATOR(pg_catalog.>) pg_catalog.now() AS live
-      INTO r
-      FROM idempotency.idempotency_keys AS k
-     WHERE k.scope OPERATOR(pg_catalog.=) p_scope AND k.key OPERATOR(pg_catalog.=) v_key;
-    IF NOT FOUND OR NOT r.live THEN
+    -- A store distributed by its tenant: the statement names the tenant too (_tenant_filter).
+    v_filter := idempotency._tenant_filter(p_scope);
+    IF v_filter OPERATOR(pg_catalog.=) '' THEN
+        SELECT k.status, k.token, k.expires_at OPERATOR(pg_catalog.>) pg_catalog.now() AS live
+          INTO r
+          FROM idempotency.idempotency_keys AS k
+         WHERE k.scope OPERATOR(pg_catalog.=) p_scope AND k.key OPERATOR(pg_catalog.=) v_key;
+    ELSE
+        EXECUTE 'SELECT k.status, k.token, k.expires_at OPERATOR(pg_catalog.>) pg_catalog.now() AS live '
+                'FROM idempotency.idempotency_keys AS k WHERE k.scope OPERATOR(pg_catalog.=) $1 '
+                'AND k.key OPERATOR(pg_catalog.=) $2' OPERATOR(pg_catalog.||) v_filter
+          INTO r USING p_scope, v_key;
+    END IF;
+    IF r IS NULL OR NOT r.live THEN
         RAISE EXCEPTION USING
             ERRCODE = 'IK001',
             MESSAGE = pg_catalog.format('cannot %s key %s in scope %L: no live claim', p_action, v_label, p_scope),
@@ -245,6 +292,78 @@ AS $fn$
                     idempotency._raise_not_claimed($1, $4, $5, 'complete'))
 $fn$;
 
+-- Stores distributed by their tenant (distribute(tenant_type => 'bigint' or 'uuid'), Citus):
+-- claim and complete with the tenant id as the scope, of the tenant's type. Each is the text
+-- function called with the id's text form ('42'), which is the scope the key is kept under;
+-- distribute() distributes the overloads of the store's type by their scope argument, colocated
+-- with the store, so that Citus delegates a top-level call to the node holding the tenant's
+-- shard (the text functions cannot be: their argument is not of the distribution column's
+-- type). PL/pgSQL, not SQL: a SQL function would be inlined, and Citus would not see the call.
+-- On any other store they are the text functions with the id's text form as the scope.
+CREATE FUNCTION idempotency.claim(
+    key     text,
+    request jsonb,
+    scope   bigint,
+    ttl     interval DEFAULT NULL,
+    lease   interval DEFAULT NULL
+) RETURNS idempotency.claim_result
+LANGUAGE plpgsql VOLATILE
+SET search_path = pg_catalog, pg_temp
+AS $fn$
+BEGIN
+    RETURN idempotency.claim(claim.key, claim.request, claim.scope::pg_catalog.text, claim.ttl, claim.lease);
+END
+$fn$;
+
+CREATE FUNCTION idempotency.claim(
+    key     text,
+    request jsonb,
+    scope   uuid,
+    ttl     interval DEFAULT NULL,
+    lease   interval DEFAULT NULL
+) RETURNS idempotency.claim_result
+LANGUAGE plpgsql VOLATILE
+SET search_path = pg_catalog, pg_temp
+AS $fn$
+BEGIN
+    RETURN idempotency.claim(claim.key, claim.request, claim.scope::pg_catalog.text, claim.ttl, claim.lease);
+END
+$fn$;
+
+CREATE FUNCTION idempotency.complete(
+    key             text,
+    response        jsonb,
+    response_status integer,
+    scope           bigint,
+    token           bigint DEFAULT NULL,
+    ttl             interval DEFAULT NULL
+) RETURNS timestamptz
+LANGUAGE plpgsql VOLATILE
+SET search_path = pg_catalog, pg_temp
+AS $fn$
+BEGIN
+    RETURN idempotency.complete(complete.key, complete.response, complete.response_status,
+                                complete.scope::pg_catalog.text, complete.token, complete.ttl);
+END
+$fn$;
+
+CREATE FUNCTION idempotency.complete(
+    key             text,
+    response        jsonb,
+    response_status integer,
+    scope           uuid,
+    token           bigint DEFAULT NULL,
+    ttl             interval DEFAULT NULL
+) RETURNS timestamptz
+LANGUAGE plpgsql VOLATILE
+SET search_path = pg_catalog, pg_temp
+AS $fn$
+BEGIN
+    RETURN idempotency.complete(complete.key, complete.response, complete.response_status,
+                                complete.scope::pg_catalog.text, complete.token, complete.ttl);
+END
+$fn$;
+
 CREATE FUNCTION idempotency.checkpoint(
     key            text,
     recovery_point text,
@@ -257,17 +376,31 @@ AS $fn$
 #variable_conflict use_column
 DECLARE
     v_key text;
+    v_filter text;
+    v_rows bigint;
 BEGIN
     v_key := idempotency._stored_key(checkpoint.key, checkpoint.scope);
     PERFORM idempotency._check_recovery_point(checkpoint.recovery_point);
-    UPDATE idempotency.idempotency_keys AS k
-       SET recovery_point = checkpoint.recovery_point
-     WHERE k.scope OPERATOR(pg_catalog.=) checkpoint.scope
-       AND k.key OPERATOR(pg_catalog.=) v_key
-       AND k.status OPERATOR(pg_catalog.=) 'in_progress'::idempotency.key_status
-       AND k.expires_at OPERATOR(pg_catalog.>) pg_catalog.now()
-       AND (checkpoint.token IS NULL OR k.token OPERATOR(pg_catalog.=) checkpoint.token);
-    IF NOT FOUND THEN
+    v_filter := idempotency._tenant_filter(checkpoint.scope);
+    IF v_filter OPERATOR(pg_catalog.=) '' THEN
+        UPDATE idempotency.idempotency_keys AS k
+           SET recovery_point = checkpoint.recovery_point
+         WHERE k.scope OPERATOR(pg_catalog.=) checkpoint.scope
+           AND k.key OPERATOR(pg_catalog.=) v_key
+           AND k.status OPERATOR(pg_catalog.=) 'in_progress'::idempotency.key_status
+           AND k.expires_at OPERATOR(pg_catalog.>) pg_catalog.now()
+           AND (checkpoint.token IS NULL OR k.token OPERATOR(pg_catalog.=) checkpoint.token);
+        GET DIAGNOSTICS v_rows = ROW_COUNT;
+    ELSE
+        EXECUTE 'UPDATE idempotency.idempotency_keys AS k SET recovery_point = $1 '
+                'WHERE k.scope OPERATOR(pg_catalog.=) $2 AND k.key OPERATOR(pg_catalog.=) $3 '
+                'AND k.status OPERATOR(pg_catalog.=) ''in_progress''::idempotency.key_status '
+                'AND k.expires_at OPERATOR(pg_catalog.>) pg_catalog.now() '
+                'AND ($4 IS NULL OR k.token OPERATOR(pg_catalog.=) $4)' OPERATOR(pg_catalog.||) v_filter
+          USING checkpoint.recovery_point, checkpoint.scope, v_key, checkpoint.token;
+        GET DIAGNOSTICS v_rows = ROW_COUNT;
+    END IF;
+    IF v_rows OPERATOR(pg_catalog.=) 0 THEN
         PERFORM idempotency._raise_not_claimed(checkpoint.key, checkpoint.scope, checkpoint.token, 'checkpoint');
     END IF;
 END
@@ -281,15 +414,29 @@ AS $fn$
 #variable_conflict use_column
 DECLARE
     v_key text;
+    v_filter text;
+    v_rows bigint;
 BEGIN
     v_key := idempotency._stored_key(release.key, release.scope);
-    DELETE FROM idempotency.idempotency_keys AS k
-     WHERE k.scope OPERATOR(pg_catalog.=) release.scope
-       AND k.key OPERATOR(pg_catalog.=) v_key
-       AND k.status OPERATOR(pg_catalog.=) 'in_progress'::idempotency.key_status
-       AND k.expires_at OPERATOR(pg_catalog.>) pg_catalog.now()
-       AND (release.token IS NULL OR k.token OPERATOR(pg_catalog.=) release.token);
-    IF FOUND THEN
+    v_filter := idempotency._tenant_filter(release.scope);
+    IF v_filter OPERATOR(pg_catalog.=) '' THEN
+        DELETE FROM idempotency.idempotency_keys AS k
+         WHERE k.scope OPERATOR(pg_catalog.=) release.scope
+           AND k.key OPERATOR(pg_catalog.=) v_key
+           AND k.status OPERATOR(pg_catalog.=) 'in_progress'::idempotency.key_status
+           AND k.expires_at OPERATOR(pg_catalog.>) pg_catalog.now()
+           AND (release.token IS NULL OR k.token OPERATOR(pg_catalog.=) release.token);
+        GET DIAGNOSTICS v_rows = ROW_COUNT;
+    ELSE
+        EXECUTE 'DELETE FROM idempotency.idempotency_keys AS k '
+                'WHERE k.scope OPERATOR(pg_catalog.=) $1 AND k.key OPERATOR(pg_catalog.=) $2 '
+                'AND k.status OPERATOR(pg_catalog.=) ''in_progress''::idempotency.key_status '
+                'AND k.expires_at OPERATOR(pg_catalog.>) pg_catalog.now() '
+                'AND ($3 IS NULL OR k.token OPERATOR(pg_catalog.=) $3)' OPERATOR(pg_catalog.||) v_filter
+          USING release.scope, v_key, release.token;
+        GET DIAGNOSTICS v_rows = ROW_COUNT;
+    END IF;
+    IF v_rows OPERATOR(pg_catalog.>) 0 THEN
         PERFORM idempotency._count('release');
         RETURN true;
     END IF;
@@ -305,13 +452,22 @@ AS $fn$
 #variable_conflict use_column
 DECLARE
     v_key text;
+    v_filter text;
     v_expires_at timestamptz;
 BEGIN
     v_key := idempotency._stored_key(forget.key, forget.scope);
-    DELETE FROM idempotency.idempotency_keys AS k
-     WHERE k.scope OPERATOR(pg_catalog.=) forget.scope
-       AND k.key OPERATOR(pg_catalog.=) v_key
-    RETURNING k.expires_at INTO v_expires_at;
+    v_filter := idempotency._tenant_filter(forget.scope);
+    IF v_filter OPERATOR(pg_catalog.=) '' THEN
+        DELETE FROM idempotency.idempotency_keys AS k
+         WHERE k.scope OPERATOR(pg_catalog.=) forget.scope
+           AND k.key OPERATOR(pg_catalog.=) v_key
+        RETURNING k.expires_at INTO v_expires_at;
+    ELSE
+        EXECUTE 'DELETE FROM idempotency.idempotency_keys AS k '
+                'WHERE k.scope OPERATOR(pg_catalog.=) $1 AND k.key OPERATOR(pg_catalog.=) $2'
+                OPERATOR(pg_catalog.||) v_filter OPERATOR(pg_catalog.||) ' RETURNING k.expires_at'
+          INTO v_expires_at USING forget.scope, v_key;
+    END IF;
     -- Judged here, not in RETURNING: Citus allows only immutable functions there.
     RETURN COALESCE(v_expires_at OPERATOR(pg_catalog.>) pg_catalog.now(), false);
 END
@@ -325,15 +481,24 @@ AS $fn$
 #variable_conflict use_column
 DECLARE
     v_key text;
+    v_filter text;
     r idempotency.idempotency_keys;
 BEGIN
     v_key := idempotency._stored_key(lookup.key, lookup.scope);
-    SELECT k.* INTO r
-      FROM idempotency.idempotency_keys AS k
-     WHERE k.scope OPERATOR(pg_catalog.=) lookup.scope
-       AND k.key OPERATOR(pg_catalog.=) v_key
-       AND k.expires_at OPERATOR(pg_catalog.>) pg_catalog.now();
-    IF NOT FOUND THEN
+    v_filter := idempotency._tenant_filter(lookup.scope);
+    IF v_filter OPERATOR(pg_catalog.=) '' THEN
+        SELECT k.* INTO r
+          FROM idempotency.idempotency_keys AS k
+         WHERE k.scope OPERATOR(pg_catalog.=) lookup.scope
+           AND k.key OPERATOR(pg_catalog.=) v_key
+           AND k.expires_at OPERATOR(pg_catalog.>) pg_catalog.now();
+    ELSE
+        EXECUTE 'SELECT k.* FROM idempotency.idempotency_keys AS k '
+                'WHERE k.scope OPERATOR(pg_catalog.=) $1 AND k.key OPERATOR(pg_catalog.=) $2 '
+                'AND k.expires_at OPERATOR(pg_catalog.>) pg_catalog.now()' OPERATOR(pg_catalog.||) v_filter
+          INTO r USING lookup.scope, v_key;
+    END IF;
+    IF r.key IS NULL THEN
         RETURN NULL;
     END IF;
     -- The key as the caller gave it: where keys are stored hashed, the stored form is not
@@ -829,6 +994,74 @@ BEGIN
 END
 $fn$;
 
+-- On one Citus node (distribute(tenant_type => ...) runs it on the coordinator, in its
+-- transaction, and on every worker): gives the keys and the audit table a column tenant of
+-- that type, NOT NULL, the scope's value (CHECK scope = tenant::text: the scope is the tenant
+-- id as the type writes it), a third column of their primary keys (Citus needs the
+-- distribution column in every unique index). A worker's tables are Citus's shells, which
+-- Citus does not alter; claim and complete plan their statements on them. Skipped where done;
+-- returns what it changed ('' for nothing). A row whose scope is not a tenant id: 22P02.
+CREATE FUNCTION idempotency._tenant_columns(tenant_type regtype)
+RETURNS text
+LANGUAGE plpgsql VOLATILE
+SET search_path = pg_catalog, pg_temp
+AS $fn$
+DECLARE
+    v_rel pg_catalog.regclass;
+    v_bad text;
+    v_ddl text := pg_catalog.current_setting('citus.enable_ddl_propagation', true);
+    v_changes text[] := '{}';
+BEGIN
+    IF tenant_type IS NULL OR tenant_type OPERATOR(pg_catalog.<>) ALL (ARRAY['bigint', 'uuid']::pg_catalog.regtype[]) THEN
+        RAISE EXCEPTION USING ERRCODE = 'invalid_parameter_value',
+            MESSAGE = pg_catalog.format('tenant_type must be bigint or uuid, not %s', COALESCE(tenant_type::pg_catalog.text, 'NULL'));
+    END IF;
+    IF v_ddl IS NOT NULL THEN
+        PERFORM pg_catalog.set_config('citus.enable_ddl_propagation', 'off', true);
+    END IF;
+    FOREACH v_rel IN ARRAY ARRAY['idempotency.idempotency_keys', 'idempotency.audit']::pg_catalog.regclass[] LOOP
+        IF EXISTS (SELECT FROM pg_catalog.pg_attribute AS a
+                    WHERE a.attrelid OPERATOR(pg_catalog.=) v_rel AND a.attname OPERATOR(pg_catalog.=) 'tenant'
+                      AND NOT a.attisdropped) THEN
+            CONTINUE;
+        END IF;
+        EXECUTE pg_catalog.format('ALTER TABLE %s ADD COLUMN tenant %s', v_rel, tenant_type);
+        BEGIN
+            EXECUTE pg_catalog.format('UPDATE %s SET tenant = scope::%s', v_rel, tenant_type);
+        EXCEPTION WHEN invalid_text_representation OR numeric_value_out_of_range THEN
+            v_bad := SQLERRM;
+        END;
+        IF v_bad IS NULL THEN
+            EXECUTE pg_catalog.format(
+                'SELECT t.scope FROM %s AS t WHERE t.scope OPERATOR(pg_catalog.<>) t.tenant::pg_catalog.text LIMIT 1', v_rel)
+                INTO v_bad;
+        END IF;
+        IF v_bad IS NOT NULL THEN
+            RAISE EXCEPTION USING
+                ERRCODE = 'invalid_text_representation',
+                MESSAGE = pg_catalog.format('idempotency.distribute: %s holds a scope that is not a %s tenant id as the type writes it: %s',
+                                            v_rel, tenant_type, v_bad),
+                HINT = 'a store distributed by its tenant keeps keys whose scope is the tenant id (''42''): forget the other keys first, or distribute by scope';
+        END IF;
+        EXECUTE pg_catalog.format(
+            'ALTER TABLE %s ALTER COLUMN tenant SET NOT NULL, ADD CONSTRAINT %I CHECK (scope OPERATOR(pg_catalog.=) tenant::pg_catalog.text)',
+            v_rel, (SELECT c.relname FROM pg_catalog.pg_class AS c WHERE c.oid OPERATOR(pg_catalog.=) v_rel) OPERATOR(pg_catalog.||) '_tenant_check');
+        IF v_rel OPERATOR(pg_catalog.=) 'idempotency.idempotency_keys'::pg_catalog.regclass THEN
+            ALTER TABLE idempotency.idempotency_keys DROP CONSTRAINT idempotency_keys_pkey,
+                ADD CONSTRAINT idempotency_keys_pkey PRIMARY KEY (scope, key, tenant);
+        ELSE
+            ALTER TABLE idempotency.audit DROP CONSTRAINT audit_pkey,
+                ADD CONSTRAINT audit_pkey PRIMARY KEY (scope, id, tenant);
+        END IF;
+        v_changes := v_changes OPERATOR(pg_catalog.||) pg_catalog.format('%s.tenant %s', v_rel, tenant_type);
+    END LOOP;
+    IF v_ddl IS NOT NULL THEN
+        PERFORM pg_catalog.set_config('citus.enable_ddl_propagation', v_ddl, true);
+    END IF;
+    RETURN pg_catalog.array_to_string(v_changes, ', ');
+END
+$fn$;
+
 -- - token_seq and audit_id_seq on every node (_node_sequences): node g hands out the tokens
 --   t with t % 65536 = g, above every token handed out before, and audit ids from g << 48, so
 --   no two nodes hand out the same token or audit id; a takeover takes a token of its node's
@@ -839,13 +1072,43 @@ RETURNS void
 LANGUAGE plpgsql VOLATILE
 SET search_path = pg_catalog, pg_temp
 AS $fn$
+BEGIN
+    -- A new store distributed by scope; a distributed one kept as it is.
+    PERFORM idempotency.distribute(NULL::pg_catalog.regtype, distribute.shard_count, NULL::pg_catalog.regclass);
+END
+$fn$;
+
+-- distribute() with the tenant's type: tenant_type 'bigint' or 'uuid' distributes the store by a
+-- column tenant of that type, added to the keys and the audit table, NOT NULL, the scope's
+-- value (CHECK scope = tenant::text: the scope is the tenant id as the type writes it), a
+-- third column of the primary keys (Citus needs the distribution column in every unique
+-- index); colocate_with, the application's table distributed by its tenant id of that type
+-- (NULL: a colocation group of the store's own). 'text' (or NULL for a new store): by scope,
+-- as distribute(shard_count). NULL on a distributed store: as it is.
+CREATE FUNCTION idempotency.distribute(
+    tenant_type   regtype,
+    shard_count   integer DEFAULT NULL,
+    colocate_with regclass DEFAULT NULL)
+RETURNS void
+LANGUAGE plpgsql VOLATILE
+SET search_path = pg_catalog, pg_temp
+AS $fn$
 DECLARE
     v_changed boolean := false;
     v_rel regclass;
     v_fn regprocedure;
     v_node record;
     v_floor bigint := 0;
+    v_type pg_catalog.regtype := tenant_type;
+    v_current pg_catalog.regtype;
+    v_column text;
 BEGIN
+    IF v_type IS NOT NULL AND v_type OPERATOR(pg_catalog.<>) ALL (ARRAY['text', 'bigint', 'uuid']::pg_catalog.regtype[]) THEN
+        RAISE EXCEPTION USING
+            ERRCODE = 'invalid_parameter_value',
+            MESSAGE = pg_catalog.format('tenant_type must be text, bigint or uuid, not %s', v_type),
+            HINT = 'distribute by the type of the tenant id the application''s tables are distributed by; text: by scope';
+    END IF;
     IF NOT EXISTS (SELECT FROM pg_catalog.pg_extension AS e WHERE e.extname OPERATOR(pg_catalog.=) 'citus') THEN
         RAISE EXCEPTION USING
             ERRCODE = 'feature_not_supported',
@@ -866,32 +1129,92 @@ BEGIN
             MESSAGE = 'idempotency.distribute cannot distribute a partitioned store (idempotency.partitions)',
             HINT = 'on Citus create the extension with idempotency.partitions = 0: the shards split the store instead';
     END IF;
+    SELECT pg_catalog.column_to_column_name(p.logicalrelid, p.partkey) INTO v_column
+      FROM pg_catalog.pg_dist_partition AS p
+     WHERE p.logicalrelid OPERATOR(pg_catalog.=) 'idempotency.idempotency_keys'::pg_catalog.regclass
+       AND p.partmethod OPERATOR(pg_catalog.=) 'h';
+    SELECT a.atttypid::pg_catalog.regtype INTO v_current FROM pg_catalog.pg_attribute AS a
+     WHERE a.attrelid OPERATOR(pg_catalog.=) 'idempotency.idempotency_keys'::pg_catalog.regclass
+       AND a.attname OPERATOR(pg_catalog.=) v_column AND NOT a.attisdropped;
     IF NOT EXISTS (SELECT FROM pg_catalog.pg_dist_partition AS p
                     WHERE p.logicalrelid OPERATOR(pg_catalog.=) 'idempotency.idempotency_keys'::pg_catalog.regclass) THEN
-        PERFORM pg_catalog.create_distributed_table('idempotency.idempotency_keys', 'scope',
-                                                    colocate_with => 'none',
+        v_type := COALESCE(v_type, 'text'::pg_catalog.regtype);
+        IF distribute.colocate_with IS NOT NULL AND distribute.shard_count IS NOT NULL THEN
+            RAISE EXCEPTION USING
+                ERRCODE = 'invalid_parameter_value',
+                MESSAGE = 'idempotency.distribute takes shard_count or colocate_with, not both',
+                HINT = 'the store colocated with a table has that table''s shards';
+        END IF;
+        IF v_type OPERATOR(pg_catalog.<>) 'text'::pg_catalog.regtype THEN
+            -- The statements that name the tenant are the library's (claim, complete).
+            IF (SELECT l.lanname FROM pg_catalog.pg_proc AS f
+                  JOIN pg_catalog.pg_language AS l ON l.oid OPERATOR(pg_catalog.=) f.prolang
+                 WHERE f.oid OPERATOR(pg_catalog.=) 'idempotency.claim(text, jsonb, text, interval, interval)'::pg_catalog.regprocedure)
+               OPERATOR(pg_catalog.<>) 'c' THEN
+                RAISE EXCEPTION USING
+                    ERRCODE = 'feature_not_supported',
+                    MESSAGE = 'idempotency.distribute: a store distributed by its tenant needs the native edition (the library)',
+                    HINT = 'distribute the portable edition''s store by scope: idempotency.distribute()';
+            END IF;
+            PERFORM idempotency._tenant_columns(v_type);
+            FOR v_node IN
+                SELECT r.nodename, r.nodeport, r.success, r.result
+                  FROM pg_catalog.run_command_on_workers(
+                           pg_catalog.format('SELECT idempotency._tenant_columns(%L)', v_type)) AS r
+            LOOP
+                IF NOT v_node.success THEN
+                    RAISE EXCEPTION USING
+                        ERRCODE = 'connection_exception',
+                        MESSAGE = pg_catalog.format('idempotency.distribute could not add the tenant column on Citus node %s:%s: %s',
+                                                    v_node.nodename, v_node.nodeport, v_node.result),
+                        HINT = 'call idempotency.distribute() again once every node is reachable';
+                END IF;
+            END LOOP;
+            v_column := 'tenant';
+        ELSE
+            v_column := 'scope';
+        END IF;
+        PERFORM pg_catalog.create_distributed_table('idempotency.idempotency_keys', v_column,
+                                                    colocate_with => COALESCE(distribute.colocate_with::pg_catalog.text, 'none'),
                                                     shard_count => distribute.shard_count);
         v_changed := true;
-    ELSIF NOT EXISTS (SELECT FROM pg_catalog.pg_dist_partition AS p
-                       WHERE p.logicalrelid OPERATOR(pg_catalog.=) 'idempotency.idempotency_keys'::pg_catalog.regclass
-                         AND p.partmethod OPERATOR(pg_catalog.=) 'h'
-                         AND pg_catalog.column_to_column_name(p.logicalrelid, p.partkey) OPERATOR(pg_catalog.=) 'scope') THEN
+    ELSIF v_column IS NULL OR v_column OPERATOR(pg_catalog.<>) ALL (ARRAY['scope', 'tenant']) THEN
         RAISE EXCEPTION USING
             ERRCODE = 'object_not_in_prerequisite_state',
-            MESSAGE = 'idempotency.idempotency_keys is a Citus table, but not hash-distributed by scope',
+            MESSAGE = 'idempotency.idempotency_keys is a Citus table, but not hash-distributed by scope or tenant',
             HINT = 'Citus cannot convert the tables of an extension (undistribute_table refuses them): copy the store out, re-create the extension and copy it back (docs/scaling.md, "Undistributing the store"), then call idempotency.distribute()';
+    ELSIF v_type IS NOT NULL AND v_type OPERATOR(pg_catalog.<>) v_current THEN
+        RAISE EXCEPTION USING
+            ERRCODE = 'object_not_in_prerequisite_state',
+            MESSAGE = pg_catalog.format('idempotency.distribute: the store is distributed by a tenant of type %s already, not %s',
+                                        v_current, v_type),
+            HINT = 'a distributed store keeps its distribution: copy the store out, re-create the extension and copy it back (docs/scaling.md, "Undistributing the store"), then distribute it again';
+    ELSIF distribute.colocate_with IS NOT NULL
+          AND (SELECT p.colocationid FROM pg_catalog.pg_dist_partition AS p
+                WHERE p.logicalrelid OPERATOR(pg_catalog.=) distribute.colocate_with) IS DISTINCT FROM
+              (SELECT p.colocationid FROM pg_catalog.pg_dist_partition AS p
+                WHERE p.logicalrelid OPERATOR(pg_catalog.=) 'idempotency.idempotency_keys'::pg_catalog.regclass) THEN
+        RAISE EXCEPTION USING
+            ERRCODE = 'object_not_in_prerequisite_state',
+            MESSAGE = pg_catalog.format('idempotency.distribute: the store is distributed already, and not colocated with %s',
+                                        distribute.colocate_with),
+            HINT = pg_catalog.format('colocate the table with the store: SELECT alter_distributed_table(%L, colocate_with => ''idempotency.idempotency_keys'')',
+                                     distribute.colocate_with::pg_catalog.text);
+    ELSE
+        v_type := v_current;
     END IF;
 
     IF NOT EXISTS (SELECT FROM pg_catalog.pg_dist_partition AS p
                     WHERE p.logicalrelid OPERATOR(pg_catalog.=) 'idempotency.audit'::pg_catalog.regclass) THEN
-        IF NOT EXISTS (SELECT FROM pg_catalog.pg_constraint AS c
-                        WHERE c.conrelid OPERATOR(pg_catalog.=) 'idempotency.audit'::pg_catalog.regclass
-                          AND c.conname OPERATOR(pg_catalog.=) 'audit_pkey'
-                          AND c.conkey OPERATOR(pg_catalog.=) ARRAY[2, 1]::pg_catalog.int2[]) THEN
+        IF v_column OPERATOR(pg_catalog.=) 'scope'
+           AND NOT EXISTS (SELECT FROM pg_catalog.pg_constraint AS c
+                            WHERE c.conrelid OPERATOR(pg_catalog.=) 'idempotency.audit'::pg_catalog.regclass
+                              AND c.conname OPERATOR(pg_catalog.=) 'audit_pkey'
+                              AND c.conkey OPERATOR(pg_catalog.=) ARRAY[2, 1]::pg_catalog.int2[]) THEN
             ALTER TABLE idempotency.audit DROP CONSTRAINT audit_pkey,
                 ADD CONSTRAINT audit_pkey PRIMARY KEY (scope, id);
         END IF;
-        PERFORM pg_catalog.create_distributed_table('idempotency.audit', 'scope',
+        PERFORM pg_catalog.create_distributed_table('idempotency.audit', v_column,
                                                     colocate_with => 'idempotency.idempotency_keys');
         v_changed := true;
     END IF;
@@ -904,7 +1227,10 @@ BEGIN
         END IF;
     END LOOP;
 
-    FOREACH v_fn IN ARRAY ARRAY[
+    -- A store distributed by scope: the functions by their scope argument; by its tenant: the
+    -- overloads of claim and complete whose scope is of the tenant's type (a text argument
+    -- cannot be the distribution argument of a function colocated with a bigint or uuid column).
+    FOREACH v_fn IN ARRAY CASE WHEN v_type OPERATOR(pg_catalog.=) 'text'::pg_catalog.regtype THEN ARRAY[
         'idempotency.claim(text, jsonb, text, interval, interval)',
         'idempotency.complete(text, jsonb, integer, text, bigint, interval)',
         'idempotency.checkpoint(text, text, text, bigint)',
@@ -913,7 +1239,11 @@ BEGIN
         'idempotency.lookup(text, text)',
         -- A batch has one scope: delegated whole to the worker holding its shard.
         'idempotency.claim_many(text[], jsonb[], text, interval, interval)',
-        'idempotency.complete_many(text[], jsonb[], integer[], text, bigint[], interval)']::pg_catalog.regprocedure[] LOOP
+        'idempotency.complete_many(text[], jsonb[], integer[], text, bigint[], interval)']::pg_catalog.regprocedure[]
+      ELSE ARRAY[
+        pg_catalog.format('idempotency.claim(text, jsonb, %s, interval, interval)', v_type)::pg_catalog.regprocedure,
+        pg_catalog.format('idempotency.complete(text, jsonb, integer, %s, bigint, interval)', v_type)::pg_catalog.regprocedure]
+      END LOOP
         IF NOT EXISTS (SELECT FROM pg_catalog.pg_dist_object AS o
                         WHERE o.classid OPERATOR(pg_catalog.=) 'pg_catalog.pg_proc'::pg_catalog.regclass
                           AND o.objid OPERATOR(pg_catalog.=) v_fn::pg_catalog.oid
@@ -1172,11 +1502,14 @@ $notice$;
 REVOKE EXECUTE ON FUNCTION idempotency.set_key_storage(text), idempotency.rotate_signing_secret(),
     idempotency.retire_signing_secret(integer), idempotency._store_changed(),
     idempotency._random_secret(), idempotency._count(text), idempotency._announce(),
-    idempotency._rekey(bytea, bytea), idempotency.distribute(integer), idempotency._node_sequences(bigint)
+    idempotency._rekey(bytea, bytea), idempotency.distribute(integer),
+    idempotency.distribute(regtype, integer, regclass), idempotency._node_sequences(bigint),
+    idempotency._tenant_columns(regtype)
     FROM PUBLIC;
 -- Helpers that only the SECURITY DEFINER functions call (as the owner). _stored_key in
 -- particular computes a key's stored form (its keyed hash): no caller may have that computed.
 REVOKE EXECUTE ON FUNCTION idempotency._stored_key(text, text), idempotency._check_recovery_point(text),
+    idempotency._tenant_filter(text),
     idempotency._sign(text, integer, bytea), idempotency._signed_kid(text), idempotency._verify(text, bytea)
     FROM PUBLIC;
 

@@ -1,7 +1,7 @@
 //! The statements the store runs, each prepared once per backend, and the calls that run them
 //! through SPI.
 
-use super::catalog::{keys_hashed, relation_oid, PinnedSearchPath};
+use super::catalog::{keys_hashed, relation_oid, tenant_type, PinnedSearchPath};
 use super::spi_failed;
 use super::{ClaimRequest, ClaimResult, CompleteRequest, Completed, Outcome, OwnedJsonb, Row};
 use crate::encoding;
@@ -140,73 +140,217 @@ pub(crate) static PLANS: crate::local::BackendLocal<
     [Cell<Option<&'static OwnedPreparedStatement>>; PLAN_COUNT],
 > = crate::local::BackendLocal::new([const { Cell::new(None) }; PLAN_COUNT]);
 
+/// The statements that name a key, for a store distributed by its tenant (`tenant`, the type of
+/// its `tenant` column, see `catalog::tenant_type`): each also names the key's tenant, as
+/// parameter `$n` (the statement's last), so that Citus routes it to the tenant's shard; the
+/// inserts set the column, and `ON CONFLICT` names the primary key (scope, key, tenant).
+fn with_tenant(statement: &str, tenant: pg_sys::Oid, n: usize) -> String {
+    if tenant == pg_sys::InvalidOid {
+        return statement.to_string();
+    }
+    if statement.starts_with("INSERT INTO idempotency.audit ") {
+        return statement
+            .replace(
+                "completed_at, completed_by)",
+                "completed_at, completed_by, tenant)",
+            )
+            .replace(
+                "pg_catalog.now(), $7)",
+                &format!("pg_catalog.now(), $7, ${n})"),
+            );
+    }
+    statement
+        .replace(
+            "(scope, key, request_hash,",
+            "(scope, key, tenant, request_hash,",
+        )
+        .replace("VALUES ($1, $2, $3,", &format!("VALUES ($1, $2, ${n}, $3,"))
+        .replace("SELECT $1, u.key,", &format!("SELECT $1, u.key, ${n},"))
+        .replace("ON CONFLICT (scope, key)", "ON CONFLICT (scope, key, tenant)")
+        .replace(
+            "WHERE k.scope OPERATOR(pg_catalog.=) $1 AND",
+            &format!(
+                "WHERE k.scope OPERATOR(pg_catalog.=) $1 AND k.tenant OPERATOR(pg_catalog.=) ${n} AND"
+            ),
+        )
+}
+
+/// The argument types of a statement, with the tenant's type appended on a store distributed
+/// by its tenant ([`with_tenant`]).
+fn args_with_tenant(args: &[PgOid], tenant: pg_sys::Oid) -> Vec<PgOid> {
+    let mut v = args.to_vec();
+    if tenant != pg_sys::InvalidOid {
+        v.push(PgOid::from(tenant));
+    }
+    v
+}
+
+/// The tenant type the kept statements were prepared for (see [`with_tenant`]): when the
+/// store's changes (`distribute(tenant_type => ...)` in this session), they are prepared again.
+static PLANS_TENANT: crate::local::BackendLocal<Cell<pg_sys::Oid>> =
+    crate::local::BackendLocal::new(Cell::new(pg_sys::InvalidOid));
+
+/// The key's tenant as an argument of the statements ([`with_tenant`]) on a store distributed
+/// by its tenant, None on any other store. The scope is the tenant id's text form, exactly as
+/// the type writes it (`'42'`, `'a0eebc99-9c0b-4ef8-bb6d-6bb9bd380a11'`), so that one tenant
+/// has one scope (a CHECK constraint of the table holds the same rule); any other scope is
+/// refused (22P02, naming it) before anything is read or written.
+pub(crate) fn tenant_arg(scope: &str) -> Option<pgrx::datum::DatumWithOid<'static>> {
+    let tenant = tenant_type();
+    if tenant == pg_sys::InvalidOid {
+        return None;
+    }
+    if tenant == pg_sys::INT8OID {
+        if let Ok(id) = scope.parse::<i64>() {
+            if id.to_string() == scope {
+                return Some(id.into());
+            }
+        }
+        bad_tenant(scope, "a bigint written as PostgreSQL writes it, e.g. '42'");
+    }
+    let bytes = scope.as_bytes();
+    let canonical = bytes.len() == 36
+        && bytes.iter().enumerate().all(|(i, &b)| match i {
+            8 | 13 | 18 | 23 => b == b'-',
+            _ => b.is_ascii_digit() || (b'a'..=b'f').contains(&b),
+        });
+    if canonical {
+        let hex: String = scope.chars().filter(|&c| c != '-').collect();
+        let mut uuid = [0u8; 16];
+        for (i, byte) in uuid.iter_mut().enumerate() {
+            *byte = u8::from_str_radix(&hex[2 * i..2 * i + 2], 16).unwrap_or(0);
+        }
+        return Some(pgrx::datum::Uuid::from_bytes(uuid).into());
+    }
+    bad_tenant(
+        scope,
+        "a uuid written as PostgreSQL writes it, lower case with hyphens, e.g. 'a0eebc99-9c0b-4ef8-bb6d-6bb9bd380a11'",
+    )
+}
+
+fn bad_tenant(scope: &str, form: &str) -> ! {
+    raise(
+        PgSqlErrorCode::ERRCODE_INVALID_TEXT_REPRESENTATION,
+        format!("scope must be a tenant id of this store, {form}: got {scope:?}"),
+        Some(
+            "the store is distributed by its tenant (idempotency.distribute(tenant_type => ...)): \
+             pass the tenant id as the scope, e.g. idempotency.claim(key, request, 42)",
+        ),
+    )
+}
+
 pub(crate) fn plan(
     client: &SpiClient<'_>,
     which: Plan,
 ) -> Result<&'static OwnedPreparedStatement, pgrx::spi::Error> {
+    // The sweep's statements and the token's name no key: the same on every store.
+    let tenant = match which {
+        Plan::Sweep | Plan::SweepByExpiresAt | Plan::NextToken => pg_sys::InvalidOid,
+        _ => tenant_type(),
+    };
+    let keyed = !matches!(
+        which,
+        Plan::Sweep | Plan::SweepByExpiresAt | Plan::NextToken
+    );
+    if keyed && PLANS_TENANT.with(Cell::get) != tenant {
+        // Prepared for another store: leave them (kept plans are not freed) and start again.
+        PLANS.with(|c| c.iter().for_each(|p| p.set(None)));
+        PLANS_TENANT.with(|c| c.set(tenant));
+    }
     if let Some(p) = PLANS.with(|c| c[which as usize].get()) {
         return Ok(p);
     }
     let text = PgOid::from(pg_sys::TEXTOID);
-    let key_args = [text, text];
-    let claim_args = [
-        text,
-        text,
-        PgOid::from(pg_sys::BYTEAOID),
-        PgOid::from(pg_sys::INTERVALOID),
-        PgOid::from(pg_sys::INTERVALOID),
-    ];
-    let token_args = [
-        text,
-        text,
-        PgOid::from(pg_sys::BYTEAOID),
-        PgOid::from(pg_sys::INTERVALOID),
-        PgOid::from(pg_sys::INTERVALOID),
-        PgOid::from(pg_sys::INT8OID),
-    ];
+    let key_args = args_with_tenant(&[text, text], tenant);
+    let claim_args = args_with_tenant(
+        &[
+            text,
+            text,
+            PgOid::from(pg_sys::BYTEAOID),
+            PgOid::from(pg_sys::INTERVALOID),
+            PgOid::from(pg_sys::INTERVALOID),
+        ],
+        tenant,
+    );
+    let token_args = args_with_tenant(
+        &[
+            text,
+            text,
+            PgOid::from(pg_sys::BYTEAOID),
+            PgOid::from(pg_sys::INTERVALOID),
+            PgOid::from(pg_sys::INTERVALOID),
+            PgOid::from(pg_sys::INT8OID),
+        ],
+        tenant,
+    );
     let prepared = match which {
         Plan::Select => client
-            .prepare(select_sql(false).as_str(), &key_args)?
+            .prepare(
+                with_tenant(&select_sql(false), tenant, 3).as_str(),
+                &key_args,
+            )?
             .keep(),
         Plan::SelectLocked => client
-            .prepare_mut(select_sql(true).as_str(), &key_args)?
+            .prepare_mut(
+                with_tenant(&select_sql(true), tenant, 3).as_str(),
+                &key_args,
+            )?
             .keep(),
         Plan::Insert | Plan::InsertFresh => client
             .prepare_mut(
-                insert_sql(InsertRows::One, matches!(which, Plan::Insert)).as_str(),
+                with_tenant(
+                    &insert_sql(InsertRows::One, matches!(which, Plan::Insert)),
+                    tenant,
+                    6,
+                )
+                .as_str(),
                 &claim_args,
             )?
             .keep(),
-        Plan::Restart => client.prepare_mut(RESTART_SQL, &token_args)?.keep(),
-        Plan::TakeOver => client.prepare_mut(TAKEOVER_SQL, &token_args)?.keep(),
+        Plan::Restart => client
+            .prepare_mut(with_tenant(RESTART_SQL, tenant, 7).as_str(), &token_args)?
+            .keep(),
+        Plan::TakeOver => client
+            .prepare_mut(with_tenant(TAKEOVER_SQL, tenant, 7).as_str(), &token_args)?
+            .keep(),
         Plan::NextToken => client.prepare_mut(NEXT_TOKEN_SQL, &[])?.keep(),
         Plan::InsertBatch | Plan::InsertBatchOnConflict => client
             .prepare_mut(
-                insert_sql(
-                    InsertRows::Batch,
-                    matches!(which, Plan::InsertBatchOnConflict),
+                with_tenant(
+                    &insert_sql(
+                        InsertRows::Batch,
+                        matches!(which, Plan::InsertBatchOnConflict),
+                    ),
+                    tenant,
+                    6,
                 )
                 .as_str(),
-                &[
-                    text,
-                    PgOid::from(pg_sys::TEXTARRAYOID),
-                    PgOid::from(pg_sys::BYTEAARRAYOID),
-                    PgOid::from(pg_sys::INTERVALOID),
-                    PgOid::from(pg_sys::INTERVALOID),
-                ],
+                &args_with_tenant(
+                    &[
+                        text,
+                        PgOid::from(pg_sys::TEXTARRAYOID),
+                        PgOid::from(pg_sys::BYTEAARRAYOID),
+                        PgOid::from(pg_sys::INTERVALOID),
+                        PgOid::from(pg_sys::INTERVALOID),
+                    ],
+                    tenant,
+                ),
             )?
             .keep(),
         Plan::Complete => client
             .prepare_mut(
-                COMPLETE_SQL,
-                &[
-                    text,
-                    text,
-                    PgOid::from(pg_sys::JSONBOID),
-                    PgOid::from(pg_sys::INT4OID),
-                    PgOid::from(pg_sys::INT8OID),
-                    PgOid::from(pg_sys::INTERVALOID),
-                ],
+                with_tenant(COMPLETE_SQL, tenant, 7).as_str(),
+                &args_with_tenant(
+                    &[
+                        text,
+                        text,
+                        PgOid::from(pg_sys::JSONBOID),
+                        PgOid::from(pg_sys::INT4OID),
+                        PgOid::from(pg_sys::INT8OID),
+                        PgOid::from(pg_sys::INTERVALOID),
+                    ],
+                    tenant,
+                ),
             )?
             .keep(),
         Plan::SweepByExpiresAt => client
@@ -236,10 +380,11 @@ pub(crate) fn read_row(
     lock: bool,
     req: &ClaimRequest<'_>,
 ) -> Result<Option<Row>, pgrx::spi::Error> {
-    let args = [
+    let mut args = vec![
         encoding::spi_text(req.scope, "scope"),
         encoding::spi_text(req.key, "key"),
     ];
+    args.extend(tenant_arg(req.scope));
     let table = if lock {
         // Row locks need a read-write SPI call.
         client.update(plan(client, Plan::SelectLocked)?, Some(1), &args)?
@@ -309,6 +454,7 @@ pub(crate) fn write_claim(
     if let Write::Restart(old) | Write::TakeOver(old) = write {
         args.push(next_token_above(client, old)?.into());
     }
+    args.extend(tenant_arg(req.scope));
     let table = client.update(stmt, None, &args)?;
     if table.is_empty() {
         return Ok(None);
@@ -435,17 +581,15 @@ pub(crate) fn insert_batch(
         pgrx::datum::DatumWithOid::new(pg_sys::Datum::from(array), pg_sys::TEXTARRAYOID)
     };
     let hashes: Vec<Option<Vec<u8>>> = hashes.iter().map(|h| h.map(|h| h.to_vec())).collect();
-    let mut table = client.update(
-        stmt,
-        None,
-        &[
-            encoding::spi_text(scope, "scope"),
-            key_array,
-            hashes.into(),
-            lease.into(),
-            ttl.into(),
-        ],
-    )?;
+    let mut args = vec![
+        encoding::spi_text(scope, "scope"),
+        key_array,
+        hashes.into(),
+        lease.into(),
+        ttl.into(),
+    ];
+    args.extend(tenant_arg(scope));
+    let mut table = client.update(stmt, None, &args)?;
     let mut out = Vec::with_capacity(keys.len());
     let mut next = 0;
     // Each step positions the table on its next row, read through the table.
@@ -541,7 +685,16 @@ pub(crate) struct AuditPlans {
 pub(crate) static AUDIT_PLANS: crate::local::BackendLocal<Cell<Option<&'static AuditPlans>>> =
     crate::local::BackendLocal::new(Cell::new(None));
 
+static AUDIT_PLANS_TENANT: crate::local::BackendLocal<Cell<pg_sys::Oid>> =
+    crate::local::BackendLocal::new(Cell::new(pg_sys::InvalidOid));
+
 pub(crate) fn audit_plans(client: &SpiClient<'_>) -> Result<&'static AuditPlans, pgrx::spi::Error> {
+    let tenant = tenant_type();
+    if AUDIT_PLANS_TENANT.with(Cell::get) != tenant {
+        // Prepared for another store (see [`PLANS_TENANT`]).
+        AUDIT_PLANS.with(|c| c.set(None));
+        AUDIT_PLANS_TENANT.with(|c| c.set(tenant));
+    }
     if let Some(p) = AUDIT_PLANS.with(Cell::get) {
         return Ok(p);
     }
@@ -557,16 +710,19 @@ pub(crate) fn audit_plans(client: &SpiClient<'_>) -> Result<&'static AuditPlans,
     let p: &'static AuditPlans = Box::leak(Box::new(AuditPlans {
         insert: client
             .prepare_mut(
-                AUDIT_SQL,
-                &[
-                    oid(pg_sys::TEXTOID),
-                    oid(pg_sys::TEXTOID),
-                    oid(pg_sys::BOOLOID),
-                    oid(pg_sys::BYTEAOID),
-                    oid(pg_sys::INT8OID),
-                    oid(pg_sys::INT4OID),
-                    oid(pg_sys::TEXTOID),
-                ],
+                with_tenant(AUDIT_SQL, tenant, 8).as_str(),
+                &args_with_tenant(
+                    &[
+                        oid(pg_sys::TEXTOID),
+                        oid(pg_sys::TEXTOID),
+                        oid(pg_sys::BOOLOID),
+                        oid(pg_sys::BYTEAOID),
+                        oid(pg_sys::INT8OID),
+                        oid(pg_sys::INT4OID),
+                        oid(pg_sys::TEXTOID),
+                    ],
+                    tenant,
+                ),
             )?
             .keep(),
         sweep: client
@@ -609,18 +765,16 @@ pub(crate) fn complete_sql(req: &CompleteRequest<'_>) -> Option<Completed> {
             Some(d) => d,
             None => pgrx::datum::DatumWithOid::null_oid(pg_sys::JSONBOID),
         };
-        let table = client.update(
-            complete,
-            None,
-            &[
-                encoding::spi_text(req.scope, "scope"),
-                encoding::spi_text(req.key, "key"),
-                response,
-                req.response_status.into(),
-                req.token.into(),
-                req.ttl.into(),
-            ],
-        )?;
+        let mut args = vec![
+            encoding::spi_text(req.scope, "scope"),
+            encoding::spi_text(req.key, "key"),
+            response,
+            req.response_status.into(),
+            req.token.into(),
+            req.ttl.into(),
+        ];
+        args.extend(tenant_arg(req.scope));
+        let table = client.update(complete, None, &args)?;
         if table.is_empty() {
             return Ok(None);
         }
@@ -638,19 +792,17 @@ pub(crate) fn complete_sql(req: &CompleteRequest<'_>) -> Option<Completed> {
 pub(crate) fn audit(req: &CompleteRequest<'_>, done: &Completed) {
     Spi::connect_mut(|client| {
         let audit = audit_plans(client)?;
-        client.update(
-            &audit.insert,
-            None,
-            &[
-                encoding::spi_text(req.scope, "scope"),
-                encoding::spi_text(req.key, "key"),
-                keys_hashed().into(),
-                done.request_hash.clone().into(),
-                done.token.into(),
-                req.response_status.into(),
-                completing_role(),
-            ],
-        )?;
+        let mut args = vec![
+            encoding::spi_text(req.scope, "scope"),
+            encoding::spi_text(req.key, "key"),
+            keys_hashed().into(),
+            done.request_hash.clone().into(),
+            done.token.into(),
+            req.response_status.into(),
+            completing_role(),
+        ];
+        args.extend(tenant_arg(req.scope));
+        client.update(&audit.insert, None, &args)?;
         Ok(())
     })
     .unwrap_or_else(|e| spi_failed("complete", e))

@@ -350,7 +350,7 @@ def test_the_portable_edition_works_where_the_native_library_is_preloaded():
         install(c, "plain")
         with psycopg.connect(conninfo(c), autocommit=True) as a, psycopg.connect(conninfo(c)) as b:
             assert a.execute("SELECT l.lanname FROM pg_proc p JOIN pg_language l ON l.oid = p.prolang "
-                             "WHERE p.oid = 'idempotency.claim'::regproc").fetchone() == ("plpgsql",)
+                             "WHERE p.oid = 'idempotency.claim(text, jsonb, text, interval, interval)'::regprocedure").fetchone() == ("plpgsql",)
             assert a.execute("SELECT (idempotency.claim('moving', '{\"a\": 1}')).outcome::text").fetchone() == ("new",)
             a.execute("SELECT idempotency.complete('moving', '{\"ok\": true}')")
             assert a.execute("SELECT (c).outcome::text, (c).response FROM idempotency.claim('moving', '{\"a\": 1}') c"

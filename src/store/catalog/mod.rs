@@ -74,6 +74,11 @@ pub(crate) struct Layout {
     /// sweeps are refused ([`check_layout`]), naming the table. Checked again on every refused
     /// call, so dropping the table (which sends the store no invalidation) is seen at once.
     pub(crate) child: pg_sys::Oid,
+    /// The type of the column `tenant` (bigint or uuid) of a store distributed by its tenant
+    /// (`distribute(tenant_type => ...)`, docs/scaling.md), InvalidOid when the store has none:
+    /// every statement then names the key's tenant too (Citus routes by it), see
+    /// [`tenant_type`].
+    pub(crate) tenant: pg_sys::Oid,
 }
 
 /// A column or index of the store that differs from the extension's table.
@@ -139,6 +144,7 @@ unsafe fn check_lookup_columns(
     relid: pg_sys::Oid,
     idxid: pg_sys::Oid,
     att: &mut [i32; LOOKED_UP_COUNT],
+    tenant: &mut pg_sys::Oid,
 ) -> Option<Mismatch> {
     // SAFETY: opens and closes relations by OID (AccessShareLock, kept to the end of the
     // transaction as every reader's); every pointer read is the relcache's.
@@ -178,9 +184,15 @@ unsafe fn check_lookup_columns(
                 _ => note(name, "text COLLATE \"C\"", a),
             }
         }
+        // A store distributed by its tenant: the tenant column, a third column of the
+        // primary key (Citus needs the distribution column in every unique index).
+        let tenant_column = attribute(rel, c"tenant")
+            .filter(|a| column_is(a, pg_sys::INT8OID) || column_is(a, pg_sys::UUIDOID));
+        *tenant = tenant_column.map_or(pg_sys::InvalidOid, |a| a.atttypid);
+        let tenant_attnum = tenant_column.map(|a| a.attnum);
         pg_sys::table_close(rel, pg_sys::NoLock as pg_sys::LOCKMODE);
         let index = pg_sys::index_open(idxid, lock);
-        let differs = index_differs(index, relid, key_columns);
+        let differs = index_differs(index, relid, key_columns, tenant_attnum);
         pg_sys::index_close(index, pg_sys::NoLock as pg_sys::LOCKMODE);
         if let Some(how) = differs {
             if mismatch.is_none() {
@@ -212,10 +224,15 @@ const PRIMARY_KEY: &str = "a valid, immediate, non-partial unique btree index on
 ///
 /// # Safety
 /// `index` is an open index relation.
+///
+/// On a store distributed by its tenant (`tenant_attnum`, see `Layout::tenant`) the index is on
+/// (scope, key, tenant): the tenant is a function of the scope (a CHECK constraint), so what is
+/// unique is the same; its third column is not checked further.
 unsafe fn index_differs(
     index: pg_sys::Relation,
     relid: pg_sys::Oid,
     key_columns: [i16; 2],
+    tenant_attnum: Option<i16>,
 ) -> Option<&'static str> {
     // SAFETY: the caller's contract: every pointer read is the relcache entry's; the
     // per-column arrays have `indnkeyatts` (checked to be 2) entries; indclass is read from
@@ -229,7 +246,20 @@ unsafe fn index_differs(
         if (*(*index).rd_rel).relam != pg_sys::BTREE_AM_OID || !f.indisunique {
             return Some("not a unique btree index");
         }
-        if f.indnatts != 2 || f.indnkeyatts != 2 || f.indkey.values.as_slice(2) != key_columns {
+        let columns = match tenant_attnum {
+            Some(t) => {
+                let n = f.indnkeyatts as usize;
+                if n != 3 || f.indnatts != 3 || f.indkey.values.as_slice(3)[2] != t {
+                    return Some("not on (scope, key, tenant)");
+                }
+                3
+            }
+            None => 2,
+        };
+        if f.indnatts as usize != columns
+            || f.indnkeyatts as usize != columns
+            || f.indkey.values.as_slice(2) != key_columns
+        {
             return Some("not on (scope, key)");
         }
         let tuple = (*index).rd_indextuple;
@@ -262,7 +292,7 @@ unsafe fn index_differs(
         let classes = classes.cast_mut_ptr::<pg_sys::oidvector>();
         if isnull
             || classes.is_null()
-            || (*classes).dim1 != 2
+            || (*classes).dim1 as usize != columns
             || (*classes)
                 .values
                 .as_slice(2)
@@ -492,6 +522,12 @@ pub(crate) fn citus_table() -> bool {
     citus
 }
 
+/// The type of the store's tenant column (bigint or uuid) where it is distributed by its tenant,
+/// else InvalidOid (see `Layout::tenant`).
+pub(crate) fn tenant_type() -> pg_sys::Oid {
+    layout().tenant
+}
+
 /// On Citus, refuses a claim or an audited completion on a node whose token and audit id
 /// sequences have no range of their own yet (see [`citus::check_node_sequences`]); elsewhere
 /// nothing.
@@ -530,7 +566,8 @@ pub(crate) fn layout() -> Layout {
             );
         }
         let mut att = [0i32; LOOKED_UP_COUNT];
-        let mismatch = check_lookup_columns(relid, idxid, &mut att);
+        let mut tenant = pg_sys::InvalidOid;
+        let mismatch = check_lookup_columns(relid, idxid, &mut att, &mut tenant);
         let partitioned =
             pg_sys::get_rel_relkind(relid) == pg_sys::RELKIND_PARTITIONED_TABLE as std::ffi::c_char;
         // A partitioned store's partitions are its own (`idempotency.partitions`).
@@ -547,6 +584,7 @@ pub(crate) fn layout() -> Layout {
             mismatch,
             partitioned,
             child,
+            tenant,
         };
         update_cache(|c| c.layout = Some(l));
         l
