@@ -579,9 +579,14 @@ BEGIN
 END
 $fn$;
 
+-- Not where the writing function marked the key itself just before (claim's insert,
+-- complete's update: idempotency_portable.marked is on for that statement), which spares the
+-- call on the path of every request.
 CREATE TRIGGER idempotency_keys_mark
     BEFORE INSERT OR UPDATE OR DELETE ON idempotency.idempotency_keys
-    FOR EACH ROW EXECUTE FUNCTION idempotency._p_mark_row();
+    FOR EACH ROW
+    WHEN (pg_catalog.current_setting('idempotency_portable.marked', true) IS DISTINCT FROM 'on')
+    EXECUTE FUNCTION idempotency._p_mark_row();
 
 -- The answer to a claim that meets another open transaction's claim of the key.
 CREATE FUNCTION idempotency._p_busy()
@@ -768,6 +773,27 @@ BEGIN
 END
 $fn$;
 
+-- claim, one step after the other (each check a function of its own): where claim's one-statement
+-- path does not apply (a database that is not UTF-8).
+CREATE FUNCTION idempotency._p_claim_checked(key text, request jsonb, scope text, ttl interval, lease interval)
+RETURNS idempotency.claim_result
+LANGUAGE plpgsql VOLATILE
+SET search_path = pg_catalog, pg_temp
+AS $fn$
+DECLARE
+    v_key text := idempotency._stored_key(_p_claim_checked.key, _p_claim_checked.scope);
+    v_ttl interval;
+    v_lease interval;
+    v_hash bytea;
+BEGIN
+    SELECT d.ttl_value, d.lease_value INTO v_ttl, v_lease FROM idempotency._p_ttl_and_lease(_p_claim_checked.ttl, _p_claim_checked.lease) AS d;
+    v_hash := idempotency._p_request_hash(_p_claim_checked.request, 'request');
+    PERFORM idempotency._p_refuse_read_only('claim');
+    RETURN idempotency._p_claim(_p_claim_checked.scope, v_key, v_hash, v_ttl, v_lease);
+END
+$fn$;
+
+
 -- A stored key as messages name it: quoted, or (hashed) where the store keeps keys hashed.
 CREATE FUNCTION idempotency._p_key_label(stored text)
 RETURNS text
@@ -782,7 +808,12 @@ END
 $fn$;
 
 -- complete's work as the store's owner; the completing role (for the audit row) is passed by
--- _complete, which runs as the caller.
+-- _complete, which runs as the caller. One statement reads what the checks need (the store's
+-- configuration, the role's row of idempotency.role_settings, whether ALTER ROLE or ALTER
+-- DATABASE turned audit on); _stored_key, _p_check_size, _p_refuse_read_only and _p_mark are
+-- called only where one may fail or the database is not UTF-8 (their checks are made here the
+-- same way: a change there changes this copy too); each statement and each nested call costs
+-- more than the work of this path, run by every completion.
 CREATE FUNCTION idempotency._p_complete(
     p_key text, p_response jsonb, p_status integer, p_scope text, p_token bigint, p_ttl interval, p_role name)
 RETURNS timestamptz
@@ -790,21 +821,55 @@ LANGUAGE plpgsql VOLATILE SECURITY DEFINER
 SET search_path = pg_catalog, pg_temp
 AS $fn$
 DECLARE
+    c record;
     v_key text;
     v_expires_at timestamptz;
     v_hash bytea;
     v_token bigint;
-    v_bound integer;
-    v_audit boolean;
     v_raw text;
+    v_xact text;
+    v_state text;
+    v_count integer;
+    v_set text;
 BEGIN
     -- The role the caller ran as, where the session may act as it (inside another SECURITY
     -- DEFINER function it may not: then, and for a role passed by anyone else, the session's
     -- login role, which the native edition names there too unless SET ROLE changed it).
-    IF p_role IS NULL OR NOT pg_catalog.pg_has_role(SESSION_USER, p_role, 'MEMBER') THEN
+    IF p_role IS NULL OR p_role OPERATOR(pg_catalog.<>) SESSION_USER
+                         AND NOT pg_catalog.pg_has_role(SESSION_USER, p_role, 'MEMBER') THEN
         p_role := SESSION_USER;
     END IF;
-    v_key := idempotency._stored_key(p_key, p_scope);
+    SELECT pg_catalog.getdatabaseencoding() OPERATOR(pg_catalog.=) 'UTF8'
+           AND p_key IS NOT NULL AND p_key OPERATOR(pg_catalog.<>) '' AND pg_catalog.length(p_key) OPERATOR(pg_catalog.<=) 255
+           AND p_scope IS NOT NULL AND pg_catalog.length(p_scope) OPERATOR(pg_catalog.<=) 255
+           -- _p_scope_prefix
+           AND pg_catalog.starts_with(p_scope, COALESCE(r.scope_prefix,
+                   pg_catalog.current_setting('idempotency.scope_prefix', true), '')) AS ok,
+           -- _stored_key's form of the key
+           CASE WHEN x.key_storage IS NULL OR x.key_storage OPERATOR(pg_catalog.=) 'plain' THEN p_key
+                WHEN x.key_secret IS NULL THEN pg_catalog.encode(pg_catalog.sha256(pg_catalog.convert_to(p_key, 'UTF8')), 'hex')
+           END AS stored,
+           r.max_response_size,
+           -- _p_audit: the role's row, or idempotency.audit set on by ALTER ROLE or ALTER DATABASE
+           r.audit IS TRUE OR EXISTS (
+               SELECT FROM pg_catalog.pg_db_role_setting AS s
+                WHERE s.setdatabase OPERATOR(pg_catalog.=) ANY (ARRAY[(SELECT d.oid FROM pg_catalog.pg_database AS d
+                                               WHERE d.datname OPERATOR(pg_catalog.=) pg_catalog.current_database()), 0]::pg_catalog.oid[])
+                  AND s.setrole OPERATOR(pg_catalog.=) ANY (ARRAY[a.role, 0]::pg_catalog.oid[])
+                  AND EXISTS (SELECT FROM pg_catalog.unnest(s.setconfig) AS e(entry)
+                               WHERE pg_catalog.lower(pg_catalog.split_part(e.entry, '=', 1)) OPERATOR(pg_catalog.=) 'idempotency.audit'
+                                 AND pg_catalog.lower(pg_catalog.btrim(pg_catalog.substr(e.entry,
+                                       pg_catalog.strpos(e.entry, '=') OPERATOR(pg_catalog.+) 1)))
+                                     OPERATOR(pg_catalog.=) ANY (ARRAY['on', 'true', 'tru', 'tr', 't', 'yes', 'ye', 'y', '1']))) AS audit
+      INTO c
+      FROM (SELECT pg_catalog.to_regrole(pg_catalog.quote_ident(SESSION_USER))::pg_catalog.oid AS role) AS a
+      LEFT JOIN idempotency.role_settings AS r ON r.role::pg_catalog.oid OPERATOR(pg_catalog.=) a.role
+      LEFT JOIN idempotency.config AS x ON true;
+    IF c.ok AND c.stored IS NOT NULL THEN
+        v_key := c.stored;
+    ELSE
+        v_key := idempotency._stored_key(p_key, p_scope);  -- raises, or the keyed hash or a key of a database that is not UTF-8
+    END IF;
     IF p_status IS NULL THEN
         RAISE EXCEPTION USING ERRCODE = 'null_value_not_allowed', MESSAGE = 'response_status must not be NULL';
     ELSIF p_status OPERATOR(pg_catalog.<) 100 OR p_status OPERATOR(pg_catalog.>) 599 THEN
@@ -814,34 +879,33 @@ BEGIN
     IF p_ttl IS NOT NULL THEN
         PERFORM idempotency._p_duration('ttl', p_ttl);
     END IF;
-    -- What _p_check_size (through _p_limit) and _p_audit read, in one statement: the role's
-    -- row of idempotency.role_settings and the settings made with ALTER ROLE or ALTER DATABASE
-    -- (nested calls and statements cost more than the lookups on this path); _p_check_size is
-    -- called where the response is too large (it raises) or idempotency.max_response_size is set.
-    SELECT r.max_response_size,
-           r.audit IS TRUE OR EXISTS (SELECT FROM pg_catalog.pg_db_role_setting AS s, pg_catalog.unnest(s.setconfig) AS c(entry)
-                       WHERE s.setdatabase OPERATOR(pg_catalog.=) ANY (ARRAY[(SELECT d.oid FROM pg_catalog.pg_database AS d
-                                                      WHERE d.datname OPERATOR(pg_catalog.=) pg_catalog.current_database()), 0]::pg_catalog.oid[])
-                         AND s.setrole OPERATOR(pg_catalog.=) ANY (ARRAY[(SELECT a.oid FROM pg_catalog.pg_roles AS a
-                                                      WHERE a.rolname OPERATOR(pg_catalog.=) SESSION_USER), 0]::pg_catalog.oid[])
-                         AND pg_catalog.lower(pg_catalog.split_part(c.entry, '=', 1)) OPERATOR(pg_catalog.=) 'idempotency.audit'
-                         AND pg_catalog.lower(pg_catalog.btrim(pg_catalog.substr(c.entry,
-                               pg_catalog.strpos(c.entry, '=') OPERATOR(pg_catalog.+) 1)))
-                             OPERATOR(pg_catalog.=) ANY (ARRAY['on', 'true', 'tru', 'tr', 't', 'yes', 'ye', 'y', '1']))
-      INTO v_bound, v_audit
-      FROM (SELECT) AS one LEFT JOIN idempotency.role_settings AS r
-           ON r.role::pg_catalog.oid OPERATOR(pg_catalog.=) (SELECT a.oid FROM pg_catalog.pg_roles AS a WHERE a.rolname OPERATOR(pg_catalog.=) SESSION_USER);
+    -- _p_check_size is called where the response may be too large (it raises) or
+    -- idempotency.max_response_size is set (to anything but what the native edition shows for its default).
     IF p_response IS NOT NULL THEN
         v_raw := pg_catalog.btrim(pg_catalog.current_setting('idempotency.max_response_size', true));
-        IF (v_raw IS NOT NULL AND v_raw OPERATOR(pg_catalog.<>) '')
+        IF v_raw OPERATOR(pg_catalog.<>) ALL ('{"",4MB}'::pg_catalog.text[])
            OR pg_catalog.pg_column_size(p_response)::bigint OPERATOR(pg_catalog.>)
-              (LEAST(4096, v_bound)::bigint OPERATOR(pg_catalog.*) 1024) THEN
+              (LEAST(4096, c.max_response_size)::bigint OPERATOR(pg_catalog.*) 1024) THEN
             PERFORM idempotency._p_check_size('response', pg_catalog.pg_column_size(p_response)::bigint, 'response');
         END IF;
     END IF;
     IF pg_catalog.current_setting('transaction_read_only') OPERATOR(pg_catalog.=) 'on' THEN
         PERFORM idempotency._p_refuse_read_only('complete');  -- raises
     END IF;
+    -- _p_mark(scope, key, true) (as the trigger would), then the update, which the trigger need
+    -- not mark again.
+    v_xact := pg_catalog.pg_current_xact_id()::pg_catalog.text;
+    v_state := pg_catalog.current_setting('idempotency_portable.marks', true);
+    v_count := CASE WHEN pg_catalog.split_part(v_state, ':', 1) OPERATOR(pg_catalog.=) v_xact
+                    THEN pg_catalog.split_part(v_state, ':', 2)::pg_catalog.int4 ELSE 0 END;
+    IF v_count OPERATOR(pg_catalog.<) 1000 THEN
+        PERFORM pg_catalog.pg_advisory_xact_lock(pg_catalog.hashtextextended(
+                    pg_catalog.length(p_scope)::pg_catalog.text OPERATOR(pg_catalog.||) ':'
+                    OPERATOR(pg_catalog.||) p_scope OPERATOR(pg_catalog.||) v_key, 5432));
+        v_set := pg_catalog.set_config('idempotency_portable.marks',
+                                       v_xact OPERATOR(pg_catalog.||) ':' OPERATOR(pg_catalog.||) (v_count OPERATOR(pg_catalog.+) 1), false);
+    END IF;
+    v_set := pg_catalog.set_config('idempotency_portable.marked', 'on', true);
     UPDATE idempotency.idempotency_keys AS k SET
            status = 'completed'::idempotency.key_status, response = p_response, response_status = p_status,
            completed_at = pg_catalog.now(), locked_until = NULL,
@@ -852,10 +916,11 @@ BEGIN
        AND k.expires_at OPERATOR(pg_catalog.>) pg_catalog.now()
        AND (p_token IS NULL OR k.token OPERATOR(pg_catalog.=) p_token)
     RETURNING k.expires_at, k.request_hash, k.token INTO v_expires_at, v_hash, v_token;
-    IF NOT FOUND THEN
+    v_set := pg_catalog.set_config('idempotency_portable.marked', 'off', true);
+    IF v_token IS NULL THEN
         RETURN NULL;
     END IF;
-    IF v_audit
+    IF c.audit
        OR COALESCE(pg_catalog.lower(pg_catalog.btrim(pg_catalog.current_setting('idempotency.audit', true)))
                    OPERATOR(pg_catalog.=) ANY (ARRAY['on', 'true', 'tru', 'tr', 't', 'yes', 'ye', 'y', '1']), false) THEN
         INSERT INTO idempotency.audit
@@ -883,6 +948,16 @@ $revoke$;
 
 -- The LANGUAGE c functions of sql/idempotency.sql --------------------------------------------
 
+-- One statement reads what a claim needs (the role's scope prefix, the store's configuration,
+-- the key's row, the request's canonical form where it is an object of scalars), and the
+-- common answers (replay, in_progress, new) are given from it: each statement and each nested
+-- call costs more than the work of this path, run by every request. What _stored_key,
+-- _p_ttl_and_lease, _p_request_hash, _p_refuse_read_only, _p_marked and _p_mark check is
+-- checked here the same way (the expressions are theirs and _canon_text's: a change there
+-- changes this copy too); their functions are called only where one may fail (they raise its
+-- error). Everything else (a takeover, a restart, a mismatch, a busy key, a store with rules
+-- or keyed hashes, a database that is not UTF-8) goes to _p_claim or _p_claim_checked, which
+-- read again.
 CREATE FUNCTION idempotency.claim(
     key   text,
     request jsonb DEFAULT NULL,
@@ -892,34 +967,152 @@ CREATE FUNCTION idempotency.claim(
 ) RETURNS idempotency.claim_result
 LANGUAGE plpgsql VOLATILE PARALLEL UNSAFE SECURITY DEFINER
 SET search_path = pg_catalog, pg_temp
+-- One plan for the statement below whatever the arguments: a plan made for the arguments of
+-- each call (PostgreSQL's choice where the store's tables were never analyzed) costs more
+-- than the rest of the call.
+SET plan_cache_mode = force_generic_plan
 AS $fn$
 DECLARE
-    v_key text := idempotency._stored_key(claim.key, claim.scope);
+    c record;
     v_ttl interval;
     v_lease interval;
     v_hash bytea;
+    v_xact text;
+    v_state text;
+    v_count integer;
+    v_marked boolean;
+    v_token bigint;
+    v_expires_at timestamptz;
+    v_set text;
 BEGIN
-    -- Neither given nor set: the defaults (one day, five minutes), which pass every check of
-    -- _p_ttl_and_lease (not called: a nested call costs more than its checks on this path).
-    IF claim.ttl IS NULL AND claim.lease IS NULL
-       AND COALESCE(pg_catalog.btrim(pg_catalog.current_setting('idempotency.default_ttl', true)), '') OPERATOR(pg_catalog.=) ''
-       AND COALESCE(pg_catalog.btrim(pg_catalog.current_setting('idempotency.default_lease', true)), '') OPERATOR(pg_catalog.=) '' THEN
-        v_ttl := pg_catalog.make_interval(secs => 86400);
-        v_lease := pg_catalog.make_interval(secs => 300);
+    IF pg_catalog.getdatabaseencoding() OPERATOR(pg_catalog.<>) 'UTF8' THEN
+        -- Keys, scopes and requests are checked as Unicode first (_canon_unicode).
+        RETURN idempotency._p_claim_checked(claim.key, claim.request, claim.scope, claim.ttl, claim.lease);
+    END IF;
+    SELECT -- The checks of _canon_check_key and _p_check_scope (with _p_scope_prefix's prefix),
+           -- and a store that keeps plain keys or unkeyed hashes.
+           claim.key IS NOT NULL AND claim.key OPERATOR(pg_catalog.<>) '' AND pg_catalog.length(claim.key) OPERATOR(pg_catalog.<=) 255
+           AND claim.scope IS NOT NULL AND pg_catalog.length(claim.scope) OPERATOR(pg_catalog.<=) 255
+           AND pg_catalog.starts_with(claim.scope, COALESCE(p.scope_prefix,
+                   pg_catalog.current_setting('idempotency.scope_prefix', true), ''))
+           AND x.key_secret IS NULL AS ok,
+           -- Neither ttl nor lease given nor set (or set to what the native edition shows for
+           -- its defaults): one day and five minutes, which pass every check of _p_ttl_and_lease.
+           claim.ttl IS NULL AND claim.lease IS NULL
+           AND COALESCE(pg_catalog.btrim(pg_catalog.current_setting('idempotency.default_ttl', true)), '')
+               OPERATOR(pg_catalog.=) ANY ('{"",1d}'::pg_catalog.text[])
+           AND COALESCE(pg_catalog.btrim(pg_catalog.current_setting('idempotency.default_lease', true)), '')
+               OPERATOR(pg_catalog.=) ANY ('{"",5min}'::pg_catalog.text[]) AS defaults,
+           k.stored, pg_catalog.sha256(pg_catalog.convert_to(f.canon, 'UTF8')) AS hash,
+           r.key IS NOT NULL AS found, r.token, r.request_hash,
+           -- The answer without a write (replay, in_progress), given where nothing may fail
+           -- before it (ok and defaults, not in a read-only transaction, the request's hash
+           -- known) and the row is live, of the same request and not marked by another open
+           -- transaction (_p_marked).
+           CASE WHEN r.expires_at OPERATOR(pg_catalog.>) pg_catalog.now()
+                     AND (r.status OPERATOR(pg_catalog.=) 'completed'::idempotency.key_status
+                          OR r.locked_until OPERATOR(pg_catalog.>) pg_catalog.now())
+                     AND (r.request_hash IS NULL OR claim.request IS NULL
+                          OR r.request_hash OPERATOR(pg_catalog.=) pg_catalog.sha256(pg_catalog.convert_to(f.canon, 'UTF8')))
+                     AND pg_catalog.current_setting('transaction_read_only') OPERATOR(pg_catalog.=) 'off'
+                     AND pg_catalog.pg_try_advisory_lock_shared(l.lock) AND pg_catalog.pg_advisory_unlock_shared(l.lock)
+                THEN CASE WHEN r.status OPERATOR(pg_catalog.=) 'completed'::idempotency.key_status
+                          THEN ROW('replay', r.token, r.response, r.response_status, NULL, r.expires_at, NULL)::idempotency.claim_result
+                          ELSE ROW('in_progress', NULL, NULL, NULL,
+                                   GREATEST(r.locked_until OPERATOR(pg_catalog.-) pg_catalog.now(), '1 second'::pg_catalog.interval),
+                                   r.expires_at, r.recovery_point)::idempotency.claim_result END
+           END AS answer,
+           l.lock
+      INTO c
+      FROM (SELECT) AS o
+      LEFT JOIN idempotency.config AS x ON true
+      -- _stored_key's form of the key, and its _p_lock_id
+      CROSS JOIN LATERAL (SELECT CASE WHEN x.key_storage OPERATOR(pg_catalog.=) 'sha256'
+                                      THEN pg_catalog.encode(pg_catalog.sha256(pg_catalog.convert_to(claim.key, 'UTF8')), 'hex')
+                                      ELSE claim.key END AS stored) AS k
+      CROSS JOIN LATERAL (SELECT pg_catalog.hashtextextended(pg_catalog.length(claim.scope)::pg_catalog.text
+                                     OPERATOR(pg_catalog.||) ':' OPERATOR(pg_catalog.||) claim.scope
+                                     OPERATOR(pg_catalog.||) k.stored, 5432) AS lock) AS l
+      LEFT JOIN idempotency.role_settings AS p
+             ON p.role::pg_catalog.oid OPERATOR(pg_catalog.=) pg_catalog.to_regrole(pg_catalog.quote_ident(SESSION_USER))::pg_catalog.oid
+      -- The key's row through its index, whatever the estimates of the joins (the key's form
+      -- from an init plan: a parameter of the index scan, not a join clause).
+      LEFT JOIN idempotency.idempotency_keys AS r
+             ON r.scope OPERATOR(pg_catalog.=) claim.scope
+            AND r.key OPERATOR(pg_catalog.=) CASE WHEN (SELECT y.key_storage FROM idempotency.config AS y) OPERATOR(pg_catalog.=) 'sha256'
+                                                  THEN pg_catalog.encode(pg_catalog.sha256(pg_catalog.convert_to(claim.key, 'UTF8')), 'hex')
+                                                  ELSE claim.key END
+      -- _canon_text's form of an object of scalars (its test in exact mode; NULL: another
+      -- document, or none, or {}).
+      CROSS JOIN (SELECT '{' OPERATOR(pg_catalog.||) pg_catalog.string_agg(
+                             pg_catalog.to_json(e.key)::pg_catalog.text OPERATOR(pg_catalog.||) ':'
+                             OPERATOR(pg_catalog.||) CASE WHEN pg_catalog.jsonb_typeof(e.value) OPERATOR(pg_catalog.=) 'number'
+                                                          THEN pg_catalog.trunc(e.value::pg_catalog.numeric)::pg_catalog.text
+                                                          ELSE e.value::pg_catalog.text END, ','
+                             ORDER BY e.key COLLATE pg_catalog."C") OPERATOR(pg_catalog.||) '}' AS canon
+                    FROM pg_catalog.jsonb_each(CASE WHEN pg_catalog.jsonb_typeof(claim.request) OPERATOR(pg_catalog.=) 'object'
+                                                     AND NOT pg_catalog.jsonb_path_exists(claim.request,
+               'strict $ ? (exists (@.* ? (@.type() == "object" || @.type() == "array" || (@.type() == "number" && (@ >= 1e21 || @ <= -1e21 || @.floor() != @)))) || exists (@.keyvalue() ? (@.key like_regex "[\\uE000-\\uFFFF]")))')
+                                                    THEN claim.request END) AS e) AS f;
+    -- (c.answer IS NOT NULL would ask for every field to be.)
+    IF c.ok AND c.defaults AND (c.answer).outcome IS NOT NULL THEN
+        RETURN c.answer;
+    END IF;
+    IF NOT c.ok THEN
+        -- A check fails (raised there), or the store keeps keyed hashes.
+        RETURN idempotency._p_claim_checked(claim.key, claim.request, claim.scope, claim.ttl, claim.lease);
+    END IF;
+    IF c.defaults THEN
+        v_ttl := '86400 seconds'::pg_catalog.interval;
+        v_lease := '300 seconds'::pg_catalog.interval;
     ELSE
         SELECT d.ttl_value, d.lease_value INTO v_ttl, v_lease FROM idempotency._p_ttl_and_lease(claim.ttl, claim.lease) AS d;
     END IF;
-    -- _p_request_hash and _p_refuse_read_only written out (nested calls cost more than they do).
-    IF claim.request IS NOT NULL THEN
-        IF pg_catalog.getdatabaseencoding() OPERATOR(pg_catalog.<>) 'UTF8' THEN
-            PERFORM idempotency._canon_unicode_doc(claim.request, 'request');
-        END IF;
+    v_hash := c.hash;
+    IF v_hash IS NULL AND claim.request IS NOT NULL THEN
         v_hash := pg_catalog.sha256(pg_catalog.convert_to(idempotency._canon_text(claim.request, true, 'request'), 'UTF8'));
     END IF;
     IF pg_catalog.current_setting('transaction_read_only') OPERATOR(pg_catalog.=) 'on' THEN
         PERFORM idempotency._p_refuse_read_only('claim');  -- raises
     END IF;
-    RETURN idempotency._p_claim(claim.scope, v_key, v_hash, v_ttl, v_lease);
+    IF c.found THEN
+        -- Answered by _p_claim: a mismatch, a takeover, a restart, a key another open
+        -- transaction marked, or a request whose hash was not known in the statement above.
+        NULL;
+    ELSIF NOT EXISTS (SELECT FROM pg_catalog.pg_rewrite AS w
+                       WHERE w.ev_class OPERATOR(pg_catalog.=) 'idempotency.idempotency_keys'::pg_catalog.regclass) THEN
+        -- _p_mark(scope, key, false), then the insert, which the trigger need not mark again
+        -- (a store with rules refuses ON CONFLICT: _p_claim inserts there).
+        v_xact := pg_catalog.pg_current_xact_id()::pg_catalog.text;
+        v_state := pg_catalog.current_setting('idempotency_portable.marks', true);
+        v_count := CASE WHEN pg_catalog.split_part(v_state, ':', 1) OPERATOR(pg_catalog.=) v_xact
+                        THEN pg_catalog.split_part(v_state, ':', 2)::pg_catalog.int4 ELSE 0 END;
+        IF v_count OPERATOR(pg_catalog.<) 1000 THEN
+            v_marked := pg_catalog.pg_try_advisory_xact_lock(c.lock);
+            IF v_marked THEN
+                v_set := pg_catalog.set_config('idempotency_portable.marks',
+                                               v_xact OPERATOR(pg_catalog.||) ':' OPERATOR(pg_catalog.||) (v_count OPERATOR(pg_catalog.+) 1), false);
+            END IF;
+        ELSE
+            -- Not marked (the transaction's first 1000 keys are); a key another transaction
+            -- marked is still refused.
+            v_marked := pg_catalog.pg_try_advisory_lock_shared(c.lock) AND pg_catalog.pg_advisory_unlock_shared(c.lock);
+        END IF;
+        IF v_marked THEN
+            v_set := pg_catalog.set_config('idempotency_portable.marked', 'on', true);
+            INSERT INTO idempotency.idempotency_keys AS k
+                   (scope, key, request_hash, status, token, created_at, locked_until, expires_at, ttl)
+            VALUES (claim.scope, c.stored, v_hash, 'in_progress', pg_catalog.nextval('idempotency.token_seq'), pg_catalog.now(),
+                    pg_catalog.now() OPERATOR(pg_catalog.+) v_lease, pg_catalog.now() OPERATOR(pg_catalog.+) v_ttl, v_ttl)
+            ON CONFLICT ON CONSTRAINT idempotency_keys_pkey DO NOTHING  -- (scope, key): names of claim's arguments
+            RETURNING k.token, k.expires_at INTO v_token, v_expires_at;
+            v_set := pg_catalog.set_config('idempotency_portable.marked', 'off', true);
+            IF v_token IS NOT NULL THEN
+                RETURN ROW('new', v_token, NULL, NULL, NULL, v_expires_at, NULL)::idempotency.claim_result;
+            END IF;
+        END IF;
+    END IF;
+    RETURN idempotency._p_claim(claim.scope, c.stored, v_hash, v_ttl, v_lease);
 END
 $fn$;
 
@@ -993,16 +1186,16 @@ BEGIN
 END
 $fn$;
 
--- Runs as the caller (the audit row names the completing role), the work as the owner.
+-- Runs as the caller (the audit row names the completing role: CURRENT_USER here), the work as
+-- the owner. A single-expression SQL function without SET search_path (every name in it is
+-- schema-qualified), so the planner inlines it into complete's expression, itself inlined into
+-- the caller's statement: a call of a PL/pgSQL function fewer on the path of every completion.
 CREATE FUNCTION idempotency._complete(
     key text, response jsonb, response_status integer, scope text, token bigint, ttl interval)
 RETURNS timestamptz
-LANGUAGE plpgsql VOLATILE PARALLEL UNSAFE
-SET search_path = pg_catalog, pg_temp
+LANGUAGE sql VOLATILE PARALLEL UNSAFE
 AS $fn$
-BEGIN
-    RETURN idempotency._p_complete(key, response, response_status, scope, token, ttl, CURRENT_USER);
-END
+    SELECT idempotency._p_complete($1, $2, $3, $4, $5, $6, CURRENT_USER)
 $fn$;
 
 CREATE FUNCTION idempotency.sweep(batch_size integer DEFAULT NULL)
