@@ -20,19 +20,46 @@ pub(crate) const ROW_COLUMNS: &str = "k.status OPERATOR(pg_catalog.=) 'completed
      k.locked_until OPERATOR(pg_catalog.<=) pg_catalog.now(), \
      GREATEST(k.locked_until OPERATOR(pg_catalog.-) pg_catalog.now(), '1 second'::pg_catalog.interval)";
 
-pub(crate) fn select_sql(lock: bool) -> String {
+/// The parameter that carries the key's tenant in a statement that names a key, on a store
+/// distributed by its tenant (`distribute(tenant_type => ...)`, `catalog::tenant_type`): its
+/// number, the statement's last; None on every other store. Each such statement also names the
+/// tenant, so that Citus routes it to the tenant's shard: the row's match ([`key_match`]), the
+/// inserts' `tenant` column and `ON CONFLICT (scope, key, tenant)`, the primary key there.
+type TenantParam = Option<usize>;
+
+/// How a statement finds the key's row: `k.scope = $1 AND k.key = $2`, and the tenant.
+fn key_match(tenant: TenantParam) -> String {
+    let mut m =
+        String::from("k.scope OPERATOR(pg_catalog.=) $1 AND k.key OPERATOR(pg_catalog.=) $2");
+    if let Some(n) = tenant {
+        m.push_str(&format!(" AND k.tenant OPERATOR(pg_catalog.=) ${n}"));
+    }
+    m
+}
+
+/// `", tenant"` (or `", $n"`) where a statement lists the tenant column (or its value).
+fn tenant_column(tenant: TenantParam) -> &'static str {
+    if tenant.is_some() {
+        ", tenant"
+    } else {
+        ""
+    }
+}
+
+fn tenant_value(tenant: TenantParam) -> String {
+    tenant.map(|n| format!(", ${n}")).unwrap_or_default()
+}
+
+pub(crate) fn select_sql(lock: bool, tenant: TenantParam) -> String {
     format!(
-        "SELECT {ROW_COLUMNS} FROM idempotency.idempotency_keys k \
-         WHERE k.scope OPERATOR(pg_catalog.=) $1 AND k.key OPERATOR(pg_catalog.=) $2{}",
+        "SELECT {ROW_COLUMNS} FROM idempotency.idempotency_keys k WHERE {}{}",
+        key_match(tenant),
         if lock { " FOR UPDATE SKIP LOCKED" } else { "" }
     )
 }
 
-/// The insert of fresh claims: `(scope, key, request_hash, ...)` of the columns a fresh claim
-/// sets, with the values of `status` through `ttl` ($4 the lease, $5 the TTL) that every fresh
-/// claim gets.
-const INSERT_INTO: &str = "INSERT INTO idempotency.idempotency_keys AS k \
-       (scope, key, request_hash, status, token, created_at, locked_until, expires_at, ttl)";
+/// The values of `status` through `ttl` ($4 the lease, $5 the TTL) that every fresh claim gets,
+/// after `(scope, key[, tenant], request_hash`.
 const FRESH_CLAIM_VALUES: &str = "'in_progress', pg_catalog.nextval('idempotency.token_seq'), \
        pg_catalog.now(), pg_catalog.now() OPERATOR(pg_catalog.+) $4, \
        pg_catalog.now() OPERATOR(pg_catalog.+) $5, $5";
@@ -60,23 +87,28 @@ pub(crate) enum InsertRows {
 /// Without it, the insert of keys that the probe, under each key's insert lock (held until the
 /// statement ends), found absent: no other claimer can insert them meanwhile, so no arbiter
 /// (its extra index check and speculative-insertion record) is needed.
-pub(crate) fn insert_sql(rows: InsertRows, on_conflict: bool) -> String {
+pub(crate) fn insert_sql(rows: InsertRows, on_conflict: bool, tenant: TenantParam) -> String {
+    let (column, value) = (tenant_column(tenant), tenant_value(tenant));
     let (rows, returning) = match rows {
-        InsertRows::One => (format!("VALUES ($1, $2, $3, {FRESH_CLAIM_VALUES})"), ""),
+        InsertRows::One => (format!("VALUES ($1, $2{value}, $3, {FRESH_CLAIM_VALUES})"), ""),
         InsertRows::Batch => (
             format!(
-                "SELECT $1, u.key, u.request_hash, {FRESH_CLAIM_VALUES} \
+                "SELECT $1, u.key{value}, u.request_hash, {FRESH_CLAIM_VALUES} \
                    FROM ROWS FROM (pg_catalog.unnest($2), pg_catalog.unnest($3)) AS u(key, request_hash)"
             ),
             "k.key, ",
         ),
     };
     let on_conflict = if on_conflict {
-        " ON CONFLICT (scope, key) DO NOTHING"
+        format!(" ON CONFLICT (scope, key{column}) DO NOTHING")
     } else {
-        ""
+        String::new()
     };
-    format!("{INSERT_INTO} {rows}{on_conflict} RETURNING {returning}k.token, k.expires_at")
+    format!(
+        "INSERT INTO idempotency.idempotency_keys AS k \
+           (scope, key{column}, request_hash, status, token, created_at, locked_until, expires_at, ttl) \
+         {rows}{on_conflict} RETURNING {returning}k.token, k.expires_at"
+    )
 }
 
 /// Rewrites an expired row as a fresh claim (it counted as absent). $6 is the new token, a
@@ -87,30 +119,38 @@ pub(crate) fn insert_sql(rows: InsertRows, on_conflict: bool) -> String {
 /// gone, which a stale holder's `complete` would then pass for its own. The row is locked (the
 /// claim read it FOR UPDATE), so its token is still the one $6 was chosen above; the condition
 /// on it only guards that.
-const RESTART_SQL: &str = "UPDATE idempotency.idempotency_keys AS k SET \
-       request_hash = $3, status = 'in_progress', \
-       token = $6, \
-       response = NULL, response_status = NULL, recovery_point = NULL, \
-       created_at = pg_catalog.now(), completed_at = NULL, \
-       locked_until = pg_catalog.now() OPERATOR(pg_catalog.+) $4, \
-       expires_at = pg_catalog.now() OPERATOR(pg_catalog.+) $5, ttl = $5 \
-     WHERE k.scope OPERATOR(pg_catalog.=) $1 AND k.key OPERATOR(pg_catalog.=) $2 \
-       AND k.token OPERATOR(pg_catalog.<) $6 \
-     RETURNING k.token, k.expires_at, k.recovery_point";
+fn restart_sql(tenant: TenantParam) -> String {
+    format!(
+        "UPDATE idempotency.idempotency_keys AS k SET \
+           request_hash = $3, status = 'in_progress', \
+           token = $6, \
+           response = NULL, response_status = NULL, recovery_point = NULL, \
+           created_at = pg_catalog.now(), completed_at = NULL, \
+           locked_until = pg_catalog.now() OPERATOR(pg_catalog.+) $4, \
+           expires_at = pg_catalog.now() OPERATOR(pg_catalog.+) $5, ttl = $5 \
+         WHERE {} AND k.token OPERATOR(pg_catalog.<) $6 \
+         RETURNING k.token, k.expires_at, k.recovery_point",
+        key_match(tenant)
+    )
+}
 
-/// The token of a restart or takeover, before the UPDATE (see [`RESTART_SQL`]).
+/// The token of a restart or takeover, before the UPDATE (see [`restart_sql`]).
 const NEXT_TOKEN_SQL: &str = "SELECT pg_catalog.nextval('idempotency.token_seq')";
 
 /// Takes over an in-progress row whose lease ran out; keeps its recovery point. The new token
-/// is a value of this node's sequence above the old one (see [`RESTART_SQL`]).
-const TAKEOVER_SQL: &str = "UPDATE idempotency.idempotency_keys AS k SET \
-       request_hash = COALESCE(k.request_hash, $3), \
-       token = $6, \
-       locked_until = pg_catalog.now() OPERATOR(pg_catalog.+) $4, \
-       expires_at = pg_catalog.now() OPERATOR(pg_catalog.+) $5, ttl = $5 \
-     WHERE k.scope OPERATOR(pg_catalog.=) $1 AND k.key OPERATOR(pg_catalog.=) $2 \
-       AND k.token OPERATOR(pg_catalog.<) $6 \
-     RETURNING k.token, k.expires_at, k.recovery_point";
+/// is a value of this node's sequence above the old one (see [`restart_sql`]).
+fn takeover_sql(tenant: TenantParam) -> String {
+    format!(
+        "UPDATE idempotency.idempotency_keys AS k SET \
+           request_hash = COALESCE(k.request_hash, $3), \
+           token = $6, \
+           locked_until = pg_catalog.now() OPERATOR(pg_catalog.+) $4, \
+           expires_at = pg_catalog.now() OPERATOR(pg_catalog.+) $5, ttl = $5 \
+         WHERE {} AND k.token OPERATOR(pg_catalog.<) $6 \
+         RETURNING k.token, k.expires_at, k.recovery_point",
+        key_match(tenant)
+    )
+}
 
 /// The statements claim and sweep run, each prepared once per backend (SPI_keepplan) when it
 /// is first needed, so a claim pays for execution only. PostgreSQL's plan cache re-plans them
@@ -140,43 +180,8 @@ pub(crate) static PLANS: crate::local::BackendLocal<
     [Cell<Option<&'static OwnedPreparedStatement>>; PLAN_COUNT],
 > = crate::local::BackendLocal::new([const { Cell::new(None) }; PLAN_COUNT]);
 
-/// The statements that name a key, for a store distributed by its tenant (`tenant`, the type of
-/// its `tenant` column, see `catalog::tenant_type`): each also names the key's tenant, as
-/// parameter `$n` (the statement's last), so that Citus routes it to the tenant's shard; the
-/// inserts set the column, and `ON CONFLICT` names the primary key (scope, key, tenant).
-fn with_tenant(statement: &str, tenant: pg_sys::Oid, n: usize) -> String {
-    if tenant == pg_sys::InvalidOid {
-        return statement.to_string();
-    }
-    if statement.starts_with("INSERT INTO idempotency.audit ") {
-        return statement
-            .replace(
-                "completed_at, completed_by)",
-                "completed_at, completed_by, tenant)",
-            )
-            .replace(
-                "pg_catalog.now(), $7)",
-                &format!("pg_catalog.now(), $7, ${n})"),
-            );
-    }
-    statement
-        .replace(
-            "(scope, key, request_hash,",
-            "(scope, key, tenant, request_hash,",
-        )
-        .replace("VALUES ($1, $2, $3,", &format!("VALUES ($1, $2, ${n}, $3,"))
-        .replace("SELECT $1, u.key,", &format!("SELECT $1, u.key, ${n},"))
-        .replace("ON CONFLICT (scope, key)", "ON CONFLICT (scope, key, tenant)")
-        .replace(
-            "WHERE k.scope OPERATOR(pg_catalog.=) $1 AND",
-            &format!(
-                "WHERE k.scope OPERATOR(pg_catalog.=) $1 AND k.tenant OPERATOR(pg_catalog.=) ${n} AND"
-            ),
-        )
-}
-
 /// The argument types of a statement, with the tenant's type appended on a store distributed
-/// by its tenant ([`with_tenant`]).
+/// by its tenant ([`TenantParam`]).
 fn args_with_tenant(args: &[PgOid], tenant: pg_sys::Oid) -> Vec<PgOid> {
     let mut v = args.to_vec();
     if tenant != pg_sys::InvalidOid {
@@ -185,12 +190,12 @@ fn args_with_tenant(args: &[PgOid], tenant: pg_sys::Oid) -> Vec<PgOid> {
     v
 }
 
-/// The tenant type the kept statements were prepared for (see [`with_tenant`]): when the
+/// The tenant type the kept statements were prepared for (see [`TenantParam`]): when the
 /// store's changes (`distribute(tenant_type => ...)` in this session), they are prepared again.
 static PLANS_TENANT: crate::local::BackendLocal<Cell<pg_sys::Oid>> =
     crate::local::BackendLocal::new(Cell::new(pg_sys::InvalidOid));
 
-/// The key's tenant as an argument of the statements ([`with_tenant`]) on a store distributed
+/// The key's tenant as an argument of the statements ([`TenantParam`]) on a store distributed
 /// by its tenant, None on any other store. The scope is the tenant id's text form, exactly as
 /// the type writes it (`'42'`, `'a0eebc99-9c0b-4ef8-bb6d-6bb9bd380a11'`), so that one tenant
 /// has one scope (a CHECK constraint of the table holds the same rule); any other scope is
@@ -261,6 +266,8 @@ pub(crate) fn plan(
         return Ok(p);
     }
     let text = PgOid::from(pg_sys::TEXTOID);
+    // The tenant's parameter number in a statement of n parameters without it.
+    let at = |n: usize| (tenant != pg_sys::InvalidOid).then_some(n);
     let key_args = args_with_tenant(&[text, text], tenant);
     let claim_args = args_with_tenant(
         &[
@@ -285,44 +292,30 @@ pub(crate) fn plan(
     );
     let prepared = match which {
         Plan::Select => client
-            .prepare(
-                with_tenant(&select_sql(false), tenant, 3).as_str(),
-                &key_args,
-            )?
+            .prepare(select_sql(false, at(3)).as_str(), &key_args)?
             .keep(),
         Plan::SelectLocked => client
-            .prepare_mut(
-                with_tenant(&select_sql(true), tenant, 3).as_str(),
-                &key_args,
-            )?
+            .prepare_mut(select_sql(true, at(3)).as_str(), &key_args)?
             .keep(),
         Plan::Insert | Plan::InsertFresh => client
             .prepare_mut(
-                with_tenant(
-                    &insert_sql(InsertRows::One, matches!(which, Plan::Insert)),
-                    tenant,
-                    6,
-                )
-                .as_str(),
+                insert_sql(InsertRows::One, matches!(which, Plan::Insert), at(6)).as_str(),
                 &claim_args,
             )?
             .keep(),
         Plan::Restart => client
-            .prepare_mut(with_tenant(RESTART_SQL, tenant, 7).as_str(), &token_args)?
+            .prepare_mut(restart_sql(at(7)).as_str(), &token_args)?
             .keep(),
         Plan::TakeOver => client
-            .prepare_mut(with_tenant(TAKEOVER_SQL, tenant, 7).as_str(), &token_args)?
+            .prepare_mut(takeover_sql(at(7)).as_str(), &token_args)?
             .keep(),
         Plan::NextToken => client.prepare_mut(NEXT_TOKEN_SQL, &[])?.keep(),
         Plan::InsertBatch | Plan::InsertBatchOnConflict => client
             .prepare_mut(
-                with_tenant(
-                    &insert_sql(
-                        InsertRows::Batch,
-                        matches!(which, Plan::InsertBatchOnConflict),
-                    ),
-                    tenant,
-                    6,
+                insert_sql(
+                    InsertRows::Batch,
+                    matches!(which, Plan::InsertBatchOnConflict),
+                    at(6),
                 )
                 .as_str(),
                 &args_with_tenant(
@@ -339,7 +332,7 @@ pub(crate) fn plan(
             .keep(),
         Plan::Complete => client
             .prepare_mut(
-                with_tenant(COMPLETE_SQL, tenant, 7).as_str(),
+                complete_statement(at(7)).as_str(),
                 &args_with_tenant(
                     &[
                         text,
@@ -622,21 +615,33 @@ pub(crate) fn with_spi<R>(f: impl FnOnce(&mut SpiClient<'_>) -> R) -> R {
 }
 
 /// Stores the response on the live in-progress claim (with the right token, when given).
-const COMPLETE_SQL: &str = "UPDATE idempotency.idempotency_keys AS k SET \
-       status = 'completed'::idempotency.key_status, response = $3, response_status = $4, \
-       completed_at = pg_catalog.now(), locked_until = NULL, \
-       expires_at = pg_catalog.now() OPERATOR(pg_catalog.+) COALESCE($6, k.ttl), \
-       ttl = COALESCE($6, k.ttl) \
-     WHERE k.scope OPERATOR(pg_catalog.=) $1 AND k.key OPERATOR(pg_catalog.=) $2 \
-       AND k.status OPERATOR(pg_catalog.=) 'in_progress'::idempotency.key_status \
-       AND k.expires_at OPERATOR(pg_catalog.>) pg_catalog.now() \
-       AND ($5 IS NULL OR k.token OPERATOR(pg_catalog.=) $5) \
-     RETURNING k.expires_at, k.request_hash, k.token";
+fn complete_statement(tenant: TenantParam) -> String {
+    format!(
+        "UPDATE idempotency.idempotency_keys AS k SET \
+           status = 'completed'::idempotency.key_status, response = $3, response_status = $4, \
+           completed_at = pg_catalog.now(), locked_until = NULL, \
+           expires_at = pg_catalog.now() OPERATOR(pg_catalog.+) COALESCE($6, k.ttl), \
+           ttl = COALESCE($6, k.ttl) \
+         WHERE {} \
+           AND k.status OPERATOR(pg_catalog.=) 'in_progress'::idempotency.key_status \
+           AND k.expires_at OPERATOR(pg_catalog.>) pg_catalog.now() \
+           AND ($5 IS NULL OR k.token OPERATOR(pg_catalog.=) $5) \
+         RETURNING k.expires_at, k.request_hash, k.token",
+        key_match(tenant)
+    )
+}
 
 /// One audit row per completion (`idempotency.audit = on`), in the completing transaction.
-const AUDIT_SQL: &str = "INSERT INTO idempotency.audit \
-       (scope, key, key_is_hash, request_hash, token, response_status, completed_at, completed_by) \
-     VALUES ($1, $2, $3, $4, $5, $6, pg_catalog.now(), $7)";
+fn audit_sql(tenant: TenantParam) -> String {
+    format!(
+        "INSERT INTO idempotency.audit \
+           (scope, key, key_is_hash, request_hash, token, response_status, completed_at, \
+            completed_by{}) \
+         VALUES ($1, $2, $3, $4, $5, $6, pg_catalog.now(), $7{})",
+        tenant_column(tenant),
+        tenant_value(tenant)
+    )
+}
 
 /// The audit table, as statements name it.
 pub(crate) const AUDIT: &str = "idempotency.audit";
@@ -710,7 +715,7 @@ pub(crate) fn audit_plans(client: &SpiClient<'_>) -> Result<&'static AuditPlans,
     let p: &'static AuditPlans = Box::leak(Box::new(AuditPlans {
         insert: client
             .prepare_mut(
-                with_tenant(AUDIT_SQL, tenant, 8).as_str(),
+                audit_sql((tenant != pg_sys::InvalidOid).then_some(8)).as_str(),
                 &args_with_tenant(
                     &[
                         oid(pg_sys::TEXTOID),

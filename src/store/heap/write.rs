@@ -15,7 +15,7 @@ use pgrx::prelude::*;
 use pgrx::PgSqlErrorCode;
 
 /// Inserts a fresh claim (absent key, under its insert lock, READ COMMITTED) straight into the
-/// heap and its indexes, as `INSERT_FRESH_SQL` would, without planning or executing a
+/// heap and its indexes, as `insert_sql` (without `ON CONFLICT`) would, without planning or executing a
 /// statement: the row is built here, so the table's CHECK constraints hold by construction,
 /// and [`direct_layout`] sends anything else (triggers, extra columns or constraints)
 /// through SQL. The primary key is still checked by the index (a row inserted some other way
