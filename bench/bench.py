@@ -750,7 +750,14 @@ def write_results(args, report, pg, redis, scale, sweep, hashes):
                    f"{v:,.0f} bytes." for k, v in report["wal"].items()]
     png = "throughput_p99.png" if args.out == "RESULTS" else f"throughput_p99-{args.out}.png"
     lines += ["", f"![throughput and p99 by client count]({png})", ""]
-    with open(os.path.join(HERE, f"{args.out}.md"), "w") as f:
+    path = os.path.join(HERE, f"{args.out}.md")
+    # The Citus section (bench/citus.py's figures, its own run on a cluster) is kept.
+    if os.path.exists(path):
+        with open(path) as f:
+            old = f.read()
+        if "\n## Citus\n" in old:
+            lines += ["", old[old.index("\n## Citus\n") + 1:].rstrip("\n"), ""]
+    with open(path, "w") as f:
         f.write("\n".join(lines))
     chart(pg, redis, png)
     print("\n".join(lines))
