@@ -34,7 +34,7 @@ import time
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 import bench  # noqa: E402
-from bench import PG_BIN, SERVER_SETTINGS, Cluster, Redis, sql  # noqa: E402
+from bench import SERVER_SETTINGS, Cluster, Redis, sql  # noqa: E402
 
 TICKS = os.sysconf("SC_CLK_TCK")
 SCRIPTS = [
@@ -174,7 +174,7 @@ def write(args, version, rows, profiles):
     path = os.path.join(HERE, args.out + ".md")
     cores = os.cpu_count()
     with open(path, "w") as f:
-        f.write(f"# Claim-only deduplication against Redis at equal durability: a CPU profile\n\n")
+        f.write("# Claim-only deduplication against Redis at equal durability: a CPU profile\n\n")
         f.write(f"Written by `bench/profile.py` ({time.strftime('%Y-%m-%d')}): PostgreSQL {version} "
                 f"with `synchronous_commit = off`, Redis `appendfsync everysec`, {args.clients} clients, "
                 f"{args.seconds} s per workload, on {cores} cores shared by server and load generator "

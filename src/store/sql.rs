@@ -249,14 +249,15 @@ pub(crate) fn plan(
     which: Plan,
 ) -> Result<&'static OwnedPreparedStatement, pgrx::spi::Error> {
     // The sweep's statements and the token's name no key: the same on every store.
-    let tenant = match which {
-        Plan::Sweep | Plan::SweepByExpiresAt | Plan::NextToken => pg_sys::InvalidOid,
-        _ => tenant_type(),
-    };
     let keyed = !matches!(
         which,
         Plan::Sweep | Plan::SweepByExpiresAt | Plan::NextToken
     );
+    let tenant = if keyed {
+        tenant_type()
+    } else {
+        pg_sys::InvalidOid
+    };
     if keyed && PLANS_TENANT.with(Cell::get) != tenant {
         // Prepared for another store: leave them (kept plans are not freed) and start again.
         PLANS.with(|c| c.iter().for_each(|p| p.set(None)));
