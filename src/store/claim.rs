@@ -148,13 +148,19 @@ fn claim_read_committed(req: &ClaimRequest<'_>, path: Path) -> Result<Step, pgrx
 }
 
 /// The claim through SQL alone, for a table whose rows the probe cannot see (a Citus
-/// distributed table, whose own relation is an empty shell): read the row and decide; an
-/// absent key is inserted with ON CONFLICT DO NOTHING, which waits for another transaction
-/// that is inserting the same key (as a unique check does) and then finds its row.
+/// distributed table, whose own relation is an empty shell, or a partitioned store): the insert
+/// first, with ON CONFLICT DO NOTHING, so that a new key (most claims) costs one statement,
+/// which on Citus is one round trip to the key's worker; only a key that is there is read and
+/// decided. The insert waits for another transaction that is inserting or changing the same
+/// key's row (as a unique check does), then does nothing if the row is still there.
 fn claim_sql(client: &mut SpiClient<'_>, req: &ClaimRequest<'_>) -> Result<Step, pgrx::spi::Error> {
+    if let Some(result) = write_claim(client, Write::Insert, req)? {
+        return Ok(Step::Done(result));
+    }
     match read_row(client, false, req)? {
         Some(row) => decide(client, req, row, Path::SqlOnly),
-        None => insert(client, req),
+        // Deleted (swept, forgotten) since the insert met it: try again.
+        None => Ok(Step::Again),
     }
 }
 

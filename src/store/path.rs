@@ -27,9 +27,9 @@ pub(crate) enum Path {
     ForcedSqlWrites,
     /// The store hash-partitioned by the extension (`idempotency.partitions`) or distributed by
     /// Citus, at any isolation level: the table's own relation, which the look-up below SQL
-    /// scans, holds no rows, so the look-up and every write go through SQL (an absent key
-    /// inserted with `ON CONFLICT DO NOTHING`, which waits for another transaction inserting
-    /// it).
+    /// scans, holds no rows, so the look-up and every write go through SQL: the insert first
+    /// (`ON CONFLICT DO NOTHING`, which waits for another transaction inserting or changing
+    /// the key's row), the look-up only when the key is there.
     SqlOnly,
     /// REPEATABLE READ and SERIALIZABLE: the row read through the transaction's snapshot by
     /// the `SELECT`, every write through SQL (an absent key inserted under its insert lock with
