@@ -41,6 +41,19 @@ static PREFIX_VERDICT: BackendLocal<Cell<Option<bool>>> = BackendLocal::new(Cell
 /// Loaded after login: the floor is read from pg_db_role_setting (Some once read).
 static AUDIT_FROM_CATALOG: BackendLocal<Cell<Option<bool>>> = BackendLocal::new(Cell::new(None));
 
+/// Refuses (42501) a `scope` outside the session's bound scopes: those starting with its scope
+/// prefix ([`with_scope_prefix`]); on a store distributed by its tenant
+/// (`distribute(tenant_type => ...)`), the one tenant whose id the prefix is.
+pub fn check_scope(scope: &str) {
+    crate::error::check(with_scope_prefix(|prefix| {
+        if !prefix.is_empty() && crate::store::tenant_store() {
+            crate::arguments::check_tenant_allowed(scope, prefix)
+        } else {
+            crate::arguments::check_scope_allowed(scope, prefix)
+        }
+    }));
+}
+
 /// Calls `f` with the session's scope prefix ("" when none): the one `idempotency.role_settings`
 /// binds the session user to, else `idempotency.scope_prefix`, read in place (the setting's
 /// memory stays valid until it is changed, which cannot happen during `f`). Refuses (42501) a

@@ -339,9 +339,7 @@ pub(super) fn checked_key_and_scope(
     check(arguments::check_key("scope", scope.as_deref(), true));
     // Both were checked to be non-NULL above.
     let (key, scope) = (key.unwrap_or_default(), scope.unwrap_or_default());
-    check(crate::binding::with_scope_prefix(|prefix| {
-        arguments::check_scope_allowed(&scope, prefix)
-    }));
+    crate::binding::check_scope(&scope);
     (key.into_owned(), scope.into_owned())
 }
 

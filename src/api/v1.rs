@@ -110,9 +110,7 @@ pub extern "C-unwind" fn idempotency_claim_many(fcinfo: pg_sys::FunctionCallInfo
         same_length("requests", requests.as_ref(), keys.len());
         let scope = Text::arg(fcinfo, 2).map(|t| t.utf8("scope"));
         let scope = check(arguments::check_key("scope", scope.as_deref(), true)).to_string();
-        check(crate::binding::with_scope_prefix(|prefix| {
-            arguments::check_scope_allowed(&scope, prefix)
-        }));
+        crate::binding::check_scope(&scope);
         let mut stored = Vec::with_capacity(keys.len());
         for (i, k) in keys.iter().enumerate() {
             let key = k.map(|d| encoding::text_of(d, "keys"));

@@ -33,6 +33,11 @@ mod sql;
 mod sweep;
 
 pub(crate) use catalog::column_is;
+
+/// Whether the store is distributed by a typed tenant column (`distribute(tenant_type => ...)`).
+pub(crate) fn tenant_store() -> bool {
+    catalog::tenant_type() != pgrx::pg_sys::InvalidOid
+}
 pub use catalog::{role_settings, stored_key};
 pub use claim::{claim, claim_many};
 pub use complete::complete;

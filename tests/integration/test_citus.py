@@ -1734,8 +1734,9 @@ def test_bigint_tenant_checkpoint_release_forget_lookup_reach_one_shard(citus, t
 def test_bigint_tenants_stay_apart(citus, typed):
     """Tenant isolation on a store distributed by a bigint tenant: a role bound to its tenant
     id (its scope prefix, on every node) claims its own keys, delegated and in a transaction,
-    and is refused another tenant's (42501), through the bigint and the text functions; the
-    tables stay out of its reach on every node."""
+    and is refused another tenant's (42501), through the bigint and the text functions, tenant
+    420 too (the bound id matches whole, not as a prefix), and so are forget and lookup of
+    another tenant's key; the tables stay out of its reach on every node."""
     t = typed
     t.execute("CREATE ROLE tenant_42 LOGIN")
     t.execute("GRANT USAGE ON SCHEMA idempotency TO tenant_42")
@@ -1748,7 +1749,14 @@ def test_bigint_tenants_stay_apart(citus, typed):
         typed_complete(a, "own", {"ok": 1}, 42, token=r[1])
         with a.transaction():
             assert typed_claim(a, "own-2", {"n": 1}, 42)[0] == "new"
-        for other in (7, 43, 4):
+        # Tenant 420's key exists (claimed by the owner), so a refusal is not an absent key.
+        assert typed_claim(t, "x420", {"n": 1}, 420)[0] == "new"
+        for fn in ("forget", "lookup"):
+            with pytest.raises(psycopg.Error) as e:
+                a.execute(f"SELECT * FROM idempotency.{fn}('x420', '420')")
+            assert e.value.sqlstate == "42501", (fn, e.value)
+            assert "that one tenant" in e.value.diag.message_primary, e.value
+        for other in (7, 43, 4, 420):
             with pytest.raises(psycopg.Error) as e:
                 typed_claim(a, "x", {"n": 1}, other)
             assert e.value.sqlstate == "42501", (other, e.value)
@@ -1760,6 +1768,7 @@ def test_bigint_tenants_stay_apart(citus, typed):
                     typed_claim(a, "x", {"n": 1}, other)
             assert e.value.sqlstate == "42501", (other, e.value)
     assert t.execute("SELECT count(*) FROM idempotency.idempotency_keys WHERE key = 'x'").fetchone()[0] == 0
+    assert t.execute("SELECT count(*) FROM idempotency.idempotency_keys WHERE key = 'x420'").fetchone()[0] == 1
     for node in citus.nodes:
         with psycopg.connect(t.info_of(node).replace("user=postgres", "user=tenant_42"), autocommit=True) as w:
             with pytest.raises(psycopg.Error) as e:
@@ -1808,6 +1817,55 @@ def test_store_distributed_by_a_uuid_tenant(citus):
             with pytest.raises(psycopg.Error) as e:
                 c.execute("SELECT idempotency.claim('buy', '{}', %s)", (bad,))
             assert e.value.sqlstate == "22P02", (bad, e.value)
+
+
+def test_bigint_tenant_store_expired_keys_are_swept_by_each_workers_sweeper(citus, typed):
+    """The sweepers on a store distributed by its tenant: each worker's background sweeper
+    deletes the expired keys of its own shards (nothing in the sweep names the distribution
+    column); a live key stays."""
+    t = typed
+    tenants = [tenant_on(t, w.port, start=100) for w in citus.workers]
+    tenants += [tenant_on(t, w.port, start=300) for w in citus.workers]
+    for tenant in tenants:
+        r = typed_claim(t, "swept", {"n": 1}, tenant, ttl="2 seconds", lease="2 seconds")
+        assert r[0] == "new", (tenant, r)
+        typed_complete(t, "swept", {"ok": 1}, tenant, token=r[1])
+    live = typed_claim(t, "kept", {"n": 1}, tenants[0])
+    assert live[0] == "new"
+    count = "SELECT count(*) FROM idempotency.idempotency_keys WHERE key = %s"
+    assert t.execute(count, ("swept",)).fetchone()[0] == len(tenants)
+    time.sleep(2.5)
+    deadline = time.monotonic() + 30
+    while t.execute(count, ("swept",)).fetchone()[0] and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert t.execute(count, ("swept",)).fetchone()[0] == 0
+    assert t.execute(count, ("kept",)).fetchone()[0] == 1
+    assert typed_claim(t, "swept", {"n": 2}, tenants[1])[0] == "new"
+
+
+def test_keys_stored_hashed_on_a_bigint_tenant_store(citus):
+    """set_key_storage('sha256') before distribute(tenant_type => 'bigint'): delegated calls and
+    calls in a transaction find the same hashed keys, and no row holds the key itself."""
+    info = citus.add_database("typed_hashed")
+    with psycopg.connect(info(), autocommit=True) as c:
+        c.execute("CREATE EXTENSION idempotency")
+        assert c.execute("SELECT idempotency.set_key_storage('sha256')").fetchone()[0] == 0
+        c.execute("SELECT idempotency.distribute(tenant_type => 'bigint', shard_count => 4)")
+        tokens = []
+        for tenant in range(1, 13):
+            r = typed_claim(c, "secret-key", {"v": 1}, tenant)
+            assert r[0] == "new", (tenant, r)
+            tokens.append(r[1])
+            typed_complete(c, "secret-key", {"v": 1}, tenant, token=r[1])
+        assert {tk % STRIDE for tk in tokens} - {0}, "no claim ran on a worker"
+        with c.transaction():
+            for tenant in range(1, 13):
+                assert typed_claim(c, "secret-key", {"v": 1}, tenant)[:2] == ("replay", tokens[tenant - 1])
+        assert claim(c, "secret-key", {"v": 1}, scope="7")[0] == "replay"
+        assert typed_claim(c, "secret-key", {"v": 2}, 7)[0] == "mismatch"
+        rows = c.execute("SELECT count(*), count(*) FILTER (WHERE key = 'secret-key') "
+                         "FROM idempotency.idempotency_keys").fetchone()
+        assert rows == (12, 0), rows
 
 
 def test_node_added_to_a_bigint_tenant_store_after_its_tenant_columns(citus, typed):

@@ -69,6 +69,21 @@ pub fn abbreviate(value: &str) -> String {
     }
 }
 
+/// Checks `scope` against the role's bound value on a store distributed by its tenant: there
+/// it is a tenant id, matched whole (`"42"` is tenant 42, not 420 as a prefix would be;
+/// empty: every scope allowed).
+pub fn check_tenant_allowed(scope: &str, tenant: &str) -> Result<(), ArgError> {
+    if tenant.is_empty() || scope == tenant {
+        return Ok(());
+    }
+    Err(ArgError {
+        kind: ArgErrorKind::Forbidden,
+        message: format!(
+            "scope {scope:?} is outside this role's scopes: the store is distributed by its tenant, and its scope prefix {tenant:?} binds it to that one tenant"
+        ),
+    })
+}
+
 /// Checks `scope` against the role's scope prefix (`idempotency.role_settings`, else
 /// `idempotency.scope_prefix`; empty: every scope allowed).
 pub fn check_scope_allowed(scope: &str, prefix: &str) -> Result<(), ArgError> {
@@ -139,6 +154,17 @@ mod tests {
         );
         assert!(check_scope_allowed("shop_a", "shop_a:").is_err());
         assert!(check_scope_allowed("", "shop_a:").is_err());
+    }
+
+    #[test]
+    fn a_tenant_binding_matches_the_whole_id() {
+        assert!(check_tenant_allowed("420", "").is_ok());
+        assert!(check_tenant_allowed("42", "42").is_ok());
+        for other in ["420", "4", "43", "", "42 "] {
+            let e = check_tenant_allowed(other, "42").unwrap_err();
+            assert_eq!(e.kind, ArgErrorKind::Forbidden);
+            assert!(e.message.contains("that one tenant"), "{}", e.message);
+        }
     }
 
     #[test]
