@@ -26,7 +26,10 @@ an application would run without the extension, on a distributed table of the st
 (`bench.bare`, distributed by scope, the same 1,000 scopes): `one_tx` against `bare_one_tx`
 (BEGIN, INSERT ... ON CONFLICT DO NOTHING, UPDATE, END) and `leased` against `bare_leased` (the
 INSERT and the UPDATE, each autocommitted), cell by cell in that order; then `one_tx` again with
-`claim` and `complete` distributed with `force_delegation` (docs/scaling.md):
+`claim` and `complete` distributed with `force_delegation` (docs/scaling.md); then the cost of
+delegation itself: the bare INSERT and UPDATE each in a PL/pgSQL function distributed as
+`claim` and `complete` are (`bench.ins`, `bench.upd`, no extension involved:
+`delegated_leased`) against `bare_leased`, the ceiling of any delegated call:
 
     PG_BIN=... python3 bench/citus.py --bare --seconds 5 --repeat 3 --clients 4,8
 
@@ -123,6 +126,23 @@ FORCED = ["idempotency.claim(text,jsonb,text,interval,interval)",
 BARE_TABLE = """CREATE TABLE bench.bare (LIKE idempotency.idempotency_keys INCLUDING DEFAULTS
     INCLUDING CONSTRAINTS INCLUDING INDEXES) WITH (fillfactor = 25)"""
 
+# The bare statements of bare_leased.sql, each in a PL/pgSQL function that Citus delegates to
+# the scope's worker (as it delegates claim and complete): what a delegated call costs.
+DELEGATED = ["""CREATE FUNCTION bench.ins(s text, k text, t bigint) RETURNS bigint LANGUAGE plpgsql AS $fn$
+BEGIN
+    INSERT INTO bench.bare (scope, key, request_hash, status, token, locked_until, expires_at, ttl)
+    VALUES (s, k, sha256('{"amount":100,"currency":"EUR"}'), 'in_progress', t,
+            now() + interval '5 minutes', now() + interval '24 hours', interval '24 hours')
+    ON CONFLICT (scope, key) DO NOTHING;
+    RETURN t;
+END $fn$""", """CREATE FUNCTION bench.upd(s text, k text) RETURNS void LANGUAGE plpgsql AS $fn$
+BEGIN
+    UPDATE bench.bare SET status = 'completed', response = '{"ok": true}', response_status = 200,
+           completed_at = now(), locked_until = NULL, expires_at = now() + interval '24 hours'
+     WHERE scope = s AND key = k;
+END $fn$""", "SELECT create_distributed_function('bench.ins(text,text,bigint)', 's', colocate_with => 'bench.bare')",
+             "SELECT create_distributed_function('bench.upd(text,text)', 's', colocate_with => 'bench.bare')"]
+
 
 def pair(node, ext, raw, n, seconds, repeat):
     """tps of `ext` and of `raw`, each the median of `repeat` runs, the two alternating (on a
@@ -171,6 +191,19 @@ def bare(clients, seconds, repeat, out=None):
         for n in clients:
             a, b = pair(citus.coordinator, "one_tx", "bare_one_tx", n, seconds, repeat)
             emit(f"| one_tx, force_delegation | {n} | {a:.0f} | {b:.0f} | {a / b:.2f} |")
+        with citus.connect() as c:
+            for statement in DELEGATED:
+                c.execute(statement)
+        emit("")
+        emit("A delegated call's own cost, no extension involved: the bare INSERT and UPDATE each in a "
+             "PL/pgSQL function distributed as claim and complete are (delegated_leased) against the "
+             "bare statements (bare_leased):")
+        emit("")
+        emit("| clients | delegated functions (tps) | bare statements (tps) | delegated / bare |")
+        emit("|---|---|---|---|")
+        for n in clients:
+            a, b = pair(citus.coordinator, "delegated_leased", "bare_leased", n, seconds, repeat)
+            emit(f"| {n} | {a:.0f} | {b:.0f} | {a / b:.2f} |")
         with citus.connect() as c:
             server = c.execute("SELECT version()").fetchone()[0].split(" on ")[0]
             cit = c.execute("SELECT extversion FROM pg_extension WHERE extname = 'citus'").fetchone()[0]
