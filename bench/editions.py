@@ -17,7 +17,10 @@ round, medians reported):
   table of the store's shape): target >= 0.80 for the portable edition;
 - the replay of a completed key against a primary-key SELECT of a row: target >= 0.80;
 - canonical_hash of 1 KB and 100 KB documents, MB/s, and the portable edition's ratio to the
-  native one.
+  native one;
+- the ceiling of any edition written in PL/pgSQL under the same rules (SECURITY DEFINER, a
+  pinned search_path): the floor's own statements, each wrapped in such a function and nothing
+  else (bench/sql/wrapped_*.sql), against the floor, in the portable edition's database.
 """
 
 import argparse
@@ -45,6 +48,41 @@ PAIRS = [
     ("replay", "ext_replay.sql", "floor: primary-key SELECT", "floor_read.sql"),
 ]
 DOCS = [("1 KB", 1_000, 2000), ("100 KB", 100_000, 40)]
+CEILINGS = [
+    ("claim + complete, one transaction", "wrapped_write.sql", "floor_write.sql"),
+    ("replay", "wrapped_read.sql", "floor_read.sql"),
+]
+# The floor's statements in PL/pgSQL functions declared as the portable edition declares its
+# own (SECURITY DEFINER, SET search_path), doing nothing else: what a call costs by itself.
+WRAPPED = """
+CREATE TYPE bench.read_result AS (response jsonb, response_status integer);
+CREATE FUNCTION bench.wrapped_read(k text) RETURNS bench.read_result
+LANGUAGE plpgsql STABLE SECURITY DEFINER SET search_path = pg_catalog, pg_temp AS $fn$
+DECLARE r bench.read_result;
+BEGIN
+    SELECT f.response, f.response_status INTO r FROM bench.floor AS f
+     WHERE f.scope OPERATOR(pg_catalog.=) '' AND f.key OPERATOR(pg_catalog.=) k;
+    RETURN r;
+END $fn$;
+CREATE FUNCTION bench.wrapped_insert(k text, t bigint) RETURNS bigint
+LANGUAGE plpgsql VOLATILE SECURITY DEFINER SET search_path = pg_catalog, pg_temp AS $fn$
+BEGIN
+    INSERT INTO bench.floor (scope, key, request_hash, status, token, locked_until, expires_at, ttl)
+    VALUES ('', k, pg_catalog.sha256('{"amount":100,"currency":"EUR"}'), 'in_progress', t,
+            pg_catalog.now() OPERATOR(pg_catalog.+) interval '5 minutes',
+            pg_catalog.now() OPERATOR(pg_catalog.+) interval '24 hours', interval '24 hours')
+    ON CONFLICT (scope, key) DO NOTHING;
+    RETURN t;
+END $fn$;
+CREATE FUNCTION bench.wrapped_update(k text) RETURNS void
+LANGUAGE plpgsql VOLATILE SECURITY DEFINER SET search_path = pg_catalog, pg_temp AS $fn$
+BEGIN
+    UPDATE bench.floor AS f SET status = 'completed', response = '{"ok": true}', response_status = 200,
+           completed_at = pg_catalog.now(), locked_until = NULL,
+           expires_at = pg_catalog.now() OPERATOR(pg_catalog.+) f.ttl
+     WHERE f.scope OPERATOR(pg_catalog.=) '' AND f.key OPERATOR(pg_catalog.=) k;
+END $fn$;
+"""
 
 
 def conninfo(cluster, db):
@@ -93,6 +131,8 @@ def install(cluster, edition, script):
                              SELECT 'r' || i, 'completed', i, '{"ok": true}', 200, now() + interval '1 day',
                                     interval '1 day'
                                FROM generate_series(1, 10000) i""")
+    if edition == "portable":
+        sql(cluster, edition, WRAPPED)
     sql(cluster, edition, "VACUUM ANALYZE")
 
 
@@ -111,6 +151,21 @@ def throughput(cluster, args):
             print(f"  {label}, {clients} clients: " + ", ".join(
                 f"{e} {out[(e, label, clients)][0]:.0f} / floor {out[(e, label, clients)][1]:.0f}"
                 for e in EDITIONS), flush=True)
+    return out
+
+
+def ceiling(cluster, args):
+    """{(label, clients): (wrapped tps, floor tps)}, in the portable edition's database."""
+    out = {}
+    for clients in CLIENTS:
+        for label, wrapped, floor in CEILINGS:
+            runs = {}
+            for r in range(args.rounds):
+                for s in ((wrapped, floor) if r % 2 == 0 else (floor, wrapped)):
+                    runs.setdefault(s, []).append(pgbench(cluster, "portable", s, clients, args.seconds))
+            out[(label, clients)] = (statistics.median(runs[wrapped]), statistics.median(runs[floor]))
+            print(f"  ceiling {label}, {clients} clients: wrapped {out[(label, clients)][0]:.0f} / "
+                  f"floor {out[(label, clients)][1]:.0f}", flush=True)
     return out
 
 
@@ -140,7 +195,7 @@ def hashing(cluster, args):
     return out
 
 
-def write(path, args, version, tput, hashes):
+def write(path, args, version, tput, hashes, ceil):
     lines = [
         "# The two editions side by side",
         "",
@@ -159,6 +214,20 @@ def write(path, args, version, tput, hashes):
             p, pf = tput[("portable", label, clients)]
             lines.append(f"| {label} (vs {floor_label}) | {clients} | {n:.0f} | {n / nf:.2f} | {p:.0f} | "
                          f"{p / pf:.2f} | portable >= 0.80 |")
+    lines += [
+        "",
+        "The ceiling of any edition in PL/pgSQL under the same rules: the floor's own statements, each",
+        "in a PL/pgSQL function declared as the portable edition declares its own (SECURITY DEFINER,",
+        "`SET search_path = pg_catalog, pg_temp`) and doing nothing else (bench/sql/wrapped_*.sql),",
+        "against the floor, in the portable edition's database, same runs:",
+        "",
+        "| workload | clients | wrapped floor (tps) | floor (tps) | wrapped / floor |",
+        "|---|---|---|---|---|",
+    ]
+    for label, _wrapped, _floor in CEILINGS:
+        for clients in CLIENTS:
+            w, f = ceil[(label, clients)]
+            lines.append(f"| {label} | {clients} | {w:.0f} | {f:.0f} | {w / f:.2f} |")
     lines += ["", "| canonical_hash | native (MB/s) | portable (MB/s) | portable / native |", "|---|---|---|---|"]
     for label, _size, _copies in DOCS:
         n, p = hashes[("native", label)], hashes[("portable", label)]
@@ -185,8 +254,9 @@ def main():
             install(cluster, e, args.script)
         version = sql(cluster, "native", "SHOW server_version")[0][0]
         tput = throughput(cluster, args)
+        ceil = ceiling(cluster, args)
         hashes = hashing(cluster, args)
-        write(os.path.join(HERE, f"{args.out}.md"), args, version, tput, hashes)
+        write(os.path.join(HERE, f"{args.out}.md"), args, version, tput, hashes, ceil)
     finally:
         cluster.destroy()
 

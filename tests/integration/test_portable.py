@@ -21,6 +21,11 @@ import pytest
 from cluster import PG_BIN, Cluster
 from test_canonical_oracle import SEED, oracle, rand_doc, rand_string, wide_doc
 
+# Each test compares the portable edition with the native one on a server that has the native
+# library: run against the portable edition alone (IDEMPOTENCY_EDITION=portable), its "native"
+# database would hold the portable edition too, and the comparisons could not fail.
+pytestmark = pytest.mark.native_only("compares the portable edition with the native edition of the server")
+
 ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
 PLAIN = os.path.join(ROOT, "dist", "idempotency-portable.sql")
 PGTLE = os.path.join(ROOT, "dist", "pgtle-idempotency.sql")
