@@ -204,6 +204,42 @@ def test_race_of_16_sessions_on_one_key(p, pinfo):
     assert sorted(outcomes) == ["in_progress"] * 15 + ["new"]
 
 
+@pytest.mark.native_only("the native edition's claim through SQL inserts first; the portable one answers in_progress")
+def test_a_claim_meeting_an_open_completion_waits_for_it_then_replays(p, pinfo):
+    """On a store only SQL reaches, a claim inserts first (one statement for a new key): a key
+    whose row another transaction is completing makes that insert wait for the transaction (a
+    lock wait, seen in pg_stat_activity), and the claim then replays what it committed."""
+    r = claim(p, "open-complete", {"n": 1})
+    assert r[0] == "new"
+    got, errors = {}, []
+
+    def retry():
+        try:
+            with psycopg.connect(pinfo, autocommit=True) as c:
+                c.execute("SET application_name = 'open-complete-retry'")
+                got["r"] = claim(c, "open-complete", {"n": 1})
+        except Exception as e:  # pragma: no cover - reported below
+            errors.append(e)
+
+    with psycopg.connect(pinfo) as b:
+        assert complete(b, "open-complete", {"ok": 1}, token=r[1], status=201) is not None
+        t = threading.Thread(target=retry)
+        t.start()
+        deadline = time.monotonic() + 10
+        waiting = None
+        while time.monotonic() < deadline and not waiting:
+            waiting = p.execute("SELECT wait_event_type FROM pg_stat_activity "
+                                "WHERE application_name = 'open-complete-retry' AND wait_event_type = 'Lock'"
+                                ).fetchone()
+            time.sleep(0.05)
+        assert waiting, "the retry's claim did not wait for the open completion"
+        assert "r" not in got
+        b.commit()
+    t.join(10)
+    assert not errors, errors
+    assert got["r"] == ("replay", r[1], {"ok": 1}, 201)
+
+
 def test_rolled_back_claim_leaves_the_key_new(p):
     with pytest.raises(RuntimeError):
         with p.transaction():
