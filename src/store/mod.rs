@@ -33,16 +33,16 @@ mod sql;
 mod sweep;
 
 pub(crate) use catalog::column_is;
-
-/// Whether the store is distributed by a typed tenant column (`distribute(tenant_type => ...)`).
-pub(crate) fn tenant_store() -> bool {
-    catalog::tenant_type() != pgrx::pg_sys::InvalidOid
-}
 pub use catalog::{role_settings, stored_key};
 pub use claim::{claim, claim_many};
 pub use complete::complete;
 pub use heap::{now_plus, transaction_start};
 pub use sweep::{expired_since, in_batches, sweep_audit_batch, sweep_batch, sweep_start};
+
+/// Whether the store is distributed by a typed tenant column (`distribute(tenant_type => ...)`).
+pub(crate) fn tenant_store() -> bool {
+    catalog::tenant_type() != pgrx::pg_sys::InvalidOid
+}
 
 /// A jsonb value copied out of an SPI result into the caller's memory context.
 pub struct OwnedJsonb(pub pg_sys::Datum);
