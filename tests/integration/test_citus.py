@@ -8,6 +8,7 @@ skipped with the reason; marked `citus` (pytest -m citus runs only these)."""
 
 import json
 import os
+import re
 import threading
 import time
 
@@ -1866,6 +1867,72 @@ def test_keys_stored_hashed_on_a_bigint_tenant_store(citus):
         rows = c.execute("SELECT count(*), count(*) FILTER (WHERE key = 'secret-key') "
                          "FROM idempotency.idempotency_keys").fetchone()
         assert rows == (12, 0), rows
+
+
+def test_bigint_tenant_shard_move_keeps_keys_and_fences_the_stale_token(citus, typed):
+    """A tenant's shard group (its keys, its audit rows, its orders) moved to the other worker
+    (citus_move_shard_placement, block_writes): the completed key replays there, the key in
+    progress keeps its token, then is taken over there with a larger token of that worker's
+    class; the stale holder is fenced (IK003); claim + order + complete in one transaction still
+    reaches that one shard (no two-phase commit)."""
+    t = typed
+    groups = dict(t.execute("SELECT nodeport, groupid FROM pg_dist_node").fetchall())
+    high = max((w.port for w in citus.workers), key=lambda p: groups[p])
+    low = min((w.port for w in citus.workers), key=lambda p: groups[p])
+    tenant = tenant_on(t, high, start=7000)
+    paid = typed_claim(t, "paid", {"n": 1}, tenant)
+    assert paid[0] == "new" and paid[1] % STRIDE == groups[high], paid
+    t.execute("SET idempotency.audit = on")
+    try:
+        typed_complete(t, "paid", {"ok": 1}, tenant, token=paid[1])
+    finally:
+        t.execute("RESET idempotency.audit")
+    t.execute("INSERT INTO shop.orders VALUES (%s, 1, 100)", (tenant,))
+    first = typed_claim(t, "job", {"n": 1}, tenant, ttl="1 hour", lease="1 second")
+    assert first[0] == "new" and first[1] % STRIDE == groups[high], first
+    started = time.monotonic()
+
+    def placements():
+        return dict(t.execute(
+            "SELECT r::text, (SELECT p.nodeport FROM pg_dist_shard_placement p WHERE p.shardid = "
+            "get_shard_id_for_distribution_column(r, %s::bigint)) "
+            "FROM unnest(ARRAY['idempotency.idempotency_keys', 'idempotency.audit', 'shop.orders']::regclass[]) r",
+            (tenant,)).fetchall())
+    assert set(placements().values()) == {high}, placements()
+    shard = t.execute("SELECT get_shard_id_for_distribution_column('idempotency.idempotency_keys', %s::bigint)",
+                      (tenant,)).fetchone()[0]
+    t.execute("SELECT citus_move_shard_placement(%s, '127.0.0.1', %s, '127.0.0.1', %s, "
+              "shard_transfer_mode => 'block_writes')", (shard, high, low))
+    assert set(placements().values()) == {low}, placements()
+    assert typed_claim(t, "paid", {"n": 1}, tenant)[:3] == ("replay", paid[1], {"ok": 1})
+    assert t.execute("SELECT token, completed_by IS NOT NULL FROM idempotency.audit WHERE tenant = %s",
+                     (tenant,)).fetchall() == [(paid[1], True)]
+    assert t.execute("SELECT amount FROM shop.orders WHERE tenant_id = %s", (tenant,)).fetchall() == [(100,)]
+    assert t.execute("SELECT status::text, token FROM idempotency.lookup('job', %s)",
+                     (str(tenant),)).fetchone() == ("in_progress", first[1])
+    time.sleep(max(0.0, 1.2 - (time.monotonic() - started)))
+    taken = typed_claim(t, "job", {"n": 1}, tenant, lease="1 minute")
+    assert taken[0] == "new" and taken[1] > first[1] and taken[1] % STRIDE == groups[low], (first, taken)
+    with pytest.raises(psycopg.Error) as e:
+        typed_complete(t, "job", {"late": True}, tenant, token=first[1])
+    assert e.value.sqlstate == "IK003", e.value
+    typed_complete(t, "job", {"done": True}, tenant, token=taken[1])
+    assert typed_claim(t, "job", {"n": 1}, tenant)[:3] == ("replay", taken[1], {"done": True})
+
+    bought = {}
+
+    def order():
+        with t.transaction():
+            bought["claim"] = typed_claim(t, "buy-2", {"sku": 2}, tenant)
+            t.execute("INSERT INTO shop.orders VALUES (%s, 2, 200)", (tenant,))
+            typed_complete(t, "buy-2", {"order_id": 2}, tenant, token=bought["claim"][1])
+    sent = commands_with_nodes(t, order)
+    assert bought["claim"][0] == "new", bought
+    assert sent and all(f":{low}" in node for _, node in sent), sent
+    assert not any(c.startswith("PREPARE TRANSACTION") for c, _ in sent), sent
+    moved = {int(x) for c, _ in sent for x in re.findall(r"idempotency_keys_(\d+)", c)}
+    assert moved == {shard}, (moved, shard, sent)
+    assert typed_claim(t, "buy-2", {"sku": 2}, tenant)[:3] == ("replay", bought["claim"][1], {"order_id": 2})
 
 
 def test_node_added_to_a_bigint_tenant_store_after_its_tenant_columns(citus, typed):
