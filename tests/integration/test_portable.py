@@ -331,6 +331,67 @@ def test_flat_documents_match_the_native_edition(editions, mode):
     assert differences(docs, expected, run(portable, docs, mode)) == []
 
 
+# Requests for claim: objects of scalars, whose canonical form claim's one statement writes
+# itself (a copy of _canon_text's rules for them), next to the documents it leaves to the general
+# path (a name in U+E000..U+FFFF, a fraction, 1e21 and more, a container inside, not an object).
+CLAIM_REQUESTS = [
+    '{"amount": 100, "currency": "EUR"}',
+    '{"\\ud83d\\ude00": 1, "a": 2, "bb": 3, "": 4, "A": 5, "\\u00e9": 6, "\\u2028": 7, "\\ud800\\udc00x": 8}',
+    '{"n": -0, "m": 100.0, "e": 1e2, "k": 123456789012345678901, "l": -999999999999999999999, "z": 0}',
+    '{"s": "x\\b\\f\\n\\r\\t\\u0001\\u001f\\u007f\\"\\\\/\\u00e9\\ud83d\\ude00", "t": true, "f": false, "u": null}',
+    '{"\\ue000": 1, "\\ud83d\\ude00": 2}', '{"\\uffff": "x", "a": 1}',
+    '{"big": 1000000000000000000000}', '{"f": 0.5}', '{"f": 1.0e-7, "g": 2}', '{"d": 9007199254740993.0}',
+    '{}', '{"a": {}}', '{"a": [1], "b": 2}', '[1, 2]', '"text"', '7', 'null',
+]
+
+# Pairs of requests for one key: the same request in another spelling (claim answers
+# in_progress, then replay) or another request (mismatch both times).
+CLAIM_PAIRS = [
+    ('{"n": 100}', '{"n": 100.0}', True), ('{"n": 100}', '{"n": 1e2}', True), ('{"n": 0}', '{"n": -0}', True),
+    ('{"b": 1, "a": 2}', '{"a": 2, "b": 1}', True), ('{"s": "\\u00e9"}', '{"s": "é"}', True),
+    ('{"n": 100}', '{"n": 101}', False), ('{"n": "1"}', '{"n": 1}', False), ('{"a": 1}', '{"a": 1, "b": null}', False),
+    ('{"n": 1}', '{"n": 1.5}', False), ('{"n": 1}', '[1]', False), ('{"a": 1, "b": 2}', '{"a": 1, "bb": 2}', False),
+]
+
+
+def test_claim_stores_the_native_editions_request_hash(editions):
+    """claim's own copy of the canonical form (objects of scalars, written in its one statement)
+    and the general path it leaves the rest to: the hash a claim stores is the native edition's,
+    for each request, and both editions tell a request in another spelling from another request
+    in the same way."""
+    tag = f"twin-{os.getpid()}-{random.randrange(10 ** 6)}"
+    hashes = {}
+    for name, conn in zip(("native", "portable"), editions):
+        conn.execute("SET client_min_messages = error")  # the mismatch warnings
+        got = []
+        for i, doc in enumerate(CLAIM_REQUESTS):
+            outcome = conn.execute("SELECT (idempotency.claim(%s, %s::jsonb)).outcome::text",
+                                   (f"{tag}-{i}", doc)).fetchone()[0]
+            assert outcome == "new", (name, doc, outcome)
+            got.append(conn.execute("SELECT encode(request_hash, 'hex') FROM idempotency.idempotency_keys "
+                                    "WHERE scope = '' AND key = %s", (f"{tag}-{i}",)).fetchone()[0])
+        answers = []
+        for i, (first, second, same) in enumerate(CLAIM_PAIRS):
+            key = f"{tag}-pair-{i}"
+            token = conn.execute("SELECT (c).outcome::text, (c).token FROM idempotency.claim(%s, %s::jsonb) c",
+                                 (key, first)).fetchone()
+            assert token[0] == "new", (name, first, token)
+            before = conn.execute("SELECT (idempotency.claim(%s, %s::jsonb)).outcome::text", (key, second)).fetchone()[0]
+            conn.execute("SELECT idempotency.complete(%s, '{\"ok\": true}', 200, '', %s)", (key, token[1]))
+            after = conn.execute("SELECT (idempotency.claim(%s, %s::jsonb)).outcome::text", (key, second)).fetchone()[0]
+            answers.append((first, second, before, after))
+            assert (before, after) == (("in_progress", "replay") if same else ("mismatch", "mismatch")), \
+                (name, first, second, before, after)
+        conn.execute("RESET client_min_messages")
+        hashes[name] = (got, answers)
+    native = editions[0]
+    expected = [native.execute("SELECT encode(idempotency.canonical_hash(%s::jsonb), 'hex')", (d,)).fetchone()[0]
+                for d in CLAIM_REQUESTS]
+    assert differences(CLAIM_REQUESTS, expected, hashes["native"][0]) == []
+    assert differences(CLAIM_REQUESTS, expected, hashes["portable"][0]) == []
+    assert hashes["native"][1] == hashes["portable"][1]
+
+
 def test_arguments_and_errors_match_the_native_edition(editions):
     native, portable = editions
     for call in BAD_CALLS:
