@@ -10,7 +10,9 @@
 # e.g. --fillfactor 90, follow), which a full run includes. --edition portable runs
 # bench/editions.py instead: the native and the portable edition side by side in one server
 # (claim + complete and replay against the floor, canonical_hash), written to
-# bench/RESULTS-editions[-pgNN].md. --profile runs bench/profile.py instead: claim-only
+# bench/RESULTS-editions[-pgNN].md; with --instructions too, bench/instructions.py counts the
+# instructions per transaction of each under callgrind instead (a few minutes; written to
+# bench/INSTRUCTIONS-editions[-pgNN].md). --profile runs bench/profile.py instead: claim-only
 # deduplication against Redis SET NX EX at equal durability, CPU per operation of each server
 # and a perf profile of PostgreSQL's (a few minutes), written to bench/PROFILE[-pgNN].md.
 # Other options go to the script that runs.
@@ -21,12 +23,14 @@ edition=native
 args=()
 in_flight=
 profile=
+instructions=
 while (($#)); do
     case "$1" in
         --pg) pg=$2; shift 2 ;;
         --edition) edition=$2; shift 2 ;;
         --hot-in-flight) in_flight=1; shift ;;
         --profile) profile=1; shift ;;
+        --instructions) instructions=1; shift ;;
         *) args+=("$1"); shift ;;
     esac
 done
@@ -39,8 +43,16 @@ pg_config=$(scripts/pg-server.sh "$pg")
 export PG_BIN
 PG_BIN=$(dirname "$pg_config")
 if [ "$edition" = portable ]; then
-    [ "$pg" = 15 ] || args=(--out "RESULTS-editions-pg$pg" "${args[@]}")
     cargo pgrx install --release --pg-config "$pg_config" >/dev/null
+    if [ -n "$instructions" ]; then
+        if ! command -v valgrind >/dev/null; then
+            apt-get update -qq
+            DEBIAN_FRONTEND=noninteractive apt-get install -y -qq valgrind >/dev/null
+        fi
+        [ "$pg" = 15 ] || args=(--out "INSTRUCTIONS-editions-pg$pg" "${args[@]}")
+        exec python3 bench/instructions.py "${args[@]}"
+    fi
+    [ "$pg" = 15 ] || args=(--out "RESULTS-editions-pg$pg" "${args[@]}")
     exec python3 bench/editions.py "${args[@]}"
 fi
 if [ -n "$in_flight" ]; then
