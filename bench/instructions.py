@@ -16,6 +16,7 @@ by 500 (the connection's start and end cancel out). A few minutes.
 import argparse
 import os
 import re
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -128,7 +129,7 @@ def main():
             except (OSError, ValueError, subprocess.TimeoutExpired):
                 server.kill()
         cluster.destroy()
-        subprocess.run(["rm", "-rf", outdir])
+        shutil.rmtree(outdir, ignore_errors=True)
     columns = [c for c, _db, _s in WORKLOADS[0][1]]
     lines = [
         "# Instructions per transaction, the two editions side by side",
