@@ -772,15 +772,57 @@ BEGIN
 END
 $fn$;
 
--- A date's year counted astronomically (1 BC is 0, 2 BC is -1), as the native edition does.
-CREATE FUNCTION idempotency._canon_year(day date)
-RETURNS numeric
-LANGUAGE sql IMMUTABLE STRICT PARALLEL SAFE
+-- The proleptic Gregorian date (y, m, d) of a day counted from 1970-01-01, years astronomical
+-- (0 is 1 BC), for any day (PostgreSQL's date stops at 4713 BC), as the native edition computes
+-- it (Howard Hinnant's civil_from_days).
+CREATE FUNCTION idempotency._canon_civil(days numeric, OUT y numeric, OUT m numeric, OUT d numeric)
+LANGUAGE plpgsql IMMUTABLE STRICT PARALLEL SAFE
 SET search_path = pg_catalog, pg_temp
 AS $fn$
-    SELECT CASE WHEN pg_catalog.extract('year', day) OPERATOR(pg_catalog.<) 0
-                THEN pg_catalog.extract('year', day) OPERATOR(pg_catalog.+) 1
-                ELSE pg_catalog.extract('year', day) END
+DECLARE
+    v_z numeric := days OPERATOR(pg_catalog.+) 719468;
+    v_era numeric;
+    v_doe numeric;
+    v_yoe numeric;
+    v_doy numeric;
+    v_mp numeric;
+BEGIN
+    v_era := pg_catalog.div(v_z OPERATOR(pg_catalog.-) CASE WHEN v_z OPERATOR(pg_catalog.<) 0 THEN 146096 ELSE 0 END, 146097);
+    v_doe := v_z OPERATOR(pg_catalog.-) (v_era OPERATOR(pg_catalog.*) 146097);
+    v_yoe := pg_catalog.div(v_doe OPERATOR(pg_catalog.-) pg_catalog.div(v_doe, 1460) OPERATOR(pg_catalog.+) pg_catalog.div(v_doe, 36524)
+                            OPERATOR(pg_catalog.-) pg_catalog.div(v_doe, 146096), 365);
+    v_doy := v_doe OPERATOR(pg_catalog.-) (365 OPERATOR(pg_catalog.*) v_yoe OPERATOR(pg_catalog.+) pg_catalog.div(v_yoe, 4)
+                                          OPERATOR(pg_catalog.-) pg_catalog.div(v_yoe, 100));
+    v_mp := pg_catalog.div(5 OPERATOR(pg_catalog.*) v_doy OPERATOR(pg_catalog.+) 2, 153);
+    d := v_doy OPERATOR(pg_catalog.-) pg_catalog.div(153 OPERATOR(pg_catalog.*) v_mp OPERATOR(pg_catalog.+) 2, 5) OPERATOR(pg_catalog.+) 1;
+    m := CASE WHEN v_mp OPERATOR(pg_catalog.<) 10 THEN v_mp OPERATOR(pg_catalog.+) 3 ELSE v_mp OPERATOR(pg_catalog.-) 9 END;
+    y := v_yoe OPERATOR(pg_catalog.+) (v_era OPERATOR(pg_catalog.*) 400)
+         OPERATOR(pg_catalog.+) CASE WHEN m OPERATOR(pg_catalog.<=) 2 THEN 1 ELSE 0 END;
+END
+$fn$;
+
+-- The day, counted from 1970-01-01, of the first of month m of year y (astronomical), as the
+-- native edition computes it (Howard Hinnant's days_from_civil).
+CREATE FUNCTION idempotency._canon_month_start(y numeric, m numeric)
+RETURNS numeric
+LANGUAGE plpgsql IMMUTABLE STRICT PARALLEL SAFE
+SET search_path = pg_catalog, pg_temp
+AS $fn$
+DECLARE
+    v_y numeric := y OPERATOR(pg_catalog.-) CASE WHEN m OPERATOR(pg_catalog.<=) 2 THEN 1 ELSE 0 END;
+    v_era numeric;
+    v_yoe numeric;
+    v_doy numeric;
+BEGIN
+    v_era := pg_catalog.div(v_y OPERATOR(pg_catalog.-) CASE WHEN v_y OPERATOR(pg_catalog.<) 0 THEN 399 ELSE 0 END, 400);
+    v_yoe := v_y OPERATOR(pg_catalog.-) (v_era OPERATOR(pg_catalog.*) 400);
+    v_doy := pg_catalog.div(153 OPERATOR(pg_catalog.*) (m OPERATOR(pg_catalog.+) CASE WHEN m OPERATOR(pg_catalog.>) 2 THEN -3 ELSE 9 END)
+                            OPERATOR(pg_catalog.+) 2, 5);
+    RETURN v_era OPERATOR(pg_catalog.*) 146097
+           OPERATOR(pg_catalog.+) (v_yoe OPERATOR(pg_catalog.*) 365 OPERATOR(pg_catalog.+) pg_catalog.div(v_yoe, 4)
+                                   OPERATOR(pg_catalog.-) pg_catalog.div(v_yoe, 100) OPERATOR(pg_catalog.+) v_doy)
+           OPERATOR(pg_catalog.-) 719468;
+END
 $fn$;
 
 -- Portable edition: the store in PL/pgSQL. Each function here named like a LANGUAGE c function
@@ -2903,13 +2945,13 @@ DECLARE
     v_start  numeric;
     v_len    numeric;
     v_index  numeric;
-    v_day    date;
+    v_date   record;
+    v_start_day numeric;
     v_length text;
     v_in_day numeric;
     v_secs   numeric;
     v_frac   numeric;
     v_key    text;
-    v_year   numeric;
 BEGIN
     PERFORM idempotency._canon_unicode(job, 'job');
     PERFORM idempotency._canon_check_key('job', job, false);
@@ -2929,28 +2971,36 @@ BEGIN
     v_micros := pg_catalog.trunc(pg_catalog.extract('hour', slot) OPERATOR(pg_catalog.*) 3600000000
                 OPERATOR(pg_catalog.+) (pg_catalog.extract('minute', slot) OPERATOR(pg_catalog.*) 60000000)
                 OPERATOR(pg_catalog.+) pg_catalog.extract('microseconds', slot));
-    v_unix := pg_catalog.trunc(pg_catalog.extract('epoch', scheduled_at) OPERATOR(pg_catalog.*) 1000000);
+    -- Microseconds since 1970 UTC, exactly (extract's epoch of a timestamptz is rounded in the
+    -- last thirty years of its range): the days, and the microseconds of the day.
+    v_unix := ((pg_catalog.timezone('UTC', scheduled_at)::pg_catalog.date OPERATOR(pg_catalog.-) '1970-01-01'::pg_catalog.date)::pg_catalog.numeric
+               OPERATOR(pg_catalog.*) c_day)
+              OPERATOR(pg_catalog.+) pg_catalog.trunc(pg_catalog.extract('epoch', pg_catalog.timezone('UTC', scheduled_at)::pg_catalog.time)
+                                                      OPERATOR(pg_catalog.*) 1000000);
+    -- The native edition counts Unix microseconds in 64 bits: the last thirty years of
+    -- timestamptz's range are beyond them.
+    IF v_unix OPERATOR(pg_catalog.>) 9223372036854775807 THEN
+        RAISE EXCEPTION USING ERRCODE = 'invalid_parameter_value', MESSAGE = 'scheduled_at is out of range';
+    END IF;
     IF v_months OPERATOR(pg_catalog.<>) 0 THEN
         IF v_days OPERATOR(pg_catalog.<>) 0 OR v_micros OPERATOR(pg_catalog.<>) 0 OR v_months OPERATOR(pg_catalog.<) 0 THEN
             RAISE EXCEPTION USING
                 ERRCODE = 'invalid_parameter_value',
                 MESSAGE = 'slot must be whole months, or a positive length without months';
         END IF;
-        v_day := '1970-01-01'::pg_catalog.date
-                 OPERATOR(pg_catalog.+) pg_catalog.floor(v_unix OPERATOR(pg_catalog./) c_day)::pg_catalog.int4;
-        v_index := (idempotency._canon_year(v_day) OPERATOR(pg_catalog.-) 1970)
-                   OPERATOR(pg_catalog.*) 12
-                   OPERATOR(pg_catalog.+) (pg_catalog.extract('month', v_day) OPERATOR(pg_catalog.-) 1);
+        -- The month of the day (floored: a Euclidean quotient), counted from 1970-01.
+        v_date := idempotency._canon_civil(pg_catalog.div(v_unix OPERATOR(pg_catalog.-)
+                      CASE WHEN v_unix OPERATOR(pg_catalog.<) 0 THEN c_day OPERATOR(pg_catalog.-) 1 ELSE 0 END, c_day));
+        v_index := (v_date.y OPERATOR(pg_catalog.-) 1970) OPERATOR(pg_catalog.*) 12
+                   OPERATOR(pg_catalog.+) (v_date.m OPERATOR(pg_catalog.-) 1);
         -- Floored to a multiple of the slot's months (a Euclidean remainder: never negative).
         v_index := v_index OPERATOR(pg_catalog.-)
                    pg_catalog.mod(pg_catalog.mod(v_index, v_months) OPERATOR(pg_catalog.+) v_months, v_months);
-        v_year := 1970 OPERATOR(pg_catalog.+) pg_catalog.floor(v_index OPERATOR(pg_catalog./) 12);
-        v_day := pg_catalog.make_date(
-                     -- make_date counts 1 BC as -1
-                     (CASE WHEN v_year OPERATOR(pg_catalog.<=) 0 THEN v_year OPERATOR(pg_catalog.-) 1 ELSE v_year END)::pg_catalog.int4,
-                     (pg_catalog.mod(pg_catalog.mod(v_index, 12) OPERATOR(pg_catalog.+) 12, 12) OPERATOR(pg_catalog.+) 1)::pg_catalog.int4,
-                     1);
-        v_start := (v_day OPERATOR(pg_catalog.-) '1970-01-01'::pg_catalog.date)::pg_catalog.numeric OPERATOR(pg_catalog.*) c_day;
+        v_start := idempotency._canon_month_start(
+                       1970 OPERATOR(pg_catalog.+) pg_catalog.div(v_index OPERATOR(pg_catalog.-)
+                           CASE WHEN v_index OPERATOR(pg_catalog.<) 0 THEN 11 ELSE 0 END, 12),
+                       pg_catalog.mod(pg_catalog.mod(v_index, 12) OPERATOR(pg_catalog.+) 12, 12) OPERATOR(pg_catalog.+) 1)
+                   OPERATOR(pg_catalog.*) c_day;
         v_length := 'P' OPERATOR(pg_catalog.||) v_months::pg_catalog.text OPERATOR(pg_catalog.||) 'M';
     ELSE
         v_len := (v_days OPERATOR(pg_catalog.*) c_day) OPERATOR(pg_catalog.+) v_micros;
@@ -2971,17 +3021,20 @@ BEGIN
         END IF;
     END IF;
     -- The start as YYYY-MM-DDTHH:MM:SS[.fraction]Z.
-    v_day := '1970-01-01'::pg_catalog.date
-             OPERATOR(pg_catalog.+) pg_catalog.floor(v_start OPERATOR(pg_catalog./) c_day)::pg_catalog.int4;
-    v_in_day := v_start OPERATOR(pg_catalog.-)
-                ((v_day OPERATOR(pg_catalog.-) '1970-01-01'::pg_catalog.date)::pg_catalog.numeric OPERATOR(pg_catalog.*) c_day);
+    v_start_day := pg_catalog.div(v_start OPERATOR(pg_catalog.-)
+                       CASE WHEN v_start OPERATOR(pg_catalog.<) 0 THEN c_day OPERATOR(pg_catalog.-) 1 ELSE 0 END, c_day);
+    v_date := idempotency._canon_civil(v_start_day);
+    v_in_day := v_start OPERATOR(pg_catalog.-) (v_start_day OPERATOR(pg_catalog.*) c_day);
     v_secs := pg_catalog.div(v_in_day, 1000000);
     v_frac := pg_catalog.mod(v_in_day, 1000000);
     v_key := job OPERATOR(pg_catalog.||) ':'
-             OPERATOR(pg_catalog.||) CASE WHEN idempotency._canon_year(v_day) OPERATOR(pg_catalog.<) 0
-                 THEN '-' OPERATOR(pg_catalog.||) pg_catalog.lpad(pg_catalog.abs(idempotency._canon_year(v_day))::pg_catalog.text, 3, '0')
-                 ELSE pg_catalog.lpad(idempotency._canon_year(v_day)::pg_catalog.text, 4, '0') END
-             OPERATOR(pg_catalog.||) pg_catalog.to_char(v_day, '-MM-DD')
+             -- The year in at least four characters, its sign included (lpad cuts a longer text).
+             OPERATOR(pg_catalog.||) CASE WHEN v_date.y OPERATOR(pg_catalog.<) 0
+                 THEN '-' OPERATOR(pg_catalog.||) pg_catalog.lpad(pg_catalog.abs(v_date.y)::pg_catalog.text,
+                          GREATEST(3, pg_catalog.length(pg_catalog.abs(v_date.y)::pg_catalog.text)), '0')
+                 ELSE pg_catalog.lpad(v_date.y::pg_catalog.text, GREATEST(4, pg_catalog.length(v_date.y::pg_catalog.text)), '0') END
+             OPERATOR(pg_catalog.||) pg_catalog.format('-%s-%s', pg_catalog.lpad(v_date.m::pg_catalog.text, 2, '0'),
+                                                      pg_catalog.lpad(v_date.d::pg_catalog.text, 2, '0'))
              OPERATOR(pg_catalog.||) pg_catalog.format('T%s:%s:%s',
                  pg_catalog.lpad(pg_catalog.div(v_secs, 3600)::pg_catalog.text, 2, '0'),
                  pg_catalog.lpad(pg_catalog.mod(pg_catalog.div(v_secs, 60), 60)::pg_catalog.text, 2, '0'),

@@ -629,7 +629,12 @@ def derivation_calls(seed, n):
         calls.append(f"SELECT idempotency.derive_key({lit(parent, 'text')}, {lit(step, 'text')}, {lit(doc, 'jsonb')})")
     stamps = [None, "infinity", "-infinity", "2026-12-01 16:47:12.5+00", "1969-12-31 23:59:59.999999+00",
               "1900-02-28 12:00:00+05", "0001-01-01 00:00:00+00", "9999-12-31 23:59:59.999999+00",
-              "2000-01-01 00:00:00+00", "1970-01-01 00:00:00+00", "2024-02-29 23:30:00-08"]
+              "2000-01-01 00:00:00+00", "1970-01-01 00:00:00+00", "2024-02-29 23:30:00-08",
+              # years of five and six digits, and before 1 AD (-4712 is 4713 BC), up to the last
+              # microsecond the native edition counts in 64 bits since 1970 and the first after it
+              "12345-06-01 00:00:00+00", "1234-06-01 00:00:00+00", "4713-01-01 00:00:00+00 BC",
+              "0001-12-31 23:00:00+00 BC", "0999-06-01 00:00:00+00 BC", "294247-01-10 04:00:54.775807+00",
+              "294247-01-10 04:00:54.775808+00", "294276-12-31 23:59:59+00"]
     slots = [None, "1 month", "3 months", "-1 month", "1 month 1 day", "1 month 1 second", "5 minutes", "1 day",
              "2 days 3 hours", "1.5 seconds", "00:00:00.000001", "0", "-1 hour", "7 days", "1 year", "13 months",
              "25 hours", "1 day -1 second", "00:00:00.1234", "100 years"]
