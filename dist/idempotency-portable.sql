@@ -858,8 +858,21 @@ RETURNS integer
 LANGUAGE plpgsql STABLE PARALLEL SAFE
 SET search_path = pg_catalog, pg_temp
 AS $fn$
+BEGIN
+    RETURN idempotency._p_setting_value(name, pg_catalog.current_setting(name, true), default_value, unit);
+END
+$fn$;
+
+-- The value `raw` of the setting `name`, read as _p_setting reads it (out of the range of an
+-- integer: an error naming the setting, as PostgreSQL refuses such a value of a native setting).
+CREATE FUNCTION idempotency._p_setting_value(name text, raw text, default_value integer, unit text)
+RETURNS integer
+LANGUAGE plpgsql STABLE PARALLEL SAFE
+SET search_path = pg_catalog, pg_temp
+AS $fn$
 DECLARE
-    v_raw text := pg_catalog.btrim(pg_catalog.current_setting(name, true));
+    v_raw text := pg_catalog.btrim(raw);
+    v_value numeric;
     v_m text[];
     v_factor numeric;
     v_base numeric;
@@ -877,16 +890,44 @@ BEGIN
         v_base := CASE unit WHEN 's' THEN 1000 ELSE 1 END;
         IF v_factor IS NOT NULL AND (v_m[2] OPERATOR(pg_catalog.=) ''
               OR (v_m[2] OPERATOR(pg_catalog.~) 'B$') OPERATOR(pg_catalog.=) (unit OPERATOR(pg_catalog.=) 'kB')) THEN
-            IF v_m[2] OPERATOR(pg_catalog.=) '' THEN
-                RETURN pg_catalog.round(v_m[1]::numeric)::integer;
+            v_value := CASE WHEN v_m[2] OPERATOR(pg_catalog.=) '' THEN pg_catalog.round(v_m[1]::numeric)
+                            ELSE pg_catalog.round(v_m[1]::numeric OPERATOR(pg_catalog.*) v_factor OPERATOR(pg_catalog./) v_base) END;
+            IF v_value OPERATOR(pg_catalog.<) -2147483648 OR v_value OPERATOR(pg_catalog.>) 2147483647 THEN
+                RAISE EXCEPTION USING
+                    ERRCODE = 'invalid_parameter_value',
+                    MESSAGE = pg_catalog.format('%s is outside the valid range for parameter "%s"', v_raw, name),
+                    HINT = pg_catalog.format('values run from %s to %s (%s)', -2147483648, 2147483647, unit);
             END IF;
-            RETURN pg_catalog.round(v_m[1]::numeric OPERATOR(pg_catalog.*) v_factor OPERATOR(pg_catalog./) v_base)::integer;
+            RETURN v_value::integer;
         END IF;
     END IF;
     RAISE EXCEPTION USING
         ERRCODE = 'invalid_parameter_value',
         MESSAGE = pg_catalog.format('invalid value for parameter "%s": %L', name, v_raw);
 END
+$fn$;
+
+-- A setting as an administrator set it, which the session cannot change: the value of ALTER
+-- DATABASE / ALTER ROLE ... SET for the session's login role, in PostgreSQL's order (the
+-- database and role together, the role, the database; where no native library defines the
+-- setting only superusers, or roles granted SET on it, may write those), else NULL. Not the
+-- session's own value (SET, set_config, a startup option such as PGOPTIONS) nor postgresql.conf's,
+-- which current_setting cannot tell apart (pg_settings does not show placeholders).
+CREATE FUNCTION idempotency._p_admin_setting(name text)
+RETURNS text
+LANGUAGE sql STABLE
+SET search_path = pg_catalog, pg_temp
+AS $fn$
+    SELECT pg_catalog.substr(e.entry, pg_catalog.strpos(e.entry, '=') OPERATOR(pg_catalog.+) 1)
+      FROM pg_catalog.pg_db_role_setting AS d, pg_catalog.unnest(d.setconfig) AS e(entry)
+     WHERE d.setdatabase OPERATOR(pg_catalog.=) ANY (ARRAY[(SELECT b.oid FROM pg_catalog.pg_database AS b
+                                  WHERE b.datname OPERATOR(pg_catalog.=) pg_catalog.current_database()), 0]::pg_catalog.oid[])
+       AND d.setrole OPERATOR(pg_catalog.=) ANY (ARRAY[(SELECT a.oid FROM pg_catalog.pg_roles AS a
+                                  WHERE a.rolname OPERATOR(pg_catalog.=) SESSION_USER), 0]::pg_catalog.oid[])
+       AND pg_catalog.lower(pg_catalog.split_part(e.entry, '=', 1)) OPERATOR(pg_catalog.=) pg_catalog.lower($1)
+     ORDER BY d.setdatabase OPERATOR(pg_catalog.<>) 0 AND d.setrole OPERATOR(pg_catalog.<>) 0 DESC,
+              d.setrole OPERATOR(pg_catalog.<>) 0 DESC
+     LIMIT 1
 $fn$;
 
 -- A boolean setting (unset: false), spelled as PostgreSQL accepts it.
@@ -1314,9 +1355,11 @@ AS $fn$
 $fn$;
 
 -- Marks a key as changed by this transaction: a transaction-scoped advisory lock on its lock
--- number, taken by claim before it inserts a key (try: false when another open transaction
--- holds it) and by the trigger below before any row of the store is inserted, updated or
--- deleted (wait: as an UPDATE waits for the row). A claim that finds a key marked by another
+-- number, taken by claim before it inserts a key (false when another open transaction holds
+-- it: the claim answers from that) and by the trigger below before any row of the store is
+-- inserted, updated or deleted (`wait`: true either way; the row's own lock orders the writes,
+-- and a lock number held by any other session, an application's pg_advisory_lock of the same
+-- number included, never makes a write wait). A claim that finds a key marked by another
 -- open transaction answers in_progress at once instead of waiting for that transaction (the
 -- native edition sees the uncommitted change itself). A transaction marks its first 1000 keys
 -- (the lock table is shared and finite; a backfill of 100,000 keys in one transaction must
@@ -1341,10 +1384,8 @@ BEGIN
         -- Not marked; a key another transaction marked is still refused.
         RETURN wait OR NOT idempotency._p_marked(scope, key);
     END IF;
-    IF wait THEN
-        PERFORM pg_catalog.pg_advisory_xact_lock(v_lock);
-    ELSIF NOT pg_catalog.pg_try_advisory_xact_lock(v_lock) THEN
-        RETURN false;
+    IF NOT pg_catalog.pg_try_advisory_xact_lock(v_lock) THEN
+        RETURN wait;
     END IF;
     -- Session-level (not LOCAL): the SET clause of this function would undo a local change.
     -- Rolled back with the transaction, as the locks are released with it. Not under the
@@ -1396,16 +1437,16 @@ BEGIN
         v_key := OLD.key;
     END IF;
     -- _p_mark(v_scope, v_key, true) written out (a nested call costs more than its work here,
-    -- on every row a claim or a completion writes).
+    -- on every row a sweep, a release or a direct write changes).
     v_xact := pg_catalog.pg_current_xact_id()::pg_catalog.text;
     v_state := pg_catalog.current_setting('idempotency_portable.marks', true);
     IF pg_catalog.split_part(v_state, ':', 1) OPERATOR(pg_catalog.=) v_xact THEN
         v_count := pg_catalog.split_part(v_state, ':', 2)::pg_catalog.int4;
     END IF;
-    IF v_count OPERATOR(pg_catalog.<) 1000 THEN
-        PERFORM pg_catalog.pg_advisory_xact_lock(pg_catalog.hashtextextended(
-                    pg_catalog.length(v_scope)::pg_catalog.text OPERATOR(pg_catalog.||) ':'
-                    OPERATOR(pg_catalog.||) v_scope OPERATOR(pg_catalog.||) v_key, 5432));
+    IF v_count OPERATOR(pg_catalog.<) 1000
+       AND pg_catalog.pg_try_advisory_xact_lock(pg_catalog.hashtextextended(
+               pg_catalog.length(v_scope)::pg_catalog.text OPERATOR(pg_catalog.||) ':'
+               OPERATOR(pg_catalog.||) v_scope OPERATOR(pg_catalog.||) v_key, 5432)) THEN
         PERFORM pg_catalog.set_config('idempotency_portable.marks',
                                       v_xact OPERATOR(pg_catalog.||) ':' OPERATOR(pg_catalog.||) (v_count OPERATOR(pg_catalog.+) 1), false);
     END IF;
@@ -1734,10 +1775,10 @@ BEGIN
     v_state := pg_catalog.current_setting('idempotency_portable.marks', true);
     v_count := CASE WHEN pg_catalog.split_part(v_state, ':', 1) OPERATOR(pg_catalog.=) v_xact
                     THEN pg_catalog.split_part(v_state, ':', 2)::pg_catalog.int4 ELSE 0 END;
-    IF v_count OPERATOR(pg_catalog.<) 1000 THEN
-        PERFORM pg_catalog.pg_advisory_xact_lock(pg_catalog.hashtextextended(
-                    pg_catalog.length(p_scope)::pg_catalog.text OPERATOR(pg_catalog.||) ':'
-                    OPERATOR(pg_catalog.||) p_scope OPERATOR(pg_catalog.||) v_key, 5432));
+    IF v_count OPERATOR(pg_catalog.<) 1000
+       AND pg_catalog.pg_try_advisory_xact_lock(pg_catalog.hashtextextended(
+               pg_catalog.length(p_scope)::pg_catalog.text OPERATOR(pg_catalog.||) ':'
+               OPERATOR(pg_catalog.||) p_scope OPERATOR(pg_catalog.||) v_key, 5432)) THEN
         v_set := pg_catalog.set_config('idempotency_portable.marks',
                                        v_xact OPERATOR(pg_catalog.||) ':' OPERATOR(pg_catalog.||) (v_count OPERATOR(pg_catalog.+) 1), false);
     END IF;
@@ -2634,7 +2675,13 @@ DECLARE
 BEGIN
     PERFORM idempotency._p_refuse_read_only('sweep_audit');
     v_prefix := idempotency._p_sweep_prefix('sweep_audit');
-    v_retention := idempotency._p_setting('idempotency.audit_retention', 0, 's');
+    -- The retention binds every role but the store's owner (a whole-store sweep): natively a
+    -- server setting (postgresql.conf, ALTER SYSTEM) no session changes, so here a tenant's
+    -- sweep reads only what an administrator set, never the session's own value.
+    v_retention := CASE WHEN v_prefix OPERATOR(pg_catalog.=) ''
+                        THEN idempotency._p_setting('idempotency.audit_retention', 0, 's')
+                        ELSE idempotency._p_setting_value('idempotency.audit_retention',
+                                 idempotency._p_admin_setting('idempotency.audit_retention'), 0, 's') END;
     IF v_retention OPERATOR(pg_catalog.<=) 0 THEN
         RETURN 0;
     END IF;

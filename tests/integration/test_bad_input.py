@@ -23,6 +23,7 @@ import psycopg
 import pytest
 
 from cluster import EDITION, Cluster
+from helpers import claim
 
 HUGE = os.environ.get("BAD_INPUT_HUGE") == "1"
 ERRORS_DOC = os.path.join(os.path.dirname(__file__), "..", "..", "docs", "errors.md")
@@ -454,6 +455,29 @@ def test_error_messages_quote_bad_values_abbreviated(connect, call):
     assert exc.value.sqlstate == "22023"
     message = exc.value.diag.message_primary or ""
     assert len(message) < 4096, f"{len(message)} characters"
+
+
+@pytest.mark.parametrize("setting,value", [("idempotency.default_ttl", "99999999999"),
+                                           ("idempotency.default_lease", "99999999999d"),
+                                           ("idempotency.max_response_size", "9999999999kB")])
+def test_an_integer_setting_beyond_its_range_is_refused_naming_it(connect, setting, value):
+    """Natively the SET is refused; without the library (a placeholder) the call that reads the
+    setting is, naming it, with 22023 (not a bare 22003 "integer out of range"), and changes
+    nothing."""
+    db = connect()
+    db.execute("SELECT idempotency.canonical_json('{}')")  # loads the library: the setting is defined
+    token = claim(db, "range-done", lease="1 minute")[1]
+    with pytest.raises(psycopg.Error) as exc:
+        db.execute(f"SET {setting} = '{value}'")
+        if setting == "idempotency.max_response_size":
+            db.execute("SELECT idempotency.complete('range-done', '{}', token => %s)", (token,))
+        else:
+            db.execute("SELECT idempotency.claim('range-new')")
+    assert exc.value.sqlstate == "22023", (exc.value.sqlstate, str(exc.value))
+    assert setting in str(exc.value), str(exc.value)
+    db.execute(f"RESET {setting}")
+    assert db.execute("SELECT key, status::text FROM idempotency.idempotency_keys ORDER BY key").fetchall() == \
+        [("range-done", "in_progress")]
 
 
 @pytest.mark.native_only("a setting is checked when it is set only where the library defines it; "

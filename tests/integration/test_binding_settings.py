@@ -237,6 +237,55 @@ def test_a_role_may_lower_a_bound_limit_but_not_raise_it(bcluster, su):
         assert "idempotency.max_response_size allows 102400" in str(e.value)
 
 
+def test_a_tenants_audit_sweep_keeps_rows_its_session_retention_would_delete(bcluster, su):
+    """sweep_audit of a tenant (bound, or naming a prefix itself) deletes only past the retention
+    an administrator set: natively a server setting no session changes; without the library a
+    placeholder, whose session value (SET, set_config, PGOPTIONS) bound the tenant's sweep and
+    deleted its own audit trail, and another role's with the prefix of its choice."""
+    bind_tenant(su)
+    with connect(bcluster, "tenant") as t:
+        for k in ("old", "new"):
+            token = claim(t, k, scope="tenant:1")[1]
+            t.execute("SELECT idempotency.complete(%s, '{}', scope => 'tenant:1', token => %s)", (k, token))
+    su.execute("UPDATE idempotency.audit SET completed_at = now() - interval '3 days' WHERE key = 'old'")
+    assert su.execute("SELECT key, completed_by FROM idempotency.audit ORDER BY key").fetchall() == \
+        [("new", "tenant"), ("old", "tenant")]
+
+    def connect_with(role, options):
+        try:
+            return connect(bcluster, role, pgoptions=options)
+        except psycopg.OperationalError:  # natively refused: a server setting, or superusers' only
+            return connect(bcluster, role)
+
+    retention_1s = ["SET idempotency.audit_retention = '1s'",
+                    "SELECT set_config('idempotency.audit_retention', '1', false)"]
+    with connect_with("tenant", "-c idempotency.audit_retention=1") as t:
+        try_each(t, retention_1s)
+        assert t.execute("SELECT idempotency.sweep_audit()").fetchone()[0] == 0
+    with connect_with("other", "-c idempotency.scope_prefix=tenant: -c idempotency.audit_retention=1") as o:
+        try_each(o, retention_1s + ["SET idempotency.scope_prefix = 'tenant:'"])
+        try:
+            assert o.execute("SELECT idempotency.sweep_audit()").fetchone()[0] == 0
+        except psycopg.errors.InsufficientPrivilege:
+            pass  # natively the prefix is the superusers' to set: no prefix, no sweep
+    assert su.execute("SELECT count(*) FROM idempotency.audit").fetchone()[0] == 2
+
+    # An administrator's retention applies to the tenant's sweep: the row past it goes.
+    if bcluster.edition == "portable":
+        su.execute("ALTER ROLE tenant SET idempotency.audit_retention = '2d'")
+    else:
+        su.execute("ALTER SYSTEM SET idempotency.audit_retention = '2d'")
+        su.execute("SELECT pg_reload_conf()")
+    try:
+        with connect(bcluster, "tenant") as t:
+            assert t.execute("SELECT idempotency.sweep_audit()").fetchone()[0] == 1
+    finally:
+        if bcluster.edition != "portable":
+            su.execute("ALTER SYSTEM RESET idempotency.audit_retention")
+            su.execute("SELECT pg_reload_conf()")
+    assert su.execute("SELECT key FROM idempotency.audit").fetchall() == [("new",)]
+
+
 def test_the_rows_prefix_replaces_the_setting(bcluster, su):
     """ALTER ROLE ... SET idempotency.scope_prefix is a default the row overrides."""
     bind_tenant(su)

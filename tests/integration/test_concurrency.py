@@ -184,3 +184,35 @@ def test_repeatable_read_claims_read_their_snapshot(connect):
         pass
     a.execute("ROLLBACK")
     assert claim(b, "rr-new", {"a": 1})[0] == "new", "the rolled-back claim left nothing"
+
+
+def test_a_lock_on_a_keys_number_held_elsewhere_makes_no_write_wait(connect):
+    """The portable edition marks a key being written with a transaction-scoped advisory lock on
+    a 64-bit hash of its scope and key, a number any role can compute and lock itself (an
+    application's own pg_advisory_lock may also take it). While another session holds it,
+    complete, checkpoint, release, forget and sweep of the key write at once, as natively: only
+    the row's own lock orders writes (before, each waited for that session, a hostile role's
+    included, until statement_timeout)."""
+    db, other = connect(), connect()
+    keys = ("lk-complete", "lk-checkpoint", "lk-release", "lk-forget", "lk-swept")
+    tokens = {}
+    for k in keys:
+        outcome, tokens[k] = claim(db, k, ttl="1 second" if k == "lk-swept" else "1 hour",
+                                   lease="1 second" if k == "lk-swept" else "1 minute")[:2]
+        assert outcome == "new", (k, outcome)
+    for k in keys:
+        other.execute("SELECT pg_advisory_lock(hashtextextended(%s, 5432))", (f"0:{k}",))
+    assert other.execute("SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND pid = pg_backend_pid()"
+                         ).fetchone()[0] == len(keys)
+    time.sleep(1.1)  # lk-swept expires
+    db.execute("SET statement_timeout = '10s'")
+    assert db.execute("SELECT idempotency.complete('lk-complete', '{\"ok\": 1}', token => %s) IS NOT NULL",
+                      (tokens["lk-complete"],)).fetchone()[0] is True
+    db.execute("SELECT idempotency.checkpoint('lk-checkpoint', 'step-2', token => %s)", (tokens["lk-checkpoint"],))
+    assert db.execute("SELECT idempotency.release('lk-release', token => %s)", (tokens["lk-release"],)).fetchone()[0]
+    assert db.execute("SELECT idempotency.forget('lk-forget')").fetchone()[0] is True
+    assert db.execute("SELECT idempotency.sweep()").fetchone()[0] == 1
+    rows = dict(db.execute("SELECT key, status::text || coalesce(':' || recovery_point, '') "
+                           "FROM idempotency.idempotency_keys WHERE key LIKE 'lk-%'").fetchall())
+    assert rows == {"lk-complete": "completed", "lk-checkpoint": "in_progress:step-2"}, rows
+    other.execute("SELECT pg_advisory_unlock_all()")

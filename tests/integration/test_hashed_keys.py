@@ -11,7 +11,7 @@ import uuid
 import psycopg
 import pytest
 
-from cluster import Cluster
+from cluster import EDITION, Cluster
 from helpers import claim
 
 
@@ -149,3 +149,28 @@ def test_switch_waits_for_open_claims_and_other_sessions_follow(hashed_cluster):
         assert claim(other, "fresh")[0] == "new"
         keys = {k for (k,) in other.execute("SELECT key FROM idempotency.idempotency_keys").fetchall()}
         assert keys == {stored_form(other, "warm-up"), stored_form(other, "open"), stored_form(other, "fresh")}
+
+
+def test_a_lock_number_computed_from_the_key_does_not_hold_a_hashed_key(hashed_cluster):
+    """The portable edition marks a key with an advisory lock on a hash of its scope and stored
+    key. Stored plain, any role can compute that number and hold it (a claim of the key then
+    answers in_progress); stored hashed, the number comes from the keyed hash, which a role
+    without the store's secret cannot compute: holding the number of the plain key changes
+    nothing, in either edition."""
+    c = hashed_cluster
+    with psycopg.connect(c.conninfo(), autocommit=True) as db, \
+            psycopg.connect(c.conninfo(), autocommit=True) as other:
+        # Stored plain, the number held elsewhere is the key's (the formula below is right).
+        other.execute("SELECT pg_advisory_lock(hashtextextended('4:shoporder-41', 5432))")
+        assert claim(db, "order-41", scope="shop")[0] == ("in_progress" if EDITION == "portable" else "new")
+        other.execute("SELECT pg_advisory_unlock_all()")
+        db.execute("SELECT idempotency.forget('order-41', 'shop')")
+        db.execute("SELECT idempotency.set_key_storage('sha256')")
+        done = claim(db, "order-42", scope="shop")
+        db.execute("SELECT idempotency.complete('order-42', '{\"ok\": 1}', scope => 'shop', token => %s)", (done[1],))
+        for key in ("order-42", "order-43"):  # the numbers of the plain keys (_p_lock_id)
+            other.execute("SELECT pg_advisory_lock(hashtextextended(%s, 5432))", (f"4:shop{key}",))
+        assert other.execute("SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND pid = pg_backend_pid()"
+                             ).fetchone()[0] == 2
+        assert claim(db, "order-42", scope="shop")[0] == "replay"
+        assert claim(db, "order-43", scope="shop")[0] == "new"
