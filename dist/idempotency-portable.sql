@@ -850,9 +850,8 @@ $fn$;
 
 -- Helpers ---------------------------------------------------------------------------------------
 
--- An integer setting in its unit ('s', 'ms' or 'kB'): a bare number is in that unit, a number
--- with a unit (10s, 5min, 1h, 4MB) is converted and rounded, as PostgreSQL does for the native
--- edition's settings; unset or empty: the native default.
+-- An integer setting in its unit ('s', 'ms', 'kB', or '' for none), read as PostgreSQL reads
+-- the native edition's settings; unset or empty: the native default.
 CREATE FUNCTION idempotency._p_setting(name text, default_value integer, unit text)
 RETURNS integer
 LANGUAGE plpgsql STABLE PARALLEL SAFE
@@ -863,48 +862,129 @@ BEGIN
 END
 $fn$;
 
--- The value `raw` of the setting `name`, read as _p_setting reads it (out of the range of an
--- integer: an error naming the setting, as PostgreSQL refuses such a value of a native setting).
+-- The value `raw` of the integer setting `name` in `unit`, as PostgreSQL's parse_int reads a
+-- setting the native library defines: a number as strtol reads it (decimal, 0x hexadecimal, 0
+-- octal), or as strtod where strtol stops at '.', 'e' or 'E' (2.5, 1e3, .5); then, where the
+-- setting has a unit, one of its units (a fraction rounded to the next smaller unit); rounded
+-- half to even; within the range of an integer. Anything else is refused naming the setting
+-- (22023), as PostgreSQL refuses such a SET natively.
 CREATE FUNCTION idempotency._p_setting_value(name text, raw text, default_value integer, unit text)
 RETURNS integer
 LANGUAGE plpgsql STABLE PARALLEL SAFE
 SET search_path = pg_catalog, pg_temp
 AS $fn$
 DECLARE
-    v_raw text := pg_catalog.btrim(raw);
-    v_value numeric;
+    v_raw text := pg_catalog.btrim(raw, E' \t\n\r\f\v');
     v_m text[];
-    v_factor numeric;
-    v_base numeric;
+    v_num numeric;
+    v_rest text;
+    v_units text[];
+    v_mult numeric[];
+    v_i integer;
+    v_hint text;
 BEGIN
     IF v_raw IS NULL OR v_raw OPERATOR(pg_catalog.=) '' THEN
         RETURN default_value;
     END IF;
-    v_m := pg_catalog.regexp_match(v_raw, '^(-?[0-9]+(?:\.[0-9]*)?)\s*([A-Za-z]*)$');
+    v_m := pg_catalog.regexp_match(v_raw, '^([+-]?)0[xX]([0-9a-fA-F]+)(.*)$');
     IF v_m IS NOT NULL THEN
-        v_factor := CASE v_m[2]
-            WHEN '' THEN 1 WHEN 'us' THEN 0.001 WHEN 'ms' THEN 1 WHEN 's' THEN 1000
-            WHEN 'min' THEN 60000 WHEN 'h' THEN 3600000 WHEN 'd' THEN 86400000
-            WHEN 'B' THEN 1.0 OPERATOR(pg_catalog./) 1024 WHEN 'kB' THEN 1 WHEN 'MB' THEN 1024
-            WHEN 'GB' THEN 1048576 WHEN 'TB' THEN 1073741824 END;
-        v_base := CASE unit WHEN 's' THEN 1000 ELSE 1 END;
-        IF v_factor IS NOT NULL AND (v_m[2] OPERATOR(pg_catalog.=) ''
-              OR (v_m[2] OPERATOR(pg_catalog.~) 'B$') OPERATOR(pg_catalog.=) (unit OPERATOR(pg_catalog.=) 'kB')) THEN
-            v_value := CASE WHEN v_m[2] OPERATOR(pg_catalog.=) '' THEN pg_catalog.round(v_m[1]::numeric)
-                            ELSE pg_catalog.round(v_m[1]::numeric OPERATOR(pg_catalog.*) v_factor OPERATOR(pg_catalog./) v_base) END;
-            IF v_value OPERATOR(pg_catalog.<) -2147483648 OR v_value OPERATOR(pg_catalog.>) 2147483647 THEN
-                RAISE EXCEPTION USING
-                    ERRCODE = 'invalid_parameter_value',
-                    MESSAGE = pg_catalog.format('%s is outside the valid range for parameter "%s"', v_raw, name),
-                    HINT = pg_catalog.format('values run from %s to %s (%s)', -2147483648, 2147483647, unit);
-            END IF;
-            RETURN v_value::integer;
+        -- strtol, base 16; where it stops at '.', strtod's hexadecimal form (0x1.8p1). Beyond
+        -- 15 digits before the point: out of range.
+        v_m := pg_catalog.regexp_match(v_raw, '^([+-]?)0[xX]([0-9a-fA-F]+)(?:(\.)([0-9a-fA-F]*)(?:[pP]([+-]?[0-9]{1,6}))?)?(.*)$');
+        IF pg_catalog.length(pg_catalog.ltrim(v_m[2], '0')) OPERATOR(pg_catalog.>) 15 THEN
+            v_hint := 'Value exceeds integer range.';
+        ELSIF v_m[3] IS NULL OR pg_catalog.abs(COALESCE(v_m[5], '0')::integer) OPERATOR(pg_catalog.<=) 1100 THEN
+            v_num := ('x' OPERATOR(pg_catalog.||) pg_catalog.lpad(v_m[2], 16, '0'))::pg_catalog.bit(64)::bigint::numeric;
+            FOR v_i IN 1 .. LEAST(COALESCE(pg_catalog.length(v_m[4]), 0), 15) LOOP
+                v_num := v_num OPERATOR(pg_catalog.+)
+                         (('x' OPERATOR(pg_catalog.||) pg_catalog.lpad(pg_catalog.substr(v_m[4], v_i, 1), 16, '0'))::pg_catalog.bit(64)::bigint::numeric
+                          OPERATOR(pg_catalog./) (16::numeric OPERATOR(pg_catalog.^) v_i));
+            END LOOP;
+            v_num := v_num OPERATOR(pg_catalog.*) (2::numeric OPERATOR(pg_catalog.^) COALESCE(v_m[5], '0')::integer);
+            v_rest := v_m[6];
         END IF;
+    ELSE
+        v_m := pg_catalog.regexp_match(v_raw, '^([+-]?)([0-9]+)(.*)$');
+        IF v_m IS NOT NULL AND v_m[3] OPERATOR(pg_catalog.!~) '^[.eE]' THEN
+            IF v_m[2] OPERATOR(pg_catalog.~) '^0' THEN
+                -- strtol, base 8: up to the first digit that is not octal.
+                v_rest := pg_catalog.substr(v_m[2], pg_catalog.length(pg_catalog.substring(v_m[2], '^[0-7]*')) OPERATOR(pg_catalog.+) 1)
+                          OPERATOR(pg_catalog.||) v_m[3];
+                v_num := 0;
+                FOR v_i IN 1 .. pg_catalog.length(pg_catalog.substring(v_m[2], '^[0-7]*')) LOOP
+                    v_num := v_num OPERATOR(pg_catalog.*) 8 OPERATOR(pg_catalog.+) pg_catalog.substr(v_m[2], v_i, 1)::numeric;
+                END LOOP;
+            ELSE
+                v_num := v_m[2]::numeric;
+                v_rest := v_m[3];
+            END IF;
+        ELSIF v_m IS NOT NULL OR v_raw OPERATOR(pg_catalog.~) '^[.eE]' THEN
+            -- strtod (an exponent beyond a double's is ERANGE there: refused).
+            v_m := pg_catalog.regexp_match(v_raw, '^([+-]?(?:[0-9]+(?:\.[0-9]*)?|\.[0-9]+))(?:[eE]([+-]?[0-9]{1,6}))?(.*)$');
+            IF v_m IS NOT NULL AND pg_catalog.abs(COALESCE(v_m[2], '0')::integer) OPERATOR(pg_catalog.<=) 308 THEN
+                v_num := (v_m[1] OPERATOR(pg_catalog.||) COALESCE('e' OPERATOR(pg_catalog.||) v_m[2], ''))::numeric;
+                v_rest := v_m[3];
+            END IF;
+        END IF;
+    END IF;
+    IF v_num IS NOT NULL AND pg_catalog.left(v_raw, 1) OPERATOR(pg_catalog.=) '-' AND v_num OPERATOR(pg_catalog.>) 0 THEN
+        v_num := OPERATOR(pg_catalog.-) v_num;
+    END IF;
+    v_rest := pg_catalog.ltrim(v_rest, E' \t\n\r\f\v');
+    IF v_num IS NOT NULL AND v_rest OPERATOR(pg_catalog.<>) '' THEN
+        -- A unit of the setting's, converted to it (PostgreSQL's conversion tables).
+        IF unit OPERATOR(pg_catalog.=) 'kB' THEN
+            v_units := '{TB,GB,MB,kB,B}';
+            v_mult := ARRAY[1073741824, 1048576, 1024, 1, 1.0 OPERATOR(pg_catalog./) 1024];
+        ELSIF unit OPERATOR(pg_catalog.=) ANY ('{s,ms}'::text[]) THEN
+            v_units := '{d,h,min,s,ms,us}';
+            v_mult := ARRAY[86400000, 3600000, 60000, 1000, 1, 0.001];
+            IF unit OPERATOR(pg_catalog.=) 's' THEN
+                v_mult := ARRAY[86400, 3600, 60, 1, 0.001, 0.000001];
+            END IF;
+        END IF;
+        v_i := pg_catalog.array_position(v_units, v_rest);
+        IF v_i IS NULL THEN
+            v_num := NULL;
+            v_hint := CASE WHEN unit OPERATOR(pg_catalog.=) 'kB' THEN 'Valid units for this parameter are "B", "kB", "MB", "GB", and "TB".'
+                           WHEN unit OPERATOR(pg_catalog.=) ANY ('{s,ms}'::text[]) THEN 'Valid units for this parameter are "us", "ms", "s", "min", "h", and "d".' END;
+        ELSE
+            v_num := v_num OPERATOR(pg_catalog.*) v_mult[v_i];
+            IF v_i OPERATOR(pg_catalog.<) pg_catalog.array_length(v_units, 1) THEN
+                -- A fraction such as 1.5min: to the nearest multiple of the next smaller unit.
+                v_num := idempotency._p_rint(v_num OPERATOR(pg_catalog./) v_mult[v_i OPERATOR(pg_catalog.+) 1])
+                         OPERATOR(pg_catalog.*) v_mult[v_i OPERATOR(pg_catalog.+) 1];
+            END IF;
+        END IF;
+    END IF;
+    IF v_num IS NOT NULL THEN
+        v_num := idempotency._p_rint(v_num);
+        IF v_num OPERATOR(pg_catalog.>=) -2147483648 AND v_num OPERATOR(pg_catalog.<=) 2147483647 THEN
+            RETURN v_num::integer;
+        END IF;
+        v_hint := 'Value exceeds integer range.';
+    END IF;
+    IF v_hint IS NULL THEN
+        RAISE EXCEPTION USING
+            ERRCODE = 'invalid_parameter_value',
+            MESSAGE = pg_catalog.format('invalid value for parameter "%s": %L', name, v_raw);
     END IF;
     RAISE EXCEPTION USING
         ERRCODE = 'invalid_parameter_value',
-        MESSAGE = pg_catalog.format('invalid value for parameter "%s": %L', name, v_raw);
+        MESSAGE = pg_catalog.format('invalid value for parameter "%s": %L', name, v_raw),
+        HINT = v_hint;
 END
+$fn$;
+
+-- x rounded to an integer, half to even (rint, as PostgreSQL rounds a setting's value).
+CREATE FUNCTION idempotency._p_rint(x numeric)
+RETURNS numeric
+LANGUAGE sql IMMUTABLE STRICT PARALLEL SAFE
+SET search_path = pg_catalog, pg_temp
+AS $fn$
+    SELECT CASE WHEN pg_catalog.abs(x OPERATOR(pg_catalog.-) pg_catalog.trunc(x)) OPERATOR(pg_catalog.=) 0.5
+                THEN 2 OPERATOR(pg_catalog.*) pg_catalog.round(x OPERATOR(pg_catalog./) 2)
+                ELSE pg_catalog.round(x) END
 $fn$;
 
 -- A setting as an administrator set it, which the session cannot change: the value of ALTER
@@ -1086,14 +1166,18 @@ BEGIN
 END
 $fn$;
 
--- A text as Rust's Debug writes a string (the native edition's messages quote values so).
+-- A text as Rust's Debug writes a string, whole (the native edition's messages quote values
+-- so): _canon_quote's escapes of each piece of 40 characters (which it does not cut), inside
+-- one pair of quotes.
 CREATE FUNCTION idempotency._p_debug(value text)
 RETURNS text
 LANGUAGE sql IMMUTABLE STRICT PARALLEL SAFE
 SET search_path = pg_catalog, pg_temp
 AS $fn$
-    SELECT pg_catalog.string_agg(idempotency._canon_quote(p.part), '' ORDER BY p.n)
-      FROM (SELECT pg_catalog.substr(value, i, 40) AS part, i AS n
+    SELECT '"' OPERATOR(pg_catalog.||)
+           pg_catalog.string_agg(pg_catalog.substr(p.quoted, 2, pg_catalog.length(p.quoted) OPERATOR(pg_catalog.-) 2), '' ORDER BY p.n)
+           OPERATOR(pg_catalog.||) '"'
+      FROM (SELECT idempotency._canon_quote(pg_catalog.substr(value, i, 40)) AS quoted, i AS n
               FROM pg_catalog.generate_series(1, GREATEST(pg_catalog.length(value), 1), 40) AS i) AS p
 $fn$;
 

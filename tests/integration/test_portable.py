@@ -671,6 +671,61 @@ def test_derivations_match_the_native_edition(editions):
     assert not diff, f"{len(diff)} of {len(calls)} differ, first: {diff[:5]!r}"
 
 
+# Values of integer settings: what PostgreSQL's parse_int reads for the native library (strtol
+# with base 0, strtod where it stops at '.', 'e' or 'E', units, rounding half to even).
+SETTING_VALUES = ["5", "+5", "-5", "0x10", "-0x10", "0X1f", "010", "09", "0", "1e3", "1E3", ".5", "2.5", "3.5",
+                  "-.5", "+.5", "1.5min", "1.5", "10s", "5 min", "5min ", " 7d", "1min30s", "1e-3", "1e400", "1e",
+                  "5e", "0x", "0x1.8p1", "0x1f.", "99999999999", "2147483647", "2147483648", "1.5ms", "1500ms",
+                  "2500ms", "1us", "abc", "4MB", "1.5MB", "1TB", "1B", "1500B", "1kB", "1 kB", "1 KB", "10 s",
+                  "0.5s", "1.0000001h", "0x7.kB", "002e5", "\t128", "0xffff5min"]
+SETTING_ATOMS = ["", "+", "-", "0", "00", "0x", "0X", "1", "7", "8", "9", "12", "010", "1f", "ff", ".", "e", "E",
+                 "e+", "e-", "3", " ", "\t", "s", "ms", "min", "h", "d", "us", "kB", "MB", "GB", "TB", "B", "KB",
+                 "x", "5", "2", "p", "p-"]
+
+
+def test_settings_are_read_as_the_native_edition_reads_them(editions):
+    """Without the library a setting is a placeholder the portable edition reads itself: every
+    value the native edition takes gives the same number, and every value PostgreSQL refuses as
+    malformed is refused (22023). The portable edition refused '1e3', '+5' and '0x10', read
+    '010' (octal: 8) as 10 and took '5s' for a setting without a unit. Values natively out of a
+    setting's range are refused by the call that uses them (docs/managed.md)."""
+    native, portable = editions
+    native.execute("SELECT idempotency.canonical_json('{}')")  # loads the library: the settings are defined
+    r = random.Random(SEED + 16)
+    values = SETTING_VALUES + ["".join(r.choice(SETTING_ATOMS) for _ in range(r.randint(1, 5))) for _ in range(600)]
+    compared = refused = 0
+    for name, unit in (("idempotency.default_ttl", "s"), ("idempotency.busy_retry_after", "ms"),
+                       ("idempotency.max_response_size", "kB"), ("idempotency.partitions", "")):
+        for value in values:
+            if value.strip(" \t") == "":
+                continue  # unset or empty: the default, in the portable edition
+            try:
+                native.execute("SELECT set_config(%s, %s, false)", (name, value))
+                expected = native.execute("SELECT setting FROM pg_settings WHERE name = %s", (name,)).fetchone()[0]
+            except psycopg.Error as e:
+                if "outside the valid range" in str(e):
+                    continue
+                expected = "22023"
+            try:
+                got = portable.execute("SELECT idempotency._p_setting_value(%s, %s, 0, %s)::text",
+                                       (name, value, unit)).fetchone()[0]
+            except psycopg.Error as e:
+                got = e.sqlstate
+            assert got == expected, (name, value)
+            compared += expected != "22023"
+            refused += expected == "22023"
+        native.execute(f"RESET {name}")
+    assert compared >= 250 and refused >= 1000, (compared, refused)
+    # Through the calls: a TTL of 1e3 seconds.
+    for conn in (native, portable):
+        conn.execute("SET idempotency.default_ttl = '1e3'")
+        out = conn.execute("SELECT outcome::text, round(extract(epoch FROM expires_at - now())) "
+                           "FROM idempotency.claim('setting-1e3')").fetchone()
+        conn.execute("RESET idempotency.default_ttl")
+        conn.execute("SELECT idempotency.forget('setting-1e3')")
+        assert out == ("new", 1000), out
+
+
 def test_an_euc_jp_database_refuses_what_has_no_unicode_character(cluster):
     """EUC_JP byte pairs such as 0xA2AF are valid there but have no Unicode character: 22P05
     naming the argument, the same message as the native edition's; Japanese text hashes as its

@@ -299,21 +299,28 @@ CALLS = [
     "SELECT idempotency.claim('dup3'); SELECT idempotency.complete('dup3', '{}'); SELECT idempotency.complete('dup3', '{}')",
     "SELECT (idempotency.claim('sc', scope => 'a:1')).outcome::text; SELECT idempotency.rotate_signing_secret(); "
     "SELECT idempotency.verify_key(idempotency.sign_key('sc'))",
+    # Values longer than 40 characters, quoted whole (the scope here, the key in the warning).
+    "SET idempotency.scope_prefix = 't'; SELECT idempotency.claim('k', scope => repeat('s', 60) || E'\\\"')",
+    "SELECT idempotency.claim(repeat('k', 255), '1'); SELECT (idempotency.claim(repeat('k', 255), '2')).outcome::text",
 ]
 
 
 def answers(conn):
+    """Each call's answer, or its error, and the warnings it raised."""
     out = []
+    warnings = []
+    conn.add_notice_handler(lambda d: warnings.append(d.message_primary) if d.severity_nonlocalized == "WARNING" else None)
     for sql in CALLS:
+        warnings.clear()
         try:
             with conn.transaction():
                 row = conn.execute(sql).fetchone()
                 # A short text answer (an outcome, a key) is compared; rows with times are not.
                 value = row[0] if row and isinstance(row[0], str) and len(row[0]) < 40 else None
-                out.append(("ok", value))
+                out.append(("ok", value, list(warnings)))
                 raise psycopg.Rollback()
         except psycopg.Error as e:
-            out.append((e.sqlstate, e.diag.message_primary, e.diag.message_hint))
+            out.append((e.sqlstate, e.diag.message_primary, e.diag.message_hint, list(warnings)))
     return out
 
 
