@@ -262,6 +262,13 @@ def test_a_tenants_audit_sweep_keeps_rows_its_session_retention_would_delete(bcl
     with connect_with("tenant", "-c idempotency.audit_retention=1") as t:
         try_each(t, retention_1s)
         assert t.execute("SELECT idempotency.sweep_audit()").fetchone()[0] == 0
+        # The role's own ALTER ROLE, and ALTER DATABASE of the database it owns (refused: a
+        # placeholder, or natively a server setting), for its next login.
+        assert try_each(t, ["ALTER ROLE tenant SET idempotency.audit_retention = '1s'",
+                            f"ALTER ROLE tenant IN DATABASE {DB} SET idempotency.audit_retention = '1s'",
+                            f"ALTER DATABASE {DB} SET idempotency.audit_retention = '1s'"]) == []
+    with connect(bcluster, "tenant") as t:
+        assert t.execute("SELECT idempotency.sweep_audit()").fetchone()[0] == 0
     with connect_with("other", "-c idempotency.scope_prefix=tenant: -c idempotency.audit_retention=1") as o:
         try_each(o, retention_1s + ["SET idempotency.scope_prefix = 'tenant:'"])
         try:
