@@ -3132,11 +3132,20 @@ BEGIN
                            CASE WHEN v_index OPERATOR(pg_catalog.<) 0 THEN 11 ELSE 0 END, 12),
                        pg_catalog.mod(pg_catalog.mod(v_index, 12) OPERATOR(pg_catalog.+) 12, 12) OPERATOR(pg_catalog.+) 1)
                    OPERATOR(pg_catalog.*) c_day;
+        -- A start beyond 64-bit microseconds (a slot of a million years, floored from before
+        -- 1970), which the native edition counts in.
+        IF v_start OPERATOR(pg_catalog.<) -9223372036854775808 THEN
+            RAISE EXCEPTION USING ERRCODE = 'invalid_parameter_value', MESSAGE = 'slot is too long';
+        END IF;
         v_length := 'P' OPERATOR(pg_catalog.||) v_months::pg_catalog.text OPERATOR(pg_catalog.||) 'M';
     ELSE
         v_len := (v_days OPERATOR(pg_catalog.*) c_day) OPERATOR(pg_catalog.+) v_micros;
         IF v_len OPERATOR(pg_catalog.<=) 0 THEN
             RAISE EXCEPTION USING ERRCODE = 'invalid_parameter_value', MESSAGE = 'slot must be a positive interval';
+        END IF;
+        -- The native edition counts slots in 64-bit microseconds.
+        IF v_len OPERATOR(pg_catalog.>) 9223372036854775807 THEN
+            RAISE EXCEPTION USING ERRCODE = 'invalid_parameter_value', MESSAGE = 'slot is too long';
         END IF;
         v_start := v_unix OPERATOR(pg_catalog.-)
                    pg_catalog.mod(pg_catalog.mod(v_unix, v_len) OPERATOR(pg_catalog.+) v_len, v_len);

@@ -637,7 +637,7 @@ def derivation_calls(seed, n):
               "294247-01-10 04:00:54.775808+00", "294276-12-31 23:59:59+00"]
     slots = [None, "1 month", "3 months", "-1 month", "1 month 1 day", "1 month 1 second", "5 minutes", "1 day",
              "2 days 3 hours", "1.5 seconds", "00:00:00.000001", "0", "-1 hour", "7 days", "1 year", "13 months",
-             "25 hours", "1 day -1 second", "00:00:00.1234", "100 years"]
+             "25 hours", "1 day -1 second", "00:00:00.1234", "100 years", "1000000 years", "123456789 days"]
     for _ in range(n):
         job = r.choice(texts) if r.random() < 0.2 else rand_string(r) or "job"
         stamp = r.choice(stamps) if r.random() < 0.5 else \

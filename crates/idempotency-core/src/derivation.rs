@@ -162,10 +162,11 @@ pub fn cron_key(
             1970 + floored.div_euclid(12),
             floored.rem_euclid(12) as u32 + 1,
         );
-        (
-            days_from_civil(fy, fm, 1) * 86_400_000_000,
-            iso_duration(months, 0),
-        )
+        // A slot of so many months that its start lies beyond 64-bit microseconds.
+        let start = days_from_civil(fy, fm, 1)
+            .checked_mul(86_400_000_000)
+            .ok_or_else(|| ArgError::invalid("slot is too long".to_string()))?;
+        (start, iso_duration(months, 0))
     } else {
         let len = interval_micros(0, days, micros);
         if len <= 0 {
@@ -277,6 +278,18 @@ mod tests {
         assert!(cron_key(Some("j"), Some(pg), Some((0, 0, 0))).is_err());
         assert!(cron_key(Some("j"), Some(pg), Some((1, 1, 0))).is_err());
         assert!(cron_key(Some("j"), Some(i64::MAX), Some((0, 0, 1))).is_err());
+        // A slot of months whose start lies beyond 64-bit microseconds (a million years,
+        // floored from 1969) is refused, not wrapped; so is a fixed length beyond them.
+        let too_long = |at, slot| {
+            cron_key(Some("j"), Some(at), Some(slot))
+                .unwrap_err()
+                .message
+        };
+        assert_eq!(
+            too_long(-PG_EPOCH_UNIX_MICROS - 1, (12_000_000, 0, 0)),
+            "slot is too long"
+        );
+        assert_eq!(too_long(pg, (0, 123_456_789, 0)), "slot is too long");
         for days in [-1_000_000i64, -1, 0, 1, 59, 60, 365, 10_000, 2_000_000] {
             let (y, m, d) = civil_from_days(days);
             assert_eq!(days_from_civil(y, m, d), days);
