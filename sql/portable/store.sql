@@ -27,103 +27,127 @@ $fn$;
 
 -- The value `raw` of the integer setting `name` in `unit`, as PostgreSQL's parse_int reads a
 -- setting the native library defines: a number as strtol reads it (decimal, 0x hexadecimal, 0
--- octal), or as strtod where strtol stops at '.', 'e' or 'E' (2.5, 1e3, .5); then, where the
--- setting has a unit, one of its units (a fraction rounded to the next smaller unit); rounded
--- half to even; within the range of an integer. Anything else is refused naming the setting
--- (22023), as PostgreSQL refuses such a SET natively.
+-- octal), or as strtod (a double) where strtol stops at '.', 'e' or 'E' (2.5, 1e3, .5, 010.5,
+-- 0x1.8p1); then, where the setting has a unit, one of its units (a fraction rounded to the next
+-- smaller unit); rounded half to even; within the range of an integer. Anything else is
+-- refused naming the setting (22023), as PostgreSQL refuses such a SET natively.
 CREATE FUNCTION idempotency._p_setting_value(name text, raw text, default_value integer, unit text)
 RETURNS integer
 LANGUAGE plpgsql STABLE PARALLEL SAFE
 SET search_path = pg_catalog, pg_temp
 AS $fn$
 DECLARE
-    v_raw text := pg_catalog.btrim(raw, E' \t\n\r\f\v');
+    -- isspace() of the C locale: space, \t, \n, \v, \f, \r
+    c_space CONSTANT text := E' \t\n\f\r' OPERATOR(pg_catalog.||) pg_catalog.chr(11);
+    v_raw text := pg_catalog.btrim(raw, c_space);
     v_m text[];
+    v_digits text;
+    v_after text;
     v_num numeric;
+    v_value float8;
     v_rest text;
     v_units text[];
-    v_mult numeric[];
+    v_mult float8[];
     v_i integer;
     v_hint text;
 BEGIN
     IF v_raw IS NULL OR v_raw OPERATOR(pg_catalog.=) '' THEN
         RETURN default_value;
     END IF;
-    v_m := pg_catalog.regexp_match(v_raw, '^([+-]?)0[xX]([0-9a-fA-F]+)(.*)$');
-    IF v_m IS NOT NULL THEN
+    IF v_raw OPERATOR(pg_catalog.~) '^[+-]?0[xX][0-9a-fA-F]' THEN
         -- strtol, base 16; where it stops at '.', strtod's hexadecimal form (0x1.8p1). Beyond
         -- 15 digits before the point: out of range.
-        v_m := pg_catalog.regexp_match(v_raw, '^([+-]?)0[xX]([0-9a-fA-F]+)(?:(\.)([0-9a-fA-F]*)(?:[pP]([+-]?[0-9]{1,6}))?)?(.*)$');
-        IF pg_catalog.length(pg_catalog.ltrim(v_m[2], '0')) OPERATOR(pg_catalog.>) 15 THEN
+        v_m := pg_catalog.regexp_match(v_raw, '^[+-]?0[xX]([0-9a-fA-F]+)(?:(\.)([0-9a-fA-F]*)(?:[pP]([+-]?[0-9]+))?)?(.*)$');
+        IF pg_catalog.length(pg_catalog.ltrim(v_m[1], '0')) OPERATOR(pg_catalog.>) 15 THEN
             v_hint := 'Value exceeds integer range.';
-        ELSIF v_m[3] IS NULL OR pg_catalog.abs(COALESCE(v_m[5], '0')::integer) OPERATOR(pg_catalog.<=) 1100 THEN
-            v_num := ('x' OPERATOR(pg_catalog.||) pg_catalog.lpad(v_m[2], 16, '0'))::pg_catalog.bit(64)::bigint::numeric;
-            FOR v_i IN 1 .. LEAST(COALESCE(pg_catalog.length(v_m[4]), 0), 15) LOOP
+        ELSIF v_m[2] IS NULL
+              OR pg_catalog.length(pg_catalog.ltrim(pg_catalog.ltrim(COALESCE(v_m[4], '0'), '+-'), '0')) OPERATOR(pg_catalog.<=) 4
+                 AND pg_catalog.abs(COALESCE(v_m[4], '0')::integer) OPERATOR(pg_catalog.<=) 1100 THEN
+            -- (A binary exponent beyond 1100 puts any such number out of a double's range.)
+            v_num := ('x' OPERATOR(pg_catalog.||) pg_catalog.lpad(v_m[1], 16, '0'))::pg_catalog.bit(64)::bigint::numeric;
+            FOR v_i IN 1 .. LEAST(COALESCE(pg_catalog.length(v_m[3]), 0), 15) LOOP
                 v_num := v_num OPERATOR(pg_catalog.+)
-                         (('x' OPERATOR(pg_catalog.||) pg_catalog.lpad(pg_catalog.substr(v_m[4], v_i, 1), 16, '0'))::pg_catalog.bit(64)::bigint::numeric
+                         (('x' OPERATOR(pg_catalog.||) pg_catalog.lpad(pg_catalog.substr(v_m[3], v_i, 1), 16, '0'))::pg_catalog.bit(64)::bigint::numeric
                           OPERATOR(pg_catalog./) (16::numeric OPERATOR(pg_catalog.^) v_i));
             END LOOP;
-            v_num := v_num OPERATOR(pg_catalog.*) (2::numeric OPERATOR(pg_catalog.^) COALESCE(v_m[5], '0')::integer);
-            v_rest := v_m[6];
+            -- (Divided for a negative exponent: a numeric power would round a tiny result to 0.)
+            v_num := CASE WHEN COALESCE(v_m[4], '0')::integer OPERATOR(pg_catalog.>=) 0
+                          THEN v_num OPERATOR(pg_catalog.*) (2::numeric OPERATOR(pg_catalog.^) COALESCE(v_m[4], '0')::integer)
+                          ELSE v_num OPERATOR(pg_catalog./) (2::numeric OPERATOR(pg_catalog.^) (OPERATOR(pg_catalog.-) v_m[4]::integer)) END;
+            v_rest := v_m[5];
         END IF;
     ELSE
-        v_m := pg_catalog.regexp_match(v_raw, '^([+-]?)([0-9]+)(.*)$');
-        IF v_m IS NOT NULL AND v_m[3] OPERATOR(pg_catalog.!~) '^[.eE]' THEN
-            IF v_m[2] OPERATOR(pg_catalog.~) '^0' THEN
-                -- strtol, base 8: up to the first digit that is not octal.
-                v_rest := pg_catalog.substr(v_m[2], pg_catalog.length(pg_catalog.substring(v_m[2], '^[0-7]*')) OPERATOR(pg_catalog.+) 1)
-                          OPERATOR(pg_catalog.||) v_m[3];
-                v_num := 0;
-                FOR v_i IN 1 .. pg_catalog.length(pg_catalog.substring(v_m[2], '^[0-7]*')) LOOP
-                    v_num := v_num OPERATOR(pg_catalog.*) 8 OPERATOR(pg_catalog.+) pg_catalog.substr(v_m[2], v_i, 1)::numeric;
-                END LOOP;
-            ELSE
-                v_num := v_m[2]::numeric;
-                v_rest := v_m[3];
+        v_m := pg_catalog.regexp_match(v_raw, '^([+-]?)([0-9]*)(.*)$');
+        -- strtol's digits: octal after a leading 0 (up to the first 8 or 9), else decimal.
+        v_digits := CASE WHEN v_m[2] OPERATOR(pg_catalog.~) '^0' THEN pg_catalog.substring(v_m[2], '^0[0-7]*') ELSE v_m[2] END;
+        v_after := pg_catalog.substr(v_m[2], pg_catalog.length(v_digits) OPERATOR(pg_catalog.+) 1) OPERATOR(pg_catalog.||) v_m[3];
+        IF v_digits OPERATOR(pg_catalog.<>) '' AND v_after OPERATOR(pg_catalog.!~) '^[.eE]' THEN
+            v_num := 0;
+            FOR v_i IN 1 .. CASE WHEN v_digits OPERATOR(pg_catalog.~) '^0' THEN pg_catalog.length(v_digits) ELSE 0 END LOOP
+                v_num := v_num OPERATOR(pg_catalog.*) 8 OPERATOR(pg_catalog.+) pg_catalog.substr(v_digits, v_i, 1)::numeric;
+            END LOOP;
+            IF v_digits OPERATOR(pg_catalog.!~) '^0' THEN
+                v_num := v_digits::numeric;
             END IF;
-        ELSIF v_m IS NOT NULL OR v_raw OPERATOR(pg_catalog.~) '^[.eE]' THEN
-            -- strtod (an exponent beyond a double's is ERANGE there: refused).
-            v_m := pg_catalog.regexp_match(v_raw, '^([+-]?(?:[0-9]+(?:\.[0-9]*)?|\.[0-9]+))(?:[eE]([+-]?[0-9]{1,6}))?(.*)$');
-            IF v_m IS NOT NULL AND pg_catalog.abs(COALESCE(v_m[2], '0')::integer) OPERATOR(pg_catalog.<=) 308 THEN
-                v_num := (v_m[1] OPERATOR(pg_catalog.||) COALESCE('e' OPERATOR(pg_catalog.||) v_m[2], ''))::numeric;
+            v_rest := v_after;
+        ELSIF v_digits OPERATOR(pg_catalog.<>) '' OR v_raw OPERATOR(pg_catalog.~) '^[.eE]' THEN
+            -- strtod (an exponent beyond a double's: ERANGE there, refused below).
+            v_m := pg_catalog.regexp_match(v_raw, '^([+-]?(?:[0-9]+(?:\.[0-9]*)?|\.[0-9]+))(?:[eE]([+-]?[0-9]+))?(.*)$');
+            IF v_m IS NOT NULL THEN
                 v_rest := v_m[3];
+                IF v_m[1]::numeric OPERATOR(pg_catalog.=) 0 THEN
+                    v_num := 0;
+                ELSIF pg_catalog.length(pg_catalog.ltrim(pg_catalog.ltrim(COALESCE(v_m[2], '0'), '+-'), '0')) OPERATOR(pg_catalog.<=) 4
+                      AND pg_catalog.abs(COALESCE(v_m[2], '0')::integer) OPERATOR(pg_catalog.<=) 1000 THEN
+                    v_num := (v_m[1] OPERATOR(pg_catalog.||) 'e' OPERATOR(pg_catalog.||) COALESCE(v_m[2], '0'))::numeric;
+                END IF;
             END IF;
         END IF;
     END IF;
-    IF v_num IS NOT NULL AND pg_catalog.left(v_raw, 1) OPERATOR(pg_catalog.=) '-' AND v_num OPERATOR(pg_catalog.>) 0 THEN
-        v_num := OPERATOR(pg_catalog.-) v_num;
+    -- As a double, as strtod leaves it (beyond its range, or below its smallest normal value:
+    -- ERANGE, refused).
+    IF v_num IS NOT NULL
+       AND (pg_catalog.abs(v_num) OPERATOR(pg_catalog.>) 1.7976931348623157e308
+            OR v_num OPERATOR(pg_catalog.<>) 0 AND pg_catalog.abs(v_num) OPERATOR(pg_catalog.<) 2.2250738585072014e-308) THEN
+        v_num := NULL;
+        v_hint := NULL;
     END IF;
-    v_rest := pg_catalog.ltrim(v_rest, E' \t\n\r\f\v');
-    IF v_num IS NOT NULL AND v_rest OPERATOR(pg_catalog.<>) '' THEN
-        -- A unit of the setting's, converted to it (PostgreSQL's conversion tables).
+    v_value := v_num::float8;
+    IF v_value IS NOT NULL AND pg_catalog.left(v_raw, 1) OPERATOR(pg_catalog.=) '-' AND v_value OPERATOR(pg_catalog.>) 0 THEN
+        v_value := OPERATOR(pg_catalog.-) v_value;
+    END IF;
+    v_rest := pg_catalog.ltrim(v_rest, c_space);
+    IF v_value IS NOT NULL AND v_rest OPERATOR(pg_catalog.<>) '' THEN
+        -- A unit of the setting's, converted to it (PostgreSQL's conversion tables, in doubles).
         IF unit OPERATOR(pg_catalog.=) 'kB' THEN
             v_units := '{TB,GB,MB,kB,B}';
-            v_mult := ARRAY[1073741824, 1048576, 1024, 1, 1.0 OPERATOR(pg_catalog./) 1024];
-        ELSIF unit OPERATOR(pg_catalog.=) ANY ('{s,ms}'::text[]) THEN
+            v_mult := ARRAY[1073741824, 1048576, 1024, 1, 1.0::float8 OPERATOR(pg_catalog./) 1024];
+        ELSIF unit OPERATOR(pg_catalog.=) 'ms' THEN
             v_units := '{d,h,min,s,ms,us}';
-            v_mult := ARRAY[86400000, 3600000, 60000, 1000, 1, 0.001];
-            IF unit OPERATOR(pg_catalog.=) 's' THEN
-                v_mult := ARRAY[86400, 3600, 60, 1, 0.001, 0.000001];
-            END IF;
+            v_mult := ARRAY[86400000, 3600000, 60000, 1000, 1, 1.0::float8 OPERATOR(pg_catalog./) 1000];
+        ELSIF unit OPERATOR(pg_catalog.=) 's' THEN
+            v_units := '{d,h,min,s,ms,us}';
+            v_mult := ARRAY[86400, 3600, 60, 1, 1.0::float8 OPERATOR(pg_catalog./) 1000, 1.0::float8 OPERATOR(pg_catalog./) 1000000];
         END IF;
         v_i := pg_catalog.array_position(v_units, v_rest);
         IF v_i IS NULL THEN
-            v_num := NULL;
+            v_value := NULL;
             v_hint := CASE WHEN unit OPERATOR(pg_catalog.=) 'kB' THEN 'Valid units for this parameter are "B", "kB", "MB", "GB", and "TB".'
                            WHEN unit OPERATOR(pg_catalog.=) ANY ('{s,ms}'::text[]) THEN 'Valid units for this parameter are "us", "ms", "s", "min", "h", and "d".' END;
         ELSE
-            v_num := v_num OPERATOR(pg_catalog.*) v_mult[v_i];
+            v_value := v_value OPERATOR(pg_catalog.*) v_mult[v_i];
             IF v_i OPERATOR(pg_catalog.<) pg_catalog.array_length(v_units, 1) THEN
                 -- A fraction such as 1.5min: to the nearest multiple of the next smaller unit.
-                v_num := idempotency._p_rint(v_num OPERATOR(pg_catalog./) v_mult[v_i OPERATOR(pg_catalog.+) 1])
-                         OPERATOR(pg_catalog.*) v_mult[v_i OPERATOR(pg_catalog.+) 1];
+                v_value := pg_catalog.round(v_value OPERATOR(pg_catalog./) v_mult[v_i OPERATOR(pg_catalog.+) 1])
+                           OPERATOR(pg_catalog.*) v_mult[v_i OPERATOR(pg_catalog.+) 1];
             END IF;
         END IF;
     END IF;
-    IF v_num IS NOT NULL THEN
-        v_num := idempotency._p_rint(v_num);
-        IF v_num OPERATOR(pg_catalog.>=) -2147483648 AND v_num OPERATOR(pg_catalog.<=) 2147483647 THEN
-            RETURN v_num::integer;
+    IF v_value IS NOT NULL THEN
+        -- round() of a double is rint(): half to even.
+        v_value := pg_catalog.round(v_value);
+        IF v_value OPERATOR(pg_catalog.>=) -2147483648 AND v_value OPERATOR(pg_catalog.<=) 2147483647 THEN
+            RETURN v_value::integer;
         END IF;
         v_hint := 'Value exceeds integer range.';
     END IF;
@@ -139,23 +163,13 @@ BEGIN
 END
 $fn$;
 
--- x rounded to an integer, half to even (rint, as PostgreSQL rounds a setting's value).
-CREATE FUNCTION idempotency._p_rint(x numeric)
-RETURNS numeric
-LANGUAGE sql IMMUTABLE STRICT PARALLEL SAFE
-SET search_path = pg_catalog, pg_temp
-AS $fn$
-    SELECT CASE WHEN pg_catalog.abs(x OPERATOR(pg_catalog.-) pg_catalog.trunc(x)) OPERATOR(pg_catalog.=) 0.5
-                THEN 2 OPERATOR(pg_catalog.*) pg_catalog.round(x OPERATOR(pg_catalog./) 2)
-                ELSE pg_catalog.round(x) END
-$fn$;
-
 -- A setting as an administrator set it, which the session cannot change: the value of ALTER
 -- DATABASE / ALTER ROLE ... SET for the session's login role, in PostgreSQL's order (the
--- database and role together, the role, the database; where no native library defines the
--- setting only superusers, or roles granted SET on it, may write those), else NULL. Not the
--- session's own value (SET, set_config, a startup option such as PGOPTIONS) nor postgresql.conf's,
--- which current_setting cannot tell apart (pg_settings does not show placeholders).
+-- database and role together, the role, the database, ALTER ROLE ALL; where no native library
+-- defines the setting only superusers, or roles granted SET on it, may write those), else
+-- NULL. Not the session's own value (SET, set_config, a startup option such as PGOPTIONS) nor
+-- postgresql.conf's or ALTER SYSTEM's, which current_setting cannot tell apart from it
+-- (pg_settings does not show placeholders).
 CREATE FUNCTION idempotency._p_admin_setting(name text)
 RETURNS text
 LANGUAGE sql STABLE
@@ -169,7 +183,7 @@ AS $fn$
                                   WHERE a.rolname OPERATOR(pg_catalog.=) SESSION_USER), 0]::pg_catalog.oid[])
        AND pg_catalog.lower(pg_catalog.split_part(e.entry, '=', 1)) OPERATOR(pg_catalog.=) pg_catalog.lower($1)
      ORDER BY d.setdatabase OPERATOR(pg_catalog.<>) 0 AND d.setrole OPERATOR(pg_catalog.<>) 0 DESC,
-              d.setrole OPERATOR(pg_catalog.<>) 0 DESC
+              d.setrole OPERATOR(pg_catalog.<>) 0 DESC, d.setdatabase OPERATOR(pg_catalog.<>) 0 DESC
      LIMIT 1
 $fn$;
 
@@ -601,17 +615,38 @@ AS $fn$
                                        OPERATOR(pg_catalog.||) scope OPERATOR(pg_catalog.||) key, 5432)
 $fn$;
 
+-- A write's mark where its first try failed. A claim's check of the key (a shared lock on its
+-- number, released at once) holds the number for an instant: tried again for up to 127 ms
+-- before the write goes on without the mark. Held longer, the number is another writer's mark
+-- or some session's own lock of it, which marks the key either way; no write waits longer for
+-- it (any role can compute the number and hold it).
+CREATE FUNCTION idempotency._p_lock_retry(lock_id bigint)
+RETURNS boolean
+LANGUAGE plpgsql VOLATILE
+SET search_path = pg_catalog, pg_temp
+AS $fn$
+BEGIN
+    FOR v_try IN 1 .. 7 LOOP
+        PERFORM pg_catalog.pg_sleep((ARRAY[0.001, 0.002, 0.004, 0.008, 0.016, 0.032, 0.064])[v_try]);
+        IF pg_catalog.pg_try_advisory_xact_lock(lock_id) THEN
+            RETURN true;
+        END IF;
+    END LOOP;
+    RETURN false;
+END
+$fn$;
+
 -- Marks a key as changed by this transaction: a transaction-scoped advisory lock on its lock
 -- number, taken by claim before it inserts a key (false when another open transaction holds
 -- it: the claim answers from that) and by the trigger below before any row of the store is
--- inserted, updated or deleted (`wait`: true either way; the row's own lock orders the writes,
--- and a lock number held by any other session, an application's pg_advisory_lock of the same
--- number included, never makes a write wait). A claim that finds a key marked by another
--- open transaction answers in_progress at once instead of waiting for that transaction (the
--- native edition sees the uncommitted change itself). A transaction marks its first 1000 keys
--- (the lock table is shared and finite; a backfill of 100,000 keys in one transaction must
--- work): a claim of a later one by another session waits until the backfill's transaction
--- ends, as an INSERT would.
+-- inserted, updated or deleted (`wait`: tried again for a moment, _p_lock_retry, then true
+-- either way; the row's own lock orders the writes, and a number held by any other session, an
+-- application's pg_advisory_lock of it included, never makes a write wait long). A claim that
+-- finds a key marked by another open transaction answers in_progress at once instead of
+-- waiting for that transaction (the native edition sees the uncommitted change itself). A
+-- transaction marks its first 1000 keys (the lock table is shared and finite; a backfill of
+-- 100,000 keys in one transaction must work): a claim of a later one by another session waits
+-- until the backfill's transaction ends, as an INSERT would.
 CREATE FUNCTION idempotency._p_mark(scope text, key text, wait boolean)
 RETURNS boolean
 LANGUAGE plpgsql VOLATILE
@@ -631,7 +666,8 @@ BEGIN
         -- Not marked; a key another transaction marked is still refused.
         RETURN wait OR NOT idempotency._p_marked(scope, key);
     END IF;
-    IF NOT pg_catalog.pg_try_advisory_xact_lock(v_lock) THEN
+    IF NOT pg_catalog.pg_try_advisory_xact_lock(v_lock)
+       AND NOT (wait AND idempotency._p_lock_retry(v_lock)) THEN
         RETURN wait;
     END IF;
     -- Session-level (not LOCAL): the SET clause of this function would undo a local change.
@@ -675,6 +711,8 @@ DECLARE
     v_count integer := 0;
     v_scope text;
     v_key text;
+    v_lock bigint;
+    v_marked boolean;
 BEGIN
     IF TG_OP OPERATOR(pg_catalog.=) 'INSERT' THEN
         v_scope := NEW.scope;
@@ -690,12 +728,20 @@ BEGIN
     IF pg_catalog.split_part(v_state, ':', 1) OPERATOR(pg_catalog.=) v_xact THEN
         v_count := pg_catalog.split_part(v_state, ':', 2)::pg_catalog.int4;
     END IF;
-    IF v_count OPERATOR(pg_catalog.<) 1000
-       AND pg_catalog.pg_try_advisory_xact_lock(pg_catalog.hashtextextended(
-               pg_catalog.length(v_scope)::pg_catalog.text OPERATOR(pg_catalog.||) ':'
-               OPERATOR(pg_catalog.||) v_scope OPERATOR(pg_catalog.||) v_key, 5432)) THEN
-        PERFORM pg_catalog.set_config('idempotency_portable.marks',
-                                      v_xact OPERATOR(pg_catalog.||) ':' OPERATOR(pg_catalog.||) (v_count OPERATOR(pg_catalog.+) 1), false);
+    IF v_count OPERATOR(pg_catalog.<) 1000 THEN
+        v_lock := pg_catalog.hashtextextended(pg_catalog.length(v_scope)::pg_catalog.text OPERATOR(pg_catalog.||) ':'
+                                              OPERATOR(pg_catalog.||) v_scope OPERATOR(pg_catalog.||) v_key, 5432);
+        v_marked := pg_catalog.pg_try_advisory_xact_lock(v_lock);
+        -- _p_lock_retry written out (a trigger runs as whoever writes the row).
+        FOR v_try IN 1 .. 7 LOOP
+            EXIT WHEN v_marked;
+            PERFORM pg_catalog.pg_sleep((ARRAY[0.001, 0.002, 0.004, 0.008, 0.016, 0.032, 0.064])[v_try]);
+            v_marked := pg_catalog.pg_try_advisory_xact_lock(v_lock);
+        END LOOP;
+        IF v_marked THEN
+            PERFORM pg_catalog.set_config('idempotency_portable.marks',
+                                          v_xact OPERATOR(pg_catalog.||) ':' OPERATOR(pg_catalog.||) (v_count OPERATOR(pg_catalog.+) 1), false);
+        END IF;
     END IF;
     IF TG_OP OPERATOR(pg_catalog.=) 'DELETE' THEN
         RETURN OLD;
@@ -955,6 +1001,7 @@ DECLARE
     v_xact text;
     v_state text;
     v_count integer;
+    v_lock bigint;
     v_set text;
 BEGIN
     -- The role the caller ran as, where the session may act as it (inside another SECURITY
@@ -1023,10 +1070,10 @@ BEGIN
     v_state := pg_catalog.current_setting('idempotency_portable.marks', true);
     v_count := CASE WHEN pg_catalog.split_part(v_state, ':', 1) OPERATOR(pg_catalog.=) v_xact
                     THEN pg_catalog.split_part(v_state, ':', 2)::pg_catalog.int4 ELSE 0 END;
+    v_lock := pg_catalog.hashtextextended(pg_catalog.length(p_scope)::pg_catalog.text OPERATOR(pg_catalog.||) ':'
+                                          OPERATOR(pg_catalog.||) p_scope OPERATOR(pg_catalog.||) v_key, 5432);
     IF v_count OPERATOR(pg_catalog.<) 1000
-       AND pg_catalog.pg_try_advisory_xact_lock(pg_catalog.hashtextextended(
-               pg_catalog.length(p_scope)::pg_catalog.text OPERATOR(pg_catalog.||) ':'
-               OPERATOR(pg_catalog.||) p_scope OPERATOR(pg_catalog.||) v_key, 5432)) THEN
+       AND (pg_catalog.pg_try_advisory_xact_lock(v_lock) OR idempotency._p_lock_retry(v_lock)) THEN
         v_set := pg_catalog.set_config('idempotency_portable.marks',
                                        v_xact OPERATOR(pg_catalog.||) ':' OPERATOR(pg_catalog.||) (v_count OPERATOR(pg_catalog.+) 1), false);
     END IF;

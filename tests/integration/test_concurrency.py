@@ -216,3 +216,40 @@ def test_a_lock_on_a_keys_number_held_elsewhere_makes_no_write_wait(connect):
                            "FROM idempotency.idempotency_keys WHERE key LIKE 'lk-%'").fetchall())
     assert rows == {"lk-complete": "completed", "lk-checkpoint": "in_progress:step-2"}, rows
     other.execute("SELECT pg_advisory_unlock_all()")
+
+
+def test_a_write_marks_its_key_once_a_claims_check_lets_go(connect):
+    """A claim checks whether another open transaction marked a key by taking the key's lock
+    number shared for an instant. A write that tries to mark the key in that instant (complete,
+    forget) tries again instead of writing unmarked: unmarked, a claim during the write's open
+    transaction answered from the last committed row (a replay of the response being forgotten,
+    an in_progress with the lease's retry_after) where natively, and marked, it answers
+    in_progress with idempotency.busy_retry_after (1 s). The check's instant is held open here
+    by a third session's shared lock, let go once the write is trying again."""
+    import datetime
+
+    db, writer, checker, other = connect(), connect(), connect(), connect()
+    tokens = {k: claim(db, k, lease="5 minutes")[1] for k in ("tk-complete", "tk-forget")}
+    db.execute("SELECT idempotency.complete('tk-forget', '{\"done\": 1}', token => %s)", (tokens["tk-forget"],))
+    writer_pid = writer.execute("SELECT pg_backend_pid()").fetchone()[0]
+    for key, write, args in (("tk-complete", "SELECT idempotency.complete('tk-complete', '{}', token => %s)",
+                              (tokens["tk-complete"],)),
+                             ("tk-forget", "SELECT idempotency.forget('tk-forget')", ())):
+        number = f"0:{key}"
+        checker.execute("SELECT pg_advisory_lock_shared(hashtextextended(%s, 5432))", (number,))
+        writer.execute("BEGIN")
+        done = threading.Event()
+        thread = threading.Thread(target=lambda: (writer.execute(write, args), done.set()))
+        thread.start()
+        deadline = time.monotonic() + 10
+        while not done.is_set() and time.monotonic() < deadline:  # natively nothing waits
+            if other.execute("SELECT wait_event FROM pg_stat_activity WHERE pid = %s",
+                             (writer_pid,)).fetchone()[0] == "PgSleep":
+                break  # trying again
+            time.sleep(0.001)
+        checker.execute("SELECT pg_advisory_unlock_shared(hashtextextended(%s, 5432))", (number,))
+        thread.join(10)
+        assert done.is_set(), key
+        outcome = claim(other, key)
+        writer.execute("ROLLBACK")
+        assert (outcome[0], outcome[4]) == ("in_progress", datetime.timedelta(seconds=1)), (key, outcome)
