@@ -918,7 +918,10 @@ BEGIN
         -- strtol's digits: octal after a leading 0 (up to the first 8 or 9), else decimal.
         v_digits := CASE WHEN v_m[2] OPERATOR(pg_catalog.~) '^0' THEN pg_catalog.substring(v_m[2], '^0[0-7]*') ELSE v_m[2] END;
         v_after := pg_catalog.substr(v_m[2], pg_catalog.length(v_digits) OPERATOR(pg_catalog.+) 1) OPERATOR(pg_catalog.||) v_m[3];
-        IF v_digits OPERATOR(pg_catalog.<>) '' AND v_after OPERATOR(pg_catalog.!~) '^[.eE]' THEN
+        IF pg_catalog.length(pg_catalog.ltrim(v_digits, '0')) OPERATOR(pg_catalog.>) 30 AND v_after OPERATOR(pg_catalog.!~) '^[.eE]' THEN
+            -- (Far beyond an integer either way: no loop over a caller's long text.)
+            v_hint := 'Value exceeds integer range.';
+        ELSIF v_digits OPERATOR(pg_catalog.<>) '' AND v_after OPERATOR(pg_catalog.!~) '^[.eE]' THEN
             v_num := 0;
             FOR v_i IN 1 .. CASE WHEN v_digits OPERATOR(pg_catalog.~) '^0' THEN pg_catalog.length(v_digits) ELSE 0 END LOOP
                 v_num := v_num OPERATOR(pg_catalog.*) 8 OPERATOR(pg_catalog.+) pg_catalog.substr(v_digits, v_i, 1)::numeric;
@@ -991,11 +994,15 @@ BEGIN
     IF v_hint IS NULL THEN
         RAISE EXCEPTION USING
             ERRCODE = 'invalid_parameter_value',
-            MESSAGE = pg_catalog.format('invalid value for parameter "%s": %L', name, v_raw);
+            MESSAGE = pg_catalog.format('invalid value for parameter "%s": %L', name,
+                                    CASE WHEN pg_catalog.length(v_raw) OPERATOR(pg_catalog.>) 40
+                                         THEN pg_catalog.left(v_raw, 40) OPERATOR(pg_catalog.||) '…' ELSE v_raw END);
     END IF;
     RAISE EXCEPTION USING
         ERRCODE = 'invalid_parameter_value',
-        MESSAGE = pg_catalog.format('invalid value for parameter "%s": %L', name, v_raw),
+        MESSAGE = pg_catalog.format('invalid value for parameter "%s": %L', name,
+                                    CASE WHEN pg_catalog.length(v_raw) OPERATOR(pg_catalog.>) 40
+                                         THEN pg_catalog.left(v_raw, 40) OPERATOR(pg_catalog.||) '…' ELSE v_raw END),
         HINT = v_hint;
 END
 $fn$;
