@@ -996,13 +996,13 @@ BEGIN
             ERRCODE = 'invalid_parameter_value',
             MESSAGE = pg_catalog.format('invalid value for parameter "%s": %L', name,
                                     CASE WHEN pg_catalog.length(v_raw) OPERATOR(pg_catalog.>) 40
-                                         THEN pg_catalog.left(v_raw, 40) OPERATOR(pg_catalog.||) '…' ELSE v_raw END);
+                                         THEN pg_catalog.left(v_raw, 40) OPERATOR(pg_catalog.||) '...' ELSE v_raw END);
     END IF;
     RAISE EXCEPTION USING
         ERRCODE = 'invalid_parameter_value',
         MESSAGE = pg_catalog.format('invalid value for parameter "%s": %L', name,
                                     CASE WHEN pg_catalog.length(v_raw) OPERATOR(pg_catalog.>) 40
-                                         THEN pg_catalog.left(v_raw, 40) OPERATOR(pg_catalog.||) '…' ELSE v_raw END),
+                                         THEN pg_catalog.left(v_raw, 40) OPERATOR(pg_catalog.||) '...' ELSE v_raw END),
         HINT = v_hint;
 END
 $fn$;
