@@ -940,7 +940,6 @@ BEGIN
        AND (pg_catalog.abs(v_num) OPERATOR(pg_catalog.>) 1.7976931348623157e308
             OR v_num OPERATOR(pg_catalog.<>) 0 AND pg_catalog.abs(v_num) OPERATOR(pg_catalog.<) 2.2250738585072014e-308) THEN
         v_num := NULL;
-        v_hint := NULL;
     END IF;
     v_value := v_num::float8;
     IF v_value IS NOT NULL AND pg_catalog.left(v_raw, 1) OPERATOR(pg_catalog.=) '-' AND v_value OPERATOR(pg_catalog.>) 0 THEN
