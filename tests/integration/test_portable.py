@@ -406,6 +406,39 @@ def test_arguments_and_errors_match_the_native_edition(editions):
         assert answers[0][0] != "XX000", call
 
 
+def test_every_character_is_quoted_in_messages_as_the_native_edition_quotes_it(editions):
+    """Every code point (bar NUL and the surrogates), 40 to a message: quoted as Rust's Debug
+    writes it (combining marks, format characters, unassigned and private-use code points,
+    spaces other than U+0020 as \\u{hex}; the rest as it is)."""
+    query = r"""
+        CREATE OR REPLACE FUNCTION pg_temp.quoted(v text) RETURNS text LANGUAGE plpgsql AS $$
+        BEGIN
+            PERFORM idempotency.canonical_json('1', v);
+            RETURN 'accepted';
+        EXCEPTION WHEN invalid_parameter_value THEN
+            RETURN SQLERRM;
+        END $$;
+        SELECT pg_temp.quoted(string_agg(chr(cp), '' ORDER BY cp))
+          FROM generate_series(1, 1114111) AS cp
+         WHERE cp NOT BETWEEN 55296 AND 57343
+         GROUP BY cp / 40 ORDER BY cp / 40"""
+    native, portable = editions
+    got = []
+    for conn in (native, portable):
+        with conn.cursor() as cur:
+            cur.execute(query)
+            cur.nextset()
+            got.append([r[0] for r in cur.fetchall()])
+    assert len(got[0]) == len(got[1]) > 27000
+    # The native edition escapes some (U+0301, U+200B, U+00A0, U+E000) and not others (U+00E9).
+    assert all(m.startswith("numbers must be 'exact' or 'rfc8785' (got \"") for m in got[0][:3])
+    assert any("\\u{301}" in m for m in got[0]) and any("\\u{200b}" in m for m in got[0])
+    assert any("\\u{a0}" in m for m in got[0]) and any("\\u{e000}" in m for m in got[0])
+    assert any("\u00e9" in m for m in got[0])
+    diff = [(i * 40, e, g) for i, (e, g) in enumerate(zip(*got)) if e != g]
+    assert not diff, f"{len(diff)} of {len(got[0])} messages differ, first: {diff[:3]!r}"
+
+
 def test_declarations_match_the_native_edition(editions):
     """Same arguments, defaults, result types, volatility, strictness and parallel safety."""
     query = """SELECT p.proname, pg_get_function_arguments(p.oid), pg_get_function_result(p.oid),

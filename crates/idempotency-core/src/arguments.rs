@@ -140,6 +140,40 @@ mod tests {
         assert_eq!(short, format!("{:?}…", "é".repeat(40)));
     }
 
+    /// The portable edition quotes values as `abbreviate` does, from a list of the code points
+    /// Debug escapes (`idempotency._canon_debug_escapes` in sql/portable/canonical.sql): the list
+    /// must be this Rust's, or the two editions' messages differ (a new Rust may bring new
+    /// Unicode tables; then the list is written again from this test's `got`).
+    #[test]
+    fn the_portable_editions_list_of_debug_escapes_is_this_rusts() {
+        let sql = include_str!("../../../sql/portable/canonical.sql");
+        let start = sql
+            .find("CREATE FUNCTION idempotency._canon_debug_escapes()")
+            .expect("the function is in sql/portable/canonical.sql");
+        let body = &sql[start..];
+        let body = &body[body.find("'{").expect("a literal") + 2..];
+        let body = &body[..body.find("}'").expect("the literal's end")];
+        let listed: Vec<(u32, u32)> = body
+            .split(['[', ']'])
+            .filter_map(|p| {
+                let (a, b) = p.trim().split_once(',')?;
+                Some((a.trim().parse().ok()?, b.trim().parse().ok()?))
+            })
+            .collect();
+        let mut got: Vec<(u32, u32)> = Vec::new();
+        for c in (1..=0x10FFFFu32).filter_map(char::from_u32) {
+            if format!("{:?}", c.to_string()).starts_with("\"\\u{") {
+                let cp = c as u32;
+                match got.last_mut() {
+                    Some(r) if r.1 + 1 == cp => r.1 = cp,
+                    _ => got.push((cp, cp)),
+                }
+            }
+        }
+        assert!(got.len() > 500);
+        assert_eq!(listed, got);
+    }
+
     #[test]
     fn scope_prefix_rule() {
         assert!(check_scope_allowed("anything", "").is_ok());
