@@ -435,6 +435,9 @@ CREATE FUNCTION idempotency._canon_text(doc jsonb, exact boolean, arg text, dept
 RETURNS text
 LANGUAGE plpgsql IMMUTABLE STRICT PARALLEL SAFE
 SET search_path = pg_catalog, pg_temp
+-- One plan for each statement below whatever the document: PostgreSQL's plan for each call's
+-- arguments is planned again in every call, which costs more than a small document's work.
+SET plan_cache_mode = force_generic_plan
 AS $fn$
 DECLARE
     v_kind     text := pg_catalog.jsonb_typeof(doc);
