@@ -2068,16 +2068,26 @@ BEGIN
                                        v_xact OPERATOR(pg_catalog.||) ':' OPERATOR(pg_catalog.||) (v_count OPERATOR(pg_catalog.+) 1), false);
     END IF;
     v_set := pg_catalog.set_config('idempotency_portable.marked', 'on', true);
-    UPDATE idempotency.idempotency_keys AS k SET
-           status = 'completed'::idempotency.key_status, response = p_response, response_status = p_status,
-           completed_at = pg_catalog.now(), locked_until = NULL,
-           expires_at = pg_catalog.now() OPERATOR(pg_catalog.+) COALESCE(p_ttl, k.ttl),
-           ttl = COALESCE(p_ttl, k.ttl)
-     WHERE k.scope OPERATOR(pg_catalog.=) p_scope AND k.key OPERATOR(pg_catalog.=) v_key
-       AND k.status OPERATOR(pg_catalog.=) 'in_progress'::idempotency.key_status
-       AND k.expires_at OPERATOR(pg_catalog.>) pg_catalog.now()
-       AND (p_token IS NULL OR k.token OPERATOR(pg_catalog.=) p_token)
-    RETURNING k.expires_at, k.request_hash, k.token INTO v_expires_at, v_hash, v_token;
+    FOR v_try IN 1 .. 2 LOOP
+        UPDATE idempotency.idempotency_keys AS k SET
+               status = 'completed'::idempotency.key_status, response = p_response, response_status = p_status,
+               completed_at = pg_catalog.now(), locked_until = NULL,
+               expires_at = pg_catalog.now() OPERATOR(pg_catalog.+) COALESCE(p_ttl, k.ttl),
+               ttl = COALESCE(p_ttl, k.ttl)
+         WHERE k.scope OPERATOR(pg_catalog.=) p_scope AND k.key OPERATOR(pg_catalog.=) v_key
+           AND k.status OPERATOR(pg_catalog.=) 'in_progress'::idempotency.key_status
+           AND k.expires_at OPERATOR(pg_catalog.>) pg_catalog.now()
+           AND (p_token IS NULL OR k.token OPERATOR(pg_catalog.=) p_token)
+        RETURNING k.expires_at, k.request_hash, k.token INTO v_expires_at, v_hash, v_token;
+        EXIT WHEN v_token IS NOT NULL OR v_try OPERATOR(pg_catalog.=) 2;
+        -- Not the row this statement saw: another transaction may be changing it (a takeover
+        -- of an expired claim, a forget). Wait for it, as the native edition does, and try
+        -- once more on what it left (a new statement sees it).
+        PERFORM FROM idempotency.idempotency_keys AS k
+          WHERE k.scope OPERATOR(pg_catalog.=) p_scope AND k.key OPERATOR(pg_catalog.=) v_key
+          FOR NO KEY UPDATE;
+        EXIT WHEN NOT FOUND;
+    END LOOP;
     v_set := pg_catalog.set_config('idempotency_portable.marked', 'off', true);
     IF v_token IS NULL THEN
         RETURN NULL;

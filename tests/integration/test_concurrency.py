@@ -253,3 +253,63 @@ def test_a_write_marks_its_key_once_a_claims_check_lets_go(connect):
         outcome = claim(other, key)
         writer.execute("ROLLBACK")
         assert (outcome[0], outcome[4]) == ("in_progress", datetime.timedelta(seconds=1)), (key, outcome)
+
+
+
+def test_a_completion_waits_for_a_takeover_or_forget_in_flight_and_answers_from_what_it_left(connect):
+    """A complete whose key another open transaction is taking over (its claim had expired) or
+    forgetting waits for that transaction, then answers from the row it left: it completes the
+    new claim (no token), refuses the old token as stale (IK003), finds a forgotten key gone
+    (IK001). Answered from the rows before the other transaction, it said IK001, IK001, IK002."""
+    db, other, worker, watcher = connect(), connect(), connect(), connect()
+    worker_pid = worker.execute("SELECT pg_backend_pid()").fetchone()[0]
+
+    def expired(key):
+        token = claim(db, key, lease="1 minute")[1]
+        db.execute("UPDATE idempotency.idempotency_keys SET locked_until = now() - interval '2 s', "
+                   "expires_at = now() - interval '1 s' WHERE key = %s", (key,))
+        return token, "in_progress"
+
+    def completed(key):
+        token = claim(db, key)[1]
+        db.execute("SELECT idempotency.complete(%s, '{\"first\": 1}', token => %s)", (key, token))
+        return token, "completed"
+
+    cases = [
+        # (key, its setup, the other transaction's call, the worker's call, its answer)
+        ("wt-new", expired, "SELECT idempotency.claim('wt-new')", "SELECT idempotency.complete('wt-new', '{}')", "ok"),
+        ("wt-old", expired, "SELECT idempotency.claim('wt-old')",
+         "SELECT idempotency.complete('wt-old', '{}', token => {token})", "IK003"),
+        ("wt-gone", completed, "SELECT idempotency.forget('wt-gone')", "SELECT idempotency.complete('wt-gone', '{}')", "IK001"),
+    ]
+    for key, setup, theirs, mine, expected in cases:
+        token, status = setup(key)
+        assert db.execute("SELECT status::text, token FROM idempotency.idempotency_keys WHERE key = %s",
+                          (key,)).fetchone() == (status, token)
+        answer = {}
+
+        def call():
+            try:
+                worker.execute(mine.replace("{token}", str(token)))
+                answer["r"] = "ok"
+            except psycopg.Error as e:
+                answer["r"] = e.sqlstate
+
+        with other.transaction():
+            assert other.execute(theirs).fetchone()[0] is not None
+            thread = threading.Thread(target=call)
+            thread.start()
+            waited = False
+            deadline = time.monotonic() + 10
+            while thread.is_alive() and time.monotonic() < deadline:
+                if watcher.execute("SELECT wait_event_type FROM pg_stat_activity WHERE pid = %s",
+                                   (worker_pid,)).fetchone()[0] == "Lock":
+                    waited = True
+                    break
+                time.sleep(0.005)
+            assert waited and "r" not in answer, (key, answer)
+        thread.join(10)
+        assert answer.get("r") == expected, (key, answer)
+        row = db.execute("SELECT status::text, token > %s FROM idempotency.idempotency_keys WHERE key = %s",
+                         (token, key)).fetchone()
+        assert row == {"ok": ("completed", True), "IK003": ("in_progress", True), "IK001": None}[expected], (key, row)
