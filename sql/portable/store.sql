@@ -50,6 +50,9 @@ DECLARE
     v_mult float8[];
     v_i integer;
     v_hint text;
+    v_lo integer;
+    v_hi integer;
+    v_unit text;
 BEGIN
     IF v_raw IS NULL OR v_raw OPERATOR(pg_catalog.=) '' THEN
         RETURN default_value;
@@ -149,6 +152,31 @@ BEGIN
         -- round() of a double is rint(): half to even.
         v_value := pg_catalog.round(v_value);
         IF v_value OPERATOR(pg_catalog.>=) -2147483648 AND v_value OPERATOR(pg_catalog.<=) 2147483647 THEN
+            -- The range the native library gives the setting, refused as PostgreSQL refuses a
+            -- value outside it (the range written with its unit from PostgreSQL 17 on).
+            v_lo := CASE pg_catalog.lower(name)
+                        WHEN 'idempotency.claim_wait' THEN 0 WHEN 'idempotency.sweep_delay' THEN 0
+                        WHEN 'idempotency.sweep_nice' THEN 0 WHEN 'idempotency.audit_retention' THEN 0
+                        WHEN 'idempotency.partitions' THEN 0 ELSE 1 END;
+            v_hi := CASE pg_catalog.lower(name)
+                        WHEN 'idempotency.default_ttl' THEN 315446400 WHEN 'idempotency.default_lease' THEN 315446400
+                        WHEN 'idempotency.claim_wait' THEN 3600000 WHEN 'idempotency.busy_retry_after' THEN 3600000
+                        WHEN 'idempotency.sweep_interval' THEN 86400 WHEN 'idempotency.sweep_batch_size' THEN 1000000
+                        WHEN 'idempotency.sweep_delay' THEN 10000 WHEN 'idempotency.sweep_nice' THEN 19
+                        WHEN 'idempotency.max_response_size' THEN 1048576 WHEN 'idempotency.max_recovery_point_size' THEN 1048576
+                        WHEN 'idempotency.partitions' THEN 1024 ELSE 2147483647 END;
+            IF v_value OPERATOR(pg_catalog.<) v_lo OR v_value OPERATOR(pg_catalog.>) v_hi THEN
+                v_unit := CASE WHEN unit OPERATOR(pg_catalog.=) '' THEN '' ELSE ' ' OPERATOR(pg_catalog.||) unit END;
+                RAISE EXCEPTION USING
+                    ERRCODE = 'invalid_parameter_value',
+                    MESSAGE = pg_catalog.format('%s%s is outside the valid range for parameter "%s" (%s%s .. %s%s)',
+                                                v_value::integer, v_unit, name, v_lo,
+                                                CASE WHEN pg_catalog.current_setting('server_version_num')::integer
+                                                          OPERATOR(pg_catalog.>=) 170000 THEN v_unit ELSE '' END,
+                                                v_hi,
+                                                CASE WHEN pg_catalog.current_setting('server_version_num')::integer
+                                                          OPERATOR(pg_catalog.>=) 170000 THEN v_unit ELSE '' END);
+            END IF;
             RETURN v_value::integer;
         END IF;
         v_hint := 'Value exceeds integer range.';
@@ -156,15 +184,15 @@ BEGIN
     IF v_hint IS NULL THEN
         RAISE EXCEPTION USING
             ERRCODE = 'invalid_parameter_value',
-            MESSAGE = pg_catalog.format('invalid value for parameter "%s": %L', name,
-                                    CASE WHEN pg_catalog.length(v_raw) OPERATOR(pg_catalog.>) 40
-                                         THEN pg_catalog.left(v_raw, 40) OPERATOR(pg_catalog.||) '...' ELSE v_raw END);
+            MESSAGE = pg_catalog.format('invalid value for parameter "%s": "%s"', name,
+                                    CASE WHEN pg_catalog.length(raw) OPERATOR(pg_catalog.>) 40
+                                         THEN pg_catalog.left(raw, 40) OPERATOR(pg_catalog.||) '...' ELSE raw END);
     END IF;
     RAISE EXCEPTION USING
         ERRCODE = 'invalid_parameter_value',
-        MESSAGE = pg_catalog.format('invalid value for parameter "%s": %L', name,
-                                    CASE WHEN pg_catalog.length(v_raw) OPERATOR(pg_catalog.>) 40
-                                         THEN pg_catalog.left(v_raw, 40) OPERATOR(pg_catalog.||) '...' ELSE v_raw END),
+        MESSAGE = pg_catalog.format('invalid value for parameter "%s": "%s"', name,
+                                    CASE WHEN pg_catalog.length(raw) OPERATOR(pg_catalog.>) 40
+                                         THEN pg_catalog.left(raw, 40) OPERATOR(pg_catalog.||) '...' ELSE raw END),
         HINT = v_hint;
 END
 $fn$;
@@ -193,14 +221,33 @@ AS $fn$
      LIMIT 1
 $fn$;
 
--- A boolean setting (unset: false), spelled as PostgreSQL accepts it.
+-- A boolean setting (unset or empty: false) as PostgreSQL's parse_bool reads it (a prefix of true,
+-- false, yes, no, of at least two letters of on and off, 1, 0; any case, no spaces); any other
+-- value is refused (22023) as PostgreSQL refuses such a SET natively.
 CREATE FUNCTION idempotency._p_setting_on(name text)
 RETURNS boolean
-LANGUAGE sql STABLE PARALLEL SAFE
+LANGUAGE plpgsql STABLE PARALLEL SAFE
 SET search_path = pg_catalog, pg_temp
 AS $fn$
-    SELECT COALESCE(pg_catalog.lower(pg_catalog.btrim(pg_catalog.current_setting(name, true)))
-                    OPERATOR(pg_catalog.=) ANY (ARRAY['on', 'true', 'tru', 'tr', 't', 'yes', 'ye', 'y', '1']), false)
+DECLARE
+    v text := pg_catalog.lower(pg_catalog.current_setting(name, true));
+    n integer := pg_catalog.length(v);
+BEGIN
+    IF v IS NULL OR v OPERATOR(pg_catalog.=) '' THEN
+        RETURN false;  -- unset (a placeholder reset, or never set, reads '' or nothing)
+    ELSIF n OPERATOR(pg_catalog.>) 0
+          AND (v OPERATOR(pg_catalog.=) pg_catalog.left('true', n) OR v OPERATOR(pg_catalog.=) pg_catalog.left('yes', n)
+               OR n OPERATOR(pg_catalog.>=) 2 AND v OPERATOR(pg_catalog.=) pg_catalog.left('on', n) OR v OPERATOR(pg_catalog.=) '1') THEN
+        RETURN true;
+    ELSIF n OPERATOR(pg_catalog.>) 0
+          AND (v OPERATOR(pg_catalog.=) pg_catalog.left('false', n) OR v OPERATOR(pg_catalog.=) pg_catalog.left('no', n)
+               OR n OPERATOR(pg_catalog.>=) 2 AND v OPERATOR(pg_catalog.=) pg_catalog.left('off', n) OR v OPERATOR(pg_catalog.=) '0') THEN
+        RETURN false;
+    END IF;
+    RAISE EXCEPTION USING
+        ERRCODE = 'invalid_parameter_value',
+        MESSAGE = pg_catalog.format('parameter "%s" requires a Boolean value', name);
+END
 $fn$;
 
 -- The session user's row of idempotency.role_settings (NULLs: nothing binds it).
@@ -1108,9 +1155,10 @@ BEGIN
     IF v_token IS NULL THEN
         RETURN NULL;
     END IF;
-    IF c.audit
-       OR COALESCE(pg_catalog.lower(pg_catalog.btrim(pg_catalog.current_setting('idempotency.audit', true)))
-                   OPERATOR(pg_catalog.=) ANY (ARRAY['on', 'true', 'tru', 'tr', 't', 'yes', 'ye', 'y', '1']), false) THEN
+    -- (A value of idempotency.audit that is not a Boolean is refused even where the role's row
+    -- audits: natively its SET is.)
+    IF pg_catalog.current_setting('idempotency.audit', true) IS NOT NULL AND idempotency._p_setting_on('idempotency.audit')
+       OR c.audit THEN
         INSERT INTO idempotency.audit
                (scope, key, key_is_hash, request_hash, token, response_status, completed_at, completed_by)
         VALUES (p_scope, v_key, v_key OPERATOR(pg_catalog.<>) p_key, v_hash, v_token, p_status, pg_catalog.now(), p_role);

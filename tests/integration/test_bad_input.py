@@ -480,6 +480,65 @@ def test_an_integer_setting_beyond_its_range_is_refused_naming_it(connect, setti
         [("range-done", "in_progress")]
 
 
+@pytest.mark.parametrize("setting,value,number,unit,low,high", [
+    ("idempotency.default_ttl", "3652d", 315532800, "s", 1, 315446400),
+    ("idempotency.default_lease", "-1", -1, "s", 1, 315446400),
+    ("idempotency.max_response_size", "0", 0, "kB", 1, 1048576),
+    ("idempotency.max_response_size", "2GB", 2097152, "kB", 1, 1048576),
+])
+def test_a_setting_outside_its_native_range_is_refused_with_postgresqls_message(
+        connect, setting, value, number, unit, low, high):
+    """A value within an integer's range but outside the setting's: natively the SET is refused;
+    in the portable edition the call that reads it is, with the same message (the portable
+    edition took such values: a size limit of 0 or 2 GB, a TTL of 3652 days)."""
+    db = connect()
+    db.execute("SELECT idempotency.canonical_json('{}')")  # loads the library: the setting is defined
+    token = claim(db, "range-done", lease="1 minute")[1]
+    with pytest.raises(psycopg.Error) as exc:
+        db.execute(f"SET {setting} = '{value}'")
+        if setting == "idempotency.max_response_size":
+            db.execute("SELECT idempotency.complete('range-done', '{}', token => %s)", (token,))
+        else:
+            db.execute("SELECT idempotency.claim('range-new')")
+    # PostgreSQL writes the range with its unit from 17 on.
+    u = f" {unit}" if db.info.server_version >= 170000 else ""
+    assert (exc.value.sqlstate, exc.value.diag.message_primary) == \
+        ("22023", f'{number} {unit} is outside the valid range for parameter "{setting}" ({low}{u} .. {high}{u})')
+    db.execute(f"RESET {setting}")
+    assert db.execute("SELECT key, status::text FROM idempotency.idempotency_keys ORDER BY key").fetchall() == \
+        [("range-done", "in_progress")]
+
+
+def test_idempotency_audit_is_read_as_postgresql_reads_a_boolean(connect):
+    """Spellings PostgreSQL takes for a Boolean turn auditing on or off; anything else is refused
+    (natively by the SET, in the portable edition by the completion that reads it) and changes
+    nothing. The portable edition took 'abc' as off and completed without an audit row."""
+    db = connect()
+    db.execute("SELECT idempotency.canonical_json('{}')")  # loads the library: the setting is defined
+    for value, audited in (("ON", True), ("ye", True), ("1", True), ("of", False), ("n", False), ("0", False)):
+        key = f"audit-{value}"
+        token = claim(db, key)[1]
+        db.execute(f"SET idempotency.audit = '{value}'")
+        db.execute("SELECT idempotency.complete(%s, '{}', token => %s)", (key, token))
+        db.execute("RESET idempotency.audit")
+        assert db.execute("SELECT count(*) FROM idempotency.audit WHERE key = %s", (key,)).fetchone()[0] == audited, value
+    # (Not '': natively refused too, but a placeholder the portable edition reads is '' once a
+    # SET LOCAL of it has ended, so there it means unset.)
+    for value in ("abc", "o", " on", "2", "truee"):
+        key = "audit-bad"
+        token = claim(db, key)[1]
+        with pytest.raises(psycopg.Error) as exc:
+            db.execute("SELECT set_config('idempotency.audit', %s, false)", (value,))
+            db.execute("SELECT idempotency.complete(%s, '{}', token => %s)", (key, token))
+        assert (exc.value.sqlstate, exc.value.diag.message_primary) == \
+            ("22023", 'parameter "idempotency.audit" requires a Boolean value'), value
+        db.execute("RESET idempotency.audit")
+        assert db.execute("SELECT status::text FROM idempotency.idempotency_keys WHERE key = %s",
+                          (key,)).fetchone() == ("in_progress",), value
+        assert db.execute("SELECT count(*) FROM idempotency.audit WHERE key = %s", (key,)).fetchone()[0] == 0
+        db.execute("SELECT idempotency.release(%s, token => %s)", (key, token))
+
+
 @pytest.mark.native_only("a setting is checked when it is set only where the library defines it; "
                          "the portable edition checks it when a claim uses it")
 @pytest.mark.parametrize("setting", ["idempotency.default_ttl", "idempotency.default_lease"])
