@@ -757,8 +757,13 @@ BEGIN
     END IF;
     FOREACH v_c IN ARRAY pg_catalog.regexp_split_to_array(pg_catalog.left(value, 40), '') LOOP
         -- ascii() gives the code point in UTF-8 databases, of ASCII characters in others.
-        v_cp := CASE WHEN pg_catalog.octet_length(v_c) OPERATOR(pg_catalog.=) 1 OR v_utf8
-                     THEN pg_catalog.ascii(v_c) ELSE 160 END;
+        -- (Other encodings: a character outside ASCII stays as it is here, and _canon_message
+        -- escapes it by its Unicode code point; ascii() would give a byte of LATIN1 or WIN1252,
+        -- not the code point, and refuses a character of several bytes.)
+        v_cp := CASE WHEN v_utf8 THEN pg_catalog.ascii(v_c)
+                     WHEN pg_catalog.octet_length(v_c) OPERATOR(pg_catalog.<>) 1 THEN 160
+                     WHEN pg_catalog.ascii(v_c) OPERATOR(pg_catalog.<) 128 THEN pg_catalog.ascii(v_c)
+                     ELSE 160 END;
         v_out := v_out OPERATOR(pg_catalog.||) CASE
             WHEN v_cp OPERATOR(pg_catalog.=) 34 THEN E'\\"'
             WHEN v_cp OPERATOR(pg_catalog.=) 92 THEN E'\\\\'
@@ -799,8 +804,8 @@ DECLARE
     v_cp  integer;
 BEGIN
     IF pg_catalog.getdatabaseencoding() OPERATOR(pg_catalog.=) 'UTF8'
-       OR pg_catalog.octet_length(message) OPERATOR(pg_catalog.=) pg_catalog.length(message) THEN
-        RETURN message;  -- UTF-8, or ASCII only (every multibyte encoding's other characters take 2+ bytes)
+       OR pg_catalog.octet_length(pg_catalog.convert_to(message, 'UTF8')) OPERATOR(pg_catalog.=) pg_catalog.length(message) THEN
+        RETURN message;  -- UTF-8, or ASCII only (every other character takes 2+ bytes in UTF-8)
     END IF;
     FOREACH v_c IN ARRAY pg_catalog.regexp_split_to_array(message, '') LOOP
         v_b := pg_catalog.convert_to(v_c, 'UTF8');
@@ -814,7 +819,9 @@ BEGIN
         FOR v_i IN 1 .. pg_catalog.length(v_b) OPERATOR(pg_catalog.-) 1 LOOP
             v_cp := (v_cp OPERATOR(pg_catalog.*) 64) OPERATOR(pg_catalog.+) (pg_catalog.get_byte(v_b, v_i) OPERATOR(pg_catalog.&) 63);
         END LOOP;
-        v_out := v_out OPERATOR(pg_catalog.||) pg_catalog.format(E'\\u{%s}', pg_catalog.to_hex(v_cp));
+        -- (An ellipsis, the native edition's mark of a value cut short, as three dots.)
+        v_out := v_out OPERATOR(pg_catalog.||) CASE WHEN v_cp OPERATOR(pg_catalog.=) 8230 THEN '...'
+                                                    ELSE pg_catalog.format(E'\\u{%s}', pg_catalog.to_hex(v_cp)) END;
     END LOOP;
     RETURN v_out;
 END
@@ -1375,8 +1382,8 @@ BEGIN
     IF NOT pg_catalog.starts_with(scope, v_prefix) THEN
         RAISE EXCEPTION USING
             ERRCODE = 'insufficient_privilege',
-            MESSAGE = pg_catalog.format('scope %s is outside this role''s scopes: its scope prefix is %s',
-                                        idempotency._p_debug(scope), idempotency._p_debug(v_prefix));
+            MESSAGE = idempotency._canon_message(pg_catalog.format('scope %s is outside this role''s scopes: its scope prefix is %s',
+                                        idempotency._p_debug(scope), idempotency._p_debug(v_prefix)));
     END IF;
 END
 $fn$;
@@ -1883,11 +1890,11 @@ BEGIN
             NULL;  -- never: the shared lock taken just above is released
         ELSIF NOT r.expired AND r.request_hash IS NOT NULL AND p_hash IS NOT NULL
               AND r.request_hash OPERATOR(pg_catalog.<>) p_hash THEN
-            RAISE WARNING '%', pg_catalog.format(
+            RAISE WARNING '%', idempotency._canon_message(pg_catalog.format(
                 'idempotency: key reused with a different request: scope=%s key=%s stored_hash=%s request_hash=%s',
                 idempotency._p_debug(p_scope), idempotency._p_key_label(p_key),
                 pg_catalog.encode(pg_catalog.substr(r.request_hash, 1, 6), 'hex'),
-                pg_catalog.encode(pg_catalog.substr(p_hash, 1, 6), 'hex'));
+                pg_catalog.encode(pg_catalog.substr(p_hash, 1, 6), 'hex')));
             res.outcome := 'mismatch';
             res.expires_at := r.expires_at;
             RETURN res;
@@ -1973,8 +1980,8 @@ BEGIN
             IF v_rounds OPERATOR(pg_catalog.>=) 50 THEN
                 RAISE EXCEPTION USING
                     ERRCODE = 'serialization_failure',
-                    MESSAGE = pg_catalog.format('idempotency.claim: key %s kept changing under concurrent claims',
-                                                idempotency._p_key_label(p_key)),
+                    MESSAGE = idempotency._canon_message(pg_catalog.format('idempotency.claim: key %s kept changing under concurrent claims',
+                                                idempotency._p_key_label(p_key))),
                     HINT = 'retry the transaction';
             END IF;
         END IF;
@@ -2398,7 +2405,8 @@ AS $fn$
 BEGIN
     IF event IS DISTINCT FROM 'release' THEN
         RAISE EXCEPTION USING ERRCODE = 'invalid_parameter_value',
-            MESSAGE = pg_catalog.format('event must be ''release'' (got %s)', idempotency._canon_quote(COALESCE(event, 'NULL')));
+            MESSAGE = idempotency._canon_message(pg_catalog.format('event must be ''release'' (got %s)',
+                                                                   idempotency._canon_quote(COALESCE(event, 'NULL'))));
     END IF;
 END
 $fn$;

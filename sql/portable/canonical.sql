@@ -595,8 +595,13 @@ BEGIN
     END IF;
     FOREACH v_c IN ARRAY pg_catalog.regexp_split_to_array(pg_catalog.left(value, 40), '') LOOP
         -- ascii() gives the code point in UTF-8 databases, of ASCII characters in others.
-        v_cp := CASE WHEN pg_catalog.octet_length(v_c) OPERATOR(pg_catalog.=) 1 OR v_utf8
-                     THEN pg_catalog.ascii(v_c) ELSE 160 END;
+        -- (Other encodings: a character outside ASCII stays as it is here, and _canon_message
+        -- escapes it by its Unicode code point; ascii() would give a byte of LATIN1 or WIN1252,
+        -- not the code point, and refuses a character of several bytes.)
+        v_cp := CASE WHEN v_utf8 THEN pg_catalog.ascii(v_c)
+                     WHEN pg_catalog.octet_length(v_c) OPERATOR(pg_catalog.<>) 1 THEN 160
+                     WHEN pg_catalog.ascii(v_c) OPERATOR(pg_catalog.<) 128 THEN pg_catalog.ascii(v_c)
+                     ELSE 160 END;
         v_out := v_out OPERATOR(pg_catalog.||) CASE
             WHEN v_cp OPERATOR(pg_catalog.=) 34 THEN E'\\"'
             WHEN v_cp OPERATOR(pg_catalog.=) 92 THEN E'\\\\'
@@ -637,8 +642,8 @@ DECLARE
     v_cp  integer;
 BEGIN
     IF pg_catalog.getdatabaseencoding() OPERATOR(pg_catalog.=) 'UTF8'
-       OR pg_catalog.octet_length(message) OPERATOR(pg_catalog.=) pg_catalog.length(message) THEN
-        RETURN message;  -- UTF-8, or ASCII only (every multibyte encoding's other characters take 2+ bytes)
+       OR pg_catalog.octet_length(pg_catalog.convert_to(message, 'UTF8')) OPERATOR(pg_catalog.=) pg_catalog.length(message) THEN
+        RETURN message;  -- UTF-8, or ASCII only (every other character takes 2+ bytes in UTF-8)
     END IF;
     FOREACH v_c IN ARRAY pg_catalog.regexp_split_to_array(message, '') LOOP
         v_b := pg_catalog.convert_to(v_c, 'UTF8');
@@ -652,7 +657,9 @@ BEGIN
         FOR v_i IN 1 .. pg_catalog.length(v_b) OPERATOR(pg_catalog.-) 1 LOOP
             v_cp := (v_cp OPERATOR(pg_catalog.*) 64) OPERATOR(pg_catalog.+) (pg_catalog.get_byte(v_b, v_i) OPERATOR(pg_catalog.&) 63);
         END LOOP;
-        v_out := v_out OPERATOR(pg_catalog.||) pg_catalog.format(E'\\u{%s}', pg_catalog.to_hex(v_cp));
+        -- (An ellipsis, the native edition's mark of a value cut short, as three dots.)
+        v_out := v_out OPERATOR(pg_catalog.||) CASE WHEN v_cp OPERATOR(pg_catalog.=) 8230 THEN '...'
+                                                    ELSE pg_catalog.format(E'\\u{%s}', pg_catalog.to_hex(v_cp)) END;
     END LOOP;
     RETURN v_out;
 END

@@ -390,8 +390,8 @@ BEGIN
     IF NOT pg_catalog.starts_with(scope, v_prefix) THEN
         RAISE EXCEPTION USING
             ERRCODE = 'insufficient_privilege',
-            MESSAGE = pg_catalog.format('scope %s is outside this role''s scopes: its scope prefix is %s',
-                                        idempotency._p_debug(scope), idempotency._p_debug(v_prefix));
+            MESSAGE = idempotency._canon_message(pg_catalog.format('scope %s is outside this role''s scopes: its scope prefix is %s',
+                                        idempotency._p_debug(scope), idempotency._p_debug(v_prefix)));
     END IF;
 END
 $fn$;
@@ -898,11 +898,11 @@ BEGIN
             NULL;  -- never: the shared lock taken just above is released
         ELSIF NOT r.expired AND r.request_hash IS NOT NULL AND p_hash IS NOT NULL
               AND r.request_hash OPERATOR(pg_catalog.<>) p_hash THEN
-            RAISE WARNING '%', pg_catalog.format(
+            RAISE WARNING '%', idempotency._canon_message(pg_catalog.format(
                 'idempotency: key reused with a different request: scope=%s key=%s stored_hash=%s request_hash=%s',
                 idempotency._p_debug(p_scope), idempotency._p_key_label(p_key),
                 pg_catalog.encode(pg_catalog.substr(r.request_hash, 1, 6), 'hex'),
-                pg_catalog.encode(pg_catalog.substr(p_hash, 1, 6), 'hex'));
+                pg_catalog.encode(pg_catalog.substr(p_hash, 1, 6), 'hex')));
             res.outcome := 'mismatch';
             res.expires_at := r.expires_at;
             RETURN res;
@@ -988,8 +988,8 @@ BEGIN
             IF v_rounds OPERATOR(pg_catalog.>=) 50 THEN
                 RAISE EXCEPTION USING
                     ERRCODE = 'serialization_failure',
-                    MESSAGE = pg_catalog.format('idempotency.claim: key %s kept changing under concurrent claims',
-                                                idempotency._p_key_label(p_key)),
+                    MESSAGE = idempotency._canon_message(pg_catalog.format('idempotency.claim: key %s kept changing under concurrent claims',
+                                                idempotency._p_key_label(p_key))),
                     HINT = 'retry the transaction';
             END IF;
         END IF;
@@ -1404,7 +1404,8 @@ AS $fn$
 BEGIN
     IF event IS DISTINCT FROM 'release' THEN
         RAISE EXCEPTION USING ERRCODE = 'invalid_parameter_value',
-            MESSAGE = pg_catalog.format('event must be ''release'' (got %s)', idempotency._canon_quote(COALESCE(event, 'NULL')));
+            MESSAGE = idempotency._canon_message(pg_catalog.format('event must be ''release'' (got %s)',
+                                                                   idempotency._canon_quote(COALESCE(event, 'NULL'))));
     END IF;
 END
 $fn$;

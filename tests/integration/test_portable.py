@@ -813,6 +813,64 @@ def test_an_euc_jp_database_refuses_what_has_no_unicode_character(cluster):
             c.execute("DROP DATABASE eucjp_portable")
 
 
+@pytest.mark.parametrize("encoding", ["LATIN1", "WIN1252"])
+def test_messages_in_a_single_byte_database_escape_what_is_outside_ascii_as_the_native_edition(cluster, encoding):
+    """In a database whose encoding is not UTF-8 the native edition writes every character of a
+    message outside ASCII as \\u{hex} of its code point. The portable edition took a message of
+    one byte per character for ASCII and wrote LATIN1's characters as they are (and WIN1252's
+    0x80, the euro sign, as U+0080)."""
+    euro = " || convert_from('\\x80'::bytea, 'WIN1252')" if encoding == "WIN1252" else ""
+    calls = [
+        "SELECT idempotency.canonical_json('1', 'é')",
+        f"SELECT idempotency.canonical_json('1', 'a' || chr(160) || chr(173) || chr(233){euro})",
+        f"SELECT idempotency.canonical_json('1', repeat('ÿ', 30) || chr(128 + 5) || repeat('é', 30){euro})",
+        "SELECT idempotency.canonical_hash('{}', ARRAY['/é~'])::text",
+        "SET idempotency.scope_prefix = 't'; SELECT idempotency.claim('k', scope => 'é')::text",
+        "SELECT idempotency.claim('dup', '{\"a\": 1}', 'sé')::text",
+        "SELECT idempotency.claim('dup', '{\"a\": 2}', 'sé')::text",
+    ]
+    names = {"native": f"{encoding.lower()}_native", "portable": f"{encoding.lower()}_portable"}
+    with psycopg.connect(cluster.conninfo(), autocommit=True) as c:
+        for db in names.values():
+            c.execute(f"DROP DATABASE IF EXISTS {db}")
+            c.execute(f"CREATE DATABASE {db} TEMPLATE template0 ENCODING '{encoding}' LC_COLLATE 'C' LC_CTYPE 'C'")
+    try:
+        answers = {}
+        for edition, db in names.items():
+            if edition == "portable":
+                result = psql(cluster, db, PLAIN)
+                assert result.returncode == 0, result.stderr
+            with psycopg.connect(conninfo(cluster, db) + " client_encoding=UTF8", autocommit=True) as c:
+                if edition == "native":
+                    c.execute("CREATE EXTENSION idempotency")
+                warnings = []
+                c.add_notice_handler(lambda d: warnings.append(d.message_primary)
+                                     if d.severity_nonlocalized == "WARNING" else None)
+                answers[edition] = []
+                for call in calls:
+                    warnings.clear()
+                    try:
+                        *first, last = call.split("; ")
+                        for statement in first:
+                            c.execute(statement)
+                        value = c.execute(last).fetchone()
+                        answers[edition].append(("ok", None if "claim" in call else value, list(warnings)))
+                    except psycopg.Error as e:
+                        answers[edition].append((e.sqlstate, e.diag.message_primary, list(warnings)))
+                    c.execute("RESET idempotency.scope_prefix")
+        native, portable = answers["native"], answers["portable"]
+        assert [a[0] for a in native] == ["22023", "22023", "22023", "22P02", "42501", "ok", "ok"], native
+        assert "\\u{e9}" in native[0][1] and "\\u{a0}\\u{ad}\\u{e9}" in native[1][1], native
+        assert native[6][2] and "\\u{e9}" in native[6][2][0], native
+        if euro:
+            assert "\\u{20ac}" in native[1][1], native
+        assert [(c, e, g) for c, e, g in zip(calls, native, portable) if e != g] == []
+    finally:
+        with psycopg.connect(cluster.conninfo(), autocommit=True) as c:
+            for db in names.values():
+                c.execute(f"DROP DATABASE IF EXISTS {db}")
+
+
 # --- pg_tle -----------------------------------------------------------------------------------
 
 def _major():
