@@ -286,26 +286,29 @@ DECLARE
 BEGIN
     -- A container of scalars only (no nested object or array), in a UTF-8 database: written in
     -- one statement. Its strings and names come out of jsonb escaped as RFC 8785 says; integers
-    -- of at most 21 digits (15 in 'rfc8785' mode, exact as doubles) are written as integers
+    -- of at most 21 digits (15 in 'rfc8785' mode, exact as doubles) are written as integers, and
+    -- in exact mode fractions below 10^21 and not below 10^-6 in magnitude as jsonb writes them
+    -- (never an exponent, never -0) without trailing zeros: what _canon_layout writes for them
     -- (other numbers: the general path below); member names sort in UTF-16 code-unit order as
     -- their UTF-8 bytes do (COLLATE "C"), unless one has a character of U+E000..U+FFFF (see
     -- _canon_name_order: then the general path).
     IF depth OPERATOR(pg_catalog.>=) 1 AND (v_kind OPERATOR(pg_catalog.=) 'object' OR v_kind OPERATOR(pg_catalog.=) 'array')
        AND pg_catalog.getdatabaseencoding() OPERATOR(pg_catalog.=) 'UTF8' THEN
         IF v_kind OPERATOR(pg_catalog.=) 'object' THEN
-            -- Of scalars, its numbers integers below 10^21 in magnitude (10^15 in 'rfc8785'
-            -- mode; written from their value: 1.0 is 1), no member name with a character of
+            -- Of scalars, its numbers below 10^21 in magnitude, integers or not below 10^-6 in
+            -- exact mode (integers below 10^15 in 'rfc8785' mode; 1.0 is 1), no member name with a character of
             -- U+E000..U+FFFF: one jsonpath test (no row per member to test). claim has a copy
             -- of the exact mode's test and of the statement below: a change here changes that
             -- copy too.
             IF NOT (CASE WHEN exact THEN pg_catalog.jsonb_path_exists(doc,
-                   'strict $ ? (exists (@.* ? (@.type() == "object" || @.type() == "array" || (@.type() == "number" && (@ >= 1e21 || @ <= -1e21 || @.floor() != @)))) || exists (@.keyvalue() ? (@.key like_regex "[\uE000-\uFFFF]")))')
+                   'strict $ ? (exists (@.* ? (@.type() == "object" || @.type() == "array" || (@.type() == "number" && (@ >= 1e21 || @ <= -1e21 || (@.floor() != @ && @ > -0.000001 && @ < 0.000001))))) || exists (@.keyvalue() ? (@.key like_regex "[\uE000-\uFFFF]")))')
                         ELSE pg_catalog.jsonb_path_exists(doc,
                    'strict $ ? (exists (@.* ? (@.type() == "object" || @.type() == "array" || (@.type() == "number" && (@ >= 1e15 || @ <= -1e15 || @.floor() != @)))) || exists (@.keyvalue() ? (@.key like_regex "[\uE000-\uFFFF]")))') END) THEN
                 SELECT '{' OPERATOR(pg_catalog.||) COALESCE(pg_catalog.string_agg(
                            pg_catalog.to_json(e.key)::pg_catalog.text OPERATOR(pg_catalog.||) ':'
                            OPERATOR(pg_catalog.||) CASE WHEN pg_catalog.jsonb_typeof(e.value) OPERATOR(pg_catalog.=) 'number'
-                                                        THEN pg_catalog.trunc(e.value::pg_catalog.numeric)::pg_catalog.text
+                                                             AND pg_catalog.strpos(e.value::pg_catalog.text, '.') OPERATOR(pg_catalog.>) 0
+                                                        THEN pg_catalog.rtrim(pg_catalog.rtrim(e.value::pg_catalog.text, '0'), '.')
                                                         ELSE e.value::pg_catalog.text END, ','
                            ORDER BY e.key COLLATE pg_catalog."C"), '') OPERATOR(pg_catalog.||) '}'
                   INTO v_out
@@ -316,9 +319,14 @@ BEGIN
             SELECT pg_catalog.bool_and(CASE pg_catalog.jsonb_typeof(a.value)
                        WHEN 'string' THEN true WHEN 'boolean' THEN true WHEN 'null' THEN true
                        WHEN 'number' THEN a.value::pg_catalog.text OPERATOR(pg_catalog.~)
-                                          CASE WHEN exact THEN '^(0|-?[1-9][0-9]{0,20})$' ELSE '^(0|-?[1-9][0-9]{0,14})$' END
+                                          CASE WHEN exact THEN '^-?([1-9][0-9]{0,20}(\.[0-9]+)?|0(\.0{0,5}[1-9][0-9]*|\.0+)?)$'
+                                               ELSE '^(0|-?[1-9][0-9]{0,14})$' END
                        ELSE false END),
-                   '[' OPERATOR(pg_catalog.||) COALESCE(pg_catalog.string_agg(a.value::pg_catalog.text, ',' ORDER BY a.pos), '')
+                   '[' OPERATOR(pg_catalog.||) COALESCE(pg_catalog.string_agg(
+                       CASE WHEN pg_catalog.jsonb_typeof(a.value) OPERATOR(pg_catalog.=) 'number'
+                                 AND pg_catalog.strpos(a.value::pg_catalog.text, '.') OPERATOR(pg_catalog.>) 0
+                            THEN pg_catalog.rtrim(pg_catalog.rtrim(a.value::pg_catalog.text, '0'), '.')
+                            ELSE a.value::pg_catalog.text END, ',' ORDER BY a.pos), '')
                    OPERATOR(pg_catalog.||) ']'
               INTO v_flat, v_out
               FROM pg_catalog.jsonb_array_elements(doc) WITH ORDINALITY AS a(value, pos);

@@ -1283,12 +1283,13 @@ BEGIN
       CROSS JOIN (SELECT '{' OPERATOR(pg_catalog.||) pg_catalog.string_agg(
                              pg_catalog.to_json(e.key)::pg_catalog.text OPERATOR(pg_catalog.||) ':'
                              OPERATOR(pg_catalog.||) CASE WHEN pg_catalog.jsonb_typeof(e.value) OPERATOR(pg_catalog.=) 'number'
-                                                          THEN pg_catalog.trunc(e.value::pg_catalog.numeric)::pg_catalog.text
+                                                               AND pg_catalog.strpos(e.value::pg_catalog.text, '.') OPERATOR(pg_catalog.>) 0
+                                                          THEN pg_catalog.rtrim(pg_catalog.rtrim(e.value::pg_catalog.text, '0'), '.')
                                                           ELSE e.value::pg_catalog.text END, ','
                              ORDER BY e.key COLLATE pg_catalog."C") OPERATOR(pg_catalog.||) '}' AS canon
                     FROM pg_catalog.jsonb_each(CASE WHEN pg_catalog.jsonb_typeof(claim.request) OPERATOR(pg_catalog.=) 'object'
                                                      AND NOT pg_catalog.jsonb_path_exists(claim.request,
-               'strict $ ? (exists (@.* ? (@.type() == "object" || @.type() == "array" || (@.type() == "number" && (@ >= 1e21 || @ <= -1e21 || @.floor() != @)))) || exists (@.keyvalue() ? (@.key like_regex "[\\uE000-\\uFFFF]")))')
+               'strict $ ? (exists (@.* ? (@.type() == "object" || @.type() == "array" || (@.type() == "number" && (@ >= 1e21 || @ <= -1e21 || (@.floor() != @ && @ > -0.000001 && @ < 0.000001))))) || exists (@.keyvalue() ? (@.key like_regex "[\\uE000-\\uFFFF]")))')
                                                     THEN claim.request END) AS e) AS f;
     -- (c.answer IS NOT NULL would ask for every field to be.)
     IF c.ok AND c.defaults AND (c.answer).outcome IS NOT NULL THEN

@@ -310,6 +310,14 @@ FLAT_EDGES = [
     # the general path): 21 digits and more, 15 digits and more.
     '[123456789012345678901, 1234567890123456789012, -10000000000000000000000, -0, 1e2]',
     '{"a": 1234567890123456, "b": 9007199254740993, "c": 123456789012345, "d": -99999999999999999}',
+    # Fractions (exact mode writes those from 10^-6 up to 10^21 in magnitude in one statement):
+    # trailing zeros, the bounds 10^-6 and 10^21 on either side, 21 integer digits, zero written
+    # with a fraction, one below 10^-6 beside them (the whole document: the general path).
+    '{"a": 12.50, "b": -0.5, "c": 0.000001, "e": 0.0000010, "f": 999999999999999999999.9, "g": 1.000}',
+    '{"h": 0.000, "i": 123.4500, "j": -0.0000015, "k": 0.00001000, "l": 100000000000000000000.5, "m": 2.50}',
+    '[12.50, -0.5, 0.000001, 1e-6, 100.0, 0.000, -0.0000015, 1.5e20, 999999999999999999999.999, 0.1]',
+    '[0.0000009999, 12.5]', '{"a": 0.00000099, "b": 1.5}', '{"a": -0.000001, "b": 1e21, "c": 1.5}',
+    '[1000000000000000000000.5, 2.5]', '{"a": 0.1000000000000000000000000000001, "b": -7.25e3}',
     # Strings with every escape, control characters, DEL, quotes, non-ASCII; true, false, null.
     '{"s": "x\\b\\f\\n\\r\\t\\u0001\\u001f\\u007f\\"\\\\/\\u00e9\\ud83d\\ude00", "t": true, "f": false, "z": null}',
     '["\\u2028\\u2029", "", true, null, false, "\\\\u0041"]',
@@ -342,6 +350,8 @@ CLAIM_REQUESTS = [
     '{"\\ue000": 1, "\\ud83d\\ude00": 2}', '{"\\uffff": "x", "a": 1}',
     '{"big": 1000000000000000000000}', '{"f": 0.5}', '{"f": 1.0e-7, "g": 2}', '{"d": 9007199254740993.0}',
     '{}', '{"a": {}}', '{"a": [1], "b": 2}', '[1, 2]', '"text"', '7', 'null',
+    '{"amount": 12.50, "currency": "EUR", "rate": 0.000001, "fee": -0.0000015, "total": 1.000}',
+    '{"amount": 999999999999999999999.90, "z": 0.000}',
 ]
 
 # Pairs of requests for one key: the same request in another spelling (claim answers
@@ -351,6 +361,8 @@ CLAIM_PAIRS = [
     ('{"b": 1, "a": 2}', '{"a": 2, "b": 1}', True), ('{"s": "\\u00e9"}', '{"s": "é"}', True),
     ('{"n": 100}', '{"n": 101}', False), ('{"n": "1"}', '{"n": 1}', False), ('{"a": 1}', '{"a": 1, "b": null}', False),
     ('{"n": 1}', '{"n": 1.5}', False), ('{"n": 1}', '[1]', False), ('{"a": 1, "b": 2}', '{"a": 1, "bb": 2}', False),
+    ('{"n": 12.5, "c": "EUR"}', '{"c": "EUR", "n": 12.50}', True), ('{"n": 12.5}', '{"n": 12.05}', False),
+    ('{"n": 0.000001}', '{"n": 1e-6}', True), ('{"n": 0.5}', '{"n": 0.50000000000000000001}', False),
 ]
 
 
