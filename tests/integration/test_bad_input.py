@@ -457,14 +457,10 @@ def test_error_messages_quote_bad_values_abbreviated(connect, call):
     assert len(message) < 4096, f"{len(message)} characters"
 
 
-@pytest.mark.parametrize("setting,value", [("idempotency.default_ttl", "99999999999"),
-                                           ("idempotency.default_lease", "99999999999d"),
-                                           ("idempotency.max_response_size", "9999999999kB")])
-def test_an_integer_setting_beyond_its_range_is_refused_naming_it(connect, setting, value):
-    """Natively the SET is refused; without the library (a placeholder) the call that reads the
-    setting is, naming it, with 22023 (not a bare 22003 "integer out of range"), and changes
-    nothing."""
-    db = connect()
+def refusal_of_a_setting(db, setting, value):
+    """Sets `setting` to `value` and calls what reads it (a completion of a claimed key for the
+    size limit, a claim of a new key otherwise): the error (natively the SET's, without the
+    library the call's), after checking that nothing was written; the setting is reset."""
     db.execute("SELECT idempotency.canonical_json('{}')")  # loads the library: the setting is defined
     token = claim(db, "range-done", lease="1 minute")[1]
     with pytest.raises(psycopg.Error) as exc:
@@ -473,11 +469,22 @@ def test_an_integer_setting_beyond_its_range_is_refused_naming_it(connect, setti
             db.execute("SELECT idempotency.complete('range-done', '{}', token => %s)", (token,))
         else:
             db.execute("SELECT idempotency.claim('range-new')")
-    assert exc.value.sqlstate == "22023", (exc.value.sqlstate, str(exc.value))
-    assert setting in str(exc.value), str(exc.value)
     db.execute(f"RESET {setting}")
     assert db.execute("SELECT key, status::text FROM idempotency.idempotency_keys ORDER BY key").fetchall() == \
         [("range-done", "in_progress")]
+    return exc.value
+
+
+@pytest.mark.parametrize("setting,value", [("idempotency.default_ttl", "99999999999"),
+                                           ("idempotency.default_lease", "99999999999d"),
+                                           ("idempotency.max_response_size", "9999999999kB")])
+def test_an_integer_setting_beyond_its_range_is_refused_naming_it(connect, setting, value):
+    """Natively the SET is refused; without the library (a placeholder) the call that reads the
+    setting is, naming it, with 22023 (not a bare 22003 "integer out of range"), and changes
+    nothing."""
+    error = refusal_of_a_setting(connect(), setting, value)
+    assert error.sqlstate == "22023", (error.sqlstate, str(error))
+    assert setting in str(error), str(error)
 
 
 @pytest.mark.parametrize("setting,value,number,unit,low,high", [
@@ -490,23 +497,14 @@ def test_a_setting_outside_its_native_range_is_refused_with_postgresqls_message(
         connect, setting, value, number, unit, low, high):
     """A value within an integer's range but outside the setting's: natively the SET is refused;
     in the portable edition the call that reads it is, with the same message (the portable
-    edition took such values: a size limit of 0 or 2 GB, a TTL of 3652 days)."""
+    edition took such values: a size limit of 0 or 2 GB, a TTL of 3652 days), and changes
+    nothing."""
     db = connect()
-    db.execute("SELECT idempotency.canonical_json('{}')")  # loads the library: the setting is defined
-    token = claim(db, "range-done", lease="1 minute")[1]
-    with pytest.raises(psycopg.Error) as exc:
-        db.execute(f"SET {setting} = '{value}'")
-        if setting == "idempotency.max_response_size":
-            db.execute("SELECT idempotency.complete('range-done', '{}', token => %s)", (token,))
-        else:
-            db.execute("SELECT idempotency.claim('range-new')")
+    error = refusal_of_a_setting(db, setting, value)
     # PostgreSQL writes the range with its unit from 17 on.
     u = f" {unit}" if db.info.server_version >= 170000 else ""
-    assert (exc.value.sqlstate, exc.value.diag.message_primary) == \
+    assert (error.sqlstate, error.diag.message_primary) == \
         ("22023", f'{number} {unit} is outside the valid range for parameter "{setting}" ({low}{u} .. {high}{u})')
-    db.execute(f"RESET {setting}")
-    assert db.execute("SELECT key, status::text FROM idempotency.idempotency_keys ORDER BY key").fetchall() == \
-        [("range-done", "in_progress")]
 
 
 def test_idempotency_audit_is_read_as_postgresql_reads_a_boolean(connect):
