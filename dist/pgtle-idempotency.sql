@@ -2055,6 +2055,7 @@ DECLARE
     v_count integer;
     v_lock bigint;
     v_set text;
+    v_busy boolean;
 BEGIN
     -- The role the caller ran as, where the session may act as it (inside another SECURITY
     -- DEFINER function it may not: then, and for a role passed by anyone else, the session's
@@ -2124,10 +2125,15 @@ BEGIN
                     THEN pg_catalog.split_part(v_state, ':', 2)::pg_catalog.int4 ELSE 0 END;
     v_lock := pg_catalog.hashtextextended(pg_catalog.length(p_scope)::pg_catalog.text OPERATOR(pg_catalog.||) ':'
                                           OPERATOR(pg_catalog.||) p_scope OPERATOR(pg_catalog.||) v_key, 5432);
-    IF v_count OPERATOR(pg_catalog.<) 1000
-       AND (pg_catalog.pg_try_advisory_xact_lock(v_lock) OR idempotency._p_lock_retry(v_lock)) THEN
-        v_set := pg_catalog.set_config('idempotency_portable.marks',
-                                       v_xact OPERATOR(pg_catalog.||) ':' OPERATOR(pg_catalog.||) (v_count OPERATOR(pg_catalog.+) 1), false);
+    v_busy := false;
+    IF v_count OPERATOR(pg_catalog.<) 1000 THEN
+        IF pg_catalog.pg_try_advisory_xact_lock(v_lock) OR idempotency._p_lock_retry(v_lock) THEN
+            v_set := pg_catalog.set_config('idempotency_portable.marks',
+                                           v_xact OPERATOR(pg_catalog.||) ':' OPERATOR(pg_catalog.||) (v_count OPERATOR(pg_catalog.+) 1), false);
+        ELSE
+            -- Another open transaction marked the key: it is writing the key's row.
+            v_busy := true;
+        END IF;
     END IF;
     v_set := pg_catalog.set_config('idempotency_portable.marked', 'on', true);
     FOR v_try IN 1 .. 2 LOOP
@@ -2141,10 +2147,13 @@ BEGIN
            AND k.expires_at OPERATOR(pg_catalog.>) pg_catalog.now()
            AND (p_token IS NULL OR k.token OPERATOR(pg_catalog.=) p_token)
         RETURNING k.expires_at, k.request_hash, k.token INTO v_expires_at, v_hash, v_token;
-        EXIT WHEN v_token IS NOT NULL OR v_try OPERATOR(pg_catalog.=) 2;
-        -- Not the row this statement saw: another transaction may be changing it (a takeover
-        -- of an expired claim, a forget). Wait for it, as the native edition does, and try
+        -- Nothing to change in the row this statement saw, while another open transaction is
+        -- writing it (a takeover of an expired claim, a forget): in READ COMMITTED, wait for that
+        -- transaction, as the native edition does (not for one that only locks the row, nor in
+        -- REPEATABLE READ, where the native edition answers from its snapshot at once), and try
         -- once more on what it left (a new statement sees it).
+        EXIT WHEN v_token IS NOT NULL OR v_try OPERATOR(pg_catalog.=) 2 OR NOT v_busy
+                  OR pg_catalog.current_setting('transaction_isolation') OPERATOR(pg_catalog.<>) 'read committed';
         PERFORM FROM idempotency.idempotency_keys AS k
           WHERE k.scope OPERATOR(pg_catalog.=) p_scope AND k.key OPERATOR(pg_catalog.=) v_key
           FOR NO KEY UPDATE;

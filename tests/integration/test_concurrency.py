@@ -7,6 +7,7 @@ import threading
 import time
 
 import psycopg
+import pytest
 from psycopg.types.json import Jsonb
 
 from helpers import claim, race
@@ -313,3 +314,35 @@ def test_a_completion_waits_for_a_takeover_or_forget_in_flight_and_answers_from_
         row = db.execute("SELECT status::text, token > %s FROM idempotency.idempotency_keys WHERE key = %s",
                          (token, key)).fetchone()
         assert row == {"ok": ("completed", True), "IK003": ("in_progress", True), "IK001": None}[expected], (key, row)
+
+
+def test_a_completion_does_not_wait_for_a_row_lock_alone_nor_in_repeatable_read(connect):
+    """A completion waits only for a transaction writing its key's row, in READ COMMITTED: one
+    that only locks the row (FOR SHARE) is not waited for (IK002 at once for a completed key),
+    and in REPEATABLE READ a takeover committed after the snapshot gives IK001 (no live claim
+    in the snapshot), not 40001, as natively."""
+    db, other, worker = connect(), connect(), connect(autocommit=False)
+    worker.execute("SET lock_timeout = '3s'")
+    worker.commit()
+    token = claim(db, "lk-done")[1]
+    db.execute("SELECT idempotency.complete('lk-done', '{}', token => %s)", (token,))
+    with other.transaction():
+        assert other.execute("SELECT token FROM idempotency.idempotency_keys WHERE key = 'lk-done' FOR SHARE"
+                             ).fetchall() == [(token,)]
+        started = time.monotonic()
+        with pytest.raises(psycopg.Error) as exc:
+            worker.execute("SELECT idempotency.complete('lk-done', '{}', token => %s)", (token,))
+        worker.rollback()
+        assert exc.value.sqlstate == "IK002" and time.monotonic() - started < 1.5, exc.value
+    for key, with_token in (("rr-any", False), ("rr-old", True)):
+        old = claim(db, key, lease="1 minute")[1]
+        db.execute("UPDATE idempotency.idempotency_keys SET locked_until = now() - interval '2 s', "
+                   "expires_at = now() - interval '1 s' WHERE key = %s", (key,))
+        worker.execute("BEGIN ISOLATION LEVEL REPEATABLE READ")
+        assert worker.execute("SELECT token FROM idempotency.idempotency_keys WHERE key = %s", (key,)).fetchone() == (old,)
+        new = claim(other, key)  # a takeover, committed after the worker's snapshot
+        assert new[0] == "new" and new[1] > old, new
+        with pytest.raises(psycopg.Error) as exc:
+            worker.execute("SELECT idempotency.complete(%s, '{}', token => %s)", (key, old if with_token else None))
+        assert exc.value.sqlstate == "IK001", (key, exc.value.sqlstate, str(exc.value))
+        worker.rollback()
