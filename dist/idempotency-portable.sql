@@ -1063,6 +1063,7 @@ DECLARE
     v_lo integer;
     v_hi integer;
     v_unit text;
+    v_message text;
 BEGIN
     IF v_raw IS NULL OR v_raw OPERATOR(pg_catalog.=) '' THEN
         RETURN default_value;
@@ -1175,35 +1176,39 @@ BEGIN
                         WHEN 'idempotency.sweep_delay' THEN 10000 WHEN 'idempotency.sweep_nice' THEN 19
                         WHEN 'idempotency.max_response_size' THEN 1048576 WHEN 'idempotency.max_recovery_point_size' THEN 1048576
                         WHEN 'idempotency.partitions' THEN 1024 ELSE 2147483647 END;
-            IF v_value OPERATOR(pg_catalog.<) v_lo OR v_value OPERATOR(pg_catalog.>) v_hi THEN
-                v_unit := CASE WHEN unit OPERATOR(pg_catalog.=) '' THEN '' ELSE ' ' OPERATOR(pg_catalog.||) unit END;
-                RAISE EXCEPTION USING
-                    ERRCODE = 'invalid_parameter_value',
-                    MESSAGE = pg_catalog.format('%s%s is outside the valid range for parameter "%s" (%s%s .. %s%s)',
-                                                v_value::integer, v_unit, name, v_lo,
-                                                CASE WHEN pg_catalog.current_setting('server_version_num')::integer
-                                                          OPERATOR(pg_catalog.>=) 170000 THEN v_unit ELSE '' END,
-                                                v_hi,
-                                                CASE WHEN pg_catalog.current_setting('server_version_num')::integer
-                                                          OPERATOR(pg_catalog.>=) 170000 THEN v_unit ELSE '' END);
+            IF v_value OPERATOR(pg_catalog.>=) v_lo AND v_value OPERATOR(pg_catalog.<=) v_hi THEN
+                RETURN v_value::integer;
             END IF;
-            RETURN v_value::integer;
+            v_unit := CASE WHEN unit OPERATOR(pg_catalog.=) '' THEN '' ELSE ' ' OPERATOR(pg_catalog.||) unit END;
+            v_message := pg_catalog.format('%s%s is outside the valid range for parameter "%s" (%s%s .. %s%s)',
+                                           v_value::integer, v_unit, name, v_lo,
+                                           CASE WHEN pg_catalog.current_setting('server_version_num')::integer
+                                                     OPERATOR(pg_catalog.>=) 170000 THEN v_unit ELSE '' END,
+                                           v_hi,
+                                           CASE WHEN pg_catalog.current_setting('server_version_num')::integer
+                                                     OPERATOR(pg_catalog.>=) 170000 THEN v_unit ELSE '' END);
+        ELSE
+            v_hint := 'Value exceeds integer range.';
         END IF;
-        v_hint := 'Value exceeds integer range.';
+    END IF;
+    IF v_message IS NULL THEN
+        v_message := pg_catalog.format('invalid value for parameter "%s": "%s"', name, raw);
+    END IF;
+    -- A value an administrator set (ALTER DATABASE or ALTER ROLE ... SET, which PostgreSQL takes
+    -- for a setting no library defines): natively a warning where the library loads, and the
+    -- default. A session's own value: natively its SET is refused.
+    IF raw IS NOT DISTINCT FROM idempotency._p_admin_setting(name) THEN
+        IF v_hint IS NULL THEN
+            RAISE WARNING USING ERRCODE = 'invalid_parameter_value', MESSAGE = v_message;
+        ELSE
+            RAISE WARNING USING ERRCODE = 'invalid_parameter_value', MESSAGE = v_message, HINT = v_hint;
+        END IF;
+        RETURN default_value;
     END IF;
     IF v_hint IS NULL THEN
-        RAISE EXCEPTION USING
-            ERRCODE = 'invalid_parameter_value',
-            MESSAGE = pg_catalog.format('invalid value for parameter "%s": "%s"', name,
-                                    CASE WHEN pg_catalog.length(raw) OPERATOR(pg_catalog.>) 40
-                                         THEN pg_catalog.left(raw, 40) OPERATOR(pg_catalog.||) '...' ELSE raw END);
+        RAISE EXCEPTION USING ERRCODE = 'invalid_parameter_value', MESSAGE = v_message;
     END IF;
-    RAISE EXCEPTION USING
-        ERRCODE = 'invalid_parameter_value',
-        MESSAGE = pg_catalog.format('invalid value for parameter "%s": "%s"', name,
-                                    CASE WHEN pg_catalog.length(raw) OPERATOR(pg_catalog.>) 40
-                                         THEN pg_catalog.left(raw, 40) OPERATOR(pg_catalog.||) '...' ELSE raw END),
-        HINT = v_hint;
+    RAISE EXCEPTION USING ERRCODE = 'invalid_parameter_value', MESSAGE = v_message, HINT = v_hint;
 END
 $fn$;
 
@@ -1254,6 +1259,12 @@ BEGIN
                OR n OPERATOR(pg_catalog.>=) 2 AND v OPERATOR(pg_catalog.=) pg_catalog.left('off', n) OR v OPERATOR(pg_catalog.=) '0') THEN
         RETURN false;
     END IF;
+    -- (An administrator's value: natively a warning where the library loads, and off.)
+    IF pg_catalog.current_setting(name, true) IS NOT DISTINCT FROM idempotency._p_admin_setting(name) THEN
+        RAISE WARNING USING ERRCODE = 'invalid_parameter_value',
+            MESSAGE = pg_catalog.format('parameter "%s" requires a Boolean value', name);
+        RETURN false;
+    END IF;
     RAISE EXCEPTION USING
         ERRCODE = 'invalid_parameter_value',
         MESSAGE = pg_catalog.format('parameter "%s" requires a Boolean value', name);
@@ -1290,33 +1301,6 @@ BEGIN
                       WHERE r.role::pg_catalog.oid OPERATOR(pg_catalog.=)
                             (SELECT a.oid FROM pg_catalog.pg_roles AS a WHERE a.rolname OPERATOR(pg_catalog.=) SESSION_USER)),
                     pg_catalog.current_setting('idempotency.scope_prefix', true), '');
-END
-$fn$;
-
--- Whether completions write audit rows: idempotency.audit on (also where ALTER ROLE or ALTER
--- DATABASE ... SET turned it on, which the session cannot SET off), or audit in the role's row.
-CREATE FUNCTION idempotency._p_audit()
-RETURNS boolean
-LANGUAGE plpgsql STABLE
-SET search_path = pg_catalog, pg_temp
-AS $fn$
-BEGIN
-    -- _p_setting_on and the row of _p_role_settings, written out here (nested calls cost more
-    -- than the lookups on this path, run by every completion).
-    RETURN COALESCE(pg_catalog.lower(pg_catalog.btrim(pg_catalog.current_setting('idempotency.audit', true)))
-                    OPERATOR(pg_catalog.=) ANY (ARRAY['on', 'true', 'tru', 'tr', 't', 'yes', 'ye', 'y', '1']), false)
-        OR COALESCE((SELECT r.audit FROM idempotency.role_settings AS r
-                      WHERE r.role::pg_catalog.oid OPERATOR(pg_catalog.=)
-                            (SELECT a.oid FROM pg_catalog.pg_roles AS a WHERE a.rolname OPERATOR(pg_catalog.=) SESSION_USER)), false)
-        OR EXISTS (SELECT FROM pg_catalog.pg_db_role_setting AS s, pg_catalog.unnest(s.setconfig) AS c(entry)
-                    WHERE s.setdatabase OPERATOR(pg_catalog.=) ANY (ARRAY[(SELECT d.oid FROM pg_catalog.pg_database AS d
-                                                   WHERE d.datname OPERATOR(pg_catalog.=) pg_catalog.current_database()), 0]::pg_catalog.oid[])
-                      AND s.setrole OPERATOR(pg_catalog.=) ANY (ARRAY[(SELECT a.oid FROM pg_catalog.pg_roles AS a
-                                                   WHERE a.rolname OPERATOR(pg_catalog.=) SESSION_USER), 0]::pg_catalog.oid[])
-                      AND pg_catalog.lower(pg_catalog.split_part(c.entry, '=', 1)) OPERATOR(pg_catalog.=) 'idempotency.audit'
-                      AND pg_catalog.lower(pg_catalog.btrim(pg_catalog.substr(c.entry,
-                            pg_catalog.strpos(c.entry, '=') OPERATOR(pg_catalog.+) 1)))
-                          OPERATOR(pg_catalog.=) ANY (ARRAY['on', 'true', 'tru', 'tr', 't', 'yes', 'ye', 'y', '1']));
 END
 $fn$;
 
@@ -2085,7 +2069,8 @@ BEGIN
                 WHEN x.key_secret IS NULL THEN pg_catalog.encode(pg_catalog.sha256(pg_catalog.convert_to(p_key, 'UTF8')), 'hex')
            END AS stored,
            r.max_response_size,
-           -- _p_audit: the role's row, or idempotency.audit set on by ALTER ROLE or ALTER DATABASE
+           -- Whether the role is audited: its row, or idempotency.audit set on by ALTER ROLE or
+           -- ALTER DATABASE (spelled as PostgreSQL spells on, without spaces)
            r.audit IS TRUE OR EXISTS (
                SELECT FROM pg_catalog.pg_db_role_setting AS s
                 WHERE s.setdatabase OPERATOR(pg_catalog.=) ANY (ARRAY[(SELECT d.oid FROM pg_catalog.pg_database AS d
@@ -2093,8 +2078,8 @@ BEGIN
                   AND s.setrole OPERATOR(pg_catalog.=) ANY (ARRAY[a.role, 0]::pg_catalog.oid[])
                   AND EXISTS (SELECT FROM pg_catalog.unnest(s.setconfig) AS e(entry)
                                WHERE pg_catalog.lower(pg_catalog.split_part(e.entry, '=', 1)) OPERATOR(pg_catalog.=) 'idempotency.audit'
-                                 AND pg_catalog.lower(pg_catalog.btrim(pg_catalog.substr(e.entry,
-                                       pg_catalog.strpos(e.entry, '=') OPERATOR(pg_catalog.+) 1)))
+                                 AND pg_catalog.lower(pg_catalog.substr(e.entry,
+                                       pg_catalog.strpos(e.entry, '=') OPERATOR(pg_catalog.+) 1))
                                      OPERATOR(pg_catalog.=) ANY (ARRAY['on', 'true', 'tru', 'tr', 't', 'yes', 'ye', 'y', '1']))) AS audit
       INTO c
       FROM (SELECT pg_catalog.to_regrole(pg_catalog.quote_ident(SESSION_USER))::pg_catalog.oid AS role) AS a

@@ -563,3 +563,51 @@ def test_default_durations_every_claim_would_refuse_are_refused_when_set(connect
     out = db.execute("SELECT outcome::text, expires_at > now() + interval '3650 days' "
                      "FROM idempotency.claim('ttl-max')").fetchone()
     assert out == ("new", True)
+
+
+@pytest.mark.parametrize("setting,value,message", [
+    ("idempotency.audit", "abc", 'parameter "idempotency.audit" requires a Boolean value'),
+    ("idempotency.max_response_size", "0", "0 kB is outside the valid range for parameter "
+                                           '"idempotency.max_response_size" (1{u} .. 1048576{u})'),
+    ("idempotency.default_ttl", "3652d", "315532800 s is outside the valid range for parameter "
+                                         '"idempotency.default_ttl" (1{u} .. 315446400{u})'),
+])
+def test_a_bad_value_an_administrator_set_warns_and_the_default_applies(connect, setting, value, message):
+    """ALTER ROLE ... SET takes any value for a setting no library defines (the portable edition,
+    or the native one before its library is loaded); where the native library is loaded it
+    refuses the value. A session of that role then gets a warning and the setting's default, as
+    natively where the library loads (the portable edition refused every call)."""
+    admin = connect()
+    database = admin.execute("SELECT current_database()").fetchone()[0]
+    unit = {"idempotency.max_response_size": " kB", "idempotency.default_ttl": " s"}.get(setting, "")
+    message = message.format(u=unit if admin.info.server_version >= 170000 else "")
+    try:
+        admin.execute(f"ALTER ROLE postgres IN DATABASE {database} SET {setting} = '{value}'")
+    except psycopg.Error as e:
+        # The library is loaded here (preloaded): the value is refused when it is set.
+        assert (e.sqlstate, e.diag.message_primary) == ("22023", message)
+        return
+    try:
+        session = connect()
+        warnings = []
+        session.add_notice_handler(lambda d: warnings.append(d.message_primary)
+                                   if d.severity_nonlocalized == "WARNING" else None)
+        row = session.execute("SELECT outcome::text, token, expires_at < now() + interval '2 days' "
+                              "FROM idempotency.claim('admin-bad')").fetchone()
+        assert row[0] == "new" and row[2] is True, row  # the default TTL: one day
+        session.execute("SELECT idempotency.complete('admin-bad', jsonb_build_object('r', repeat('x', 5000)), "
+                        "token => %s)", (row[1],))
+        assert message in warnings, warnings
+        assert session.execute("SELECT status::text FROM idempotency.idempotency_keys WHERE key = 'admin-bad'"
+                               ).fetchone() == ("completed",)
+        assert session.execute("SELECT count(*) FROM idempotency.audit WHERE key = 'admin-bad'").fetchone()[0] == 0
+        # A bad value the session sets itself is refused (natively by the SET, without the
+        # library by the call that reads it).
+        token = claim(session, "admin-bad-2")[1]
+        with pytest.raises(psycopg.Error) as exc:
+            session.execute(f"SET {setting} = '{value}0'")
+            session.execute("SELECT idempotency.claim('admin-bad-3')")
+            session.execute("SELECT idempotency.complete('admin-bad-2', '{}', token => %s)", (token,))
+        assert exc.value.sqlstate == "22023" and setting in exc.value.diag.message_primary, exc.value
+    finally:
+        admin.execute(f"ALTER ROLE postgres IN DATABASE {database} RESET {setting}")
