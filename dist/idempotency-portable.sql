@@ -1271,21 +1271,6 @@ BEGIN
 END
 $fn$;
 
--- The session user's row of idempotency.role_settings (NULLs: nothing binds it).
-CREATE FUNCTION idempotency._p_role_settings(
-    OUT scope_prefix text, OUT audit boolean, OUT max_response_size integer, OUT max_recovery_point_size integer)
-LANGUAGE plpgsql STABLE
-SET search_path = pg_catalog, pg_temp
-AS $fn$
-BEGIN
-    SELECT r.scope_prefix, r.audit, r.max_response_size, r.max_recovery_point_size
-      INTO scope_prefix, audit, max_response_size, max_recovery_point_size
-      FROM idempotency.role_settings AS r
-     WHERE r.role::pg_catalog.oid OPERATOR(pg_catalog.=)
-           (SELECT a.oid FROM pg_catalog.pg_roles AS a WHERE a.rolname OPERATOR(pg_catalog.=) SESSION_USER);
-END
-$fn$;
-
 -- The scope prefix of this session: its role's row of idempotency.role_settings, which binds;
 -- else idempotency.scope_prefix (without the library a session can set that itself: a default,
 -- not a boundary); else '' (every scope).
@@ -1295,8 +1280,8 @@ LANGUAGE plpgsql STABLE
 SET search_path = pg_catalog, pg_temp
 AS $fn$
 BEGIN
-    -- The row of _p_role_settings, read here in the same statement (a nested call costs more
-    -- than the lookup on this path, run by every claim and completion).
+    -- The session user's row of idempotency.role_settings, read in the same statement (a
+    -- nested call costs more than the lookup on this path, run by every claim and completion).
     RETURN COALESCE((SELECT r.scope_prefix FROM idempotency.role_settings AS r
                       WHERE r.role::pg_catalog.oid OPERATOR(pg_catalog.=)
                             (SELECT a.oid FROM pg_catalog.pg_roles AS a WHERE a.rolname OPERATOR(pg_catalog.=) SESSION_USER)),
@@ -1652,15 +1637,9 @@ BEGIN
 END
 $fn$;
 
--- The advisory lock number of a key (a 64-bit hash of scope and stored key).
-CREATE FUNCTION idempotency._p_lock_id(scope text, key text)
-RETURNS bigint
-LANGUAGE sql IMMUTABLE PARALLEL SAFE
-SET search_path = pg_catalog, pg_temp
-AS $fn$
-    SELECT pg_catalog.hashtextextended(pg_catalog.length(scope)::text OPERATOR(pg_catalog.||) ':'
-                                       OPERATOR(pg_catalog.||) scope OPERATOR(pg_catalog.||) key, 5432)
-$fn$;
+-- A key's advisory lock number, its mark: a 64-bit hash of its scope and stored key,
+-- pg_catalog.hashtextextended(length(scope) || ':' || scope || key, 5432), written out where it is
+-- taken ("the key's lock number" there).
 
 -- A write's mark where its first try failed. A claim's check of the key (a shared lock on its
 -- number, released at once) holds the number for an instant: tried again for up to 127 ms
@@ -1704,7 +1683,7 @@ DECLARE
     v_state text := pg_catalog.current_setting('idempotency_portable.marks', true);
     v_count integer := 0;
     v_lock bigint := pg_catalog.hashtextextended(pg_catalog.length(scope)::pg_catalog.text OPERATOR(pg_catalog.||) ':'
-                                   OPERATOR(pg_catalog.||) scope OPERATOR(pg_catalog.||) key, 5432);  -- _p_lock_id
+                                   OPERATOR(pg_catalog.||) scope OPERATOR(pg_catalog.||) key, 5432);  -- the key's lock number
 BEGIN
     IF pg_catalog.split_part(v_state, ':', 1) OPERATOR(pg_catalog.=) v_xact THEN
         v_count := pg_catalog.split_part(v_state, ':', 2)::integer;
@@ -1736,7 +1715,7 @@ SET search_path = pg_catalog, pg_temp
 AS $fn$
 DECLARE
     v_lock bigint := pg_catalog.hashtextextended(pg_catalog.length(scope)::pg_catalog.text OPERATOR(pg_catalog.||) ':'
-                                   OPERATOR(pg_catalog.||) scope OPERATOR(pg_catalog.||) key, 5432);  -- _p_lock_id
+                                   OPERATOR(pg_catalog.||) scope OPERATOR(pg_catalog.||) key, 5432);  -- the key's lock number
 BEGIN
     IF NOT pg_catalog.pg_try_advisory_lock_shared(v_lock) THEN
         RETURN true;
@@ -2267,7 +2246,7 @@ BEGIN
       INTO c
       FROM (SELECT) AS o
       LEFT JOIN idempotency.config AS x ON true
-      -- _stored_key's form of the key, and its _p_lock_id
+      -- _stored_key's form of the key, and its lock number
       CROSS JOIN LATERAL (SELECT CASE WHEN x.key_storage OPERATOR(pg_catalog.=) 'sha256'
                                       THEN pg_catalog.encode(pg_catalog.sha256(pg_catalog.convert_to(claim.key, 'UTF8')), 'hex')
                                       ELSE claim.key END AS stored) AS k

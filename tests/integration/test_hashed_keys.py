@@ -168,7 +168,7 @@ def test_a_lock_number_computed_from_the_key_does_not_hold_a_hashed_key(hashed_c
         db.execute("SELECT idempotency.set_key_storage('sha256')")
         done = claim(db, "order-42", scope="shop")
         db.execute("SELECT idempotency.complete('order-42', '{\"ok\": 1}', scope => 'shop', token => %s)", (done[1],))
-        for key in ("order-42", "order-43"):  # the numbers of the plain keys (_p_lock_id)
+        for key in ("order-42", "order-43"):  # the lock numbers of the plain keys
             other.execute("SELECT pg_advisory_lock(hashtextextended(%s, 5432))", (f"4:shop{key}",))
         assert other.execute("SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND pid = pg_backend_pid()"
                              ).fetchone()[0] == 2
