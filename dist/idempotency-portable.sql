@@ -1063,6 +1063,7 @@ DECLARE
     v_lo integer;
     v_hi integer;
     v_unit text;
+    v_bound_unit text;
     v_message text;
 BEGIN
     IF v_raw IS NULL OR v_raw OPERATOR(pg_catalog.=) '' THEN
@@ -1180,13 +1181,10 @@ BEGIN
                 RETURN v_value::integer;
             END IF;
             v_unit := CASE WHEN unit OPERATOR(pg_catalog.=) '' THEN '' ELSE ' ' OPERATOR(pg_catalog.||) unit END;
+            v_bound_unit := CASE WHEN pg_catalog.current_setting('server_version_num')::integer
+                                      OPERATOR(pg_catalog.>=) 170000 THEN v_unit ELSE '' END;
             v_message := pg_catalog.format('%s%s is outside the valid range for parameter "%s" (%s%s .. %s%s)',
-                                           v_value::integer, v_unit, name, v_lo,
-                                           CASE WHEN pg_catalog.current_setting('server_version_num')::integer
-                                                     OPERATOR(pg_catalog.>=) 170000 THEN v_unit ELSE '' END,
-                                           v_hi,
-                                           CASE WHEN pg_catalog.current_setting('server_version_num')::integer
-                                                     OPERATOR(pg_catalog.>=) 170000 THEN v_unit ELSE '' END);
+                                           v_value::integer, v_unit, name, v_lo, v_bound_unit, v_hi, v_bound_unit);
         ELSE
             v_hint := 'Value exceeds integer range.';
         END IF;
@@ -1245,22 +1243,21 @@ LANGUAGE plpgsql STABLE PARALLEL SAFE
 SET search_path = pg_catalog, pg_temp
 AS $fn$
 DECLARE
-    v text := pg_catalog.lower(pg_catalog.current_setting(name, true));
+    v_raw text := pg_catalog.current_setting(name, true);
+    v text := pg_catalog.lower(v_raw);
     n integer := pg_catalog.length(v);
 BEGIN
     IF v IS NULL OR v OPERATOR(pg_catalog.=) '' THEN
         RETURN false;  -- unset (a placeholder reset, or never set, reads '' or nothing)
-    ELSIF n OPERATOR(pg_catalog.>) 0
-          AND (v OPERATOR(pg_catalog.=) pg_catalog.left('true', n) OR v OPERATOR(pg_catalog.=) pg_catalog.left('yes', n)
-               OR n OPERATOR(pg_catalog.>=) 2 AND v OPERATOR(pg_catalog.=) pg_catalog.left('on', n) OR v OPERATOR(pg_catalog.=) '1') THEN
+    ELSIF v OPERATOR(pg_catalog.=) pg_catalog.left('true', n) OR v OPERATOR(pg_catalog.=) pg_catalog.left('yes', n)
+          OR n OPERATOR(pg_catalog.>=) 2 AND v OPERATOR(pg_catalog.=) pg_catalog.left('on', n) OR v OPERATOR(pg_catalog.=) '1' THEN
         RETURN true;
-    ELSIF n OPERATOR(pg_catalog.>) 0
-          AND (v OPERATOR(pg_catalog.=) pg_catalog.left('false', n) OR v OPERATOR(pg_catalog.=) pg_catalog.left('no', n)
-               OR n OPERATOR(pg_catalog.>=) 2 AND v OPERATOR(pg_catalog.=) pg_catalog.left('off', n) OR v OPERATOR(pg_catalog.=) '0') THEN
+    ELSIF v OPERATOR(pg_catalog.=) pg_catalog.left('false', n) OR v OPERATOR(pg_catalog.=) pg_catalog.left('no', n)
+          OR n OPERATOR(pg_catalog.>=) 2 AND v OPERATOR(pg_catalog.=) pg_catalog.left('off', n) OR v OPERATOR(pg_catalog.=) '0' THEN
         RETURN false;
     END IF;
     -- (An administrator's value: natively a warning where the library loads, and off.)
-    IF pg_catalog.current_setting(name, true) IS NOT DISTINCT FROM idempotency._p_admin_setting(name) THEN
+    IF v_raw IS NOT DISTINCT FROM idempotency._p_admin_setting(name) THEN
         RAISE WARNING USING ERRCODE = 'invalid_parameter_value',
             MESSAGE = pg_catalog.format('parameter "%s" requires a Boolean value', name);
         RETURN false;
