@@ -1190,6 +1190,7 @@ DECLARE
     v_token bigint;
     v_expires_at timestamptz;
     v_set text;
+    v_lock bigint;
 BEGIN
     IF pg_catalog.getdatabaseencoding() OPERATOR(pg_catalog.<>) 'UTF8' THEN
         -- Keys, scopes and requests are checked as Unicode first (_canon_unicode).
@@ -1204,41 +1205,32 @@ BEGIN
            AND x.key_secret IS NULL AS ok,
            -- Neither ttl nor lease given nor set (or set to what the native edition shows for
            -- its defaults): one day and five minutes, which pass every check of _p_ttl_and_lease.
+           -- (A default spelled otherwise, ' 1d' or '24h', takes _p_ttl_and_lease.)
            claim.ttl IS NULL AND claim.lease IS NULL
-           AND COALESCE(pg_catalog.btrim(pg_catalog.current_setting('idempotency.default_ttl', true)), '')
+           AND COALESCE(pg_catalog.current_setting('idempotency.default_ttl', true), '')
                OPERATOR(pg_catalog.=) ANY ('{"",1d}'::pg_catalog.text[])
-           AND COALESCE(pg_catalog.btrim(pg_catalog.current_setting('idempotency.default_lease', true)), '')
+           AND COALESCE(pg_catalog.current_setting('idempotency.default_lease', true), '')
                OPERATOR(pg_catalog.=) ANY ('{"",5min}'::pg_catalog.text[]) AS defaults,
-           k.stored, pg_catalog.sha256(pg_catalog.convert_to(f.canon, 'UTF8')) AS hash,
+           k.stored, f.hash,
            r.key IS NOT NULL AS found, r.token, r.request_hash,
-           -- The answer without a write (replay, in_progress), given where nothing may fail
-           -- before it (ok and defaults, not in a read-only transaction, the request's hash
-           -- known) and the row is live, of the same request and not marked by another open
-           -- transaction (_p_marked).
-           CASE WHEN r.expires_at OPERATOR(pg_catalog.>) pg_catalog.now()
-                     AND (r.status OPERATOR(pg_catalog.=) 'completed'::idempotency.key_status
-                          OR r.locked_until OPERATOR(pg_catalog.>) pg_catalog.now())
-                     AND (r.request_hash IS NULL OR claim.request IS NULL
-                          OR r.request_hash OPERATOR(pg_catalog.=) pg_catalog.sha256(pg_catalog.convert_to(f.canon, 'UTF8')))
-                     AND pg_catalog.current_setting('transaction_read_only') OPERATOR(pg_catalog.=) 'off'
-                     AND pg_catalog.pg_try_advisory_lock_shared(l.lock) AND pg_catalog.pg_advisory_unlock_shared(l.lock)
-                THEN CASE WHEN r.status OPERATOR(pg_catalog.=) 'completed'::idempotency.key_status
-                          THEN ROW('replay', r.token, r.response, r.response_status, NULL, r.expires_at, NULL)::idempotency.claim_result
-                          ELSE ROW('in_progress', NULL, NULL, NULL,
-                                   GREATEST(r.locked_until OPERATOR(pg_catalog.-) pg_catalog.now(), '1 second'::pg_catalog.interval),
-                                   r.expires_at, r.recovery_point)::idempotency.claim_result END
-           END AS answer,
-           l.lock
+           -- Whether the row can be answered without a write (replay, in_progress): live, of
+           -- the same request, and not in a read-only transaction. The answer itself, and the
+           -- test of the key's mark, are written after the statement, where only the branch a
+           -- call takes is prepared (each expression of a statement is prepared in every
+           -- transaction, the branches of a CASE included).
+           r.expires_at OPERATOR(pg_catalog.>) pg_catalog.now()
+           AND (r.status OPERATOR(pg_catalog.=) 'completed'::idempotency.key_status
+                OR r.locked_until OPERATOR(pg_catalog.>) pg_catalog.now())
+           AND (r.request_hash IS NULL OR claim.request IS NULL OR r.request_hash OPERATOR(pg_catalog.=) f.hash)
+           AND pg_catalog.current_setting('transaction_read_only') OPERATOR(pg_catalog.=) 'off' AS live,
+           r.status, r.response, r.response_status, r.locked_until, r.expires_at, r.recovery_point
       INTO c
       FROM (SELECT) AS o
       LEFT JOIN idempotency.config AS x ON true
-      -- _stored_key's form of the key, and its lock number
+      -- _stored_key's form of the key
       CROSS JOIN LATERAL (SELECT CASE WHEN x.key_storage OPERATOR(pg_catalog.=) 'sha256'
                                       THEN pg_catalog.encode(pg_catalog.sha256(pg_catalog.convert_to(claim.key, 'UTF8')), 'hex')
                                       ELSE claim.key END AS stored) AS k
-      CROSS JOIN LATERAL (SELECT pg_catalog.hashtextextended(pg_catalog.length(claim.scope)::pg_catalog.text
-                                     OPERATOR(pg_catalog.||) ':' OPERATOR(pg_catalog.||) claim.scope
-                                     OPERATOR(pg_catalog.||) k.stored, 5432) AS lock) AS l
       LEFT JOIN idempotency.role_settings AS p
              ON p.role::pg_catalog.oid OPERATOR(pg_catalog.=) pg_catalog.to_regrole(pg_catalog.quote_ident(SESSION_USER))::pg_catalog.oid
       -- The key's row through its index, whatever the estimates of the joins (the key's form
@@ -1248,22 +1240,47 @@ BEGIN
             AND r.key OPERATOR(pg_catalog.=) CASE WHEN (SELECT y.key_storage FROM idempotency.config AS y) OPERATOR(pg_catalog.=) 'sha256'
                                                   THEN pg_catalog.encode(pg_catalog.sha256(pg_catalog.convert_to(claim.key, 'UTF8')), 'hex')
                                                   ELSE claim.key END
-      -- _canon_text's form of an object of scalars (its test in exact mode; NULL: another
-      -- document, or none, or {}).
-      CROSS JOIN (SELECT '{' OPERATOR(pg_catalog.||) pg_catalog.string_agg(
+      -- The SHA-256 of _canon_text's form of an object of scalars, in exact mode (NULL: another
+      -- document, or none, or {}). Members are in UTF-16 order where no character of
+      -- U+E000..U+FFFF (which UTF-16 puts after the characters above U+FFFF) is written: one
+      -- regular expression on the text (a string value with one takes the general path too,
+      -- which gives the same bytes), where a jsonpath test of each member name cost more than
+      -- the whole aggregate. The aggregate is written twice and computed once.
+      CROSS JOIN (SELECT CASE WHEN pg_catalog.string_agg(
                              pg_catalog.to_json(e.key)::pg_catalog.text OPERATOR(pg_catalog.||) ':'
                              OPERATOR(pg_catalog.||) CASE WHEN pg_catalog.jsonb_typeof(e.value) OPERATOR(pg_catalog.=) 'number'
                                                                AND pg_catalog.strpos(e.value::pg_catalog.text, '.') OPERATOR(pg_catalog.>) 0
                                                           THEN pg_catalog.rtrim(pg_catalog.rtrim(e.value::pg_catalog.text, '0'), '.')
                                                           ELSE e.value::pg_catalog.text END, ','
-                             ORDER BY e.key COLLATE pg_catalog."C") OPERATOR(pg_catalog.||) '}' AS canon
+                             ORDER BY e.key COLLATE pg_catalog."C") COLLATE pg_catalog."C"
+                                   OPERATOR(pg_catalog.!~) ('[' OPERATOR(pg_catalog.||) pg_catalog.chr(57344) OPERATOR(pg_catalog.||) '-'
+                                                            OPERATOR(pg_catalog.||) pg_catalog.chr(65535) OPERATOR(pg_catalog.||) ']')
+                         THEN pg_catalog.sha256(pg_catalog.convert_to('{' OPERATOR(pg_catalog.||) pg_catalog.string_agg(
+                             pg_catalog.to_json(e.key)::pg_catalog.text OPERATOR(pg_catalog.||) ':'
+                             OPERATOR(pg_catalog.||) CASE WHEN pg_catalog.jsonb_typeof(e.value) OPERATOR(pg_catalog.=) 'number'
+                                                               AND pg_catalog.strpos(e.value::pg_catalog.text, '.') OPERATOR(pg_catalog.>) 0
+                                                          THEN pg_catalog.rtrim(pg_catalog.rtrim(e.value::pg_catalog.text, '0'), '.')
+                                                          ELSE e.value::pg_catalog.text END, ','
+                             ORDER BY e.key COLLATE pg_catalog."C")
+                                                                      OPERATOR(pg_catalog.||) '}', 'UTF8')) END AS hash
                     FROM pg_catalog.jsonb_each(CASE WHEN pg_catalog.jsonb_typeof(claim.request) OPERATOR(pg_catalog.=) 'object'
                                                      AND NOT pg_catalog.jsonb_path_exists(claim.request,
-               'strict $ ? (exists (@.* ? (@.type() == "object" || @.type() == "array" || (@.type() == "number" && (@ >= 1e21 || @ <= -1e21 || (@.floor() != @ && @ > -0.000001 && @ < 0.000001))))) || exists (@.keyvalue() ? (@.key like_regex "[\\uE000-\\uFFFF]")))')
+               'strict $ ? (exists (@.* ? (@.type() == "object" || @.type() == "array" || (@.type() == "number" && (@ >= 1e21 || @ <= -1e21 || (@.floor() != @ && @ > -0.000001 && @ < 0.000001))))))')
                                                     THEN claim.request END) AS e) AS f;
-    -- (c.answer IS NOT NULL would ask for every field to be.)
-    IF c.ok AND c.defaults AND (c.answer).outcome IS NOT NULL THEN
-        RETURN c.answer;
+    -- The key's lock number (its mark).
+    v_lock := pg_catalog.hashtextextended(pg_catalog.length(claim.scope)::pg_catalog.text
+                                          OPERATOR(pg_catalog.||) ':' OPERATOR(pg_catalog.||) claim.scope
+                                          OPERATOR(pg_catalog.||) c.stored, 5432);
+    -- The answer without a write, given where nothing may fail before it (ok and defaults) and
+    -- the key is not marked by another open transaction (_p_marked).
+    IF c.ok AND c.defaults AND c.live
+       AND pg_catalog.pg_try_advisory_lock_shared(v_lock) AND pg_catalog.pg_advisory_unlock_shared(v_lock) THEN
+        IF c.status OPERATOR(pg_catalog.=) 'completed'::idempotency.key_status THEN
+            RETURN ROW('replay', c.token, c.response, c.response_status, NULL, c.expires_at, NULL)::idempotency.claim_result;
+        END IF;
+        RETURN ROW('in_progress', NULL, NULL, NULL,
+                   GREATEST(c.locked_until OPERATOR(pg_catalog.-) pg_catalog.now(), '1 second'::pg_catalog.interval),
+                   c.expires_at, c.recovery_point)::idempotency.claim_result;
     END IF;
     IF NOT c.ok THEN
         -- A check fails (raised there), or the store keeps keyed hashes.
@@ -1295,7 +1312,7 @@ BEGIN
         v_count := CASE WHEN pg_catalog.split_part(v_state, ':', 1) OPERATOR(pg_catalog.=) v_xact
                         THEN pg_catalog.split_part(v_state, ':', 2)::pg_catalog.int4 ELSE 0 END;
         IF v_count OPERATOR(pg_catalog.<) 1000 THEN
-            v_marked := pg_catalog.pg_try_advisory_xact_lock(c.lock);
+            v_marked := pg_catalog.pg_try_advisory_xact_lock(v_lock);
             IF v_marked THEN
                 v_set := pg_catalog.set_config('idempotency_portable.marks',
                                                v_xact OPERATOR(pg_catalog.||) ':' OPERATOR(pg_catalog.||) (v_count OPERATOR(pg_catalog.+) 1), false);
@@ -1303,7 +1320,7 @@ BEGIN
         ELSE
             -- Not marked (the transaction's first 1000 keys are); a key another transaction
             -- marked is still refused.
-            v_marked := pg_catalog.pg_try_advisory_lock_shared(c.lock) AND pg_catalog.pg_advisory_unlock_shared(c.lock);
+            v_marked := pg_catalog.pg_try_advisory_lock_shared(v_lock) AND pg_catalog.pg_advisory_unlock_shared(v_lock);
         END IF;
         IF v_marked THEN
             v_set := pg_catalog.set_config('idempotency_portable.marked', 'on', true);

@@ -352,6 +352,8 @@ CLAIM_REQUESTS = [
     '{}', '{"a": {}}', '{"a": [1], "b": 2}', '[1, 2]', '"text"', '7', 'null',
     '{"amount": 12.50, "currency": "EUR", "rate": 0.000001, "fee": -0.0000015, "total": 1.000}',
     '{"amount": 999999999999999999999.90, "z": 0.000}',
+    '{"s": "\\uff21\\uff22", "a": 1}', '{"\\uefff": 1, "\\ud7ff": 2, "\\ud83d\\ude00": 3, "\\ue000x": 4}',
+    '{"s": "\\ud83d\\ude00\\ue000", "\\u00e9": "\\uffff"}',
 ]
 
 # Pairs of requests for one key: the same request in another spelling (claim answers
@@ -363,6 +365,7 @@ CLAIM_PAIRS = [
     ('{"n": 1}', '{"n": 1.5}', False), ('{"n": 1}', '[1]', False), ('{"a": 1, "b": 2}', '{"a": 1, "bb": 2}', False),
     ('{"n": 12.5, "c": "EUR"}', '{"c": "EUR", "n": 12.50}', True), ('{"n": 12.5}', '{"n": 12.05}', False),
     ('{"n": 0.000001}', '{"n": 1e-6}', True), ('{"n": 0.5}', '{"n": 0.50000000000000000001}', False),
+    ('{"s": "\\uff21", "n": 1}', '{"n": 1, "s": "\uff21"}', True), ('{"s": "\\uff21"}', '{"s": "\\uff22"}', False),
 ]
 
 
