@@ -2136,7 +2136,10 @@ BEGIN
     END IF;
     -- (A value of idempotency.audit that is not a Boolean is refused even where the role's row
     -- audits: natively its SET is.)
-    IF pg_catalog.current_setting('idempotency.audit', true) IS NOT NULL AND idempotency._p_setting_on('idempotency.audit')
+    -- ('off', the native edition's default where its library loads, and '' or nothing, unset,
+    -- are off without the call.)
+    IF COALESCE(pg_catalog.current_setting('idempotency.audit', true), '') OPERATOR(pg_catalog.<>) ALL ('{"",off}'::pg_catalog.text[])
+       AND idempotency._p_setting_on('idempotency.audit')
        OR c.audit THEN
         INSERT INTO idempotency.audit
                (scope, key, key_is_hash, request_hash, token, response_status, completed_at, completed_by)

@@ -513,7 +513,8 @@ def test_idempotency_audit_is_read_as_postgresql_reads_a_boolean(connect):
     nothing. The portable edition took 'abc' as off and completed without an audit row."""
     db = connect()
     db.execute("SELECT idempotency.canonical_json('{}')")  # loads the library: the setting is defined
-    for value, audited in (("ON", True), ("ye", True), ("1", True), ("of", False), ("n", False), ("0", False)):
+    for value, audited in (("ON", True), ("ye", True), ("1", True), ("of", False), ("n", False), ("0", False),
+                           ("on", True), ("off", False), ("OFF", False)):
         key = f"audit-{value}"
         token = claim(db, key)[1]
         db.execute(f"SET idempotency.audit = '{value}'")
