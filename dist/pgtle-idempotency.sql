@@ -2249,7 +2249,8 @@ BEGIN
       -- U+E000..U+FFFF (which UTF-16 puts after the characters above U+FFFF) is written: one
       -- regular expression on the text (a string value with one takes the general path too,
       -- which gives the same bytes), where a jsonpath test of each member name cost more than
-      -- the whole aggregate. The aggregate is written twice and computed once.
+      -- the whole aggregate. The aggregate is written twice and computed once (a subquery that
+      -- names it once adds a plan node, which costs more).
       CROSS JOIN (SELECT CASE WHEN pg_catalog.string_agg(
                              pg_catalog.to_json(e.key)::pg_catalog.text OPERATOR(pg_catalog.||) ':'
                              OPERATOR(pg_catalog.||) CASE WHEN pg_catalog.jsonb_typeof(e.value) OPERATOR(pg_catalog.=) 'number'
