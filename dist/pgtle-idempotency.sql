@@ -460,8 +460,9 @@ BEGIN
             -- Of scalars, its numbers below 10^21 in magnitude, integers or not below 10^-6 in
             -- exact mode (integers below 10^15 in 'rfc8785' mode; 1.0 is 1), no member name with a character of
             -- U+E000..U+FFFF: one jsonpath test (no row per member to test). claim has a copy
-            -- of the exact mode's test and of the statement below: a change here changes that
-            -- copy too.
+            -- of the exact mode's test of members and of the statement below (a change here
+            -- changes that copy too); it tests member names by one regular expression on the
+            -- text it writes instead, which costs it less than the jsonpath's test of each name.
             IF NOT (CASE WHEN exact THEN pg_catalog.jsonb_path_exists(doc,
                    'strict $ ? (exists (@.* ? (@.type() == "object" || @.type() == "array" || (@.type() == "number" && (@ >= 1e21 || @ <= -1e21 || (@.floor() != @ && @ > -0.000001 && @ < 0.000001))))) || exists (@.keyvalue() ? (@.key like_regex "[\uE000-\uFFFF]")))')
                         ELSE pg_catalog.jsonb_path_exists(doc,
