@@ -17,7 +17,11 @@ export interface ConnectionOptions {
   poolSize?: number;
   /** application_name of the package's own pool (default 'pg-idempotency'). */
   applicationName?: string;
-  /** How long (ms) a statement is repeated after lost connections (default 30000). */
+  /**
+   * How long (ms) a statement is repeated on new connections after lost ones (default 30000). The
+   * statements that finish a claim (complete, checkpoint, release) are repeated for as long as the
+   * claim's lease lasts, if that is longer.
+   */
   reconnectTimeout?: number;
   /** Told of every lost connection: a statement about to be repeated, an idle connection of the package's own pool dropped. */
   onConnectionLost?: (err: Error) => void;

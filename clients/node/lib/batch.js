@@ -128,7 +128,7 @@ function idempotentBatch(handler, options = {}) {
             const release = typeof releaseOnError === 'function' ? releaseOnError(err) : releaseOnError;
             if (release) {
               try {
-                await db.release(d, { key: keys[i], scope, token: c.token });
+                await db.release(d, { key: keys[i], scope, token: c.token, leaseEnd: c.leaseEnd });
               } catch (releaseErr) {
                 if (err && typeof err === 'object') err.releaseError = releaseErr; // the lease ends it
               }
@@ -176,16 +176,19 @@ function idempotentBatch(handler, options = {}) {
   return processBatch;
 }
 
-// complete_many for the handled positions; when it is refused (one position taken over or
-// completed, or our own complete_many committed before its connection was lost), one by one.
-// Returns the positions refused (IK002/IK003), to be claimed again, and those whose claim was gone
-// (IK001), as idempotent() does.
+// complete_many for the handled positions (repeated after lost connections while the shortest
+// lease lasts); when it is refused (one position taken over or completed, or our own
+// complete_many committed before its connection was lost), one by one: a position whose stored
+// completion is our own (IK002 for our token) stays done. Returns the positions refused
+// (IK002/IK003), to be claimed again, and those whose claim was gone (IK001), as idempotent() does.
 async function complete(d, done, keys, scope, ttl, status) {
   if (done.length === 0) return { again: [], expired: [] };
+  const ends = done.map(([, c]) => c.leaseEnd).filter((e) => e !== null && e !== undefined);
+  const leaseEnd = ends.length ? Math.min(...ends) : null;
   try {
     await db.completeMany(d, {
       keys: done.map(([i]) => keys[i]), responses: done.map(([, , t]) => t),
-      statuses: done.map(() => status), scope, tokens: done.map(([, c]) => c.token), ttl,
+      statuses: done.map(() => status), scope, tokens: done.map(([, c]) => c.token), ttl, leaseEnd,
     });
     return { again: [], expired: [] };
   } catch (err) {
@@ -194,8 +197,9 @@ async function complete(d, done, keys, scope, ttl, status) {
   const refused = []; const expired = [];
   for (const [i, c, text] of done) {
     try {
-      await db.complete(d, { key: keys[i], response: text, status, scope, token: c.token, ttl });
+      await db.complete(d, { key: keys[i], response: text, status, scope, token: c.token, ttl, leaseEnd: c.leaseEnd });
     } catch (err) {
+      if (err.code === 'IK002' && await db.ownCompletion(d, { key: keys[i], scope, token: c.token }) !== null) continue;
       if (db.fenced(err)) refused.push(i);
       else if (err.code === 'IK001') expired.push(i);
       else throw err;

@@ -6,15 +6,18 @@
 
 const { IdempotencyError, FencedError } = require('./errors');
 
+// Errors that say the connection broke, not that the statement was refused: the statement may or
+// may not have run, and repeating it on another connection is safe. SQLSTATE class 08 covers
+// PgBouncer's own errors as well (08P01: 'server conn crashed?', 'pgbouncer cannot connect to
+// server', 'query_wait_timeout').
 const LOST_CODES = new Set([
   '57P01', '57P02', '57P03', // admin shutdown, crash shutdown, cannot connect now (starting up)
-  '08000', '08001', '08003', '08004', '08006', // connection exceptions
   'ECONNRESET', 'ECONNREFUSED', 'ENOENT', 'EPIPE', 'ETIMEDOUT', 'EHOSTUNREACH', 'ENETUNREACH',
 ]);
 
 function connectionLost(err) {
-  return Boolean(err) && (LOST_CODES.has(err.code) ||
-    /Connection terminated|not queryable|Client was closed|Connection ended|timeout exceeded when trying to connect/i
+  return Boolean(err) && (LOST_CODES.has(err.code) || /^08[0-9A-Z]{3}$/.test(String(err.code)) ||
+    /Connection terminated|not queryable|Client was closed|Connection ended|timeout exceeded when trying to connect|server conn crashed|server closed the connection unexpectedly/i
       .test(String(err.message)));
 }
 
@@ -39,8 +42,17 @@ function checkKey(key, what = 'key') {
 const CLAIM_COLUMNS = `c.outcome::text AS outcome, c.token::text AS token, c.response, c.response_status,
        extract(epoch FROM c.retry_after)::float8 AS retry_after, c.expires_at, c.recovery_point`;
 
+// The length (seconds) of the lease a new claim got, given the claim's ttl and lease parameters:
+// the lease, or least(default_lease, ttl) as the extension computes it when none is passed (NULL
+// where those settings are not defined). The completion of the claim is repeated after lost
+// connections for as long as the lease lasts (Db.until). Evaluated after the claim (the select
+// list of its row), so the extension's settings are defined by then.
+const leaseSeconds = (ttl, lease) => `extract(epoch FROM coalesce(${lease}::interval,
+       least(current_setting('idempotency.default_lease', true)::interval,
+             coalesce(${ttl}::interval, current_setting('idempotency.default_ttl', true)::interval))))::float8 AS lease_seconds`;
+
 // The claim of the leased style and of the one-transaction helper. `request` is JSON text or null.
-const CLAIM_SQL = `SELECT ${CLAIM_COLUMNS}
+const CLAIM_SQL = `SELECT ${CLAIM_COLUMNS}, ${leaseSeconds('$4', '$5')}
   FROM idempotency.claim($1, $2::jsonb, scope => $3, ttl => $4::interval, lease => $5::interval) c`;
 
 function claimRow(row) {
@@ -52,6 +64,10 @@ function claimRow(row) {
     retryAfter: row.retry_after === null ? null : Math.max(1, Math.ceil(row.retry_after)),
     expiresAt: row.expires_at,
     recoveryPoint: row.recovery_point,
+    // When the lease of a new claim ends, by this process' clock (from the answer: a little after
+    // the server's own count began); null when unknown.
+    leaseEnd: row.lease_seconds === null || row.lease_seconds === undefined ? null
+      : Date.now() + row.lease_seconds * 1000,
   };
 }
 
@@ -102,15 +118,24 @@ class Db {
     }
   }
 
+  // How long (ms from now) to repeat a statement that finishes a claim (complete, checkpoint,
+  // release) whose lease ends at `leaseEnd`: until then no other call can take the key over, so
+  // the completion is still ours to store after a pooler or server dropped the connection; at
+  // least `patience`, as every statement.
+  until(leaseEnd) {
+    return Math.max(this.patience, leaseEnd === null || leaseEnd === undefined ? 0 : leaseEnd - Date.now());
+  }
+
   async end() {
     if (this.owned) await this.pool.end();
   }
 }
 
-// The statements, each on a queryable: a Db (repeated on lost connections) or a pg Client/Pool
-// (the caller's transaction: never repeated).
-async function run(q, sql, params) {
-  if (q instanceof Db) return q.query(sql, params);
+// The statements, each on a queryable: a Db (repeated on lost connections, each time on a
+// connection of the pool that is not the broken one) or a pg Client/Pool (the caller's
+// transaction: never repeated). `leaseEnd`: the statement finishes a claim whose lease ends then.
+async function run(q, sql, params, leaseEnd) {
+  if (q instanceof Db) return q.query(sql, params, leaseEnd === undefined ? q.patience : q.until(leaseEnd));
   return (await q.query(sql, params)).rows;
 }
 
@@ -121,7 +146,7 @@ async function claim(q, { key, request, scope, ttl, lease }) {
 
 // idempotency.claim_many: one claim row per key, in input order. `requests`: JSON texts or null.
 async function claimMany(q, { keys, requests, scope, ttl, lease }) {
-  const rows = await run(q, `SELECT ${CLAIM_COLUMNS}
+  const rows = await run(q, `SELECT ${CLAIM_COLUMNS}, ${leaseSeconds('$4', '$5')}
   FROM idempotency.claim_many($1::text[], $2::jsonb[], scope => $3, ttl => $4::interval,
                               lease => $5::interval) c
  ORDER BY c.ord`, [keys, requests, scope, ttl, lease]);
@@ -129,11 +154,11 @@ async function claimMany(q, { keys, requests, scope, ttl, lease }) {
 }
 
 // idempotency.complete_many: all or nothing; each new expires_at, in input order.
-async function completeMany(q, { keys, responses, statuses, scope, tokens, ttl }) {
+async function completeMany(q, { keys, responses, statuses, scope, tokens, ttl, leaseEnd }) {
   const rows = await run(q, `SELECT t.e AS expires_at
   FROM idempotency.complete_many($1::text[], $2::jsonb[], response_statuses => $3::int[], scope => $4,
                                  tokens => $5::bigint[], ttl => $6::interval) WITH ORDINALITY AS t(e, i)
- ORDER BY t.i`, [keys, responses, statuses, scope, tokens, ttl]);
+ ORDER BY t.i`, [keys, responses, statuses, scope, tokens, ttl], leaseEnd);
   return rows.map((r) => r.expires_at);
 }
 
@@ -141,27 +166,37 @@ function fenced(err) {
   return err && (err.code === 'IK002' || err.code === 'IK003');
 }
 
-async function complete(q, { key, response, status, scope, token, ttl }) {
+async function complete(q, { key, response, status, scope, token, ttl, leaseEnd }) {
   const rows = await run(q,
     `SELECT idempotency.complete($1, $2::jsonb, $3::int, scope => $4, token => $5::bigint,
                                  ttl => $6::interval) AS expires_at`,
-    [key, response, status, scope, token, ttl]);
+    [key, response, status, scope, token, ttl], leaseEnd);
   return rows[0].expires_at;
 }
 
-async function checkpoint(q, { key, point, scope, token }) {
+// After IK002 (already completed) from a complete with `token`: whether the completion stored is
+// this token's own, that is whether an earlier attempt of the same complete committed and only
+// its answer was lost with the connection (a takeover completes with a larger token). Returns
+// the stored row's expires_at then, else null.
+async function ownCompletion(q, { key, scope, token }) {
+  const rows = await run(q, `SELECT r.expires_at FROM idempotency.lookup($1, $2) r
+    WHERE r.status = 'completed' AND r.token = $3::bigint`, [key, scope, token]);
+  return rows.length ? rows[0].expires_at : null;
+}
+
+async function checkpoint(q, { key, point, scope, token, leaseEnd }) {
   try {
     await run(q, 'SELECT idempotency.checkpoint($1, $2, scope => $3, token => $4::bigint)',
-      [key, point, scope, token]);
+      [key, point, scope, token], leaseEnd);
   } catch (err) {
     if (fenced(err)) throw new FencedError({ key, scope, cause: err });
     throw err;
   }
 }
 
-async function release(q, { key, scope, token }) {
+async function release(q, { key, scope, token, leaseEnd }) {
   const rows = await run(q, 'SELECT idempotency.release($1, scope => $2, token => $3::bigint) AS released',
-    [key, scope, token]);
+    [key, scope, token], leaseEnd);
   return rows[0].released;
 }
 
@@ -190,5 +225,6 @@ function toJsonText(value, what) {
 
 module.exports = {
   Db, connectionLost, interval, checkKey, claim, complete, checkpoint, release, lookupExpires,
-  fenced, toJsonText, sleep, CLAIM_COLUMNS, deriveKey, claimMany, completeMany, run,
+  fenced, toJsonText, sleep, CLAIM_COLUMNS, deriveKey, claimMany, completeMany, run, leaseSeconds,
+  ownCompletion, claimRow,
 };

@@ -23,9 +23,9 @@ const NEVER_REPLAYED = new Set(['content-length', 'date', 'server', 'set-cookie'
 // Rust clients give the same request.
 const FINGERPRINT = (body) => `to_jsonb(encode(idempotency.request_fingerprint($2, $3, $4::text::jsonb, ${body}), 'hex'))`;
 const CLAIM_HTTP = {
-  json: `SELECT ${db.CLAIM_COLUMNS} FROM idempotency.claim($1, ${FINGERPRINT('$5::text::jsonb')},
+  json: `SELECT ${db.CLAIM_COLUMNS}, ${db.leaseSeconds('$7', '$8')} FROM idempotency.claim($1, ${FINGERPRINT('$5::text::jsonb')},
            scope => $6, ttl => $7::interval, lease => $8::interval) c`,
-  bytes: `SELECT ${db.CLAIM_COLUMNS} FROM idempotency.claim($1, ${FINGERPRINT("jsonb_build_object('sha256', encode(sha256($5::bytea), 'hex'))")},
+  bytes: `SELECT ${db.CLAIM_COLUMNS}, ${db.leaseSeconds('$7', '$8')} FROM idempotency.claim($1, ${FINGERPRINT("jsonb_build_object('sha256', encode(sha256($5::bytea), 'hex'))")},
            scope => $6, ttl => $7::interval, lease => $8::interval) c`,
 };
 
@@ -165,7 +165,10 @@ class HttpIdempotency {
         return { action: 'respond', response: HttpIdempotency.decorate(this.dbError(err), echo) };
       }
       if (c.outcome === 'new') {
-        return { action: 'run', ticket: { key, scope, token: c.token, expiresAt: c.expiresAt, rawKey, sql, params } };
+        return {
+          action: 'run',
+          ticket: { key, scope, token: c.token, expiresAt: c.expiresAt, leaseEnd: c.leaseEnd, rawKey, sql, params },
+        };
       }
       if (c.outcome === 'in_progress' && Date.now() < deadline) {
         await db.sleep(Math.min((c.retryAfter ?? 1) * 1000, 200, deadline - Date.now()));
@@ -177,15 +180,7 @@ class HttpIdempotency {
 
   async claim(sql, params, patience) {
     const rows = await this.q.query(sql, params, patience);
-    const r = rows[0];
-    return {
-      outcome: r.outcome,
-      token: r.token,
-      response: r.response,
-      responseStatus: r.response_status,
-      retryAfter: r.retry_after === null ? null : Math.max(1, Math.ceil(r.retry_after)),
-      expiresAt: r.expires_at,
-    };
+    return db.claimRow(rows[0]);
   }
 
   // The answer for replay, in_progress and mismatch.
@@ -232,7 +227,7 @@ class HttpIdempotency {
   // then returned with the idempotency headers. If another request took the key over meanwhile,
   // the stored answer is returned instead.
   async finish(ticket, res) {
-    const { key, scope, token, rawKey } = ticket;
+    const { key, scope, token, rawKey, leaseEnd } = ticket;
     // The live answer is the handler's: the adapter sends it with the headers it set already, so
     // only the idempotency headers go into `out`.
     const out = { status: res.status, headers: {}, body: res.body };
@@ -240,16 +235,26 @@ class HttpIdempotency {
     if (own !== undefined) out.headers['cache-control'] = res.headers[own];
     if (!this.store(res.status)) {
       try {
-        await db.release(this.q, { key, scope, token });
+        await db.release(this.q, { key, scope, token, leaseEnd });
       } catch (err) {
         this.onError(err); // the key stays in progress until its lease ends
       }
       return HttpIdempotency.decorate(out, { rawKey });
     }
     try {
-      const expiresAt = await db.complete(this.q, {
-        key, response: JSON.stringify(pack(res, this.replayHeaders)), status: res.status, scope, token, ttl: this.ttl,
-      });
+      let expiresAt;
+      try {
+        // Repeated on new connections after a lost one (a pooler's server connection gone, a
+        // restart), for as long as the lease lasts.
+        expiresAt = await db.complete(this.q, {
+          key, response: JSON.stringify(pack(res, this.replayHeaders)), status: res.status, scope, token, ttl: this.ttl, leaseEnd,
+        });
+      } catch (err) {
+        // IK002 for our own token: an attempt whose answer was lost with its connection had
+        // committed. The answer stored is this request's: it goes out live, not as a replay.
+        expiresAt = err.code === 'IK002' ? await db.ownCompletion(this.q, { key, scope, token }) : null;
+        if (expiresAt === null) throw err;
+      }
       return HttpIdempotency.decorate(out, { rawKey, expiresAt });
     } catch (err) {
       if (db.fenced(err)) {

@@ -12,19 +12,20 @@ const current = new AsyncLocalStorage();
 
 // What a running function can learn about its claim (currentClaim()), and its checkpoint().
 class Claim {
-  constructor(q, { key, scope, token, recoveryPoint, expiresAt }) {
+  constructor(q, { key, scope, token, recoveryPoint, expiresAt, leaseEnd }) {
     this.key = key;
     this.scope = scope;
     this.token = token;
     this.recoveryPoint = recoveryPoint;
     this.expiresAt = expiresAt;
     Object.defineProperty(this, 'q', { value: q });
+    Object.defineProperty(this, 'leaseEnd', { value: leaseEnd ?? null });
   }
 
   // Records progress (a takeover after a crash gets it back in recoveryPoint). Throws
   // FencedError when another call has taken the key over.
   async checkpoint(point) {
-    await db.checkpoint(this.q, { key: this.key, point, scope: this.scope, token: this.token });
+    await db.checkpoint(this.q, { key: this.key, point, scope: this.scope, token: this.token, leaseEnd: this.leaseEnd });
     this.recoveryPoint = point;
   }
 
@@ -78,7 +79,9 @@ function idempotent(fn, options = {}) {
         continue;
       }
       // new: a first call, or a takeover after the holder's lease ran out (recoveryPoint set).
-      const claim = new Claim(d, { key, scope, token: c.token, recoveryPoint: c.recoveryPoint, expiresAt: c.expiresAt });
+      const claim = new Claim(d, {
+        key, scope, token: c.token, recoveryPoint: c.recoveryPoint, expiresAt: c.expiresAt, leaseEnd: c.leaseEnd,
+      });
       let value;
       try {
         value = await current.run(claim, () => fn(...args));
@@ -87,7 +90,7 @@ function idempotent(fn, options = {}) {
         const release = typeof releaseOnError === 'function' ? releaseOnError(err) : releaseOnError;
         if (release) {
           try {
-            await db.release(d, { key, scope, token: c.token });
+            await db.release(d, { key, scope, token: c.token, leaseEnd: c.leaseEnd });
           } catch (releaseErr) {
             // The key stays in progress until its lease ends; the function's error matters more.
             err.releaseError = releaseErr;
@@ -107,13 +110,24 @@ function idempotent(fn, options = {}) {
         response = JSON.stringify({ [UNSTORABLE]: failure });
       }
       try {
-        const expiresAt = await db.complete(d, { key, response, status: failure === null ? status : 500, scope, token: c.token, ttl });
+        let expiresAt;
+        try {
+          // Repeated on new connections after a lost one, for as long as the lease lasts.
+          expiresAt = await db.complete(d, {
+            key, response, status: failure === null ? status : 500, scope, token: c.token, ttl, leaseEnd: c.leaseEnd,
+          });
+        } catch (err) {
+          // IK002 for our own token: an attempt whose answer was lost with its connection had
+          // committed. The result stored is this call's: it is answered as new, not as a replay.
+          expiresAt = err.code === 'IK002' ? await db.ownCompletion(d, { key, scope, token: c.token }) : null;
+          if (expiresAt === null) throw err;
+        }
         if (failure !== null) throw unstorable(key, scope, failure);
         return { value, outcome: 'new', replayed: false, token: c.token, expiresAt };
       } catch (err) {
         if (err instanceof IdempotencyError && err.code === 'IDEMPOTENCY_UNSTORABLE') throw err;
-        // IK002/IK003: completed or taken over meanwhile (our lease ran out, or our own complete
-        // committed before its connection was lost): claim again for the stored answer.
+        // IK002/IK003: completed or taken over by another call meanwhile (our lease ran out):
+        // claim again for the stored answer.
         if (db.fenced(err)) continue;
         if (err.code === 'IK001') {
           throw new IdempotencyError(`idempotency key '${key}' (scope '${scope}') expired or was forgotten before its result could be stored`,

@@ -10,6 +10,7 @@ const http = require('node:http');
 const path = require('node:path');
 const { spawn } = require('node:child_process');
 const { startCluster } = require('./cluster');
+const { LosingProxy } = require('./losing-proxy');
 
 const sleep = (ms) => new Promise((r) => setTimeout(r, ms));
 
@@ -370,6 +371,30 @@ function httpSuite(name, serve) {
     assert.equal(retry.headers['idempotent-replayed'], undefined);
     assert.ok(BigInt(await token()) > BigInt(first), 'taken over with a larger token');
     assert.equal(app.count('client-7', '"k-13"'), 1);
+  });
+
+  test(`${name}: the answer of complete lost after it committed: the request gets its own live answer, the retry replays`, async () => {
+    const proxy = await new LosingProxy(cluster.config(), 'idempotency.complete($1').start();
+    const lossy = cluster.pool(proxy.config({ user: 'app' }));
+    const server = await serve({ pool: lossy, client: (req) => req.headers['x-client-id'], lease: 10 }, app.handler);
+    try {
+      const r = await post('/orders', '"k-14"', { amount: 2 }, { server, headers: { 'x-test-headers': '1' } });
+      assert.equal(proxy.cut, 1, 'the connection broke after the complete');
+      assert.equal(proxy.seen, 2, 'the complete was sent again');
+      assert.equal(r.status, 201);
+      assert.equal(r.headers['idempotent-replayed'], undefined);
+      assert.equal(r.headers['set-cookie']?.[0], 'session=first-caller', 'the live answer, not the stored one');
+      const expires = await expiresOf('k-14', 'client-7:POST /orders');
+      assert.equal(Date.parse(r.headers['idempotency-expires']), Math.floor(expires.getTime() / 1000) * 1000);
+      const again = await post('/orders', '"k-14"', { amount: 2 }, { server });
+      assert.equal(again.headers['idempotent-replayed'], 'true');
+      assert.ok(again.raw.equals(r.raw));
+      assert.equal(app.count('client-7', '"k-14"'), 1);
+    } finally {
+      await server.close();
+      await lossy.end();
+      await proxy.close();
+    }
   });
 
   test(`${name}: a database restart mid-request: the answer is stored after reconnecting, the retry replays`, async () => {

@@ -81,3 +81,18 @@ test('the query object and the HTTP date', () => {
   assert.deepEqual(queryObject(''), {});
   assert.equal(imfFixdate(new Date('2026-12-01T04:43:01.999Z')), 'Tue, 01 Dec 2026 04:43:01 GMT');
 });
+
+test('a broken connection is told from a refusal: class 08 (PgBouncer too), 57P01-57P03, socket errors; never IK001-IK003', () => {
+  const { connectionLost } = require('../lib/db');
+  const err = (code, message = 'x') => Object.assign(new Error(message), { code });
+  for (const e of [
+    err('08P01', 'server conn crashed?'), err('08P01', 'pgbouncer cannot connect to server'), err('08006'),
+    err('08003'), err('57P01', 'terminating connection due to administrator command'), err('57P02'), err('57P03'),
+    err('ECONNRESET'), err('EPIPE'), new Error('Connection terminated unexpectedly'),
+    new Error('Client has encountered a connection error and is not queryable'),
+    err('XX000', 'server closed the connection unexpectedly'),
+  ]) assert.equal(connectionLost(e), true, `${e.code} ${e.message}`);
+  for (const e of [err('IK001'), err('IK002'), err('IK003'), err('40001'), err('22023'), err('42501'), err(undefined, 'boom'), null]) {
+    assert.equal(connectionLost(e), false, String(e && e.code));
+  }
+});
