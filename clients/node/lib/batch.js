@@ -42,7 +42,8 @@ async function claimMany(q, keys, options = {}) {
   const rows = await db.claimMany(q, {
     keys, requests, scope, ttl: db.interval(options.ttl, 'ttl'), lease: db.interval(options.lease, 'lease'),
   });
-  return rows.map((c, i) => ({ key: keys[i], scope, ...c }));
+  // leaseEnd is for the package's own completion (idempotentBatch), not part of this answer.
+  return rows.map(({ leaseEnd, ...c }, i) => ({ key: keys[i], scope, ...c }));
 }
 
 // completeMany(queryable, keys, responses, options): idempotency.complete_many, all or nothing.
