@@ -11,6 +11,7 @@ const {
   idempotentBatch, claimMany, completeMany, InProgressError, MismatchError, FencedError,
 } = require('..');
 const { startCluster, POOLER } = require('./cluster');
+const { LosingProxy } = require('./losing-proxy');
 
 let cluster;
 let pool;
@@ -163,6 +164,27 @@ test('a terminated backend mid-batch: the statements are repeated on a new conne
     if (POOLER !== 'transaction') assert.ok(lost > 0, 'the terminated connection was seen and the statement repeated');
   } finally {
     await consume.close();
+  }
+});
+
+test("complete_many's answer lost after it committed: the messages stay new, each ran once, a redelivery replays", async () => {
+  const proxy = await new LosingProxy(cluster.config(), 'idempotency.complete_many(').start();
+  const lossy = cluster.pool(proxy.config());
+  const runs = [];
+  const consume = idempotentBatch(async (m) => { runs.push(m.id); return { done: m.id }; },
+    { key: (m) => m.id, scope: 'lost-answer', pool: lossy, lease: 20 });
+  try {
+    const items = await consume([{ id: 'x' }, { id: 'y' }]);
+    assert.equal(proxy.cut, 1, 'the connection broke after complete_many');
+    assert.equal(proxy.seen, 2, 'complete_many was sent again');
+    assert.deepEqual(items.map((it) => [it.outcome, it.value]), [['new', { done: 'x' }], ['new', { done: 'y' }]]);
+    assert.deepEqual((await row('y', 'lost-answer')).response, { done: 'y' });
+    const again = await consume([{ id: 'x' }, { id: 'y' }]);
+    assert.deepEqual(again.map((it) => it.outcome), ['replay', 'replay']);
+    assert.deepEqual(runs, ['x', 'y']);
+  } finally {
+    await lossy.end();
+    await proxy.close();
   }
 });
 
