@@ -1,7 +1,8 @@
 //! Binding settings: what holds for this session's role whatever the role runs. The scope
 //! prefix, the audit switch and the size limits are read from the settings (`guc`) and the
-//! session user's row in `idempotency.role_settings` (`store::role_settings`), trusting a
-//! setting only as far as who set it allows.
+//! session's row in `idempotency.role_settings` (`store::role_settings`: the row of the role set
+//! by `SET ROLE` when it has one, else the login role's), trusting a setting only as far as who
+//! set it allows.
 //!
 //! What binds a role is its row in `idempotency.role_settings` (`store::role_settings`): a table
 //! only the extension's owner writes. PostgreSQL lets a role ALTER ROLE itself for any setting
@@ -55,10 +56,11 @@ pub fn check_scope(scope: &str) {
 }
 
 /// Calls `f` with the session's scope prefix ("" when none): the one `idempotency.role_settings`
-/// binds the session user to, else `idempotency.scope_prefix`, read in place (the setting's
-/// memory stays valid until it is changed, which cannot happen during `f`). Refuses (42501) a
-/// session whose setting may not be the one a superuser set (see [`prefix_untrusted`]), and
-/// (22021) a setting that is not valid text in the database encoding.
+/// binds the session to (the `SET ROLE` role's row, else the login role's), else
+/// `idempotency.scope_prefix`, read in place (the setting's memory stays valid until it is
+/// changed, which cannot happen during `f`). Refuses (42501) a session whose setting may not be
+/// the one a superuser set (see [`prefix_untrusted`]), and (22021) a setting that is not valid
+/// text in the database encoding.
 pub fn with_scope_prefix<R>(f: impl FnOnce(&str) -> R) -> R {
     let bound = crate::store::role_settings();
     if let Some(prefix) = bound.scope_prefix.as_deref() {
@@ -92,7 +94,8 @@ pub fn with_scope_prefix<R>(f: impl FnOnce(&str) -> R) -> R {
 }
 
 /// The largest response `complete` stores, in kB, and what sets it: the lower of
-/// `idempotency.max_response_size` and the session user's limit in `idempotency.role_settings`.
+/// `idempotency.max_response_size` and the limit of the session's row in
+/// `idempotency.role_settings`.
 pub fn max_response_size() -> (i32, &'static str) {
     lower_limit(
         int(&MAX_RESPONSE_SIZE),
@@ -150,7 +153,7 @@ fn prefix_untrusted() -> bool {
 }
 
 /// Whether `complete` writes an audit row: the session's `idempotency.audit`, a superuser's
-/// choice for the session's role and database, or the session user's `audit` in
+/// choice for the session's login role and database, or the `audit` of the session's row in
 /// `idempotency.role_settings` (the only one of them the role cannot undo).
 pub fn audit() -> bool {
     // SAFETY: the GUC machinery keeps the variable valid for the backend's lifetime.

@@ -231,6 +231,7 @@ pub mod raw {
     // calls too (`super::wait_latch`, with flags under which WaitLatch raises none).
     declare! {
         fn GetUserId() -> pg_sys::Oid;
+        fn GetOuterUserId() -> pg_sys::Oid;
         fn GetSessionUserId() -> pg_sys::Oid;
         fn GetCurrentTransactionStartTimestamp() -> pg_sys::TimestampTz;
         fn WaitLatch(

@@ -10,8 +10,9 @@
 //!   made it;
 //! - [`catalog`]: facts about the table read from the catalog and cached per backend (its
 //!   columns and their positions, the access checks, the key storage mode, whether direct
-//!   writes are allowed), the session user's row of `idempotency.role_settings` (the settings
-//!   that bind it, read by `guc`) and the search-path pin.
+//!   writes are allowed), the session's row of `idempotency.role_settings` (the settings that
+//!   bind it: the `SET ROLE` role's row, else the login role's; read by `binding`) and the
+//!   search-path pin.
 //!
 //! Calls flow one way: algorithm -> SQL or heap -> catalog, never back up. The catalog calls
 //! neither `sql` nor `heap` (it reads the catalog with queries of its own), `sql` and `heap`

@@ -1,9 +1,9 @@
 //! Facts about the store table read from the catalog, cached per backend: its OIDs and column
 //! positions ([`columns`]: the one definition of its columns), whether its columns are of the
 //! types the below-SQL access reads and writes, the access checks, the key storage mode
-//! ([`key_storage`]) and whether direct writes are allowed ([`direct`]); the session user's row
-//! of `idempotency.role_settings` ([`role_settings`]). And the search-path pin the statements
-//! run under.
+//! ([`key_storage`]) and whether direct writes are allowed ([`direct`]); the session's row of
+//! `idempotency.role_settings` ([`role_settings`]: the `SET ROLE` role's, else the login
+//! role's). And the search-path pin the statements run under.
 //!
 //! The bottom layer of the store: it calls neither `sql` nor `heap`.
 

@@ -1,9 +1,18 @@
-//! The settings that bind the session's login role (`idempotency.role_settings`, kept by the
+//! The settings that bind the session's role (`idempotency.role_settings`, kept by the
 //! extension's owner), read once and cached per backend until the table changes.
+//!
+//! Which row binds: that of the role the session switched to with `SET ROLE` (also `SET LOCAL
+//! ROLE`, `set_config('role', ...)`, a function's `SET role` clause or a `role` startup option:
+//! PostgreSQL's outer user, which a SECURITY DEFINER function does not change) when that role
+//! has a row, else the login role's (the session user, which `SET SESSION AUTHORIZATION`
+//! changes). A pooler or a service role (PgBouncer's `user=`, PostgREST's authenticator) logs
+//! every client in as one role and switches to each client's role per transaction: the switched
+//! role's row binds it. A switch to a role without a row keeps the login role's row, so a role
+//! never leaves its binding by switching.
 //!
 //! The table's statement-level trigger (`_role_settings_changed`) invalidates the table's
 //! relation cache entry; the invalidation reaches every backend when the changing transaction
-//! commits (and this backend at once), and [`forget`] drops the cached row. The row is read
+//! commits (and this backend at once), and [`forget`] drops the cached rows. A row is read
 //! with a fresh snapshot (the catalog snapshot, as the server's own caches read the catalog),
 //! not the transaction's: a REPEATABLE READ transaction that started before the change would
 //! otherwise cache the old row after the invalidation came in, for the rest of the session.
@@ -15,7 +24,7 @@ use pgrx::PgSqlErrorCode;
 use std::cell::{Cell, RefCell};
 use std::rc::Rc;
 
-/// The session user's row (all None/false: no row, nothing bound).
+/// The row that binds the session (all None/false: no row, nothing bound).
 #[derive(Default, Debug)]
 pub struct RoleSettings {
     /// In UTF-8 (converted from the database encoding).
@@ -27,13 +36,20 @@ pub struct RoleSettings {
     pub max_recovery_point_size: Option<i32>,
 }
 
+/// The settings found for one pair of the role set by `SET ROLE` (the outer user) and the
+/// login role (the session user).
 struct Cached {
-    role: pg_sys::Oid,
+    outer: pg_sys::Oid,
+    session: pg_sys::Oid,
     settings: Rc<RoleSettings>,
 }
 
-static CACHED: crate::local::BackendLocal<RefCell<Option<Cached>>> =
-    crate::local::BackendLocal::new(RefCell::new(None));
+/// How many pairs are kept: a pooled session switches among a few roles, one per transaction;
+/// beyond this many the oldest pair is read again when it comes back.
+const CACHED_PAIRS: usize = 8;
+
+static CACHED: crate::local::BackendLocal<RefCell<Vec<Cached>>> =
+    crate::local::BackendLocal::new(RefCell::new(Vec::new()));
 /// The table's OID as last looked up (InvalidOid: not yet, or the table does not exist).
 static RELID: crate::local::BackendLocal<Cell<pg_sys::Oid>> =
     crate::local::BackendLocal::new(Cell::new(pg_sys::InvalidOid));
@@ -41,7 +57,7 @@ static RELID: crate::local::BackendLocal<Cell<pg_sys::Oid>> =
 static GENERATION: crate::local::BackendLocal<Cell<u64>> =
     crate::local::BackendLocal::new(Cell::new(0));
 
-/// Called for every relation cache invalidation (see `catalog::forget`): drops the cached row
+/// Called for every relation cache invalidation (see `catalog::forget`): drops the cached rows
 /// when the table's entry, or every entry, is invalidated. Calls no server function.
 pub(super) fn forget(relid: pg_sys::Oid) {
     if relid == pg_sys::InvalidOid || relid == RELID.with(Cell::get) {
@@ -49,24 +65,26 @@ pub(super) fn forget(relid: pg_sys::Oid) {
         // Never borrowed across a server call, so never borrowed here.
         CACHED.with(|c| {
             if let Ok(mut c) = c.try_borrow_mut() {
-                *c = None;
+                c.clear();
             }
         });
     }
 }
 
-// Reads backend state and cannot raise an error: called directly, without pgrx's per-call
-// error boundary (this runs on every claim).
-use crate::compat::raw::GetSessionUserId;
+// Read backend state and cannot raise an error: called directly, without pgrx's per-call error
+// boundary (this runs on every claim).
+use crate::compat::raw::{GetOuterUserId, GetSessionUserId};
 
-/// The settings that bind the session user, from `idempotency.role_settings`.
+/// The settings that bind the session, from `idempotency.role_settings`: the row of the role
+/// set by `SET ROLE` when it has one, else the login role's (see the module's comment).
 pub fn role_settings() -> Rc<RoleSettings> {
-    // SAFETY: reads a backend variable; never raises an error.
-    let role = unsafe { GetSessionUserId() };
+    // SAFETY: read backend variables (set at login, by SET ROLE and by SET SESSION
+    // AUTHORIZATION); never raise an error.
+    let (outer, session) = unsafe { (GetOuterUserId(), GetSessionUserId()) };
     if let Some(s) = CACHED.with(|c| {
         c.borrow()
-            .as_ref()
-            .filter(|c| c.role == role)
+            .iter()
+            .find(|c| c.outer == outer && c.session == session)
             .map(|c| c.settings.clone())
     }) {
         return s;
@@ -80,13 +98,27 @@ pub fn role_settings() -> Rc<RoleSettings> {
         return Rc::new(RoleSettings::default());
     }
     let generation = GENERATION.with(Cell::get);
-    let settings = Rc::new(read(relid, role));
+    let switched = if outer != session {
+        read(relid, outer)
+    } else {
+        None
+    };
+    let settings = Rc::new(
+        switched
+            .or_else(|| read(relid, session))
+            .unwrap_or_default(),
+    );
     if GENERATION.with(Cell::get) == generation {
         CACHED.with(|c| {
-            *c.borrow_mut() = Some(Cached {
-                role,
+            let mut c = c.borrow_mut();
+            if c.len() >= CACHED_PAIRS {
+                c.remove(0);
+            }
+            c.push(Cached {
+                outer,
+                session,
                 settings: settings.clone(),
-            })
+            });
         });
     }
     settings
@@ -101,8 +133,8 @@ fn refuse(what: &str, expected: &str) -> ! {
     )
 }
 
-/// Reads `role`'s row of the table `relid`.
-fn read(relid: pg_sys::Oid, role: pg_sys::Oid) -> RoleSettings {
+/// Reads `role`'s row of the table `relid` (None: the role has no row).
+fn read(relid: pg_sys::Oid, role: pg_sys::Oid) -> Option<RoleSettings> {
     const COLUMNS: [(&std::ffi::CStr, pg_sys::Oid, &str); 5] = [
         (c"role", pg_sys::REGROLEOID, "regrole"),
         (c"scope_prefix", pg_sys::TEXTOID, "text"),
@@ -110,7 +142,7 @@ fn read(relid: pg_sys::Oid, role: pg_sys::Oid) -> RoleSettings {
         (c"max_response_size", pg_sys::INT4OID, "integer"),
         (c"max_recovery_point_size", pg_sys::INT4OID, "integer"),
     ];
-    let mut settings = RoleSettings::default();
+    let mut settings = None;
     // SAFETY: opens the table by the OID the catalog just gave (AccessShareLock, held to the end
     // of the transaction as every reader's; a table dropped meanwhile is a clean ERROR), checks
     // that it is a heap table whose columns are of the types read below, and scans it with a
@@ -163,10 +195,12 @@ fn read(relid: pg_sys::Oid, role: pg_sys::Oid) -> RoleSettings {
                 let n = att[i] - 1;
                 (!nulls[n]).then_some(values[n])
             };
-            settings.scope_prefix = get(1).map(|d| prefix_text(crate::encoding::text_bytes(d)));
-            settings.audit = get(2).is_some_and(|d| d.value() != 0);
-            settings.max_response_size = get(3).map(|d| d.value() as i32);
-            settings.max_recovery_point_size = get(4).map(|d| d.value() as i32);
+            settings = Some(RoleSettings {
+                scope_prefix: get(1).map(|d| prefix_text(crate::encoding::text_bytes(d))),
+                audit: get(2).is_some_and(|d| d.value() != 0),
+                max_response_size: get(3).map(|d| d.value() as i32),
+                max_recovery_point_size: get(4).map(|d| d.value() as i32),
+            });
         }
         pg_sys::systable_endscan(scan);
         pg_sys::table_close(rel, pg_sys::NoLock as pg_sys::LOCKMODE);
