@@ -8,8 +8,12 @@
 --
 -- Settings: the native library defines idempotency.* as settings; without it they are
 -- placeholders that hold text, read here with current_setting(name, true), with the native
--- defaults and units. What binds a role comes from idempotency.role_settings (its session
--- user's row), which the role can neither read nor change, exactly as the native edition reads it.
+-- defaults and units. What binds a role comes from idempotency.role_settings (the row of the role
+-- the session switched to with SET ROLE when it has one, else the session user's), which the role
+-- can neither read nor change, exactly as the native edition reads it. Inside these SECURITY
+-- DEFINER functions CURRENT_USER is the owner; the setting role still names the role SET ROLE
+-- set ('none' when the session did not switch, switched back, or ran SET SESSION AUTHORIZATION),
+-- looked up by name in pg_roles.
 
 -- Helpers ---------------------------------------------------------------------------------------
 
@@ -258,25 +262,31 @@ BEGIN
 END
 $fn$;
 
--- The scope prefix of this session: its role's row of idempotency.role_settings, which binds;
--- else idempotency.scope_prefix (without the library a session can set that itself: a default,
--- not a boundary); else '' (every scope).
+-- The scope prefix of this session: its row of idempotency.role_settings (the SET ROLE role's when
+-- it has one, else the session user's), which binds; else idempotency.scope_prefix (without the
+-- library a session can set that itself: a default, not a boundary); else '' (every scope).
 CREATE FUNCTION idempotency._p_scope_prefix()
 RETURNS text
 LANGUAGE plpgsql STABLE
 SET search_path = pg_catalog, pg_temp
 AS $fn$
 BEGIN
-    -- The session user's row of idempotency.role_settings, read in the same statement (a
-    -- nested call costs more than the lookup on this path, run by every claim and completion).
+    -- The session's row of idempotency.role_settings (the SET ROLE role's when it has one, else
+    -- the session user's), read in the same statement (a nested call costs more than the lookup
+    -- on this path, run by every claim and completion).
     RETURN COALESCE((SELECT r.scope_prefix FROM idempotency.role_settings AS r
-                      WHERE r.role::pg_catalog.oid OPERATOR(pg_catalog.=)
-                            (SELECT a.oid FROM pg_catalog.pg_roles AS a WHERE a.rolname OPERATOR(pg_catalog.=) SESSION_USER)),
+                      WHERE r.role::pg_catalog.oid OPERATOR(pg_catalog.=) COALESCE(
+                            (SELECT s.role::pg_catalog.oid FROM idempotency.role_settings AS s
+                              WHERE s.role::pg_catalog.oid OPERATOR(pg_catalog.=)
+                                    (SELECT b.oid FROM pg_catalog.pg_roles AS b
+                                      WHERE b.rolname OPERATOR(pg_catalog.=) pg_catalog.current_setting('role')::pg_catalog.name)),
+                            (SELECT a.oid FROM pg_catalog.pg_roles AS a WHERE a.rolname OPERATOR(pg_catalog.=) SESSION_USER))),
                     pg_catalog.current_setting('idempotency.scope_prefix', true), '');
 END
 $fn$;
 
--- The limit (kB) and the name of what set it: the setting, or a lower value in the role's row.
+-- The limit (kB) and the name of what set it: the setting, or a lower value in the session's row
+-- (the SET ROLE role's when it has one, else the session user's).
 CREATE FUNCTION idempotency._p_limit(what text, OUT limit_kb integer, OUT setting text)
 LANGUAGE plpgsql STABLE
 SET search_path = pg_catalog, pg_temp
@@ -288,12 +298,22 @@ BEGIN
         limit_kb := idempotency._p_setting('idempotency.max_response_size', 4096, 'kB');
         setting := 'idempotency.max_response_size';
         SELECT r.max_response_size INTO v_bound FROM idempotency.role_settings AS r
-         WHERE r.role::pg_catalog.oid OPERATOR(pg_catalog.=) (SELECT a.oid FROM pg_catalog.pg_roles AS a WHERE a.rolname OPERATOR(pg_catalog.=) SESSION_USER);
+         WHERE r.role::pg_catalog.oid OPERATOR(pg_catalog.=) COALESCE(
+               (SELECT s.role::pg_catalog.oid FROM idempotency.role_settings AS s
+                 WHERE s.role::pg_catalog.oid OPERATOR(pg_catalog.=)
+                       (SELECT b.oid FROM pg_catalog.pg_roles AS b
+                         WHERE b.rolname OPERATOR(pg_catalog.=) pg_catalog.current_setting('role')::pg_catalog.name)),
+               (SELECT a.oid FROM pg_catalog.pg_roles AS a WHERE a.rolname OPERATOR(pg_catalog.=) SESSION_USER));
     ELSE
         limit_kb := idempotency._p_setting('idempotency.max_recovery_point_size', 64, 'kB');
         setting := 'idempotency.max_recovery_point_size';
         SELECT r.max_recovery_point_size INTO v_bound FROM idempotency.role_settings AS r
-         WHERE r.role::pg_catalog.oid OPERATOR(pg_catalog.=) (SELECT a.oid FROM pg_catalog.pg_roles AS a WHERE a.rolname OPERATOR(pg_catalog.=) SESSION_USER);
+         WHERE r.role::pg_catalog.oid OPERATOR(pg_catalog.=) COALESCE(
+               (SELECT s.role::pg_catalog.oid FROM idempotency.role_settings AS s
+                 WHERE s.role::pg_catalog.oid OPERATOR(pg_catalog.=)
+                       (SELECT b.oid FROM pg_catalog.pg_roles AS b
+                         WHERE b.rolname OPERATOR(pg_catalog.=) pg_catalog.current_setting('role')::pg_catalog.name)),
+               (SELECT a.oid FROM pg_catalog.pg_roles AS a WHERE a.rolname OPERATOR(pg_catalog.=) SESSION_USER));
     END IF;
     IF v_bound OPERATOR(pg_catalog.<) limit_kb THEN
         limit_kb := v_bound;
@@ -993,8 +1013,9 @@ $fn$;
 
 -- complete's work as the store's owner; the completing role (for the audit row) is passed by
 -- _complete, which runs as the caller. One statement reads what the checks need (the store's
--- configuration, the role's row of idempotency.role_settings, whether ALTER ROLE or ALTER
--- DATABASE turned audit on); _stored_key, _p_check_size, _p_refuse_read_only and _p_mark are
+-- configuration, the session's row of idempotency.role_settings (the SET ROLE role's when it has
+-- one, else the session user's), whether ALTER ROLE of the session user or ALTER DATABASE turned
+-- audit on); _stored_key, _p_check_size, _p_refuse_read_only and _p_mark are
 -- called only where one may fail or the database is not UTF-8 (their checks are made here the
 -- same way: a change there changes this copy too); each statement and each nested call costs
 -- more than the work of this path, run by every completion.
@@ -1050,7 +1071,13 @@ BEGIN
                                      OPERATOR(pg_catalog.=) ANY (ARRAY['on', 'true', 'tru', 'tr', 't', 'yes', 'ye', 'y', '1']))) AS audit
       INTO c
       FROM (SELECT pg_catalog.to_regrole(pg_catalog.quote_ident(SESSION_USER))::pg_catalog.oid AS role) AS a
-      LEFT JOIN idempotency.role_settings AS r ON r.role::pg_catalog.oid OPERATOR(pg_catalog.=) a.role
+      -- The SET ROLE role's row when it has one, else the session user's.
+      LEFT JOIN idempotency.role_settings AS r ON r.role::pg_catalog.oid OPERATOR(pg_catalog.=) COALESCE(
+                (SELECT s.role::pg_catalog.oid FROM idempotency.role_settings AS s
+                  WHERE s.role::pg_catalog.oid OPERATOR(pg_catalog.=)
+                        (SELECT b.oid FROM pg_catalog.pg_roles AS b
+                          WHERE b.rolname OPERATOR(pg_catalog.=) pg_catalog.current_setting('role')::pg_catalog.name)),
+                a.role)
       LEFT JOIN idempotency.config AS x ON true;
     IF c.ok AND c.stored IS NOT NULL THEN
         v_key := c.stored;
@@ -1234,8 +1261,14 @@ BEGIN
       CROSS JOIN LATERAL (SELECT CASE WHEN x.key_storage OPERATOR(pg_catalog.=) 'sha256'
                                       THEN pg_catalog.encode(pg_catalog.sha256(pg_catalog.convert_to(claim.key, 'UTF8')), 'hex')
                                       ELSE claim.key END AS stored) AS k
+      -- The SET ROLE role's row when it has one, else the session user's (_p_scope_prefix's).
       LEFT JOIN idempotency.role_settings AS p
-             ON p.role::pg_catalog.oid OPERATOR(pg_catalog.=) pg_catalog.to_regrole(pg_catalog.quote_ident(SESSION_USER))::pg_catalog.oid
+             ON p.role::pg_catalog.oid OPERATOR(pg_catalog.=) COALESCE(
+                (SELECT s.role::pg_catalog.oid FROM idempotency.role_settings AS s
+                  WHERE s.role::pg_catalog.oid OPERATOR(pg_catalog.=)
+                        (SELECT b.oid FROM pg_catalog.pg_roles AS b
+                          WHERE b.rolname OPERATOR(pg_catalog.=) pg_catalog.current_setting('role')::pg_catalog.name)),
+                pg_catalog.to_regrole(pg_catalog.quote_ident(SESSION_USER))::pg_catalog.oid)
       -- The key's row through its index, whatever the estimates of the joins (the key's form
       -- from an init plan: a parameter of the index scan, not a join clause).
       LEFT JOIN idempotency.idempotency_keys AS r
@@ -1364,8 +1397,12 @@ BEGIN
            AND scope IS NOT NULL AND pg_catalog.length(scope) OPERATOR(pg_catalog.<=) 255
            AND pg_catalog.starts_with(scope, COALESCE(
                    (SELECT r.scope_prefix FROM idempotency.role_settings AS r
-                     WHERE r.role::pg_catalog.oid OPERATOR(pg_catalog.=)
-                           (SELECT a.oid FROM pg_catalog.pg_roles AS a WHERE a.rolname OPERATOR(pg_catalog.=) SESSION_USER)),
+                     WHERE r.role::pg_catalog.oid OPERATOR(pg_catalog.=) COALESCE(
+                           (SELECT s.role::pg_catalog.oid FROM idempotency.role_settings AS s
+                             WHERE s.role::pg_catalog.oid OPERATOR(pg_catalog.=)
+                                   (SELECT b.oid FROM pg_catalog.pg_roles AS b
+                                     WHERE b.rolname OPERATOR(pg_catalog.=) pg_catalog.current_setting('role')::pg_catalog.name)),
+                           (SELECT a.oid FROM pg_catalog.pg_roles AS a WHERE a.rolname OPERATOR(pg_catalog.=) SESSION_USER))),
                    pg_catalog.current_setting('idempotency.scope_prefix', true), '')) AS ok,
            x.key_storage, x.key_secret
       INTO c
