@@ -15,6 +15,10 @@
 # bench/INSTRUCTIONS-editions[-pgNN].md). --profile runs bench/profile.py instead: claim-only
 # deduplication against Redis SET NX EX at equal durability, CPU per operation of each server
 # and a perf profile of PostgreSQL's (a few minutes), written to bench/PROFILE[-pgNN].md.
+# --pooler runs bench/pooler.py instead: claim + complete and replay, each against the floor,
+# through PgBouncer in transaction mode (pgbench's simple and extended protocols, not prepared,
+# at 4 and 16 clients) beside the same pairs direct, in alternating rounds (about 25 minutes;
+# --quick for a smoke run), written to bench/RESULTS-pooler[-pgNN].md.
 # Other options go to the script that runs.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -24,6 +28,7 @@ args=()
 in_flight=
 profile=
 instructions=
+pooler=
 while (($#)); do
     case "$1" in
         --pg) pg=$2; shift 2 ;;
@@ -31,6 +36,7 @@ while (($#)); do
         --hot-in-flight) in_flight=1; shift ;;
         --profile) profile=1; shift ;;
         --instructions) instructions=1; shift ;;
+        --pooler) pooler=1; shift ;;
         *) args+=("$1"); shift ;;
     esac
 done
@@ -42,6 +48,12 @@ IDEMPOTENCY_PG_VERSIONS="$pg" scripts/bootstrap.sh
 pg_config=$(scripts/pg-server.sh "$pg")
 export PG_BIN
 PG_BIN=$(dirname "$pg_config")
+if [ -n "$pooler" ]; then
+    [ "$edition" = native ] || { echo "run.sh: --pooler measures the native edition" >&2; exit 2; }
+    cargo pgrx install --release --pg-config "$pg_config" >/dev/null
+    [ "$pg" = 15 ] || args=(--out "RESULTS-pooler-pg$pg" "${args[@]}")
+    exec python3 bench/pooler.py "${args[@]}"
+fi
 if [ "$edition" = portable ]; then
     cargo pgrx install --release --pg-config "$pg_config" >/dev/null
     if [ -n "$instructions" ]; then
