@@ -1,5 +1,6 @@
 """Settings that bind a role: its scope prefix, audit on and size limits, kept by the extension's
-owner in idempotency.role_settings (one row per login role, applied to the session user).
+owner in idempotency.role_settings (one row per role: the row of the role the session switched to
+with SET ROLE when it has one, else the login role's).
 
 PostgreSQL lets a role ALTER ROLE itself for every parameter it may SET, and a tenant that owns
 its database ALTER DATABASE it: in 0.4.0 such a role undid a superuser's ALTER ROLE ... SET
@@ -8,6 +9,7 @@ and without preloading a startup option displaced a per-role size limit. A row o
 whatever the role does to its settings, with and without shared_preload_libraries. Each test
 fails on 0.4.0 (no such table) and with the table unread."""
 
+import contextlib
 import os
 import subprocess
 
@@ -413,3 +415,280 @@ def test_an_altered_table_is_refused_not_misread(bcluster, su):
         su.execute("ALTER TABLE idempotency.role_settings ALTER COLUMN max_response_size TYPE integer")
     with connect(bcluster, "tenant") as t:
         assert claim(t, "k", scope="tenant:1")[0] == "new"
+
+
+# --- A role switched to with SET ROLE -----------------------------------------------------------
+# A pooler that logs every client in as one role (PgBouncer's user=), or a service role that
+# switches to each client's role per transaction (PostgREST, Supabase: SET LOCAL ROLE or
+# set_config('role', ..., true)): the switched role's row binds when it has one, else the login
+# role's. Before, only the login role's row was read, and a client bound to shop_a: claimed in
+# shop_b:x behind the pooled role without an error.
+
+POOLED = ("pooler", "shop_a", "shop_b", "plain_member", "outsider")
+
+
+@pytest.fixture
+def pool(bcluster, su):
+    """The login role pooler (no row), member of shop_a, shop_b and plain_member (roles that do
+    not log in), not of outsider; each granted the API. Rows: shop_a bound to 'shop_a:', shop_b to
+    'shop_b:', outsider to 'outsider:'; plain_member has none."""
+    for role in POOLED:
+        if su.execute("SELECT count(*) FROM pg_roles WHERE rolname = %s", (role,)).fetchone()[0] == 0:
+            su.execute(f"CREATE ROLE {role} {'LOGIN' if role == 'pooler' else 'NOLOGIN'}")
+        su.execute(f"ALTER ROLE {role} RESET ALL")
+        su.execute(f"ALTER ROLE {role} IN DATABASE {DB} RESET ALL")
+    su.execute("GRANT shop_a, shop_b, plain_member TO pooler")
+    su.execute(f"GRANT USAGE ON SCHEMA idempotency TO {', '.join(POOLED)}")
+    su.execute("INSERT INTO idempotency.role_settings (role, scope_prefix) "
+               "VALUES ('shop_a', 'shop_a:'), ('shop_b', 'shop_b:'), ('outsider', 'outsider:')")
+    assert rows_of(su) == [("outsider", "outsider:", False, None, None), ("shop_a", "shop_a:", False, None, None),
+                           ("shop_b", "shop_b:", False, None, None)]
+    assert su.execute("SELECT array_agg(b.rolname::text ORDER BY b.rolname) FROM pg_auth_members AS m "
+                      "JOIN pg_roles AS a ON a.oid = m.member JOIN pg_roles AS b ON b.oid = m.roleid "
+                      "WHERE a.rolname = 'pooler'").fetchone()[0] == ["plain_member", "shop_a", "shop_b"]
+    return su
+
+
+def rows_of(su):
+    return su.execute("SELECT role::text, scope_prefix, audit, max_response_size, max_recovery_point_size "
+                      "FROM idempotency.role_settings ORDER BY role::text").fetchall()
+
+
+def roles(conn):
+    """(current_user, session_user) of the session."""
+    return conn.execute("SELECT current_user::text, session_user::text").fetchone()
+
+
+def refused(conn, scope, key="k"):
+    """Whether a claim in `scope` is refused as outside the session's prefix (42501, naming the
+    scope); anything else it raises is raised. Run in a savepoint inside a transaction, so that
+    a refusal leaves the transaction (and a SET LOCAL ROLE made in it) usable."""
+    try:
+        if conn.info.transaction_status == psycopg.pq.TransactionStatus.INTRANS:
+            with conn.transaction():
+                claim(conn, key, scope=scope)
+        else:
+            claim(conn, key, scope=scope)
+    except psycopg.errors.InsufficientPrivilege as e:
+        assert f'scope "{scope}"' in str(e)
+        return True
+    return False
+
+
+def switch(conn, how, role):
+    """Switches the session's role: for the session (SET ROLE) or for the transaction (SET LOCAL
+    ROLE, set_config(..., true); the caller opened it)."""
+    if how == "SET ROLE":
+        conn.execute(f"SET ROLE {role}")
+    elif how == "SET LOCAL ROLE":
+        conn.execute(f"SET LOCAL ROLE {role}")
+    else:
+        conn.execute("SELECT set_config('role', %s, true)", (role,))
+
+
+@pytest.mark.parametrize("login_row", [None, "pool:"], ids=["login-unbound", "login-bound"])
+@pytest.mark.parametrize("how", ["SET ROLE", "SET LOCAL ROLE", "set_config"])
+def test_a_role_switched_to_is_bound_by_its_row(bcluster, pool, how, login_row):
+    """A pooled login role that switches to shop_a is bound to shop_a: (42501 in shop_b:x, as for
+    a login role's row); switched back (RESET ROLE, or the transaction ends) the login role's own
+    row (or none) binds again."""
+    if login_row:
+        pool.execute("INSERT INTO idempotency.role_settings (role, scope_prefix) VALUES ('pooler', %s)", (login_row,))
+        assert ("pooler", login_row, False, None, None) in rows_of(pool)
+    with connect(bcluster, "pooler") as p:
+        assert roles(p) == ("pooler", "pooler")
+        assert refused(p, "shop_b:x") == bool(login_row)
+        for round_ in range(2):
+            # SET ROLE lasts until RESET ROLE; SET LOCAL ROLE and set_config(..., true) until the
+            # transaction ends.
+            with p.transaction() if how != "SET ROLE" else contextlib.nullcontext():
+                switch(p, how, "shop_a")
+                assert roles(p) == ("shop_a", "pooler")
+                assert refused(p, "shop_b:x", key=f"b{round_}")
+                assert claim(p, f"a{round_}", scope="shop_a:x")[0] == "new"
+                if login_row:
+                    assert refused(p, f"{login_row}x", key=f"p{round_}")
+            if how == "SET ROLE":
+                assert roles(p) == ("shop_a", "pooler")
+                p.execute("RESET ROLE")
+            assert roles(p) == ("pooler", "pooler")
+            assert refused(p, "shop_b:x", key=f"b{round_}") == bool(login_row)
+            if login_row:
+                assert claim(p, f"p{round_}", scope=f"{login_row}x")[0] == "new"
+    # The claims the switched role made are there, in its scope.
+    assert pool.execute("SELECT count(*) FROM idempotency.idempotency_keys WHERE scope = 'shop_a:x'").fetchone()[0] == 2
+
+
+def test_set_role_to_a_role_it_is_not_a_member_of_is_refused_and_changes_nothing(bcluster, pool):
+    pool.execute("INSERT INTO idempotency.role_settings (role, scope_prefix) VALUES ('pooler', 'pool:')")
+    assert ("pooler", "pool:", False, None, None) in rows_of(pool)
+    with connect(bcluster, "pooler") as p:
+        for sql in ["SET ROLE outsider", "SELECT set_config('role', 'outsider', false)"]:
+            with pytest.raises(psycopg.errors.InsufficientPrivilege) as e:
+                p.execute(sql)
+            assert 'permission denied to set role "outsider"' in str(e.value)
+        with p.transaction():
+            with pytest.raises(psycopg.errors.InsufficientPrivilege):
+                with p.transaction():
+                    p.execute("SET LOCAL ROLE outsider")
+            assert roles(p) == ("pooler", "pooler")
+            assert refused(p, "outsider:x")
+        assert roles(p) == ("pooler", "pooler")
+        assert refused(p, "outsider:x")
+        assert claim(p, "k", scope="pool:x")[0] == "new"
+
+
+@pytest.mark.parametrize("how", ["SET ROLE", "SET LOCAL ROLE", "set_config"])
+def test_a_login_roles_row_binds_after_a_switch_to_a_role_without_one(bcluster, pool, how):
+    """A role never escapes its login role's binding by switching: plain_member has no row, so
+    pooler's binds (prefix and audit) while the session is plain_member."""
+    pool.execute("INSERT INTO idempotency.role_settings (role, scope_prefix, audit) VALUES ('pooler', 'shop_a:', true)")
+    assert ("pooler", "shop_a:", True, None, None) in rows_of(pool)
+    assert pool.execute("SELECT count(*) FROM idempotency.role_settings WHERE role = 'plain_member'::regrole"
+                        ).fetchone()[0] == 0
+    with connect(bcluster, "pooler") as p:
+        with p.transaction():
+            switch(p, how, "plain_member")
+            assert roles(p) == ("plain_member", "pooler")
+            assert refused(p, "shop_b:x")
+            token = claim(p, "k", scope="shop_a:x")[1]
+            p.execute("SELECT idempotency.complete('k', '{}', scope => 'shop_a:x', token => %s)", (token,))
+    assert pool.execute("SELECT key, completed_by FROM idempotency.audit").fetchall() == [("k", "plain_member")]
+
+
+@pytest.mark.parametrize("how", ["SET ROLE", "SET LOCAL ROLE", "set_config"])
+def test_a_switched_roles_row_lowers_the_size_limits_and_turns_audit_on(bcluster, pool, how):
+    pool.execute("UPDATE idempotency.role_settings SET audit = true, max_response_size = 1024, "
+                 "max_recovery_point_size = 1 WHERE role = 'shop_a'::regrole")
+    assert ("shop_a", "shop_a:", True, 1024, 1) in rows_of(pool)
+    with connect(bcluster, "pooler") as p:
+        # Unswitched: no row, the settings' limits (4 MB, 64 kB), no audit.
+        token = claim(p, "unswitched", scope="x")[1]
+        p.execute("SELECT idempotency.checkpoint('unswitched', repeat('x', 2048), 'x', %s)", (token,))
+        p.execute(f"SELECT idempotency.complete('unswitched', {BIG_RESPONSE}, scope => 'x', token => %s)", (token,))
+        assert pool.execute("SELECT count(*) FROM idempotency.audit").fetchone()[0] == 0
+        with p.transaction():
+            switch(p, how, "shop_a")
+            assert roles(p) == ("shop_a", "pooler")
+            token = claim(p, "k", scope="shop_a:1", lease="1 minute")[1]
+            with pytest.raises(psycopg.errors.ProgramLimitExceeded) as e:
+                with p.transaction():
+                    p.execute(f"SELECT idempotency.complete('k', {BIG_RESPONSE}, scope => 'shop_a:1', token => %s)",
+                              (token,))
+            assert "idempotency.role_settings.max_response_size allows 1048576" in str(e.value)
+            with pytest.raises(psycopg.errors.ProgramLimitExceeded) as e:
+                with p.transaction():
+                    p.execute("SELECT idempotency.checkpoint('k', repeat('x', 2048), 'shop_a:1', %s)", (token,))
+            assert "idempotency.role_settings.max_recovery_point_size allows 1024" in str(e.value)
+            p.execute("SELECT idempotency.complete('k', '{}', scope => 'shop_a:1', token => %s)", (token,))
+    assert pool.execute("SELECT key, completed_by FROM idempotency.audit").fetchall() == [("k", "shop_a")]
+
+
+def test_a_switched_roles_row_never_raises_a_limit_an_administrator_set(bcluster, pool):
+    """The row's limit lowers the setting, never raises it: a superuser's 1 kB for the login
+    role holds against the switched role's 64 kB."""
+    pool.execute("UPDATE idempotency.role_settings SET max_recovery_point_size = 64 WHERE role = 'shop_a'::regrole")
+    pool.execute("ALTER ROLE pooler SET idempotency.max_recovery_point_size = '1kB'")
+    assert ("shop_a", "shop_a:", False, None, 64) in rows_of(pool)
+    assert role_settings_of(pool, "pooler") == ["idempotency.max_recovery_point_size=1kB"]
+    with connect(bcluster, "pooler") as p:
+        p.execute("SET ROLE shop_a")
+        assert roles(p) == ("shop_a", "pooler")
+        token = claim(p, "k", scope="shop_a:1", lease="1 minute")[1]
+        with pytest.raises(psycopg.errors.ProgramLimitExceeded) as e:
+            p.execute("SELECT idempotency.checkpoint('k', repeat('x', 2048), 'shop_a:1', %s)", (token,))
+        assert "idempotency.max_recovery_point_size allows 1024" in str(e.value)
+        assert refused(p, "shop_b:1")
+
+
+def test_set_session_authorization_binds_the_new_session_user(bcluster, pool):
+    """SET SESSION AUTHORIZATION (superusers only) makes another role the session user and
+    undoes SET ROLE: that role's row binds (or the row of a role it then SET ROLEs to); RESET
+    SESSION AUTHORIZATION gives the superuser back, whom no row binds."""
+    pool.execute("INSERT INTO idempotency.role_settings (role, scope_prefix) VALUES ('pooler', 'pool:')")
+    assert ("pooler", "pool:", False, None, None) in rows_of(pool)
+    with connect(bcluster, "postgres") as s:
+        s.execute("SET ROLE shop_a")
+        assert roles(s) == ("shop_a", "postgres")
+        assert refused(s, "pool:x")
+        s.execute("SET SESSION AUTHORIZATION pooler")
+        assert roles(s) == ("pooler", "pooler")
+        assert s.execute("SHOW role").fetchone()[0] == "none"
+        assert refused(s, "shop_a:x")
+        assert claim(s, "k", scope="pool:x")[0] == "new"
+        s.execute("SET ROLE shop_b")
+        assert roles(s) == ("shop_b", "pooler")
+        assert refused(s, "pool:x")
+        assert claim(s, "k", scope="shop_b:x")[0] == "new"
+        s.execute("RESET SESSION AUTHORIZATION")
+        assert roles(s) == ("postgres", "postgres")
+        assert claim(s, "k", scope="anything:x")[0] == "new"
+
+
+FUNCTIONS = {
+    "sql SET LOCAL ROLE": "LANGUAGE sql AS $$ SET LOCAL ROLE shop_a; "
+                          "SELECT current_user::text || ' ' || (idempotency.claim('f', NULL, s)).outcome::text $$",
+    "plpgsql SET LOCAL ROLE": "LANGUAGE plpgsql AS $$ BEGIN SET LOCAL ROLE shop_a; "
+                              "RETURN current_user::text || ' ' || (idempotency.claim('f', NULL, s)).outcome::text; END $$",
+    "SET role clause": "LANGUAGE sql SET role = shop_a AS $$ "
+                       "SELECT current_user::text || ' ' || (idempotency.claim('f', NULL, s)).outcome::text $$",
+}
+
+
+@pytest.mark.parametrize("kind", list(FUNCTIONS))
+def test_a_switch_inside_a_function_binds_the_switched_role(bcluster, pool, kind):
+    pool.execute("DROP FUNCTION IF EXISTS public.claim_as_shop_a(text)")
+    pool.execute(f"CREATE FUNCTION public.claim_as_shop_a(s text) RETURNS text {FUNCTIONS[kind]}")
+    pool.execute("GRANT EXECUTE ON FUNCTION public.claim_as_shop_a(text) TO pooler")
+    with connect(bcluster, "pooler") as p:
+        assert p.execute("SELECT public.claim_as_shop_a('shop_a:x')").fetchone()[0] == "shop_a new"
+        assert roles(p) == ("pooler", "pooler")
+        with pytest.raises(psycopg.errors.InsufficientPrivilege) as e:
+            p.execute("SELECT public.claim_as_shop_a('shop_b:x')")
+        assert 'scope "shop_b:x"' in str(e.value)
+        # Back as pooler (no row): nothing binds.
+        assert roles(p) == ("pooler", "pooler")
+        assert claim(p, "f", scope="shop_b:x")[0] == "new"
+
+
+@pytest.mark.parametrize("how", ["PGOPTIONS", "options"])
+def test_a_role_startup_option_binds_the_switched_role(bcluster, pool, how):
+    kw = {"pgoptions": "-c role=shop_a"} if how == "PGOPTIONS" else {"options": "-c role=shop_a"}
+    with connect(bcluster, "pooler", **kw) as p:
+        assert roles(p) == ("shop_a", "pooler")
+        assert refused(p, "shop_b:x")
+        assert claim(p, "k", scope="shop_a:x")[0] == "new"
+        p.execute("RESET ROLE")
+        # RESET goes back to the startup value, which is shop_a; SET ROLE NONE to the login role.
+        assert roles(p) == ("shop_a", "pooler")
+        p.execute("SET ROLE NONE")
+        assert roles(p) == ("pooler", "pooler")
+        assert claim(p, "k", scope="shop_b:x")[0] == "new"
+
+
+def test_a_role_switch_does_not_leak_a_cached_binding(bcluster, pool):
+    """One session switching between two bound roles gets each one's prefix every time (the
+    native edition caches the row per pair of roles), and a change of a row reaches it."""
+    with connect(bcluster, "pooler") as p:
+        for i in range(3):
+            for role, mine, theirs in [("shop_a", "shop_a:", "shop_b:"), ("shop_b", "shop_b:", "shop_a:")]:
+                if i == 1:
+                    with p.transaction():
+                        p.execute(f"SET LOCAL ROLE {role}")
+                        assert roles(p) == (role, "pooler")
+                        assert refused(p, f"{theirs}{i}")
+                        assert claim(p, f"k{i}", scope=f"{mine}{i}")[0] == "new"
+                else:
+                    p.execute(f"SET ROLE {role}")
+                    assert roles(p) == (role, "pooler")
+                    assert refused(p, f"{theirs}{i}")
+                    assert claim(p, f"k{i}", scope=f"{mine}{i}")[0] == "new"
+            p.execute("RESET ROLE")
+            assert not refused(p, f"anything:{i}")
+        pool.execute("UPDATE idempotency.role_settings SET scope_prefix = 'shop_c:' WHERE role = 'shop_a'::regrole")
+        assert ("shop_a", "shop_c:", False, None, None) in rows_of(pool)
+        p.execute("SET ROLE shop_a")
+        assert refused(p, "shop_a:9")
+        assert claim(p, "k9", scope="shop_c:9")[0] == "new"
+        p.execute("SET ROLE shop_b")
+        assert claim(p, "k9", scope="shop_b:9")[0] == "new"
