@@ -10,6 +10,12 @@
 // (like tests/integration/pooler.py): config(), pool(), url() and env() then lead through the
 // pooler, while directConfig() and directPool() reach the server itself (for what must see or
 // kill a server connection).
+//
+// IDEMPOTENCY_TEST_CONNINFO (a postgresql:// URL) targets an existing server with the extension
+// installed instead: each test file gets a fresh database there (dropped at the end), made by
+// the URL's role, which must be allowed to create databases and the extension; the role `app` of
+// some tests is created there as well and connects the way that role does (without a password).
+// The tests that stop and restart the server are skipped.
 
 const { execFileSync, spawn } = require('node:child_process');
 const fs = require('node:fs');
@@ -22,6 +28,9 @@ const PG_BIN = process.env.PG_BIN || '/usr/lib/postgresql/15/bin';
 const PGBOUNCER = process.env.PGBOUNCER || '/usr/sbin/pgbouncer';
 const POOLER_MODES = ['direct', 'transaction', 'session'];
 const POOLER = process.env.IDEMPOTENCY_TEST_POOLER || 'direct';
+const CONNINFO = process.env.IDEMPOTENCY_TEST_CONNINFO || null;
+// Why a test that stops the server is skipped, or false.
+const NO_RESTART = CONNINFO ? 'the tests do not stop a server they did not start (IDEMPOTENCY_TEST_CONNINFO)' : false;
 if (!POOLER_MODES.includes(POOLER)) {
   throw new Error(`IDEMPOTENCY_TEST_POOLER must be one of ${POOLER_MODES.join(', ')}, not '${POOLER}'`);
 }
@@ -65,9 +74,13 @@ class PgBouncer {
     this.port = await freePort();
     this.ini = path.join(this.dir, 'pgbouncer.ini');
     this.log = path.join(this.dir, 'pgbouncer.log');
-    fs.writeFileSync(path.join(this.dir, 'userlist.txt'), POOLER_USERS.map((u) => `"${u}" ""\n`).join(''));
+    const server = this.cluster.directConfig();
+    // The password of the server's role (an existing server's), with which PgBouncer logs in.
+    const users = [...new Set([...POOLER_USERS, server.user])];
+    fs.writeFileSync(path.join(this.dir, 'userlist.txt'),
+      users.map((u) => `"${u}" "${u === server.user ? server.password ?? '' : ''}"\n`).join(''));
     fs.writeFileSync(this.ini, `[databases]
-* = host=${this.cluster.dir} port=${this.cluster.port}
+* = host=${server.host} port=${server.port}
 
 [pgbouncer]
 listen_addr = 127.0.0.1
@@ -111,7 +124,7 @@ server_login_retry = 1
   }
 
   config() {
-    return { host: '127.0.0.1', port: this.port, user: 'postgres', database: this.cluster.database };
+    return { host: '127.0.0.1', port: this.port, user: this.cluster.directConfig().user, database: this.cluster.database };
   }
 
   readLog() {
@@ -140,6 +153,7 @@ class Cluster {
   async start() {
     this.dir = fs.mkdtempSync(path.join(os.tmpdir(), 'pg-idempotency-node-'));
     fs.chmodSync(this.dir, 0o777);
+    if (CONNINFO) return this.startOn(CONNINFO);
     this.data = path.join(this.dir, 'data');
     this.log = path.join(this.dir, 'server.log');
     this.port = await freePort();
@@ -158,7 +172,33 @@ class Cluster {
     return this;
   }
 
+  // A fresh database on an existing server.
+  async startOn(conninfo) {
+    const { parse } = require('pg-connection-string');
+    const c = parse(conninfo);
+    this.server = {
+      host: c.host || '/var/run/postgresql', port: Number(c.port || 5432), user: c.user || os.userInfo().username,
+      ...(c.password ? { password: c.password } : {}),
+    };
+    this.database = `idem_node_${process.pid}_${Date.now() % 100000}`;
+    this.adminDatabase = c.database || 'postgres';
+    const admin = new Client({ ...this.server, database: this.adminDatabase });
+    await admin.connect();
+    try {
+      await admin.query(`CREATE DATABASE ${this.database}`);
+    } finally {
+      await admin.end();
+    }
+    this.external = true;
+    const pool = this.directPool();
+    await pool.query('CREATE EXTENSION idempotency');
+    await pool.end();
+    this.pooler = POOLER === 'direct' ? null : await new PgBouncer(this, POOLER).start();
+    return this;
+  }
+
   pgCtl(...args) {
+    if (this.external) throw new Error(NO_RESTART);
     asPostgres(`${PG_BIN}/pg_ctl`, ['-D', this.data, ...args]);
   }
 
@@ -170,17 +210,22 @@ class Cluster {
 
   // The server itself, never through the pooler.
   directConfig() {
+    if (this.external) return { ...this.server, database: this.database };
     return { host: this.dir, port: this.port, user: 'postgres', database: this.database };
   }
 
   env() {
     const c = this.config();
-    return { ...process.env, PGHOST: c.host, PGPORT: String(c.port), PGUSER: 'postgres', PGDATABASE: this.database };
+    return {
+      ...process.env, PGHOST: c.host, PGPORT: String(c.port), PGUSER: c.user, PGDATABASE: this.database,
+      ...(c.password ? { PGPASSWORD: c.password } : {}),
+    };
   }
 
   url() {
     const c = this.config();
-    return `postgresql://postgres@localhost:${c.port}/${this.database}?host=${encodeURIComponent(c.host)}`;
+    const user = encodeURIComponent(c.user) + (c.password ? `:${encodeURIComponent(c.password)}` : '');
+    return `postgresql://${user}@localhost:${c.port}/${this.database}?host=${encodeURIComponent(c.host)}`;
   }
 
   pool(extra = {}) {
@@ -204,10 +249,22 @@ class Cluster {
   destroy() {
     if (this.pooler) this.pooler.stop();
     if (!this.dir) return;
-    try {
-      this.stop('immediate');
-    } catch {
-      // not running
+    if (this.external) {
+      // Synchronous, as the process' exit hook needs: a child process drops the database.
+      const drop = `const { Client } = require('pg'); const c = new Client(JSON.parse(process.argv[1]));
+        c.connect().then(() => c.query('DROP DATABASE IF EXISTS ${this.database} WITH (FORCE)')).finally(() => c.end());`;
+      try {
+        execFileSync(process.execPath, ['-e', drop, JSON.stringify({ ...this.server, database: this.adminDatabase })],
+          { cwd: path.join(__dirname, '..'), stdio: 'ignore', timeout: 30000 });
+      } catch {
+        // left for the server's owner
+      }
+    } else {
+      try {
+        this.stop('immediate');
+      } catch {
+        // not running
+      }
     }
     fs.rmSync(this.dir, { recursive: true, force: true });
     this.dir = null;
@@ -225,4 +282,4 @@ async function startCluster() {
   return c.start();
 }
 
-module.exports = { startCluster, Cluster, PG_BIN, POOLER };
+module.exports = { startCluster, Cluster, PG_BIN, POOLER, NO_RESTART };
