@@ -7,6 +7,10 @@
 # server's binaries (default /usr/lib/postgresql/15/bin, as tests/integration/cluster.py).
 # CLIENTS_PYTHON_VENV (default target/clients-python-venv) is the virtualenv; the wheel is left
 # in clients/python/dist. Needs PyPI (pip) and python3 with venv.
+#
+# The tests run once per route in IDEMPOTENCY_POOLER_MODES (default "direct transaction session"):
+# direct to the cluster, and through PgBouncer in transaction and in session mode
+# (IDEMPOTENCY_TEST_POOLER, tests/integration/pooler.py).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -24,6 +28,8 @@ echo "== clients/python: install the wheel with its test dependencies"
 "$VENV/bin/python" -m pip install -q --disable-pip-version-check --force-reinstall --no-deps "$wheel"
 "$VENV/bin/python" -m pip install -q --disable-pip-version-check "${wheel}[test,binary]"
 
-echo "== clients/python: tests against a throwaway cluster"
 cd clients/python
-"$VENV/bin/python" -m pytest -q -p no:cacheprovider tests
+for mode in ${IDEMPOTENCY_POOLER_MODES:-direct transaction session}; do
+    echo "== clients/python: tests against a throwaway cluster ($mode)"
+    IDEMPOTENCY_TEST_POOLER=$mode "$VENV/bin/python" -m pytest -q -p no:cacheprovider tests
+done

@@ -3,7 +3,11 @@
 It reuses the project's tests/integration/cluster.py (a cluster owned by the postgres OS user;
 PG_BIN picks the server, PostgreSQL 15 by default). The extension must be installed into that
 server. The package under test is the installed one (scripts/clients-python.sh installs the
-wheel), not the source tree."""
+wheel), not the source tree.
+
+IDEMPOTENCY_TEST_POOLER=transaction (or session) puts PgBouncer in that mode between the package
+and the cluster (tests/integration/pooler.py): the package's connections (`conninfo`,
+`endpoint`) go through the pooler, the tests' own inspections (`db`, `row`) go direct."""
 
 import os
 import sys
@@ -15,6 +19,7 @@ ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "..", "..")
 sys.path.insert(0, os.path.join(ROOT, "tests", "integration"))
 
 from cluster import Cluster  # noqa: E402
+import pooler  # noqa: E402
 
 
 @pytest.fixture(scope="session")
@@ -26,9 +31,29 @@ def cluster():
     c.destroy()
 
 
-@pytest.fixture
-def conninfo(cluster):
-    return cluster.conninfo()
+@pytest.fixture(scope="session")
+def route(cluster):
+    """The PgBouncer that IDEMPOTENCY_TEST_POOLER names in front of the cluster, or None (direct)."""
+    # Session mode gives each client connection a server connection of its own until it closes:
+    # the pool holds every connection the tests keep open at once (the race: 2 x 24 threads).
+    bouncer = pooler.target(cluster, users=("postgres", "readme_app"), pool_size=80)
+    yield bouncer
+    if bouncer is not None:
+        bouncer.stop()
+
+
+@pytest.fixture(scope="session")
+def conninfo(cluster, route):
+    """Where the package connects: through the pooler when there is one."""
+    return route.conninfo() if route is not None else cluster.conninfo()
+
+
+@pytest.fixture(scope="session")
+def endpoint(cluster, route):
+    """The package's route as libpq parameters: host, port, dbname."""
+    if route is not None:
+        return {"host": "127.0.0.1", "port": str(route.port), "dbname": cluster.dbname}
+    return {"host": cluster.dir, "port": str(cluster.port), "dbname": cluster.dbname}
 
 
 @pytest.fixture

@@ -241,11 +241,11 @@ def test_terminated_backend_mid_function(conninfo, db, row):
     assert row("killed")[0] == "completed"
 
 
-def test_connection_from_the_libpq_environment(cluster, monkeypatch):
-    monkeypatch.setenv("PGHOST", cluster.dir)
-    monkeypatch.setenv("PGPORT", str(cluster.port))
+def test_connection_from_the_libpq_environment(endpoint, monkeypatch):
+    monkeypatch.setenv("PGHOST", endpoint["host"])
+    monkeypatch.setenv("PGPORT", endpoint["port"])
     monkeypatch.setenv("PGUSER", "postgres")
-    monkeypatch.setenv("PGDATABASE", cluster.dbname)
+    monkeypatch.setenv("PGDATABASE", endpoint["dbname"])
     calls = []
 
     @idempotent(key="env", ttl=dt.timedelta(minutes=5))

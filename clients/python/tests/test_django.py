@@ -45,13 +45,13 @@ urlpatterns = [path("orders", orders)]
 
 
 @pytest.fixture(scope="module")
-def django_app(cluster):
+def django_app(cluster, endpoint):
     if not settings.configured:
         settings.configure(
             DEBUG=False, ALLOWED_HOSTS=["*"], ROOT_URLCONF=__name__, USE_TZ=True, SECRET_KEY="test",
             MIDDLEWARE=["pg_idempotency.django.IdempotencyMiddleware"],
-            DATABASES={"default": {"ENGINE": "django.db.backends.postgresql", "NAME": cluster.dbname,
-                                   "HOST": cluster.dir, "PORT": str(cluster.port), "USER": "postgres"}},
+            DATABASES={"default": {"ENGINE": "django.db.backends.postgresql", "NAME": endpoint["dbname"],
+                                   "HOST": endpoint["host"], "PORT": endpoint["port"], "USER": "postgres"}},
             IDEMPOTENCY={"CLIENT": f"{__name__}.client_id", "TTL": dt.timedelta(hours=1),
                          "LEASE": dt.timedelta(seconds=30), "WAIT": dt.timedelta(seconds=10)},
         )

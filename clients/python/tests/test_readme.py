@@ -23,13 +23,13 @@ def test_every_python_block_compiles(n):
     compile(blocks("python")[n], f"README.md python block {n + 1}", "exec")
 
 
-def test_the_quickstart_runs_as_written(cluster, db, tmp_path):
+def test_the_quickstart_runs_as_written(cluster, endpoint, db, tmp_path):
     db.execute("DO $$ BEGIN CREATE ROLE readme_app LOGIN; EXCEPTION WHEN duplicate_object THEN NULL; END $$")
     db.execute("GRANT USAGE ON SCHEMA idempotency TO readme_app")
     quickstart = blocks("python")[0]
     assert "send_receipt(42" in quickstart
     (tmp_path / "quickstart.py").write_text(quickstart)
-    env = dict(os.environ, PGHOST=cluster.dir, PGPORT=str(cluster.port), PGDATABASE=cluster.dbname,
+    env = dict(os.environ, PGHOST=endpoint["host"], PGPORT=endpoint["port"], PGDATABASE=endpoint["dbname"],
                PGUSER="readme_app")
     outs = [subprocess.run([sys.executable, "quickstart.py"], cwd=tmp_path, env=env, capture_output=True,
                            text=True, timeout=60) for _ in range(2)]

@@ -20,9 +20,18 @@ from typing import Any, Callable, List, Optional, Sequence
 
 import psycopg
 
+# The lease a new claim got, in seconds (what locked_until - now() is in the claim's transaction):
+# the lease asked for, else the server's idempotency.default_lease, at most the TTL. The client
+# retries a completion that a broken connection interrupted for as long as the lease leaves time.
+LEASE_COLUMN = """
+       extract(epoch FROM least(coalesce(%(lease)s::interval,
+                                         nullif(current_setting('idempotency.default_lease', true), '')::interval,
+                                         interval '5 minutes'),
+                                c.expires_at - now()))::float8"""
+
 CLAIM_SQL = """
 SELECT c.outcome::text, c.token, c.response::text, c.response_status,
-       extract(epoch FROM c.retry_after)::float8, c.expires_at, c.recovery_point
+       extract(epoch FROM c.retry_after)::float8, c.expires_at, c.recovery_point,""" + LEASE_COLUMN + """
   FROM idempotency.claim(%(key)s, request => %(request)s::text::jsonb, scope => %(scope)s,
                          ttl => %(ttl)s::interval, lease => %(lease)s::interval) c"""
 
@@ -117,7 +126,9 @@ def invalid_key_or_raise(e: Exception):
 @dataclass(frozen=True)
 class ClaimResult:
     """One row of `idempotency.claim`. `response` is the stored JSON decoded (replay only),
-    `response_text` its exact text; `retry_after` a timedelta (in_progress only)."""
+    `response_text` its exact text; `retry_after` a timedelta (in_progress only). `lease_ends` is
+    when this attempt's lease runs out, on `time.monotonic()`'s clock (a new claim; None
+    otherwise): a completion that a broken connection interrupted is retried until then."""
 
     key: str
     scope: str
@@ -128,6 +139,7 @@ class ClaimResult:
     retry_after: Optional[dt.timedelta]
     expires_at: Optional[dt.datetime]
     recovery_point: Optional[str]
+    lease_ends: Optional[float] = None
 
     @property
     def response(self) -> Any:
@@ -135,9 +147,12 @@ class ClaimResult:
 
     @classmethod
     def from_row(cls, key: str, scope: str, row) -> "ClaimResult":
-        outcome, token, text, status, retry, expires, point = row
+        """From the 7 columns of claim_result, or 8 with the lease in seconds (LEASE_COLUMN)."""
+        outcome, token, text, status, retry, expires, point = row[:7]
+        lease = row[7] if len(row) > 7 and outcome == NEW else None
         return cls(key, scope, outcome, token, text, status,
-                   None if retry is None else dt.timedelta(seconds=retry), expires, point)
+                   None if retry is None else dt.timedelta(seconds=retry), expires, point,
+                   None if lease is None else time.monotonic() + lease)
 
 
 @dataclass(frozen=True)
@@ -213,6 +228,12 @@ def _is_transient(e: Exception) -> bool:
         e, psycopg.errors.QueryCanceled)
 
 
+def _prepare(prepared_statements: bool) -> Optional[bool]:
+    """psycopg's `prepare` argument: False never prepares on the server; None leaves it to
+    psycopg (prepared from a statement's 6th execution on a connection)."""
+    return None if prepared_statements else False
+
+
 class _Calls:
     """The SQL API over `self.execute(sql, params) -> first row`."""
 
@@ -225,12 +246,24 @@ class _Calls:
             invalid_key_or_raise(e)
         return ClaimResult.from_row(key, scope, row)
 
+    def _finishing_patience(self, lease_ends: Optional[float]) -> Optional[float]:
+        """How long complete, release and checkpoint are repeated on a new connection when the
+        connection breaks: the side effect has run, so for as long as the lease leaves time (a
+        takeover after it would run the effect again), and at least reconnect_timeout."""
+        if lease_ends is None:
+            return None
+        return max(self.reconnect_timeout, lease_ends - time.monotonic())
+
     def complete(self, key: str, response: Any, status: int = 200, scope: str = "", token: Optional[int] = None,
-                 ttl: Optional[dt.timedelta] = None, response_is_json: bool = False) -> dt.datetime:
+                 ttl: Optional[dt.timedelta] = None, response_is_json: bool = False,
+                 lease_ends: Optional[float] = None) -> dt.datetime:
+        """Raises Fenced (IK001, IK002, IK003). A broken connection is repeated on a new one with the
+        same token, for as long as `lease_ends` (ClaimResult.lease_ends) leaves time; a repeat whose
+        first try had committed raises Fenced (IK002)."""
         params = {"key": key, "response": response if response_is_json else to_json(response),
                   "status": status, "scope": scope, "token": token, "ttl": ttl}
         try:
-            return self.execute(COMPLETE_SQL, params)[0]
+            return self.execute(COMPLETE_SQL, params, patience=self._finishing_patience(lease_ends))[0]
         except Exception as e:
             fenced_or_raise(e)
 
@@ -256,12 +289,16 @@ class _Calls:
         except Exception as e:
             fenced_or_raise(e)
 
-    def release(self, key: str, scope: str = "", token: Optional[int] = None) -> bool:
-        return self.execute(RELEASE_SQL, {"key": key, "scope": scope, "token": token})[0]
+    def release(self, key: str, scope: str = "", token: Optional[int] = None,
+                lease_ends: Optional[float] = None) -> bool:
+        return self.execute(RELEASE_SQL, {"key": key, "scope": scope, "token": token},
+                            patience=self._finishing_patience(lease_ends))[0]
 
-    def checkpoint(self, key: str, point: str, scope: str = "", token: Optional[int] = None) -> None:
+    def checkpoint(self, key: str, point: str, scope: str = "", token: Optional[int] = None,
+                   lease_ends: Optional[float] = None) -> None:
         try:
-            self.execute(CHECKPOINT_SQL, {"key": key, "point": point, "scope": scope, "token": token})
+            self.execute(CHECKPOINT_SQL, {"key": key, "point": point, "scope": scope, "token": token},
+                         patience=self._finishing_patience(lease_ends))
         except Exception as e:
             fenced_or_raise(e)
 
@@ -307,12 +344,20 @@ class Store(_Calls):
     repeat. A repeated claim whose first try had committed finds its own claim in progress (it is
     taken over after the lease); a repeated complete whose first try had committed raises Fenced
     (IK002), and the decorator then claims again and gets the replay. `connect_timeout` (seconds,
-    libpq's, at least 2) bounds each connection attempt."""
+    libpq's, at least 2) bounds each connection attempt.
+
+    Behind a pooler in transaction mode (PgBouncer, RDS Proxy, Supavisor) each transaction may
+    run on another server connection, so no statement is prepared on the server (psycopg would
+    prepare one at its 6th execution, and the next transaction would not find it, or find
+    another of the same name). `prepared_statements=True` lets psycopg prepare them as it does
+    by default: only for a direct connection, session mode, or a pooler that keeps prepared
+    statements per client (PgBouncer 1.21 and later with max_prepared_statements)."""
 
     def __init__(self, conninfo: Optional[str] = None, *, reconnect_timeout: dt.timedelta = dt.timedelta(seconds=30),
                  application_name: str = "pg_idempotency", connect: Optional[Callable[[], psycopg.Connection]] = None,
-                 connect_timeout: float = 5.0):
+                 connect_timeout: float = 5.0, prepared_statements: bool = False):
         self.conninfo = conninfo or ""
+        self.prepare = _prepare(prepared_statements)
         self.connect_timeout = connect_timeout
         self.reconnect_timeout = reconnect_timeout.total_seconds()
         self.application_name = application_name
@@ -344,7 +389,7 @@ class Store(_Calls):
         pause = 0.05
         while True:
             try:
-                cur = self.connection().execute(sql, params)
+                cur = self.connection().execute(sql, params, prepare=self.prepare)
                 return cur.fetchall() if all_rows else cur.fetchone()
             except psycopg.errors.SerializationFailure:
                 time.sleep(0.01)
@@ -368,11 +413,14 @@ class AsyncStore(_Calls):
     serialises their statements; each is short), or, with `pool` (a psycopg_pool
     AsyncConnectionPool, opened on first use if it is not open yet), a connection of the pool per
     statement, so that concurrent requests do not queue behind one connection. Same reconnect
-    rule as Store."""
+    rule, and the same `prepared_statements` rule (none prepared on the server unless True), as
+    Store."""
 
     def __init__(self, conninfo: Optional[str] = None, *, reconnect_timeout: dt.timedelta = dt.timedelta(seconds=30),
-                 application_name: str = "pg_idempotency", connect_timeout: float = 5.0, pool: Any = None):
+                 application_name: str = "pg_idempotency", connect_timeout: float = 5.0, pool: Any = None,
+                 prepared_statements: bool = False):
         self.pool = pool
+        self.prepare = _prepare(prepared_statements)
         self._pool_opened = False
         self.conninfo = conninfo or ""
         self.connect_timeout = connect_timeout
@@ -407,7 +455,7 @@ class AsyncStore(_Calls):
                 if self.pool is not None:
                     return await self._run_pooled(sql, params, all_rows)
                 conn = await self.connection()
-                cur = await conn.execute(sql, params)
+                cur = await conn.execute(sql, params, prepare=self.prepare)
                 return await (cur.fetchall() if all_rows else cur.fetchone())
             except psycopg.errors.SerializationFailure:
                 await asyncio.sleep(0.01)
@@ -429,7 +477,7 @@ class AsyncStore(_Calls):
                 # Each statement of the leased style commits on its own: a pool's connection
                 # would otherwise roll the claim back when it is returned.
                 await conn.set_autocommit(True)
-            cur = await conn.execute(sql, params)
+            cur = await conn.execute(sql, params, prepare=self.prepare)
             return await (cur.fetchall() if all_rows else cur.fetchone())
 
     async def close(self) -> None:
@@ -452,11 +500,12 @@ class AsyncStore(_Calls):
             invalid_key_or_raise(e)
         return ClaimResult.from_row(key, scope, row)
 
-    async def complete(self, key, response, status=200, scope="", token=None, ttl=None, response_is_json=False):
+    async def complete(self, key, response, status=200, scope="", token=None, ttl=None, response_is_json=False,
+                       lease_ends=None):
         params = {"key": key, "response": response if response_is_json else to_json(response),
                   "status": status, "scope": scope, "token": token, "ttl": ttl}
         try:
-            return (await self.execute(COMPLETE_SQL, params))[0]
+            return (await self.execute(COMPLETE_SQL, params, patience=self._finishing_patience(lease_ends)))[0]
         except Exception as e:
             fenced_or_raise(e)
 
@@ -473,12 +522,14 @@ class AsyncStore(_Calls):
         except Exception as e:
             fenced_or_raise(e)
 
-    async def release(self, key, scope="", token=None) -> bool:
-        return (await self.execute(RELEASE_SQL, {"key": key, "scope": scope, "token": token}))[0]
+    async def release(self, key, scope="", token=None, lease_ends=None) -> bool:
+        return (await self.execute(RELEASE_SQL, {"key": key, "scope": scope, "token": token},
+                                   patience=self._finishing_patience(lease_ends)))[0]
 
-    async def checkpoint(self, key, point, scope="", token=None) -> None:
+    async def checkpoint(self, key, point, scope="", token=None, lease_ends=None) -> None:
         try:
-            await self.execute(CHECKPOINT_SQL, {"key": key, "point": point, "scope": scope, "token": token})
+            await self.execute(CHECKPOINT_SQL, {"key": key, "point": point, "scope": scope, "token": token},
+                               patience=self._finishing_patience(lease_ends))
         except Exception as e:
             fenced_or_raise(e)
 

@@ -84,11 +84,13 @@ class IdempotencyMiddleware:
                  methods: Iterable[str] = ("POST", "PATCH"), required: bool = True,
                  store_server_errors: bool = False, problem_base: Optional[str] = None,
                  replay_headers: Iterable[str] = REPLAY_HEADERS, connect_timeout: float = 5.0,
-                 fail_open: bool = False, lenient_keys: bool = False, pool=None):
+                 fail_open: bool = False, lenient_keys: bool = False, pool=None, prepared_statements: bool = False):
         self.app = app
         # pool: a psycopg_pool.AsyncConnectionPool; without it one connection per event loop.
+        # prepared_statements: see Store (False works behind a pooler in transaction mode).
         self.store = store or AsyncStore(conninfo, application_name="pg_idempotency_asgi",
-                                         connect_timeout=connect_timeout, pool=pool)
+                                         connect_timeout=connect_timeout, pool=pool,
+                                         prepared_statements=prepared_statements)
         self.client = client
         self.policy = Policy(ttl=ttl, lease=lease, wait=wait, methods=frozenset(m.upper() for m in methods),
                              required=required, store_server_errors=store_server_errors,
@@ -138,12 +140,12 @@ class IdempotencyMiddleware:
 
         resp = await self._run(scope, req.body, receive, c)
         if not should_store(self.policy, resp):
-            await self.store.release(key, c.scope, c.token)
+            await self.store.release(key, c.scope, c.token, lease_ends=c.lease_ends)
             return await _send_response(send, finish(resp, echo))
         text, status = encode_response(resp, self.policy)
         try:
             expires = await self.store.complete(key, text, status, c.scope, c.token, self.policy.ttl,
-                                                response_is_json=True)
+                                                response_is_json=True, lease_ends=c.lease_ends)
         except Fenced:
             # Our lease ran out and another request took the key over, or our own complete had
             # committed before a reconnect: answer with what the store holds.
@@ -197,7 +199,7 @@ class IdempotencyMiddleware:
         try:
             await self.app(scope, replay_receive, capture)
         except Exception:
-            await self.store.release(c.key, c.scope, c.token)
+            await self.store.release(c.key, c.scope, c.token, lease_ends=c.lease_ends)
             raise
         return Response(status, headers, b"".join(chunks))
 

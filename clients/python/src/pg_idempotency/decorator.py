@@ -89,15 +89,16 @@ class Attempt:
     def __init__(self, store, claim: ClaimResult):
         self._store, self.key, self.scope = store, claim.key, claim.scope
         self.token, self.recovery_point = claim.token, claim.recovery_point
+        self._lease_ends = claim.lease_ends
 
     def checkpoint(self, point: str) -> None:
         """Records progress (idempotency.checkpoint with this attempt's token). Raises Fenced if
         another attempt took the key over. From a coroutine use `await acheckpoint(point)`."""
-        self._store.checkpoint(self.key, point, self.scope, self.token)
+        self._store.checkpoint(self.key, point, self.scope, self.token, lease_ends=self._lease_ends)
         self.recovery_point = point
 
     async def acheckpoint(self, point: str) -> None:
-        await self._store.checkpoint(self.key, point, self.scope, self.token)
+        await self._store.checkpoint(self.key, point, self.scope, self.token, lease_ends=self._lease_ends)
         self.recovery_point = point
 
 
@@ -215,7 +216,7 @@ def idempotent(key: Union[str, Callable[..., str]], *, scope: str = "", ttl: Opt
                         result = await fn(*args, **kwargs)
                     except Exception:
                         if release_on_error:
-                            await astore.release(k, scope, c.token)
+                            await astore.release(k, scope, c.token, lease_ends=c.lease_ends)
                         raise
                     finally:
                         _current.reset(tok)
@@ -223,9 +224,10 @@ def idempotent(key: Union[str, Callable[..., str]], *, scope: str = "", ttl: Opt
                     try:
                         if error is not None:
                             await astore.complete(k, json.dumps({_UNSTORABLE: error}), 500, scope, c.token, ttl,
-                                                  response_is_json=True)
+                                                  response_is_json=True, lease_ends=c.lease_ends)
                             raise Unstorable(k, scope, error)
-                        expires = await astore.complete(k, text, 200, scope, c.token, ttl, response_is_json=True)
+                        expires = await astore.complete(k, text, 200, scope, c.token, ttl, response_is_json=True,
+                                                        lease_ends=c.lease_ends)
                         return CallResult(result, False, NEW, c.token, expires)
                     except Fenced:
                         deadline = time.monotonic() + wait.total_seconds()  # claim again: the final answer
@@ -266,7 +268,7 @@ def idempotent(key: Union[str, Callable[..., str]], *, scope: str = "", ttl: Opt
                     result = fn(*args, **kwargs)
                 except Exception:
                     if release_on_error:
-                        sstore.release(k, scope, c.token)
+                        sstore.release(k, scope, c.token, lease_ends=c.lease_ends)
                     raise
                 finally:
                     _current.reset(tok)
@@ -275,9 +277,10 @@ def idempotent(key: Union[str, Callable[..., str]], *, scope: str = "", ttl: Opt
                     if error is not None:
                         # Stored as an error: the side effect ran and must not run again.
                         sstore.complete(k, json.dumps({_UNSTORABLE: error}), 500, scope, c.token, ttl,
-                                        response_is_json=True)
+                                        response_is_json=True, lease_ends=c.lease_ends)
                         raise Unstorable(k, scope, error)
-                    expires = sstore.complete(k, text, 200, scope, c.token, ttl, response_is_json=True)
+                    expires = sstore.complete(k, text, 200, scope, c.token, ttl, response_is_json=True,
+                                              lease_ends=c.lease_ends)
                     return CallResult(result, False, NEW, c.token, expires)
                 except Fenced:
                     # Completed meanwhile (our own complete whose answer was lost to a reconnect,

@@ -13,6 +13,9 @@ database before it answers 503 with Retry-After), FAIL_OPEN (False: True runs th
 the store when the database is unreachable, see the README for the risk), REPLAY_HEADERS (the headers a replay carries besides Content-Type; default Location,
 Content-Location, ETag, Last-Modified, Link). With ATOMIC_REQUESTS the view's transaction is not the claim's: the claim commits
 before the view runs and the response is stored after the view's transaction committed.
+PREPARED_STATEMENTS (False): the middleware's statements are not prepared on the server, so it
+works behind a pooler in transaction mode; True only for a direct connection, session mode or a
+pooler that keeps prepared statements per client.
 """
 
 from __future__ import annotations
@@ -20,6 +23,8 @@ from __future__ import annotations
 import datetime as dt
 import logging
 import time
+
+import psycopg
 
 from django.conf import settings
 from django.db import connections
@@ -48,8 +53,9 @@ class _DjangoStore(_Calls):
     """The SQL API over a Django database connection (psycopg 2 or 3 backend). A statement that
     fails on a lost connection is repeated on a new one, outside atomic blocks."""
 
-    def __init__(self, alias: str, reconnect_timeout: float = 30.0):
+    def __init__(self, alias: str, reconnect_timeout: float = 30.0, prepared_statements: bool = False):
         self.alias, self.reconnect_timeout = alias, reconnect_timeout
+        self.prepared_statements = prepared_statements
 
     def execute(self, sql, params, patience=None):
         deadline = time.monotonic() + (self.reconnect_timeout if patience is None else patience)
@@ -58,7 +64,14 @@ class _DjangoStore(_Calls):
             conn = connections[self.alias]
             try:
                 with conn.cursor() as cur:
-                    cur.execute(sql, params)
+                    inner = getattr(cur, "cursor", None)
+                    if not self.prepared_statements and isinstance(inner, psycopg.Cursor):
+                        # Not prepared on the server (see Store): through Django's error wrapper,
+                        # so errors are Django's as with cur.execute.
+                        with conn.wrap_database_errors:
+                            inner.execute(sql, params, prepare=False)
+                    else:
+                        cur.execute(sql, params)  # psycopg 2 never prepares on the server
                     return cur.fetchone()
             except (OperationalError, InterfaceError):
                 if conn.in_atomic_block or time.monotonic() + pause > deadline:
@@ -82,12 +95,13 @@ class IdempotencyMiddleware:
         self.get_response = get_response
         conf = getattr(settings, "IDEMPOTENCY", {})
         connect_timeout = float(conf.get("CONNECT_TIMEOUT", 5))
+        prepared = bool(conf.get("PREPARED_STATEMENTS", False))
         if conf.get("CONNINFO") is not None:
             self.store = Store(conf["CONNINFO"], application_name="pg_idempotency_django",
-                               connect_timeout=connect_timeout)
+                               connect_timeout=connect_timeout, prepared_statements=prepared)
         else:
             alias = conf.get("DATABASE", "default")
-            self.store = _DjangoStore(alias)
+            self.store = _DjangoStore(alias, prepared_statements=prepared)
             # A connection attempt to a database that does not answer is bounded (libpq's
             # connect_timeout), unless the database's OPTIONS set one already.
             options = connections[alias].settings_dict.setdefault("OPTIONS", {})
@@ -137,16 +151,17 @@ class IdempotencyMiddleware:
         try:
             response = self.get_response(request)
         except Exception:
-            self.store.release(key, c.scope, c.token)
+            self.store.release(key, c.scope, c.token, lease_ends=c.lease_ends)
             raise
         body = b"".join(response.streaming_content) if response.streaming else response.content
         resp = Response(response.status_code, [(k.lower(), v) for k, v in response.items()], body)
         if not should_store(self.policy, resp):
-            self.store.release(key, c.scope, c.token)
+            self.store.release(key, c.scope, c.token, lease_ends=c.lease_ends)
             return self._with_headers(response, body, finish(resp, raw))
         text, status = encode_response(resp, self.policy)
         try:
-            expires = self.store.complete(key, text, status, c.scope, c.token, self.policy.ttl, response_is_json=True)
+            expires = self.store.complete(key, text, status, c.scope, c.token, self.policy.ttl, response_is_json=True,
+                                          lease_ends=c.lease_ends)
         except Fenced:
             c2 = self._claim(key, params)
             if isinstance(c2, ClaimResult) and c2.outcome != NEW:

@@ -27,14 +27,14 @@ from dataclasses import dataclass, field
 from typing import List, Optional, Tuple
 from urllib.parse import parse_qsl
 
-from ._core import IN_PROGRESS, MISMATCH, NEW, REPLAY, ClaimResult
+from ._core import IN_PROGRESS, LEASE_COLUMN, MISMATCH, NEW, REPLAY, ClaimResult
 
 HEADER = "idempotency-key"
 MAX_KEY = 255
 
 CLAIM_HTTP_SQL = """
 SELECT c.outcome::text, c.token, c.response::text, c.response_status,
-       extract(epoch FROM c.retry_after)::float8, c.expires_at, c.recovery_point
+       extract(epoch FROM c.retry_after)::float8, c.expires_at, c.recovery_point,""" + LEASE_COLUMN + """
   FROM idempotency.claim(
            %(key)s,
            request => to_jsonb(encode(idempotency.request_fingerprint(

@@ -1,6 +1,10 @@
 """The one-transaction style on the caller's psycopg connection: claim, the caller's own writes,
 complete, all in one transaction (a savepoint when the caller already has one open). If anything
-in the block raises, the claim rolls back with the writes and the next retry is new."""
+in the block raises, the claim rolls back with the writes and the next retry is new.
+
+Its statements are never prepared on the server (`prepare=False`), so the caller's connection may
+come from a pooler in transaction mode: a statement prepared in one transaction would be missing,
+or another of the same name, in the next one on another server connection."""
 
 from __future__ import annotations
 
@@ -43,7 +47,8 @@ class TransactionClaim:
         if self.result.outcome != NEW:
             raise RuntimeError("complete() is only for a new claim")
         try:
-            self.completed_expires_at = self._conn.execute(COMPLETE_SQL, self._params(response, status)).fetchone()[0]
+            self.completed_expires_at = self._conn.execute(COMPLETE_SQL, self._params(response, status),
+                                                           prepare=False).fetchone()[0]
         except psycopg.Error as e:
             fenced_or_raise(e)
         return self.completed_expires_at
@@ -52,7 +57,7 @@ class TransactionClaim:
         if self.result.outcome != NEW:
             raise RuntimeError("complete() is only for a new claim")
         try:
-            cur = await self._conn.execute(COMPLETE_SQL, self._params(response, status))
+            cur = await self._conn.execute(COMPLETE_SQL, self._params(response, status), prepare=False)
             self.completed_expires_at = (await cur.fetchone())[0]
         except psycopg.Error as e:
             fenced_or_raise(e)
@@ -85,8 +90,8 @@ def idempotency_transaction(conn: psycopg.Connection, key: str, *, request: Any 
     into a replay. A new claim must be completed with `c.complete(...)` before the block ends."""
     with conn.transaction():
         if wait is not None:
-            conn.execute(_WAIT_SQL, _wait_params(wait))
-        row = conn.execute(CLAIM_SQL, claim_params(key, request, scope, ttl, None)).fetchone()
+            conn.execute(_WAIT_SQL, _wait_params(wait), prepare=False)
+        row = conn.execute(CLAIM_SQL, claim_params(key, request, scope, ttl, None), prepare=False).fetchone()
         result = ClaimResult.from_row(key, scope, row)
         _check(result)
         c = TransactionClaim(conn, result, ttl)
@@ -100,8 +105,8 @@ async def aidempotency_transaction(conn: psycopg.AsyncConnection, key: str, *, r
     """idempotency_transaction for an AsyncConnection; complete with `await c.acomplete(...)`."""
     async with conn.transaction():
         if wait is not None:
-            await conn.execute(_WAIT_SQL, _wait_params(wait))
-        cur = await conn.execute(CLAIM_SQL, claim_params(key, request, scope, ttl, None))
+            await conn.execute(_WAIT_SQL, _wait_params(wait), prepare=False)
+        cur = await conn.execute(CLAIM_SQL, claim_params(key, request, scope, ttl, None), prepare=False)
         result = ClaimResult.from_row(key, scope, await cur.fetchone())
         _check(result)
         c = TransactionClaim(conn, result, ttl)
