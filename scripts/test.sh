@@ -23,7 +23,7 @@ CORE=(test_concurrency.py test_model.py test_canonical_oracle.py test_encodings.
       test_crash.py test_privileges.py test_search_path.py test_upgrade.py test_direct_writes.py
       test_direct_fidelity.py test_hardening.py test_expiry_and_dump.py test_bad_input.py
       test_hot_updates.py test_batch.py test_partitioned.py test_damaged_jsonb.py
-      test_binding_settings.py test_portable.py test_pg_cron.py)
+      test_binding_settings.py test_portable.py test_pg_cron.py test_pooler.py)
 
 scripts/bootstrap.sh
 
@@ -90,7 +90,7 @@ done
 PORTABLE=(test_model.py test_concurrency.py test_bad_input.py test_audit.py test_hashed_keys.py
           test_signed_keys.py test_privileges.py test_batch.py test_search_path.py
           test_expiry_and_dump.py test_patterns.py test_binding_settings.py test_partitioned.py
-          test_hardening.py)
+          test_hardening.py test_pooler.py)
 for v in "${VERSIONS[@]}"; do
     case "$v" in
         15)
