@@ -80,7 +80,8 @@ struct Config {
     methods: Vec<Method>,
     body_limit: usize,
     require_key: bool,
-    reconnect_for: Duration,
+    reconnect_for: Option<Duration>,
+    prepared: bool,
     scope: ScopeFn,
     check: Option<CheckFn>,
     replay_headers: Vec<HeaderName>,
@@ -100,7 +101,8 @@ pub struct IdempotencyLayer {
 
 impl IdempotencyLayer {
     /// Defaults: TTL 24 hours, lease 5 minutes, methods POST and PATCH, bodies up to 1 MiB, the key
-    /// required, scope [`route_scope`], completion retried on new connections for 30 seconds.
+    /// required, scope [`route_scope`], completion retried on new connections until the claim's
+    /// lease ends, unnamed statements (safe behind a transaction-mode pooler).
     pub fn new(pool: Pool) -> IdempotencyLayer {
         IdempotencyLayer {
             cfg: Arc::new(Config {
@@ -110,7 +112,8 @@ impl IdempotencyLayer {
                 methods: vec![Method::POST, Method::PATCH],
                 body_limit: 1 << 20,
                 require_key: true,
-                reconnect_for: Duration::from_secs(30),
+                reconnect_for: None,
+                prepared: false,
                 scope: Arc::new(|p: &Parts| Ok(route_scope(p))),
                 check: None,
                 replay_headers: default_replay_headers(),
@@ -131,6 +134,7 @@ impl IdempotencyLayer {
             body_limit: self.cfg.body_limit,
             require_key: self.cfg.require_key,
             reconnect_for: self.cfg.reconnect_for,
+            prepared: self.cfg.prepared,
             scope: self.cfg.scope.clone(),
             check: self.cfg.check.clone(),
             replay_headers: self.cfg.replay_headers.clone(),
@@ -175,10 +179,23 @@ impl IdempotencyLayer {
         self.with(|c| c.require_key = required)
     }
 
-    /// How long the layer keeps trying, on new connections, to store an answer after the
-    /// database went away while the inner service ran.
+    /// How long the layer keeps trying, on new connections, to store an answer (or release the
+    /// key) after the connection broke or the database went away while the inner service ran,
+    /// counted from the inner service's answer. By default it tries until the claim's lease ends:
+    /// after that a retry of the request may take the key over and run it again.
     pub fn reconnect_for(self, d: Duration) -> IdempotencyLayer {
-        self.with(|c| c.reconnect_for = d)
+        self.with(|c| c.reconnect_for = Some(d))
+    }
+
+    /// Use prepared statements, prepared once per pooled connection and cached (off by
+    /// default). Off, every statement is unnamed and sent with its parameters in one round trip,
+    /// which works through any pooler, PgBouncer in transaction mode included, and on a
+    /// connection that the pooler gives another client between transactions. Turn it on for a
+    /// direct connection, a session-mode pooler, or one that tracks prepared statements per
+    /// client (PgBouncer 1.21+ with `max_prepared_statements`): it saves the server parsing
+    /// and planning the layer's statements anew for each request.
+    pub fn prepared_statements(self, on: bool) -> IdempotencyLayer {
+        self.with(|c| c.prepared = on)
     }
 
     /// How long a duplicate waits for the first request's answer (polling the store) before it
@@ -380,12 +397,16 @@ where
     let lease = cfg.lease.min(cfg.ttl).as_secs_f64();
     let deadline = Instant::now() + cfg.wait;
     let mut pause = Duration::from_millis(50);
-    let c = loop {
+    let (c, lease_ends) = loop {
         let client = match tokio::time::timeout(cfg.connect_timeout, cfg.pool.get()).await {
             Ok(Ok(c)) => c,
             _ => return down(&cfg, inner, parts, bytes, &ir).await,
         };
-        let c = match store::claim(&**client, &ir, ttl, lease).await {
+        let db = pooled(&cfg, &client);
+        // The server starts the lease when it runs the claim, which is after this instant: the
+        // end computed from it is never later than the server's.
+        let claimed_at = Instant::now();
+        let c = match store::claim_via(&db, &ir, ttl, lease).await {
             Ok(c) => c,
             Err(e) if store::is_transient(&e) => return down(&cfg, inner, parts, bytes, &ir).await,
             Err(e) => return store::db_error(&e, &ir.echo),
@@ -399,9 +420,9 @@ where
             continue;
         }
         if c.outcome != Outcome::New {
-            return store::answer_with(&**client, &ir, &c, &cfg.replay_headers).await;
+            return store::answer_via(&db, &ir, &c, &cfg.replay_headers).await;
         }
-        break c;
+        break (c, claimed_at + Duration::from_secs_f64(lease));
     }; // the connection goes back to the pool while the inner service runs
     parts.extensions.insert(Claimed {
         key: ir.key.clone(),
@@ -432,10 +453,14 @@ where
         expires: c.expires_at,
         ..ir.echo.clone()
     };
+    let retry_until = match cfg.reconnect_for {
+        Some(d) => Instant::now() + d,
+        None => lease_ends,
+    };
     match disposition {
         Disposition::Keep => finish_missing(resp, echo),
         Disposition::Release => {
-            release(&cfg.pool, Instant::now() + cfg.reconnect_for, &ir, c.token).await;
+            release(&cfg, retry_until, &ir, c.token).await;
             finish_missing(
                 resp,
                 Echo {
@@ -444,7 +469,15 @@ where
                 },
             )
         }
-        Disposition::Complete => complete(&cfg, &ir, &c, resp, ttl).await,
+        Disposition::Complete => complete(&cfg, &ir, &c, resp, ttl, retry_until).await,
+    }
+}
+
+/// A pooled connection as the layer sends statements on it.
+fn pooled<'c>(cfg: &Config, client: &'c deadpool_postgres::Object) -> store::Pooled<'c> {
+    store::Pooled {
+        client,
+        prepared: cfg.prepared,
     }
 }
 
@@ -484,6 +517,7 @@ async fn complete(
     c: &store::Claim,
     resp: Response,
     ttl: f64,
+    retry_until: Instant,
 ) -> Response {
     let status = resp.status();
     let (rparts, rbody) = resp.into_parts();
@@ -493,17 +527,35 @@ async fn complete(
     };
     let text = envelope(&rparts.headers, &body, &cfg.replay_headers);
     let status_i = i32::from(status.as_u16());
-    let deadline = Instant::now() + cfg.reconnect_for;
     let (key, scope, token) = (ir.key.as_str(), ir.scope.as_str(), c.token);
-    let done = retrying(&cfg.pool, deadline, |db| {
-        let text = text.clone();
-        async move {
-            store::complete(&**db, key, scope, token, status_i, &text, Some(ttl))
-                .await
-                .map(|(_, exp)| exp)
-        }
+    let text = text.as_str();
+    let mut done = retrying(cfg, retry_until, |db| async move {
+        let r = store::complete_via(
+            &pooled(cfg, &db),
+            key,
+            scope,
+            token,
+            status_i,
+            text,
+            Some(ttl),
+        )
+        .await
+        .map(|(_, exp)| exp);
+        (db, r)
     })
     .await;
+    if matches!(&done, Err(Some(e)) if store::sqlstate(e) == Some("IK002")) {
+        // Already completed: by this very completion if an earlier try committed and only its
+        // answer was lost with the connection. The token tells: nobody else holds it.
+        let ours = retrying(cfg, retry_until, |db| async move {
+            let r = store::completed_with(&pooled(cfg, &db), key, scope, token).await;
+            (db, r)
+        })
+        .await;
+        if let Ok(Some(expires)) = ours {
+            done = Ok(expires);
+        }
+    }
     match done {
         Ok(expires) => {
             // The live answer is the handler's, untouched but for the idempotency headers.
@@ -518,7 +570,7 @@ async fn complete(
         }
         Err(e) => {
             // The answer cannot be stored (the database stayed away, or refused it): give the key back if we still can.
-            release(&cfg.pool, Instant::now(), ir, c.token).await;
+            release(cfg, Instant::now(), ir, c.token).await;
             match e {
                 None => unavailable(&ir.echo),
                 Some(e) if store::is_transient(&e) => unavailable(&ir.echo),
@@ -540,8 +592,9 @@ async fn fenced_off(cfg: &Config, ir: &IdemRequest) -> Response {
     let Ok(client) = cfg.pool.get().await else {
         return unavailable(&ir.echo);
     };
-    let c = match store::claim(
-        &**client,
+    let db = pooled(cfg, &client);
+    let c = match store::claim_via(
+        &db,
         ir,
         cfg.ttl.as_secs_f64(),
         cfg.lease.min(cfg.ttl).as_secs_f64(),
@@ -553,7 +606,7 @@ async fn fenced_off(cfg: &Config, ir: &IdemRequest) -> Response {
     };
     if c.outcome == Outcome::New {
         // Do not start over inside this request.
-        let _ = store::release(&**client, &ir.key, &ir.scope, c.token).await;
+        let _ = store::release_via(&db, &ir.key, &ir.scope, c.token).await;
         let mut echo = ir.echo.clone();
         echo.retry_after = Some(1);
         return finish(
@@ -566,43 +619,63 @@ async fn fenced_off(cfg: &Config, ir: &IdemRequest) -> Response {
             &echo,
         );
     }
-    store::answer_with(&**client, ir, &c, &cfg.replay_headers).await
+    store::answer_via(&db, ir, &c, &cfg.replay_headers).await
 }
 
 /// `release`, retried on new connections until `deadline`.
-async fn release(pool: &Pool, deadline: Instant, ir: &IdemRequest, token: Option<i64>) {
+async fn release(cfg: &Config, deadline: Instant, ir: &IdemRequest, token: Option<i64>) {
     let (key, scope) = (ir.key.as_str(), ir.scope.as_str());
-    let _ = retrying(pool, deadline, |db| async move {
-        store::release(&**db, key, scope, token).await
+    let _ = retrying(cfg, deadline, |db| async move {
+        let r = store::release_via(&pooled(cfg, &db), key, scope, token).await;
+        (db, r)
     })
     .await;
 }
 
-/// Runs `f` on a pooled connection; after a transient error (connection lost, server restarting)
-/// again on a new one, until `deadline`. `Err(None)`: no connection could be had.
+/// Runs `f` on a pooled connection; after a transient error (connection lost, server restarting,
+/// the pooler's own failure) again on a new one, with backoff, until `deadline` (at least once).
+/// `Err(None)`: no connection could be had.
+///
+/// `f` gets the connection and hands it back with its result (a closure that borrowed it would
+/// make the future not `Send`).
 async fn retrying<T, F, Fut>(
-    pool: &Pool,
+    cfg: &Config,
     deadline: Instant,
     mut f: F,
 ) -> Result<T, Option<tokio_postgres::Error>>
 where
     F: FnMut(deadpool_postgres::Object) -> Fut,
-    Fut: Future<Output = Result<T, tokio_postgres::Error>>,
+    Fut: Future<Output = (deadpool_postgres::Object, Result<T, tokio_postgres::Error>)>,
 {
     let mut pause = Duration::from_millis(50);
     loop {
-        let last = match pool.get().await {
-            Ok(db) => match f(db).await {
-                Ok(v) => return Ok(v),
-                Err(e) if !store::is_transient(&e) => return Err(Some(e)),
-                Err(e) => Some(e),
+        let last = match pool_get(cfg).await {
+            Some(client) => match f(client).await {
+                (_, Ok(v)) => return Ok(v),
+                (_, Err(e)) if !store::is_transient(&e) => return Err(Some(e)),
+                (client, Err(e)) => {
+                    // Not back into the pool: a connection that failed this way may look open
+                    // (the pooler's error left it up) and would fail the next try the same way.
+                    drop(deadpool_postgres::Object::take(client));
+                    Some(e)
+                }
             },
-            Err(_) => None,
+            None => None,
         };
-        if Instant::now() >= deadline {
+        let now = Instant::now();
+        if now >= deadline {
             return Err(last);
         }
-        tokio::time::sleep(pause).await;
+        tokio::time::sleep(pause.min(deadline - now)).await;
         pause = (pause * 2).min(Duration::from_secs(1));
+    }
+}
+
+/// A connection from the pool, waiting for one at most the connect timeout: a database that does
+/// not answer is tried again (until the deadline), a pool that is busy is waited for.
+async fn pool_get(cfg: &Config) -> Option<deadpool_postgres::Object> {
+    match tokio::time::timeout(cfg.connect_timeout, cfg.pool.get()).await {
+        Ok(Ok(c)) => Some(c),
+        _ => None,
     }
 }

@@ -1,15 +1,104 @@
 //! Calls into the extension's SQL API: claim with the request fingerprint, complete, release,
 //! and the HTTP answer for each outcome other than `new`. No hashing, expiry or fencing here:
 //! all of that is the extension's.
+//!
+//! Every statement is sent as an unnamed statement, parsed, bound and run in one round trip
+//! (`query_typed`): nothing named outlives it on the server, so the functions work on any
+//! connection, one that a transaction-mode pooler (PgBouncer) hands to another client between
+//! transactions included. The layer can use cached prepared statements instead
+//! ([`crate::IdempotencyLayer::prepared_statements`]).
 
+use std::future::Future;
 use std::time::SystemTime;
 
 use axum::http::StatusCode;
 use axum::response::Response;
-use tokio_postgres::GenericClient;
+use tokio_postgres::types::{ToSql, Type};
+use tokio_postgres::{GenericClient, Row};
 
 use crate::request::IdemRequest;
 use crate::response::{default_replay_headers, finish, problem, replayed, Echo};
+
+/// A statement's parameters, each with the type the server is told it has.
+pub(crate) type Params<'a> = [(&'a (dyn ToSql + Sync), Type)];
+
+/// How a statement reaches the server.
+pub(crate) trait Exec: Sync {
+    fn rows<'a>(
+        &'a self,
+        sql: &'a str,
+        params: &'a Params<'a>,
+    ) -> impl Future<Output = Result<Vec<Row>, tokio_postgres::Error>> + Send + 'a;
+
+    fn one<'a>(
+        &'a self,
+        sql: &'a str,
+        params: &'a Params<'a>,
+    ) -> impl Future<Output = Result<Row, tokio_postgres::Error>> + Send + 'a;
+}
+
+/// Unnamed statements in one round trip: Parse, Bind, Execute and Sync go out together, so a
+/// transaction-mode pooler cannot hand the Bind to another server connection than the Parse,
+/// and no statement name is left behind on the server connection.
+pub(crate) struct Unnamed<'c, C>(pub &'c C);
+
+impl<C: GenericClient + Sync> Exec for Unnamed<'_, C> {
+    async fn rows<'a>(
+        &'a self,
+        sql: &'a str,
+        params: &'a Params<'a>,
+    ) -> Result<Vec<Row>, tokio_postgres::Error> {
+        self.0.query_typed(sql, params).await
+    }
+
+    async fn one<'a>(
+        &'a self,
+        sql: &'a str,
+        params: &'a Params<'a>,
+    ) -> Result<Row, tokio_postgres::Error> {
+        self.0.query_typed_one(sql, params).await
+    }
+}
+
+/// A pooled connection of the layer's: unnamed statements, or (`prepared`) statements prepared
+/// once per connection and cached by deadpool, for a direct connection or a pooler that keeps
+/// prepared statements per client (PgBouncer 1.21+ with `max_prepared_statements`, session mode).
+pub(crate) struct Pooled<'c> {
+    pub client: &'c deadpool_postgres::ClientWrapper,
+    pub prepared: bool,
+}
+
+impl Exec for Pooled<'_> {
+    async fn rows<'a>(
+        &'a self,
+        sql: &'a str,
+        params: &'a Params<'a>,
+    ) -> Result<Vec<Row>, tokio_postgres::Error> {
+        if self.prepared {
+            let types: Vec<Type> = params.iter().map(|(_, t)| t.clone()).collect();
+            let stmt = self.client.prepare_typed_cached(sql, &types).await?;
+            let values: Vec<&(dyn ToSql + Sync)> = params.iter().map(|(v, _)| *v).collect();
+            self.client.query(&stmt, &values).await
+        } else {
+            Unnamed(&**self.client).rows(sql, params).await
+        }
+    }
+
+    async fn one<'a>(
+        &'a self,
+        sql: &'a str,
+        params: &'a Params<'a>,
+    ) -> Result<Row, tokio_postgres::Error> {
+        if self.prepared {
+            let types: Vec<Type> = params.iter().map(|(_, t)| t.clone()).collect();
+            let stmt = self.client.prepare_typed_cached(sql, &types).await?;
+            let values: Vec<&(dyn ToSql + Sync)> = params.iter().map(|(v, _)| *v).collect();
+            self.client.query_one(&stmt, &values).await
+        } else {
+            Unnamed(&**self.client).one(sql, params).await
+        }
+    }
+}
 
 /// `idempotency.outcome`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -57,19 +146,28 @@ pub async fn claim<C: GenericClient + Sync>(
     ttl_secs: f64,
     lease_secs: f64,
 ) -> Result<Claim, tokio_postgres::Error> {
+    claim_via(&Unnamed(db), ctx, ttl_secs, lease_secs).await
+}
+
+pub(crate) async fn claim_via(
+    db: &impl Exec,
+    ctx: &IdemRequest,
+    ttl_secs: f64,
+    lease_secs: f64,
+) -> Result<Claim, tokio_postgres::Error> {
     let row = db
-        .query_one(
+        .one(
             CLAIM,
             &[
-                &ctx.key,
-                &ctx.method,
-                &ctx.path,
-                &ctx.query,
-                &ctx.body,
-                &ctx.scope,
-                &ttl_secs,
-                &lease_secs,
-                &ctx.body_bytes,
+                (&ctx.key, Type::TEXT),
+                (&ctx.method, Type::TEXT),
+                (&ctx.path, Type::TEXT),
+                (&ctx.query, Type::TEXT),
+                (&ctx.body, Type::TEXT),
+                (&ctx.scope, Type::TEXT),
+                (&ttl_secs, Type::FLOAT8),
+                (&lease_secs, Type::FLOAT8),
+                (&ctx.body_bytes, Type::BYTEA),
             ],
         )
         .await?;
@@ -120,10 +218,16 @@ pub async fn claim_many<C: GenericClient + Sync>(
     ttl_secs: Option<f64>,
     lease_secs: Option<f64>,
 ) -> Result<Vec<Claim>, tokio_postgres::Error> {
-    let rows = db
-        .query(
+    let rows = Unnamed(db)
+        .rows(
             CLAIM_MANY,
-            &[&keys, &requests, &scope, &ttl_secs, &lease_secs],
+            &[
+                (&keys, Type::TEXT_ARRAY),
+                (&requests, Type::TEXT_ARRAY),
+                (&scope, Type::TEXT),
+                (&ttl_secs, Type::FLOAT8),
+                (&lease_secs, Type::FLOAT8),
+            ],
         )
         .await?;
     Ok(rows.iter().map(claim_of).collect())
@@ -153,10 +257,17 @@ pub async fn complete_many<C: GenericClient + Sync>(
     tokens: Option<&[Option<i64>]>,
     ttl_secs: Option<f64>,
 ) -> Result<Vec<SystemTime>, tokio_postgres::Error> {
-    let rows = db
-        .query(
+    let rows = Unnamed(db)
+        .rows(
             COMPLETE_MANY,
-            &[&keys, &bodies, &statuses, &scope, &tokens, &ttl_secs],
+            &[
+                (&keys, Type::TEXT_ARRAY),
+                (&bodies, Type::TEXT_ARRAY),
+                (&statuses, Type::INT4_ARRAY),
+                (&scope, Type::TEXT),
+                (&tokens, Type::INT8_ARRAY),
+                (&ttl_secs, Type::FLOAT8),
+            ],
         )
         .await?;
     Ok(rows.iter().map(|r| r.get(0)).collect())
@@ -171,6 +282,15 @@ pub async fn answer<C: GenericClient + Sync>(db: &C, ctx: &IdemRequest, c: &Clai
 /// [`answer`], a replay carrying `Content-Type` and the headers of `replay_headers`.
 pub async fn answer_with<C: GenericClient + Sync>(
     db: &C,
+    ctx: &IdemRequest,
+    c: &Claim,
+    replay_headers: &[axum::http::HeaderName],
+) -> Response {
+    answer_via(&Unnamed(db), ctx, c, replay_headers).await
+}
+
+pub(crate) async fn answer_via(
+    db: &impl Exec,
     ctx: &IdemRequest,
     c: &Claim,
     replay_headers: &[axum::http::HeaderName],
@@ -230,17 +350,40 @@ pub async fn answer_with<C: GenericClient + Sync>(
     }
 }
 
-async fn lookup_expires<C: GenericClient + Sync>(
-    db: &C,
+async fn lookup_expires(
+    db: &impl Exec,
     ctx: &IdemRequest,
 ) -> Result<Option<SystemTime>, tokio_postgres::Error> {
     let row = db
-        .query_one(
+        .one(
             "SELECT (idempotency.lookup($1, $2)).expires_at",
-            &[&ctx.key, &ctx.scope],
+            &[(&ctx.key, Type::TEXT), (&ctx.scope, Type::TEXT)],
         )
         .await?;
     Ok(row.get(0))
+}
+
+/// The live record's expiry if it is completed under `token`: a `complete` with this token
+/// committed (a takeover would have issued a larger one). For a completion retried after its
+/// connection broke, whose first try may have committed before the answer was lost.
+pub(crate) async fn completed_with(
+    db: &impl Exec,
+    key: &str,
+    scope: &str,
+    token: Option<i64>,
+) -> Result<Option<SystemTime>, tokio_postgres::Error> {
+    let rows = db
+        .rows(
+            "SELECT k.expires_at FROM idempotency.lookup($1, $2) k \
+              WHERE k.status = 'completed' AND k.token IS NOT DISTINCT FROM $3",
+            &[
+                (&key, Type::TEXT),
+                (&scope, Type::TEXT),
+                (&token, Type::INT8),
+            ],
+        )
+        .await?;
+    Ok(rows.first().map(|r| r.get(0)))
 }
 
 /// Stores the response: `idempotency.complete(key, body::jsonb, status, scope, token, ttl)`.
@@ -260,8 +403,30 @@ pub async fn complete<C: GenericClient + Sync>(
     body: &str,
     ttl_secs: Option<f64>,
 ) -> Result<(String, SystemTime), tokio_postgres::Error> {
+    complete_via(&Unnamed(db), key, scope, token, status, body, ttl_secs).await
+}
+
+pub(crate) async fn complete_via(
+    db: &impl Exec,
+    key: &str,
+    scope: &str,
+    token: Option<i64>,
+    status: i32,
+    body: &str,
+    ttl_secs: Option<f64>,
+) -> Result<(String, SystemTime), tokio_postgres::Error> {
     let row = db
-        .query_one(COMPLETE, &[&body, &key, &status, &scope, &token, &ttl_secs])
+        .one(
+            COMPLETE,
+            &[
+                (&body, Type::TEXT),
+                (&key, Type::TEXT),
+                (&status, Type::INT4),
+                (&scope, Type::TEXT),
+                (&token, Type::INT8),
+                (&ttl_secs, Type::FLOAT8),
+            ],
+        )
         .await?;
     Ok((row.get(0), row.get(1)))
 }
@@ -274,10 +439,23 @@ pub async fn release<C: GenericClient + Sync>(
     scope: &str,
     token: Option<i64>,
 ) -> Result<bool, tokio_postgres::Error> {
+    release_via(&Unnamed(db), key, scope, token).await
+}
+
+pub(crate) async fn release_via(
+    db: &impl Exec,
+    key: &str,
+    scope: &str,
+    token: Option<i64>,
+) -> Result<bool, tokio_postgres::Error> {
     let row = db
-        .query_one(
+        .one(
             "SELECT idempotency.release($1, scope => $2, token => $3)",
-            &[&key, &scope, &token],
+            &[
+                (&key, Type::TEXT),
+                (&scope, Type::TEXT),
+                (&token, Type::INT8),
+            ],
         )
         .await?;
     Ok(row.get(0))
@@ -291,21 +469,31 @@ pub async fn checkpoint<C: GenericClient + Sync>(
     token: Option<i64>,
     recovery_point: &str,
 ) -> Result<(), tokio_postgres::Error> {
-    db.execute(
-        "SELECT idempotency.checkpoint($1, $2, scope => $3, token => $4)",
-        &[&key, &recovery_point, &scope, &token],
-    )
-    .await?;
+    Unnamed(db)
+        .rows(
+            "SELECT idempotency.checkpoint($1, $2, scope => $3, token => $4)",
+            &[
+                (&key, Type::TEXT),
+                (&recovery_point, Type::TEXT),
+                (&scope, Type::TEXT),
+                (&token, Type::INT8),
+            ],
+        )
+        .await?;
     Ok(())
 }
 
 /// An error after which the same statement may succeed on a new connection: the connection was
-/// lost (no SQLSTATE), the server is shutting down or starting (class 57P), a connection
-/// exception (class 08).
+/// lost (no SQLSTATE: closed, reset, an io error), the server is shutting down or starting or
+/// the session was ended (57P01..57P03, 57P05), a connection exception (class 08, which is also
+/// what PgBouncer sends for its own failures: `server conn crashed?`, `client_idle_timeout`,
+/// `query_wait_timeout`, ...), or too many connections (53300).
 pub fn is_transient(e: &tokio_postgres::Error) -> bool {
     match sqlstate(e) {
         None => true,
-        Some(c) => c.starts_with("57P") || c.starts_with("08"),
+        Some(c) => {
+            c.starts_with("08") || matches!(c, "57P01" | "57P02" | "57P03" | "57P05" | "53300")
+        }
     }
 }
 
