@@ -4,6 +4,12 @@
 //! `/usr/lib/postgresql/15/bin`) in a fresh directory under the system's temp dir, listening on
 //! a Unix socket only; run as root, they run as the `postgres` OS user (initdb refuses root).
 //! The `idempotency` extension must be installed into that server.
+//!
+//! `IDEMPOTENCY_TEST_POOLER` (`direct`, the default, `transaction` or `session`) puts PgBouncer
+//! (`PGBOUNCER`, default `/usr/sbin/pgbouncer`) in that pool mode between the layer and the
+//! cluster, as tests/integration/pooler.py does for the other clients: [`Cluster::config`] and
+//! [`Cluster::pool`] are then the pooler's address, while [`Cluster::query`], which the tests
+//! use to look into the store, stays a direct connection.
 
 #![allow(dead_code)]
 
@@ -29,6 +35,171 @@ pub struct Cluster {
     pub dir: PathBuf,
     pub port: u16,
     bin: PathBuf,
+    /// The pooler the layer's connections go through, if `IDEMPOTENCY_TEST_POOLER` asks for one.
+    pub pooler: Option<PgBouncer>,
+}
+
+/// How the tests' applications reach the cluster.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Route {
+    Direct,
+    Transaction,
+    Session,
+}
+
+impl Route {
+    /// `IDEMPOTENCY_TEST_POOLER`: `direct` (or unset), `transaction` or `session`.
+    pub fn from_env() -> Route {
+        match std::env::var("IDEMPOTENCY_TEST_POOLER").as_deref() {
+            Err(_) | Ok("") | Ok("direct") => Route::Direct,
+            Ok("transaction") => Route::Transaction,
+            Ok("session") => Route::Session,
+            Ok(other) => panic!(
+                "IDEMPOTENCY_TEST_POOLER must be direct, transaction or session, not {other:?}"
+            ),
+        }
+    }
+}
+
+/// PgBouncer in front of a cluster, on a port of its own, with an ini and a user list of its
+/// own in a directory of its own, run as the `postgres` OS user (it refuses to run as root).
+/// Clients are let in without a password (`auth_type = trust`).
+pub struct PgBouncer {
+    pub port: u16,
+    pub mode: Route,
+    dir: PathBuf,
+    child: std::process::Child,
+}
+
+fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+}
+
+impl PgBouncer {
+    /// Starts PgBouncer in `mode` (transaction or session) in front of `cluster` and waits until
+    /// it answers.
+    pub async fn start(cluster: &Cluster, mode: Route) -> PgBouncer {
+        let pool_mode = match mode {
+            Route::Transaction => "transaction",
+            Route::Session => "session",
+            Route::Direct => panic!("a pooler needs a pool mode"),
+        };
+        let dir = cluster.dir.join("pgbouncer");
+        std::fs::create_dir_all(&dir).unwrap();
+        let port = free_port();
+        std::fs::write(dir.join("userlist.txt"), "\"postgres\" \"\"\n").unwrap();
+        // default_pool_size: session mode holds a server connection per client connection, and
+        // the tests open up to two pools of 8 at once. server_login_retry: after the cluster was
+        // stopped, try it again within a second rather than PgBouncer's 15.
+        let ini = format!(
+            "[databases]\n* = host={cluster_dir} port={cluster_port}\n\n[pgbouncer]\n\
+             listen_addr = 127.0.0.1\nlisten_port = {port}\nunix_socket_dir = {dir}\n\
+             auth_type = trust\nauth_file = {dir}/userlist.txt\nadmin_users = postgres\n\
+             pool_mode = {pool_mode}\ndefault_pool_size = 40\nmax_client_conn = 400\n\
+             logfile = {dir}/pgbouncer.log\npidfile = {dir}/pgbouncer.pid\n\
+             ignore_startup_parameters = extra_float_digits\n\
+             server_reset_query = DISCARD ALL\nserver_check_delay = 0\nserver_login_retry = 1\n",
+            cluster_dir = cluster.dir.display(),
+            cluster_port = cluster.port,
+            dir = dir.display(),
+        );
+        std::fs::write(dir.join("pgbouncer.ini"), ini).unwrap();
+        chmod(&dir, "-R");
+        let program = PathBuf::from(
+            std::env::var("PGBOUNCER").unwrap_or_else(|_| "/usr/sbin/pgbouncer".into()),
+        );
+        let child = as_postgres(&program)
+            .arg(dir.join("pgbouncer.ini"))
+            .stdout(std::process::Stdio::null())
+            .stderr(std::process::Stdio::null())
+            .spawn()
+            .expect("cannot start pgbouncer");
+        let mut bouncer = PgBouncer {
+            port,
+            mode,
+            dir,
+            child,
+        };
+        for _ in 0..150 {
+            if let Ok((db, conn)) = bouncer.config().connect(NoTls).await {
+                tokio::spawn(conn);
+                if db.simple_query("SELECT 1").await.is_ok() {
+                    return bouncer;
+                }
+            }
+            if let Ok(Some(status)) = bouncer.child.try_wait() {
+                panic!("pgbouncer exited ({status}): {}", bouncer.log());
+            }
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+        panic!("pgbouncer did not answer: {}", bouncer.log());
+    }
+
+    pub fn config(&self) -> tokio_postgres::Config {
+        let mut c = tokio_postgres::Config::new();
+        c.host("127.0.0.1")
+            .port(self.port)
+            .user("postgres")
+            .dbname("postgres");
+        c
+    }
+
+    /// A command on PgBouncer's admin console (`SHOW POOLS`, ...): its rows.
+    pub async fn admin(&self, command: &str) -> Vec<tokio_postgres::SimpleQueryRow> {
+        let (db, conn) = self
+            .config()
+            .dbname("pgbouncer")
+            .connect(NoTls)
+            .await
+            .unwrap();
+        tokio::spawn(conn);
+        db.simple_query(command)
+            .await
+            .unwrap()
+            .into_iter()
+            .filter_map(|m| match m {
+                tokio_postgres::SimpleQueryMessage::Row(r) => Some(r),
+                _ => None,
+            })
+            .collect()
+    }
+
+    pub fn log(&self) -> String {
+        std::fs::read_to_string(self.dir.join("pgbouncer.log")).unwrap_or_default()
+    }
+}
+
+impl Drop for PgBouncer {
+    fn drop(&mut self) {
+        // SIGINT is PgBouncer's immediate shutdown; sent to PgBouncer itself (its pid file),
+        // not to runuser.
+        if let Ok(pid) = std::fs::read_to_string(self.dir.join("pgbouncer.pid")) {
+            let _ = Command::new("kill").args(["-INT", pid.trim()]).output();
+        }
+        for _ in 0..100 {
+            if let Ok(Some(_)) = self.child.try_wait() {
+                return;
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+fn chmod(path: &std::path::Path, flag: &str) {
+    run({
+        let mut c = Command::new("chmod");
+        if !flag.is_empty() {
+            c.arg(flag);
+        }
+        c.arg("777").arg(path);
+        c
+    });
 }
 
 fn as_postgres(program: &PathBuf) -> Command {
@@ -71,16 +242,8 @@ impl Cluster {
         ));
         let _ = std::fs::remove_dir_all(&dir);
         std::fs::create_dir_all(&dir).unwrap();
-        run({
-            let mut c = Command::new("chmod");
-            c.arg("777").arg(&dir);
-            c
-        });
-        let port = std::net::TcpListener::bind("127.0.0.1:0")
-            .unwrap()
-            .local_addr()
-            .unwrap()
-            .port();
+        chmod(&dir, "");
+        let port = free_port();
         let data = dir.join("data");
         let mut c = as_postgres(&bin.join("initdb"));
         c.arg("-D").arg(&data).args([
@@ -103,14 +266,28 @@ impl Cluster {
         let mut text = std::fs::read_to_string(&auto).unwrap_or_default();
         text.push_str(&conf);
         std::fs::write(&auto, text).unwrap();
-        let cluster = Cluster { dir, port, bin };
+        let mut cluster = Cluster {
+            dir,
+            port,
+            bin,
+            pooler: None,
+        };
         cluster.pg_ctl(&["start", "-w", "-t", "60"]);
-        let (db, conn) = cluster.config().connect(NoTls).await.unwrap();
+        let (db, conn) = cluster.direct_config().connect(NoTls).await.unwrap();
         tokio::spawn(conn);
         db.batch_execute("CREATE EXTENSION idempotency")
             .await
             .unwrap();
+        let route = Route::from_env();
+        if route != Route::Direct {
+            cluster.pooler = Some(PgBouncer::start(&cluster, route).await);
+        }
         cluster
+    }
+
+    /// How the layer's connections reach the cluster.
+    pub fn route(&self) -> Route {
+        self.pooler.as_ref().map_or(Route::Direct, |p| p.mode)
     }
 
     fn pg_ctl(&self, args: &[&str]) {
@@ -138,7 +315,16 @@ impl Cluster {
         self.pg_ctl(&["restart", "-m", "fast", "-w", "-t", "60"]);
     }
 
+    /// The application's route to the cluster: the pooler's address if there is one.
     pub fn config(&self) -> tokio_postgres::Config {
+        match &self.pooler {
+            Some(p) => p.config(),
+            None => self.direct_config(),
+        }
+    }
+
+    /// The cluster itself, on its Unix socket.
+    pub fn direct_config(&self) -> tokio_postgres::Config {
         let mut c = tokio_postgres::Config::new();
         c.host_path(&self.dir)
             .port(self.port)
@@ -158,13 +344,13 @@ impl Cluster {
         Pool::builder(mgr).max_size(8).build().unwrap()
     }
 
-    /// One query's rows, on a connection of its own.
+    /// One query's rows, on a direct connection of its own.
     pub async fn query(
         &self,
         sql: &str,
         params: &[&(dyn tokio_postgres::types::ToSql + Sync)],
     ) -> Vec<tokio_postgres::Row> {
-        let (db, conn) = self.config().connect(NoTls).await.unwrap();
+        let (db, conn) = self.direct_config().connect(NoTls).await.unwrap();
         tokio::spawn(conn);
         db.query(sql, params).await.unwrap()
     }
@@ -172,6 +358,8 @@ impl Cluster {
 
 impl Drop for Cluster {
     fn drop(&mut self) {
+        // The pooler first: it would keep trying the stopped cluster.
+        drop(self.pooler.take());
         let mut c = as_postgres(&self.bin.join("pg_ctl"));
         c.arg("-D")
             .arg(self.dir.join("data"))
@@ -308,7 +496,6 @@ pub fn router_with(
         .ttl(Duration::from_secs(3600))
         .lease(lease)
         .body_limit(4096)
-        .reconnect_for(Duration::from_secs(60))
         .check(|req| {
             if req.body.contains("\"invalid\"") {
                 return Err(idempotency_axum::response::problem(
