@@ -124,6 +124,8 @@ async fn racing_duplicates_on_two_instances_run_each_effect_once() {
 
     // The requests went through the pooler the suite was asked for.
     if let Some(pooler) = &cluster.pooler {
+        let config = cluster.config();
+        let database = config.get_dbname();
         let pools = pooler.admin("SHOW POOLS").await;
         let mode = match cluster.route() {
             Route::Transaction => "transaction",
@@ -132,13 +134,13 @@ async fn racing_duplicates_on_two_instances_run_each_effect_once() {
         assert!(
             pools
                 .iter()
-                .any(|p| p.get("database") == Some("postgres") && p.get("pool_mode") == Some(mode)),
+                .any(|p| p.get("database") == database && p.get("pool_mode") == Some(mode)),
             "PgBouncer pools the application's database in {mode} mode"
         );
         let stats = pooler.admin("SHOW STATS").await;
         let queries: u64 = stats
             .iter()
-            .filter(|s| s.get("database") == Some("postgres"))
+            .filter(|s| s.get("database") == database)
             .filter_map(|s| s.get("total_query_count")?.parse::<u64>().ok())
             .sum();
         assert!(

@@ -10,6 +10,11 @@
 //! cluster, as tests/integration/pooler.py does for the other clients: [`Cluster::config`] and
 //! [`Cluster::pool`] are then the pooler's address, while [`Cluster::query`], which the tests
 //! use to look into the store, stays a direct connection.
+//!
+//! `IDEMPOTENCY_TEST_CONNINFO` (a libpq keyword string or URL, a role that may create databases)
+//! targets an existing server with the extension installed instead: each test gets a database of
+//! its own there (`CREATE DATABASE`, dropped after it), and the tests that stop or restart the
+//! server are skipped.
 
 #![allow(dead_code)]
 
@@ -37,6 +42,9 @@ pub struct Cluster {
     bin: PathBuf,
     /// The pooler the layer's connections go through, if `IDEMPOTENCY_TEST_POOLER` asks for one.
     pub pooler: Option<PgBouncer>,
+    /// `IDEMPOTENCY_TEST_CONNINFO`'s server (as given, and with this test's database): no
+    /// cluster of our own.
+    existing: Option<(tokio_postgres::Config, tokio_postgres::Config)>,
 }
 
 /// How the tests' applications reach the cluster.
@@ -69,6 +77,8 @@ pub struct PgBouncer {
     pub mode: Route,
     dir: PathBuf,
     child: std::process::Child,
+    user: String,
+    dbname: String,
 }
 
 fn free_port() -> u16 {
@@ -91,20 +101,34 @@ impl PgBouncer {
         let dir = cluster.dir.join("pgbouncer");
         std::fs::create_dir_all(&dir).unwrap();
         let port = free_port();
-        std::fs::write(dir.join("userlist.txt"), "\"postgres\" \"\"\n").unwrap();
+        let server = cluster.direct_config();
+        let user = server.get_user().unwrap_or("postgres").to_string();
+        let dbname = server.get_dbname().unwrap_or("postgres").to_string();
+        // The password, if any, is the one PgBouncer logs in to the server with.
+        let password = String::from_utf8_lossy(server.get_password().unwrap_or(b"")).to_string();
+        let (host, server_port) = match (server.get_hosts().first(), server.get_ports().first()) {
+            (Some(tokio_postgres::config::Host::Tcp(h)), p) => (h.clone(), *p.unwrap_or(&5432)),
+            (Some(tokio_postgres::config::Host::Unix(d)), p) => {
+                (d.display().to_string(), *p.unwrap_or(&5432))
+            }
+            (None, _) => panic!("the server has no host"),
+        };
+        std::fs::write(
+            dir.join("userlist.txt"),
+            format!("\"{user}\" \"{}\"\n", password.replace('"', "\"\"")),
+        )
+        .unwrap();
         // default_pool_size: session mode holds a server connection per client connection, and
         // the tests open up to two pools of 8 at once. server_login_retry: after the cluster was
         // stopped, try it again within a second rather than PgBouncer's 15.
         let ini = format!(
-            "[databases]\n* = host={cluster_dir} port={cluster_port}\n\n[pgbouncer]\n\
+            "[databases]\n* = host={host} port={server_port}\n\n[pgbouncer]\n\
              listen_addr = 127.0.0.1\nlisten_port = {port}\nunix_socket_dir = {dir}\n\
-             auth_type = trust\nauth_file = {dir}/userlist.txt\nadmin_users = postgres\n\
+             auth_type = trust\nauth_file = {dir}/userlist.txt\nadmin_users = {user}\n\
              pool_mode = {pool_mode}\ndefault_pool_size = 40\nmax_client_conn = 400\n\
              logfile = {dir}/pgbouncer.log\npidfile = {dir}/pgbouncer.pid\n\
              ignore_startup_parameters = extra_float_digits\n\
              server_reset_query = DISCARD ALL\nserver_check_delay = 0\nserver_login_retry = 1\n",
-            cluster_dir = cluster.dir.display(),
-            cluster_port = cluster.port,
             dir = dir.display(),
         );
         std::fs::write(dir.join("pgbouncer.ini"), ini).unwrap();
@@ -123,6 +147,8 @@ impl PgBouncer {
             mode,
             dir,
             child,
+            user,
+            dbname,
         };
         for _ in 0..150 {
             if let Ok((db, conn)) = bouncer.config().connect(NoTls).await {
@@ -143,8 +169,8 @@ impl PgBouncer {
         let mut c = tokio_postgres::Config::new();
         c.host("127.0.0.1")
             .port(self.port)
-            .user("postgres")
-            .dbname("postgres");
+            .user(&self.user)
+            .dbname(&self.dbname);
         c
     }
 
@@ -230,11 +256,21 @@ fn run(mut c: Command) {
 static SEQ: AtomicUsize = AtomicUsize::new(0);
 
 impl Cluster {
-    /// initdb, start, `CREATE EXTENSION idempotency` in the `postgres` database.
+    /// initdb, start, `CREATE EXTENSION idempotency` in the `postgres` database (or a database
+    /// of its own on `IDEMPOTENCY_TEST_CONNINFO`'s server); then the pooler, if asked for.
     pub async fn start() -> Cluster {
-        let bin = PathBuf::from(
-            std::env::var("PG_BIN").unwrap_or_else(|_| "/usr/lib/postgresql/15/bin".into()),
-        );
+        let mut cluster = match std::env::var("IDEMPOTENCY_TEST_CONNINFO") {
+            Ok(conninfo) if !conninfo.is_empty() => Cluster::on_existing(&conninfo).await,
+            _ => Cluster::initdb().await,
+        };
+        let route = Route::from_env();
+        if route != Route::Direct {
+            cluster.pooler = Some(PgBouncer::start(&cluster, route).await);
+        }
+        cluster
+    }
+
+    fn temp_dir() -> PathBuf {
         let dir = std::env::temp_dir().join(format!(
             "idempotency-axum-{}-{}",
             std::process::id(),
@@ -243,6 +279,50 @@ impl Cluster {
         let _ = std::fs::remove_dir_all(&dir);
         std::fs::create_dir_all(&dir).unwrap();
         chmod(&dir, "");
+        dir
+    }
+
+    async fn on_existing(conninfo: &str) -> Cluster {
+        let base: tokio_postgres::Config = conninfo
+            .parse()
+            .expect("IDEMPOTENCY_TEST_CONNINFO: a libpq keyword string or URL");
+        let dir = Cluster::temp_dir();
+        let name = dir
+            .file_name()
+            .and_then(|n| n.to_str())
+            .expect("a temp dir name")
+            .replace('-', "_");
+        let (db, conn) = base.connect(NoTls).await.unwrap();
+        tokio::spawn(conn);
+        db.batch_execute(&format!("CREATE DATABASE {name}"))
+            .await
+            .unwrap();
+        let mut own = base.clone();
+        own.dbname(&name);
+        let (db, conn) = own.connect(NoTls).await.unwrap();
+        tokio::spawn(conn);
+        db.batch_execute("CREATE EXTENSION idempotency")
+            .await
+            .unwrap();
+        Cluster {
+            dir,
+            port: base.get_ports().first().copied().unwrap_or(5432),
+            bin: PathBuf::new(),
+            pooler: None,
+            existing: Some((base, own)),
+        }
+    }
+
+    /// Whether the tests may stop and start the server: only a cluster of their own.
+    pub fn can_restart(&self) -> bool {
+        self.existing.is_none()
+    }
+
+    async fn initdb() -> Cluster {
+        let bin = PathBuf::from(
+            std::env::var("PG_BIN").unwrap_or_else(|_| "/usr/lib/postgresql/15/bin".into()),
+        );
+        let dir = Cluster::temp_dir();
         let port = free_port();
         let data = dir.join("data");
         let mut c = as_postgres(&bin.join("initdb"));
@@ -266,11 +346,12 @@ impl Cluster {
         let mut text = std::fs::read_to_string(&auto).unwrap_or_default();
         text.push_str(&conf);
         std::fs::write(&auto, text).unwrap();
-        let mut cluster = Cluster {
+        let cluster = Cluster {
             dir,
             port,
             bin,
             pooler: None,
+            existing: None,
         };
         cluster.pg_ctl(&["start", "-w", "-t", "60"]);
         let (db, conn) = cluster.direct_config().connect(NoTls).await.unwrap();
@@ -278,10 +359,6 @@ impl Cluster {
         db.batch_execute("CREATE EXTENSION idempotency")
             .await
             .unwrap();
-        let route = Route::from_env();
-        if route != Route::Direct {
-            cluster.pooler = Some(PgBouncer::start(&cluster, route).await);
-        }
         cluster
     }
 
@@ -291,6 +368,7 @@ impl Cluster {
     }
 
     fn pg_ctl(&self, args: &[&str]) {
+        assert!(self.can_restart(), "not a cluster of the tests' own");
         let mut c = as_postgres(&self.bin.join("pg_ctl"));
         c.arg("-D")
             .arg(self.dir.join("data"))
@@ -323,8 +401,11 @@ impl Cluster {
         }
     }
 
-    /// The cluster itself, on its Unix socket.
+    /// The cluster itself, on its Unix socket (or the existing server's test database).
     pub fn direct_config(&self) -> tokio_postgres::Config {
+        if let Some((_, own)) = &self.existing {
+            return own.clone();
+        }
         let mut c = tokio_postgres::Config::new();
         c.host_path(&self.dir)
             .port(self.port)
@@ -360,6 +441,12 @@ impl Drop for Cluster {
     fn drop(&mut self) {
         // The pooler first: it would keep trying the stopped cluster.
         drop(self.pooler.take());
+        if let Some((base, own)) = self.existing.take() {
+            // Drop is not async: the database is dropped from a runtime of its own.
+            let _ = std::thread::spawn(move || drop_database(base, own)).join();
+            let _ = std::fs::remove_dir_all(&self.dir);
+            return;
+        }
         let mut c = as_postgres(&self.bin.join("pg_ctl"));
         c.arg("-D")
             .arg(self.dir.join("data"))
@@ -367,6 +454,26 @@ impl Drop for Cluster {
         let _ = c.output();
         let _ = std::fs::remove_dir_all(&self.dir);
     }
+}
+
+fn drop_database(base: tokio_postgres::Config, own: tokio_postgres::Config) {
+    let Some(name) = own.get_dbname().map(str::to_string) else {
+        return;
+    };
+    let Ok(rt) = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+    else {
+        return;
+    };
+    rt.block_on(async move {
+        if let Ok((db, conn)) = base.connect(NoTls).await {
+            tokio::spawn(conn);
+            let _ = db
+                .batch_execute(&format!("DROP DATABASE IF EXISTS {name} WITH (FORCE)"))
+                .await;
+        }
+    });
 }
 
 /// The application behind the layer: counts the runs of its handler and does what the request's
