@@ -649,16 +649,24 @@ where
 {
     let mut pause = Duration::from_millis(50);
     loop {
+        // A try may wait past the deadline by the connect timeout at most: a pooler queues a
+        // statement while it cannot reach the server (PgBouncer for up to query_wait_timeout).
+        let wait = deadline
+            .saturating_duration_since(Instant::now())
+            .max(cfg.connect_timeout);
         let last = match pool_get(cfg).await {
-            Some(client) => match f(client).await {
-                (_, Ok(v)) => return Ok(v),
-                (_, Err(e)) if !store::is_transient(&e) => return Err(Some(e)),
-                (client, Err(e)) => {
+            Some(client) => match tokio::time::timeout(wait, f(client)).await {
+                Ok((_, Ok(v))) => return Ok(v),
+                Ok((_, Err(e))) if !store::is_transient(&e) => return Err(Some(e)),
+                Ok((client, Err(e))) => {
                     // Not back into the pool: a connection that failed this way may look open
                     // (the pooler's error left it up) and would fail the next try the same way.
                     drop(deadpool_postgres::Object::take(client));
                     Some(e)
                 }
+                // Given up on; if it commits still, the next try finds the key completed with
+                // this token.
+                Err(_) => None,
             },
             None => None,
         };

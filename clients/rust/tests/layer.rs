@@ -452,6 +452,76 @@ async fn database_down_while_the_handler_runs() {
     assert_eq!(app.runs(), 1);
 }
 
+/// The database stays away after the handler answered: storing the answer is retried until the
+/// claim's lease ends (a retry may take the key over after that), then the caller gets 503 and
+/// the request, retried after the lease, runs again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn completion_is_retried_until_the_lease_ends() {
+    let cluster = Arc::new(Cluster::start().await);
+    if !cluster.can_restart() {
+        eprintln!("skipped: the server is not the tests' own to stop");
+        return;
+    }
+    let app = Arc::new(App::default());
+    let lease = Duration::from_secs(3);
+    let r = common::router_with(app.clone(), cluster.pool(), lease, |l| {
+        l.connect_timeout(Duration::from_secs(1))
+    });
+    let sent = std::time::Instant::now();
+    let first = {
+        let r = r.clone();
+        tokio::spawn(
+            async move { send(&r, pay_request(Some("c"), Some("\"k\""), ORDER, "wait")).await },
+        )
+    };
+    app.wait_runs(1).await;
+    let c = cluster.clone();
+    tokio::task::spawn_blocking(move || c.stop()).await.unwrap();
+    app.gate.add_permits(1);
+    let first = first.await.unwrap();
+    let took = sent.elapsed();
+    assert_eq!(
+        first.status,
+        StatusCode::SERVICE_UNAVAILABLE,
+        "{}",
+        first.body
+    );
+    assert!(
+        took >= lease,
+        "gave up after {took:?}, before the lease ended"
+    );
+    assert!(took < lease + Duration::from_secs(5), "{took:?}");
+
+    let c = cluster.clone();
+    tokio::task::spawn_blocking(move || c.start_again())
+        .await
+        .unwrap();
+    let mut again = send(&r, pay_request(Some("c"), Some("\"k\""), ORDER, "")).await;
+    for _ in 0..50 {
+        if again.status != StatusCode::SERVICE_UNAVAILABLE {
+            break;
+        }
+        // A pooler in front may take a moment to reach the server again.
+        tokio::time::sleep(Duration::from_millis(200)).await;
+        again = send(&r, pay_request(Some("c"), Some("\"k\""), ORDER, "")).await;
+    }
+    assert_eq!(again.status, StatusCode::CREATED, "{}", again.body);
+    if again.header("idempotent-replayed").is_some() {
+        // A try given up on was still queued (in a pooler, waiting for the server) and stored
+        // the answer when the server came back: the retry gets it, the handler ran once.
+        assert_ne!(cluster.route(), common::Route::Direct);
+        assert_eq!(again.json()["token"], 1);
+        assert_eq!(app.runs(), 1);
+    } else {
+        // The request runs again: taken over after the lease (token 2), or released by a
+        // queued try when the server came back (token 1 of a new claim).
+        if cluster.route() == common::Route::Direct {
+            assert_eq!(again.json()["token"], 2, "taken over after the lease");
+        }
+        assert_eq!(app.runs(), 2);
+    }
+}
+
 fn raw_request(key: &str, content_type: Option<&str>, body: &'static [u8]) -> Request<Body> {
     let mut b = Request::post("/pay")
         .header("x-client-id", "c")
