@@ -424,28 +424,30 @@ def test_an_altered_table_is_refused_not_misread(bcluster, su):
 # role's. Before, only the login role's row was read, and a client bound to shop_a: claimed in
 # shop_b:x behind the pooled role without an error.
 
-POOLED = ("pooler", "shop_a", "shop_b", "plain_member", "outsider")
+# Identifiers: "Shop C" is a role whose name needs quoting (capitals, a space).
+POOLED = ("pooler", "shop_a", "shop_b", '"Shop C"', "plain_member", "outsider")
 
 
 @pytest.fixture
 def pool(bcluster, su):
-    """The login role pooler (no row), member of shop_a, shop_b and plain_member (roles that do
-    not log in), not of outsider; each granted the API. Rows: shop_a bound to 'shop_a:', shop_b to
-    'shop_b:', outsider to 'outsider:'; plain_member has none."""
+    """The login role pooler (no row), member of shop_a, shop_b, "Shop C" and plain_member (roles
+    that do not log in), not of outsider; each granted the API. Rows: shop_a bound to 'shop_a:',
+    shop_b to 'shop_b:', "Shop C" to 'shop_c:', outsider to 'outsider:'; plain_member has none."""
     for role in POOLED:
-        if su.execute("SELECT count(*) FROM pg_roles WHERE rolname = %s", (role,)).fetchone()[0] == 0:
+        if su.execute("SELECT count(*) FROM pg_roles WHERE rolname = %s", (role.strip('"'),)).fetchone()[0] == 0:
             su.execute(f"CREATE ROLE {role} {'LOGIN' if role == 'pooler' else 'NOLOGIN'}")
         su.execute(f"ALTER ROLE {role} RESET ALL")
         su.execute(f"ALTER ROLE {role} IN DATABASE {DB} RESET ALL")
-    su.execute("GRANT shop_a, shop_b, plain_member TO pooler")
+    su.execute('GRANT shop_a, shop_b, "Shop C", plain_member TO pooler')
     su.execute(f"GRANT USAGE ON SCHEMA idempotency TO {', '.join(POOLED)}")
-    su.execute("INSERT INTO idempotency.role_settings (role, scope_prefix) "
-               "VALUES ('shop_a', 'shop_a:'), ('shop_b', 'shop_b:'), ('outsider', 'outsider:')")
-    assert rows_of(su) == [("outsider", "outsider:", False, None, None), ("shop_a", "shop_a:", False, None, None),
-                           ("shop_b", "shop_b:", False, None, None)]
-    assert su.execute("SELECT array_agg(b.rolname::text ORDER BY b.rolname) FROM pg_auth_members AS m "
+    su.execute("INSERT INTO idempotency.role_settings (role, scope_prefix) VALUES ('shop_a', 'shop_a:'), "
+               """('shop_b', 'shop_b:'), ('"Shop C"', 'shop_c:'), ('outsider', 'outsider:')""")
+    # (regrole's text is quoted where the name needs it.)
+    assert rows_of(su) == [('"Shop C"', "shop_c:", False, None, None), ("outsider", "outsider:", False, None, None),
+                           ("shop_a", "shop_a:", False, None, None), ("shop_b", "shop_b:", False, None, None)]
+    assert su.execute("SELECT array_agg(b.rolname::text ORDER BY b.rolname COLLATE \"C\") FROM pg_auth_members AS m "
                       "JOIN pg_roles AS a ON a.oid = m.member JOIN pg_roles AS b ON b.oid = m.roleid "
-                      "WHERE a.rolname = 'pooler'").fetchone()[0] == ["plain_member", "shop_a", "shop_b"]
+                      "WHERE a.rolname = 'pooler'").fetchone()[0] == ["Shop C", "plain_member", "shop_a", "shop_b"]
     return su
 
 
@@ -692,3 +694,18 @@ def test_a_role_switch_does_not_leak_a_cached_binding(bcluster, pool):
         assert claim(p, "k9", scope="shop_c:9")[0] == "new"
         p.execute("SET ROLE shop_b")
         assert claim(p, "k9", scope="shop_b:9")[0] == "new"
+
+
+@pytest.mark.parametrize("how", ["SET ROLE", "set_config"])
+def test_a_switched_role_whose_name_needs_quoting_is_bound_by_its_row(bcluster, pool, how):
+    """The role is found by its name as PostgreSQL holds it (capitals, a space), not misread as
+    another role or as none."""
+    with connect(bcluster, "pooler") as p:
+        with p.transaction():
+            if how == "SET ROLE":
+                p.execute('SET LOCAL ROLE "Shop C"')
+            else:
+                p.execute("SELECT set_config('role', 'Shop C', true)")
+            assert roles(p) == ("Shop C", "pooler")
+            assert refused(p, "shop_a:x")
+            assert claim(p, "k", scope="shop_c:x")[0] == "new"
