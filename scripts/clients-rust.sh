@@ -4,7 +4,8 @@
 #
 # The tests start their own clusters with PG_BIN's initdb and pg_ctl (default
 # /usr/lib/postgresql/15/bin) and need the extension installed into that server first
-# (cargo pgrx install --pg-config "$PG_BIN/pg_config").
+# (cargo pgrx install --pg-config "$PG_BIN/pg_config"). They run direct and through PgBouncer in
+# each mode of IDEMPOTENCY_POOLER_MODES (default "direct transaction session").
 set -euo pipefail
 cd "$(dirname "$0")/../clients/rust"
 
@@ -12,8 +13,11 @@ echo "== clients/rust: cargo fmt --check, cargo clippy"
 cargo fmt -- --check
 cargo clippy --locked --all-targets -- -D warnings
 
-echo "== clients/rust: unit tests and tests against throwaway clusters (PG_BIN=${PG_BIN:-/usr/lib/postgresql/15/bin})"
-cargo test --locked
+# Direct, and through PgBouncer in transaction and session mode (IDEMPOTENCY_POOLER_MODES).
+for mode in ${IDEMPOTENCY_POOLER_MODES:-direct transaction session}; do
+    echo "== clients/rust: unit tests and tests against throwaway clusters (PG_BIN=${PG_BIN:-/usr/lib/postgresql/15/bin}; $mode)"
+    IDEMPOTENCY_TEST_POOLER=$mode cargo test --locked
+done
 
 echo "== clients/rust: cargo package (builds the packaged crate)"
 cargo package --locked
