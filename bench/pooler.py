@@ -10,6 +10,8 @@ them, and a release build). Options:
   --pool-size N     PgBouncer's default_pool_size, server connections of the pool (default 8)
   --protocols LIST  pgbench's query protocols, comma-separated: simple (pgbench's default),
                     extended (unnamed statements, what most drivers send) or both (the default)
+  --package DIR     the tree `cargo pgrx package` wrote (default target/release/idempotency-pgNN),
+                    whose library and SQL a private copy of the server gets
   --quick           a smoke run: 1 s runs, 1 round (checks the harness, not targets; the report
                     says so in its first lines)
 
@@ -31,11 +33,13 @@ track them).
 import argparse
 import os
 import shutil
+import signal
 import statistics
 import subprocess
 import sys
 import tempfile
 import textwrap
+import threading
 import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -121,6 +125,40 @@ def fmt_ratio(cell):
     return f"{statistics.median(rs):.2f} ({min(rs):.2f}-{max(rs):.2f})"
 
 
+def start_pooler(cluster, pool_size):
+    """PgBouncer in transaction mode in front of `cluster`, its standard error drained.
+
+    PgBouncer logs every login to its standard error as well as to its file, and the helper
+    keeps that stream in a pipe it reads only if PgBouncer exits: a few hundred benchmark
+    connections fill the pipe, and PgBouncer then blocks on its next log line, with every
+    client (one run waited 11 minutes before this)."""
+    bouncer = PgBouncer(cluster, "transaction", pool_size=pool_size)
+    bouncer.start()
+    threading.Thread(target=lambda: [None for _ in iter(lambda: bouncer.proc.stderr.read(65536), b"")],
+                     daemon=True).start()
+    # bouncer.proc is runuser; PgBouncer is its child, which stop_pooler makes sure is gone.
+    try:
+        with open(f"/proc/{bouncer.proc.pid}/task/{bouncer.proc.pid}/children") as f:
+            bouncer.children = [int(p) for p in f.read().split()]
+    except OSError:
+        bouncer.children = []
+    return bouncer
+
+
+def stop_pooler(bouncer):
+    bouncer.stop()
+    for pid in bouncer.children:
+        for sig in (signal.SIGTERM, signal.SIGKILL):
+            try:
+                with open(f"/proc/{pid}/cmdline", "rb") as f:
+                    if b"pgbouncer" not in f.read():
+                        break  # gone, and the pid taken by another process
+                os.kill(pid, sig)
+            except (OSError, ProcessLookupError):
+                break
+            time.sleep(2)
+
+
 def check_pooled(bouncer, dbname):
     """The extension answers through the pooler: a completed key replays, asked with its
     arguments in the statement's text and as parameters of an unnamed statement."""
@@ -140,20 +178,38 @@ def versions(cluster):
     return pg, bouncer, f"pgbench {pgbench[2] if len(pgbench) > 2 else '?'}"
 
 
-def private_server(tmp):
-    """A copy of the server of PG_BIN in `tmp` with target/release's build of the library and the
-    extension's files as installed now: its bin directory.
+def pg_config(bin_dir, flag):
+    return subprocess.run([f"{bin_dir}/pg_config", flag], capture_output=True, text=True,
+                          check=True).stdout.strip()
 
-    The system's library directory is shared with other builds of this tree, which install
-    their own (a debug build, or none for a moment while they replace it): a backend that looks
-    the library up while it is missing fails, and a server started after a debug install runs
-    the debug build. PostgreSQL finds its lib and share directories relative to its binaries, so
-    the copy keeps the source's layout (as scripts/pg-portable.sh does)."""
-    def config(bin_dir, flag):
-        return subprocess.run([f"{bin_dir}/pg_config", flag], capture_output=True, text=True,
-                              check=True).stdout.strip()
+
+def package_files(package):
+    """(the library, [the extension's control and SQL files]) of `cargo pgrx package`'s tree for
+    the server of PG_BIN (bench/run.sh --pooler makes it): a release build and the SQL generated
+    from the same sources."""
     src_bin = os.path.realpath(PG_BIN)
-    src_lib, src_share = config(src_bin, "--pkglibdir"), config(src_bin, "--sharedir")
+    root = os.path.join(package, pg_config(src_bin, "--pkglibdir").lstrip("/"))
+    ext = os.path.join(package, pg_config(src_bin, "--sharedir").lstrip("/"), "extension")
+    if not os.path.exists(os.path.join(root, "idempotency.so")) or not os.path.isdir(ext):
+        raise RuntimeError(f"no package of the extension in {package}: run `cargo pgrx package` "
+                           "(bench/run.sh --pooler does)")
+    return os.path.join(root, "idempotency.so"), [
+        os.path.join(ext, f) for f in sorted(os.listdir(ext)) if f.startswith("idempotency")]
+
+
+def private_server(tmp, package):
+    """A copy of the server of PG_BIN in `tmp` with the package's library and extension files
+    instead of the system's: its bin directory.
+
+    The system's directories are shared with other builds of this tree, which install their
+    own there (a debug build, or newer SQL, or no library for a moment while they replace it): a
+    backend that looks the library up while it is missing fails, a server started after a debug
+    install runs the debug build, and SQL newer than the library names functions it lacks.
+    PostgreSQL finds its lib and share directories relative to its binaries, so the copy keeps
+    the source's layout (as scripts/pg-portable.sh does)."""
+    library, ext_files = package_files(package)
+    src_bin = os.path.realpath(PG_BIN)
+    src_lib, src_share = pg_config(src_bin, "--pkglibdir"), pg_config(src_bin, "--sharedir")
     prefix = os.path.dirname(src_bin)
     if os.path.commonpath([prefix, src_share]) == prefix:  # one prefix (a relocatable build)
         copies = [(prefix, os.path.join(tmp, "server"))]
@@ -164,24 +220,29 @@ def private_server(tmp):
                   (src_share, os.path.join(tmp, "share", "postgresql", major))]
         bin_dir = os.path.join(tmp, "lib", "postgresql", major, "bin")
     for src, dst in copies:
-        shutil.copytree(src, dst, symlinks=True, ignore=shutil.ignore_patterns("idempotency*.so"))
-    lib, share = config(bin_dir, "--pkglibdir"), config(bin_dir, "--sharedir")
+        shutil.copytree(src, dst, symlinks=True, ignore=shutil.ignore_patterns("idempotency*"))
+    lib, share = pg_config(bin_dir, "--pkglibdir"), pg_config(bin_dir, "--sharedir")
     if lib == src_lib or share == src_share:
         raise RuntimeError(f"the copy of the server in {tmp} finds the system's files, not its own")
-    shutil.copy2(RELEASE_LIB, os.path.join(lib, "idempotency.so"))
+    shutil.copy2(library, os.path.join(lib, "idempotency.so"))
+    for f in ext_files:
+        shutil.copy2(f, os.path.join(share, "extension"))
     subprocess.run(["chmod", "-R", "a+rX", tmp], check=True)
     return bin_dir
 
 
-RELEASE_LIB = os.path.join(HERE, "..", "target", "release", "libidempotency.so")
+def default_package():
+    major = pg_config(os.path.realpath(PG_BIN), "--version").split()[1].split(".")[0]
+    return os.path.join(HERE, "..", "target", "release", f"idempotency-pg{major}")
 
 
-def build_info():
-    """What the benchmark runs: the release library's sha256 and time, and the tree it came from."""
+def build_info(package):
+    """What the benchmark runs: the packaged library's sha256 and time, and the tree it came from."""
     import hashlib
-    with open(RELEASE_LIB, "rb") as f:
+    library, _ = package_files(package)
+    with open(library, "rb") as f:
         digest = hashlib.sha256(f.read()).hexdigest()[:12]
-    built = time.strftime("%Y-%m-%d %H:%M", time.gmtime(os.path.getmtime(RELEASE_LIB)))
+    built = time.strftime("%Y-%m-%d %H:%M", time.gmtime(os.path.getmtime(library)))
 
     def git(*a):
         return subprocess.run(["git", "-C", os.path.join(HERE, ".."), *a], capture_output=True,
@@ -205,8 +266,8 @@ def write(path, args, vers, res, load_before, loads, pools, started, took, build
         return textwrap.fill(text, width=100, break_long_words=False, break_on_hyphens=False).splitlines() + [""]
     lines += para(
         f"`bench/run.sh --pooler` on PostgreSQL {pg}, {bouncer}, {pgbench_version}; started {started} UTC, "
-        f"{max(1, round(took / 60))} min. The release build of the library (sha256 {build}), in a "
-        "private copy of the server's installation. One server (fsync on, synchronous_commit on, "
+        f"{max(1, round(took / 60))} min. The release build of `cargo pgrx package` (idempotency.so "
+        f"sha256 {build}), in a private copy of the server's installation. One server (fsync on, synchronous_commit on, "
         "shared_buffers 256MB, the library preloaded, `client_min_messages = error` for the benchmark's "
         f"database); PgBouncer in `pool_mode = transaction`, `default_pool_size = {args.pool_size}` (server "
         "connections for the one database and user), `auth_type = trust`, in front of it "
@@ -270,6 +331,7 @@ def main():
     ap.add_argument("--protocols", default="simple,extended")
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--out", default="RESULTS-pooler")
+    ap.add_argument("--package", help="cargo pgrx package's tree (default target/release/idempotency-pgNN)")
     args = ap.parse_args()
     if args.quick:
         args.seconds, args.rounds = 1, 1
@@ -279,11 +341,13 @@ def main():
     started = time.strftime("%Y-%m-%d %H:%M", time.gmtime())
     t0 = time.monotonic()
     load_before = os.getloadavg()[0]
-    build = build_info()
+    if args.package is None:
+        args.package = default_package()
+    build = build_info(args.package)
     tmp = tempfile.mkdtemp(prefix="idempotency-pooler-server-")
     cluster = bouncer = None
     try:
-        cluster = Cluster(settings=SERVER_SETTINGS, dbname="bench", bin=private_server(tmp)).start()
+        cluster = Cluster(settings=SERVER_SETTINGS, dbname="bench", bin=private_server(tmp, args.package)).start()
         sql(cluster, "CREATE EXTENSION idempotency")
         with open(os.path.join(HERE, "sql", "setup.sql")) as f:
             sql(cluster, f.read())
@@ -291,7 +355,7 @@ def main():
         # The other harnesses pass this in PGOPTIONS; PgBouncer refuses the `options` startup
         # parameter, so it is the database's setting here, for both routes alike.
         sql(cluster, f"ALTER DATABASE {cluster.dbname} SET client_min_messages = error")
-        bouncer = PgBouncer(cluster, "transaction", pool_size=args.pool_size).start()
+        bouncer = start_pooler(cluster, args.pool_size)
         check_pooled(bouncer, cluster.dbname)
         vers = versions(cluster)
         print(f"PostgreSQL {vers[0]}, {vers[1]}, pool_mode transaction, default_pool_size {args.pool_size}",
@@ -305,7 +369,7 @@ def main():
         pools = ", ".join(f"{k} {v}" for k, v in pool_state(bouncer, cluster.dbname).items())
     finally:
         if bouncer is not None:
-            bouncer.stop()
+            stop_pooler(bouncer)
         if cluster is not None:
             cluster.destroy()
         shutil.rmtree(tmp, ignore_errors=True)

@@ -50,7 +50,9 @@ export PG_BIN
 PG_BIN=$(dirname "$pg_config")
 if [ -n "$pooler" ]; then
     [ "$edition" = native ] || { echo "run.sh: --pooler measures the native edition" >&2; exit 2; }
-    cargo pgrx install --release --pg-config "$pg_config" >/dev/null
+    # Packaged, not installed: bench/pooler.py runs a private copy of the server with this
+    # build's library and SQL, which other builds installing theirs cannot change under it.
+    cargo pgrx package --pg-config "$pg_config" >/dev/null
     [ "$pg" = 15 ] || args=(--out "RESULTS-pooler-pg$pg" "${args[@]}")
     exec python3 bench/pooler.py "${args[@]}"
 fi
