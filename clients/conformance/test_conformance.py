@@ -3,8 +3,11 @@ the same small app (apps/) on each of the five adapters, over real HTTP, on a th
 README.md lists the scenarios; where adapters differ on purpose, the test says so.
 
 Run by scripts/clients-conformance.sh (PG_BIN picks the server; the Python package, the Node
-package's node_modules and the Rust example must be built)."""
+package's node_modules and the Rust example must be built). IDEMPOTENCY_TEST_POOLER=transaction
+(or session) puts PgBouncer in that mode between the apps and the cluster (tests/integration/
+pooler.py); the script runs the suite direct and through both."""
 
+import collections
 import http.client
 import json
 import os
@@ -13,6 +16,7 @@ import subprocess
 import sys
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import psycopg
 import pytest
@@ -22,6 +26,7 @@ ROOT = os.path.abspath(os.path.join(HERE, "..", ".."))
 sys.path.insert(0, os.path.join(ROOT, "tests", "integration"))
 
 from cluster import Cluster, free_port  # noqa: E402
+import pooler  # noqa: E402
 
 ADAPTERS = ["asgi", "django", "express", "fastify", "axum"]
 RUST_APP = os.path.join(ROOT, "clients", "rust", "target", "debug", "examples", "conformance")
@@ -84,15 +89,30 @@ class App:
             self.proc.kill()
 
 
+# Every app instance keeps its connections for the whole run: in session mode each holds a
+# server connection of the pooler's, so the pool and the server make room for all of them.
+SERVER_CONNECTIONS = 300
+
+
 @pytest.fixture(scope="session")
 def cluster():
-    c = Cluster().start()
+    c = Cluster(settings={"max_connections": str(SERVER_CONNECTIONS)}).start()
     with psycopg.connect(c.conninfo(), autocommit=True) as conn:
         conn.execute("CREATE EXTENSION idempotency")
         conn.execute("CREATE ROLE app LOGIN")
         conn.execute("GRANT USAGE ON SCHEMA idempotency TO app")
     yield c
     c.destroy()
+
+
+@pytest.fixture(scope="session")
+def pooler_route(cluster):
+    """The PgBouncer that IDEMPOTENCY_TEST_POOLER names between the apps and the cluster, or None."""
+    bouncer = pooler.target(cluster, users=("postgres", "app"), pool_size=SERVER_CONNECTIONS - 20,
+                            max_client_conn=1000)
+    yield bouncer
+    if bouncer is not None:
+        bouncer.stop()
 
 
 @pytest.fixture(scope="session")
@@ -115,10 +135,19 @@ def stop_apps():
         a.stop()
 
 
+ROUTE = {}
+
+
+@pytest.fixture(scope="session", autouse=True)
+def apps_route(pooler_route):
+    ROUTE["bouncer"] = pooler_route
+
+
 def app_for(adapter, kind, cluster, blackhole):
     if (adapter, kind) not in APPS:
-        conninfo = cluster.conninfo().replace("user=postgres", "user=app")
-        env = {"main": {}, "wait": {"WAIT": 5}, "down": {"CONNECT_TIMEOUT": 1},
+        bouncer = ROUTE.get("bouncer")
+        conninfo = bouncer.conninfo(user="app") if bouncer else cluster.conninfo().replace("user=postgres", "user=app")
+        env = {"main": {}, "twin": {}, "wait": {"WAIT": 5}, "down": {"CONNECT_TIMEOUT": 1},
                "open": {"CONNECT_TIMEOUT": 1, "FAIL_OPEN": 1}}[kind]
         APPS[(adapter, kind)] = App(adapter, blackhole if kind in ("down", "open") else conninfo, **env)
     return APPS[(adapter, kind)]
@@ -272,3 +301,35 @@ def test_the_same_request_has_the_same_fingerprint_in_every_adapter(cluster, bla
         hashes = conn.execute("SELECT key, request_hash FROM idempotency.idempotency_keys WHERE key LIKE %s",
                               (f"fp-%-{ctype}",)).fetchall()
     assert len(hashes) == len(ADAPTERS) and len({h for _, h in hashes}) == 1, hashes
+
+
+def test_racing_duplicates_on_two_instances_run_each_handler_once(adapter, cluster, blackhole):
+    # Two instances of the app (as behind a load balancer), 16 duplicates of each of 50 keys, all
+    # of one key's duplicates in flight together: every key's handler runs once over both
+    # instances; each duplicate gets the replay or 409.
+    instances = [app_for(adapter, "main", cluster, blackhole), app_for(adapter, "twin", cluster, blackhole)]
+    keys, duplicates = 50, 16
+    before = sum(a.runs() for a in instances)
+    calls = [(instances[d % 2], f'"{adapter}-race-{k}"') for k in range(keys) for d in range(duplicates)]
+
+    def post(call):
+        app, key = call
+        return key, app.request("POST", "/orders", {"race": key}, key, [("x-sleep-ms", "100")])
+
+    with ThreadPoolExecutor(64) as pool:
+        answers = list(pool.map(post, calls))
+    by_key = collections.defaultdict(list)
+    for key, r in answers:
+        by_key[key].append(r)
+    with psycopg.connect(cluster.conninfo(), autocommit=True) as conn:
+        completed = conn.execute("SELECT count(*) FROM idempotency.idempotency_keys WHERE key LIKE %s "
+                                 "AND status = 'completed'", (f"{adapter}-race-%",)).fetchone()[0]
+    assert completed == keys
+    for key, rs in by_key.items():
+        firsts = [r for r in rs if r[0] == 201 and "idempotent-replayed" not in r[1]]
+        assert len(firsts) == 1, (key, [(r[0], r[2][:80]) for r in rs])
+        for r in rs:
+            replay = r[0] == 201 and r[1].get("idempotent-replayed") == "true" and r[2] == firsts[0][2]
+            assert r is firsts[0] or replay or is_problem(r, 409), (key, r[0], r[2][:200])
+    # Every key ran at least once (its first answer) and 50 runs in all: each ran exactly once.
+    assert sum(a.runs() for a in instances) - before == keys

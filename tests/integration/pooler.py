@@ -5,7 +5,9 @@ to the pooler, which hands each transaction (transaction mode) or each client co
 Debian's `pgbouncer` package (1.18, installed by scripts/bootstrap.sh) is started on a port of its
 own, with an ini and a user list of its own in a temporary directory, as the postgres OS user
 (PgBouncer refuses to run as root). Users are let in without a password (`auth_type = trust`),
-so the user list names every role a test connects as: `add_user` adds one and reloads.
+so the user list names every role a test connects as: `add_user` adds one and reloads. After a
+server restart PgBouncer tries to log in again after a second (`server_login_retry`, 15 s by
+default), so the tests that restart the server do not wait on the pooler.
 
 `IDEMPOTENCY_TEST_POOLER` (`direct`, `transaction` or `session`) says which route the clients'
 suites take: `target(cluster)` starts the pooler the variable names in front of `cluster` and
@@ -76,6 +78,7 @@ pidfile = {self.dir}/pgbouncer.pid
 ignore_startup_parameters = extra_float_digits
 server_reset_query = DISCARD ALL
 server_check_delay = 0
+server_login_retry = 1
 """)
         os.chmod(self.dir, 0o777)
         for name in os.listdir(self.dir):

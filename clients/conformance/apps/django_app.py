@@ -76,6 +76,9 @@ django.setup()
 
 class Server(ThreadingMixIn, WSGIServer):
     daemon_threads = True
+    # socketserver's listen backlog is 5: a burst of concurrent requests (the racing duplicates)
+    # would be reset by the kernel before a thread accepts them.
+    request_queue_size = 128
 
 
 class Quiet(WSGIRequestHandler):

@@ -22,9 +22,14 @@ from cluster import Cluster  # noqa: E402
 import pooler  # noqa: E402
 
 
+# In session mode every client connection the tests leave open (each thread's Store connection,
+# the decorators' own stores) holds a server connection until it is closed: room for all of them.
+SERVER_CONNECTIONS = 300
+
+
 @pytest.fixture(scope="session")
 def cluster():
-    c = Cluster().start()
+    c = Cluster(settings={"max_connections": str(SERVER_CONNECTIONS)}).start()
     with psycopg.connect(c.conninfo(), autocommit=True) as conn:
         conn.execute("CREATE EXTENSION idempotency")
     yield c
@@ -34,9 +39,7 @@ def cluster():
 @pytest.fixture(scope="session")
 def route(cluster):
     """The PgBouncer that IDEMPOTENCY_TEST_POOLER names in front of the cluster, or None (direct)."""
-    # Session mode gives each client connection a server connection of its own until it closes:
-    # the pool holds every connection the tests keep open at once (the race: 2 x 24 threads).
-    bouncer = pooler.target(cluster, users=("postgres", "readme_app"), pool_size=80)
+    bouncer = pooler.target(cluster, users=("postgres", "readme_app"), pool_size=SERVER_CONNECTIONS - 20)
     yield bouncer
     if bouncer is not None:
         bouncer.stop()
