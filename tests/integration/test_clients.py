@@ -1,6 +1,7 @@
 """The client packages' examples (clients/python/examples/send_receipt.py with pg-idempotency over
-psycopg 3, clients/node/examples/send_receipt.js with pg-idempotency over `pg`) run as real processes against a throwaway cluster: a failed send, a crash,
-a retry and two concurrent runs each end with the receipt sent exactly once."""
+psycopg 3, clients/node/examples/send_receipt.js with pg-idempotency over `pg`) run as real processes against a throwaway cluster (and through PgBouncer in transaction mode): a
+failed send, a crash, a retry and two concurrent runs each end with the receipt sent exactly
+once."""
 
 import json
 import os
@@ -9,6 +10,8 @@ import sys
 import time
 
 import pytest
+
+from pooler import PgBouncer
 
 ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
 CLIENTS = {
@@ -19,18 +22,35 @@ CLIENTS = {
 PYTHON_CLIENT_SRC = os.path.join(ROOT, "clients", "python", "src")
 
 
+@pytest.fixture(scope="module")
+def bouncer(cluster):
+    b = PgBouncer(cluster, "transaction", pool_size=4).start()
+    yield b
+    b.stop()
+
+
 @pytest.fixture(params=sorted(CLIENTS))
 def client(request, cluster, tmp_path):
-    if request.param == "node":
+    return example(request.param, cluster.dir, cluster.port, cluster.dbname, tmp_path)
+
+
+@pytest.fixture(params=sorted(CLIENTS))
+def pooled_client(request, bouncer, tmp_path):
+    """The example through PgBouncer in transaction mode."""
+    return example(request.param, "127.0.0.1", bouncer.port, bouncer.cluster.dbname, tmp_path)
+
+
+def example(name, host, port, dbname, tmp_path):
+    if name == "node":
         assert os.path.isdir(os.path.join(ROOT, "clients", "node", "node_modules", "pg")), \
             "run scripts/bootstrap.sh (npm ci in clients/node)"
-    env = {**os.environ, "PGHOST": cluster.dir, "PGPORT": str(cluster.port), "PGUSER": "postgres",
-           "PGDATABASE": cluster.dbname,
+    env = {**os.environ, "PGHOST": host, "PGPORT": str(port), "PGUSER": "postgres",
+           "PGDATABASE": dbname,
            "PYTHONPATH": os.pathsep.join(filter(None, [PYTHON_CLIENT_SRC, os.environ.get("PYTHONPATH")]))}
     outbox = str(tmp_path / "outbox.log")
 
     def run(key, *extra, to="alice@example.com", wait=True):
-        cmd = CLIENTS[request.param] + ["--key", key, "--to", to, "--outbox", outbox, *extra]
+        cmd = CLIENTS[name] + ["--key", key, "--to", to, "--outbox", outbox, *extra]
         p = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         return finish(p) if wait else p
 
@@ -85,6 +105,19 @@ def test_two_runs_at_once_send_once(client, db):
     assert sorted(r["outcome"] for _, r, _ in results) == ["new", "replay"]
     assert results[0][1]["response"] == results[1][1]["response"]
     assert len(client.sent()) == 1
+
+
+def test_through_a_transaction_pooler_runs_at_once_and_again_send_once(pooled_client, db):
+    # The second run polls the key (wait) while the first sends: many statements on one client
+    # connection, each transaction on whichever server connection the pooler gives.
+    procs = [pooled_client("order-p", "--effect-seconds", "1", "--lease", "5", wait=False) for _ in range(2)]
+    results = [finish(p) for p in procs]
+    assert [rc for rc, _, _ in results] == [0, 0], results
+    assert sorted(r["outcome"] for _, r, _ in results) == ["new", "replay"]
+    for _ in range(3):
+        rc, again, err = pooled_client("order-p")
+        assert rc == 0 and again["outcome"] == "replay", err
+    assert len(pooled_client.sent()) == 1 and state(db, "order-p")[0] == "completed"
 
 
 def test_lost_connection_after_the_claim_finishes_with_its_own_token(client, db):
