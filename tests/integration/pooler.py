@@ -86,7 +86,10 @@ server_login_retry = 1
 
     def start(self):
         self._write()
-        self.proc = _as_postgres([PGBOUNCER, self.ini], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        # PgBouncer writes its log to standard error as well as to its logfile: into a file, since
+        # a pipe nobody reads fills up (a line per connection) and stops PgBouncer mid-run.
+        with open(os.path.join(self.dir, "stderr.log"), "wb") as err:
+            self.proc = _as_postgres([PGBOUNCER, self.ini], stdout=subprocess.DEVNULL, stderr=err)
         deadline = time.monotonic() + 15
         while True:
             try:
@@ -96,8 +99,8 @@ server_login_retry = 1
                 return self
             except Exception:
                 if self.proc.poll() is not None:
-                    raise RuntimeError(f"pgbouncer exited: {self.proc.stderr.read().decode()[-2000:]}\n"
-                                       f"{self.read_log()[-2000:]}")
+                    with open(os.path.join(self.dir, "stderr.log"), encoding="utf-8", errors="replace") as f:
+                        raise RuntimeError(f"pgbouncer exited: {f.read()[-2000:]}\n{self.read_log()[-2000:]}")
                 if time.monotonic() > deadline:
                     raise
                 time.sleep(0.1)
