@@ -153,6 +153,50 @@ def test_a_broken_connection_after_the_lease_ran_out_surfaces_the_error(conninfo
             time.sleep(0.6)  # the RESUME timer
 
 
+class _AnswerLost:
+    """A connection whose first `idempotency.complete` commits on the server, then breaks before
+    the answer arrives: what a reset between the server's commit and the client's read does."""
+
+    def __init__(self, conn, lost):
+        self._conn, self._lost = conn, lost
+
+    def execute(self, sql, params=None, **kw):
+        cur = self._conn.execute(sql, params, **kw)
+        if "idempotency.complete(" in sql and not self._lost:
+            self._lost.append(sql)
+            self._conn.close()
+            raise psycopg.OperationalError("server closed the connection unexpectedly")
+        return cur
+
+
+class AnswerLostStore(Store):
+    lost: list
+
+    def connection(self):
+        return _AnswerLost(super().connection(), self.lost)
+
+
+def test_a_completion_whose_answer_was_lost_returns_the_calls_own_result(conninfo, row):
+    store = AnswerLostStore(conninfo)
+    store.lost = []
+    effects = []
+
+    @idempotent(key="answer-lost", store=store, lease=dt.timedelta(seconds=30))
+    def charge():
+        effects.append(1)
+        return {"charge": "ch_1"}
+
+    try:
+        first = charge.detailed()
+        assert store.lost, "the first complete's answer was not lost"
+        assert (first.replayed, first.outcome, first.value) == (False, "new", {"charge": "ch_1"})
+        assert first.expires_at is not None and row("answer-lost")[:3] == ("completed", {"charge": "ch_1"}, 200)
+        again = charge.detailed()
+        assert again.replayed and again.value == {"charge": "ch_1"} and effects == [1]
+    finally:
+        store.close()
+
+
 def test_the_package_sets_nothing_for_the_session():
     # Behind a pooler in transaction mode a session-level SET stays on the server connection and
     # changes the next client's calls: only SET LOCAL / set_config(..., true) / arguments.

@@ -309,6 +309,13 @@ class _Calls:
         row = self.execute(LOOKUP_SQL, {"key": key, "scope": scope})
         return None if row is None else Record(*row)
 
+    def completed_by(self, key: str, scope: str, token: Optional[int]) -> Optional[Record]:
+        """The key's record when it is completed under `token`: what a `complete` refused with
+        IK002 finds when its own first try had committed before the connection broke (tokens
+        only grow, so no other attempt completes under this one)."""
+        rec = None if token is None else self.lookup(key, scope)
+        return rec if rec is not None and rec.status == "completed" and rec.token == token else None
+
     def derive_key(self, parent: str, step: str, params: Any = None) -> str:
         """idempotency.derive_key: the key of one downstream side effect of an operation."""
         return self.execute(DERIVE_KEY_SQL, {"parent": parent, "step": step, "params": to_json(params)})[0]
@@ -539,6 +546,10 @@ class AsyncStore(_Calls):
     async def lookup(self, key, scope=""):
         row = await self.execute(LOOKUP_SQL, {"key": key, "scope": scope})
         return None if row is None else Record(*row)
+
+    async def completed_by(self, key, scope, token) -> Optional[Record]:
+        rec = None if token is None else await self.lookup(key, scope)
+        return rec if rec is not None and rec.status == "completed" and rec.token == token else None
 
     async def derive_key(self, parent, step, params=None) -> str:
         return (await self.execute(DERIVE_KEY_SQL, {"parent": parent, "step": step, "params": to_json(params)}))[0]

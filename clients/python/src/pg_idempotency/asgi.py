@@ -14,7 +14,7 @@ import logging
 import time
 from typing import Callable, Iterable, Optional
 
-from ._core import IN_PROGRESS, MISMATCH, NEW, AsyncStore, ClaimResult, Fenced, is_unreachable
+from ._core import ALREADY_COMPLETED, IN_PROGRESS, MISMATCH, NEW, AsyncStore, ClaimResult, Fenced, is_unreachable
 from .http import (REPLAY_HEADERS, CLAIM_HTTP_SQL, EXPIRES_SQL, HEADER, KeyError400, Policy, Request, Response, claim_error,
                    claim_params, encode_response, finish, outcome_response, parse_key, problem, scope_of,
                    should_store, unavailable)
@@ -146,13 +146,18 @@ class IdempotencyMiddleware:
         try:
             expires = await self.store.complete(key, text, status, c.scope, c.token, self.policy.ttl,
                                                 response_is_json=True, lease_ends=c.lease_ends)
-        except Fenced:
-            # Our lease ran out and another request took the key over, or our own complete had
-            # committed before a reconnect: answer with what the store holds.
-            c2 = await self._claim(req, key, params)
-            if isinstance(c2, ClaimResult) and c2.outcome != NEW:
-                return await _send_response(send, await self._answer(c2, echo))
-            expires = None
+        except Fenced as e:
+            own = e.sqlstate == ALREADY_COMPLETED and await self.store.completed_by(key, c.scope, c.token)
+            if own:
+                # Our own complete had committed before the connection broke: the live answer.
+                expires = own.expires_at
+            else:
+                # Our lease ran out and another request took the key over: answer with what the
+                # store holds.
+                c2 = await self._claim(req, key, params)
+                if isinstance(c2, ClaimResult) and c2.outcome != NEW:
+                    return await _send_response(send, await self._answer(c2, echo))
+                expires = None
         await _send_response(send, finish(resp, echo, expires))
 
     async def _claim(self, req, key, params):

@@ -19,8 +19,8 @@ import uuid
 from dataclasses import dataclass
 from typing import Any, Callable, Generic, Optional, TypeVar, Union
 
-from ._core import (IN_PROGRESS, MISMATCH, NEW, REPLAY, AsyncStore, ClaimResult, Fenced, IdempotencyError,
-                    InProgress, Mismatch, Store)
+from ._core import (ALREADY_COMPLETED, IN_PROGRESS, MISMATCH, NEW, REPLAY, AsyncStore, ClaimResult, Fenced,
+                    IdempotencyError, InProgress, Mismatch, Store)
 
 T = TypeVar("T")
 
@@ -225,12 +225,18 @@ def idempotent(key: Union[str, Callable[..., str]], *, scope: str = "", ttl: Opt
                         if error is not None:
                             await astore.complete(k, json.dumps({_UNSTORABLE: error}), 500, scope, c.token, ttl,
                                                   response_is_json=True, lease_ends=c.lease_ends)
-                            raise Unstorable(k, scope, error)
-                        expires = await astore.complete(k, text, 200, scope, c.token, ttl, response_is_json=True,
-                                                        lease_ends=c.lease_ends)
-                        return CallResult(result, False, NEW, c.token, expires)
-                    except Fenced:
-                        deadline = time.monotonic() + wait.total_seconds()  # claim again: the final answer
+                        else:
+                            expires = await astore.complete(k, text, 200, scope, c.token, ttl, response_is_json=True,
+                                                            lease_ends=c.lease_ends)
+                    except Fenced as e:
+                        own = e.sqlstate == ALREADY_COMPLETED and await astore.completed_by(k, scope, c.token)
+                        if not own:
+                            deadline = time.monotonic() + wait.total_seconds()  # claim again: the final answer
+                            continue
+                        expires = own.expires_at
+                    if error is not None:
+                        raise Unstorable(k, scope, error)
+                    return CallResult(result, False, NEW, c.token, expires)
 
             @functools.wraps(fn)
             async def awrapper(*args, **kwargs):
@@ -278,14 +284,21 @@ def idempotent(key: Union[str, Callable[..., str]], *, scope: str = "", ttl: Opt
                         # Stored as an error: the side effect ran and must not run again.
                         sstore.complete(k, json.dumps({_UNSTORABLE: error}), 500, scope, c.token, ttl,
                                         response_is_json=True, lease_ends=c.lease_ends)
-                        raise Unstorable(k, scope, error)
-                    expires = sstore.complete(k, text, 200, scope, c.token, ttl, response_is_json=True,
-                                              lease_ends=c.lease_ends)
-                    return CallResult(result, False, NEW, c.token, expires)
-                except Fenced:
-                    # Completed meanwhile (our own complete whose answer was lost to a reconnect,
-                    # or a takeover after our lease ran out): claim again for the stored answer.
-                    deadline = time.monotonic() + wait.total_seconds()
+                    else:
+                        expires = sstore.complete(k, text, 200, scope, c.token, ttl, response_is_json=True,
+                                                  lease_ends=c.lease_ends)
+                except Fenced as e:
+                    # Our own complete whose answer was lost to a broken connection, repeated: the
+                    # key is completed under our token, and this call's result is the answer.
+                    own = e.sqlstate == ALREADY_COMPLETED and sstore.completed_by(k, scope, c.token)
+                    if not own:
+                        # Taken over after our lease ran out: claim again for the stored answer.
+                        deadline = time.monotonic() + wait.total_seconds()
+                        continue
+                    expires = own.expires_at
+                if error is not None:
+                    raise Unstorable(k, scope, error)
+                return CallResult(result, False, NEW, c.token, expires)
 
         @functools.wraps(fn)
         def wrapper(*args, **kwargs):

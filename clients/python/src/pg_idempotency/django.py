@@ -32,7 +32,8 @@ from django.db.utils import InterfaceError, OperationalError
 from django.http import HttpResponse
 from django.utils.module_loading import import_string
 
-from ._core import IN_PROGRESS, MISMATCH, NEW, ClaimResult, Fenced, Store, _Calls, _libpq_timeout, is_unreachable
+from ._core import (ALREADY_COMPLETED, IN_PROGRESS, MISMATCH, NEW, ClaimResult, Fenced, Store, _Calls,
+                    _libpq_timeout, is_unreachable)
 from .http import (REPLAY_HEADERS, CLAIM_HTTP_SQL, EXPIRES_SQL, KeyError400, Policy, Request, Response, claim_error, claim_params,
                    encode_response, finish, outcome_response, parse_key, problem, should_store,
                    unavailable)
@@ -162,11 +163,16 @@ class IdempotencyMiddleware:
         try:
             expires = self.store.complete(key, text, status, c.scope, c.token, self.policy.ttl, response_is_json=True,
                                           lease_ends=c.lease_ends)
-        except Fenced:
-            c2 = self._claim(key, params)
-            if isinstance(c2, ClaimResult) and c2.outcome != NEW:
-                return _to_django(self._answer(c2, raw))
-            expires = None
+        except Fenced as e:
+            own = e.sqlstate == ALREADY_COMPLETED and self.store.completed_by(key, c.scope, c.token)
+            if own:
+                # Our own complete had committed before the connection broke: the live answer.
+                expires = own.expires_at
+            else:
+                c2 = self._claim(key, params)
+                if isinstance(c2, ClaimResult) and c2.outcome != NEW:
+                    return _to_django(self._answer(c2, raw))
+                expires = None
         return self._with_headers(response, body, finish(resp, raw, expires))
 
     @staticmethod
