@@ -298,3 +298,41 @@ def test_a_pool_serves_concurrent_requests(conninfo, calls):
         assert r1.status_code == 201 and r2.headers["idempotent-replayed"] == "true"
         assert pool.get_stats()["requests_num"] >= 3
     assert len(calls) == 1
+
+
+class _AsyncAnswerLost:
+    """An AsyncConnection whose first `idempotency.complete` commits, then breaks before its answer."""
+
+    def __init__(self, conn, lost):
+        self._conn, self._lost = conn, lost
+
+    async def execute(self, sql, params=None, **kw):
+        cur = await self._conn.execute(sql, params, **kw)
+        if "idempotency.complete(" in sql and not self._lost:
+            self._lost.append(sql)
+            await self._conn.close()
+            import psycopg
+            raise psycopg.OperationalError("server closed the connection unexpectedly")
+        return cur
+
+
+def test_a_completion_whose_answer_was_lost_sends_the_handlers_live_response(conninfo, calls, db):
+    from pg_idempotency import AsyncStore
+
+    lost = []
+
+    class AnswerLostStore(AsyncStore):
+        async def connection(self):
+            return _AsyncAnswerLost(await super().connection(), lost)
+
+    app = make_app(conninfo, calls, store=AnswerLostStore(conninfo))
+    with TestClient(app, raise_server_exceptions=False) as c:
+        first = post(c, '"lost-1"', {"a": 1})
+        assert lost, "the first complete's answer was not lost"
+        assert first.status_code == 201 and "idempotent-replayed" not in first.headers
+        assert first.headers["set-cookie"] == "session=first-caller"          # the live response
+        assert db.execute("SELECT status::text FROM idempotency.idempotency_keys WHERE key = 'lost-1'").fetchall() \
+            == [("completed",)]
+        again = post(c, '"lost-1"', {"a": 1})
+        assert again.status_code == 201 and again.headers["idempotent-replayed"] == "true"
+        assert again.json() == first.json() and len(calls) == 1
