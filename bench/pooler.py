@@ -126,16 +126,15 @@ def fmt_ratio(cell):
 
 
 def start_pooler(cluster, pool_size):
-    """PgBouncer in transaction mode in front of `cluster`, its standard error drained.
-
-    PgBouncer logs every login to its standard error as well as to its file, and the helper
-    keeps that stream in a pipe it reads only if PgBouncer exits: a few hundred benchmark
-    connections fill the pipe, and PgBouncer then blocks on its next log line, with every
-    client (one run waited 11 minutes before this)."""
+    """PgBouncer in transaction mode in front of `cluster`, its standard error drained if it is a
+    pipe: PgBouncer logs every login there as well as to its file, and once a few hundred
+    benchmark connections have filled a pipe nobody reads, PgBouncer blocks on its next log line,
+    with every client (a run waited 11 minutes so)."""
     bouncer = PgBouncer(cluster, "transaction", pool_size=pool_size)
     bouncer.start()
-    threading.Thread(target=lambda: [None for _ in iter(lambda: bouncer.proc.stderr.read(65536), b"")],
-                     daemon=True).start()
+    err = bouncer.proc.stderr
+    if err is not None:
+        threading.Thread(target=lambda: [None for _ in iter(lambda: err.read(65536), b"")], daemon=True).start()
     # bouncer.proc is runuser; PgBouncer is its child, which stop_pooler makes sure is gone.
     try:
         with open(f"/proc/{bouncer.proc.pid}/task/{bouncer.proc.pid}/children") as f:
