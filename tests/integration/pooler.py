@@ -134,9 +134,28 @@ server_login_retry = 1
         except FileNotFoundError:
             return ""
 
+    def pid(self):
+        """PgBouncer's own pid (from its pidfile): the process started is runuser's, which does
+        not pass a signal on to PgBouncer."""
+        try:
+            with open(os.path.join(self.dir, "pgbouncer.pid")) as f:
+                return int(f.read().strip())
+        except (OSError, ValueError):
+            return None
+
     def stop(self):
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGINT)  # PgBouncer's immediate shutdown
+        pid = self.pid()
+        if pid is not None:
+            try:
+                os.kill(pid, signal.SIGINT)  # PgBouncer's immediate shutdown
+                deadline = time.monotonic() + 10
+                while time.monotonic() < deadline:
+                    os.kill(pid, 0)
+                    time.sleep(0.05)
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        if self.proc is not None:
             try:
                 self.proc.wait(10)
             except subprocess.TimeoutExpired:
