@@ -7,13 +7,21 @@ wheel), not the source tree.
 
 IDEMPOTENCY_TEST_POOLER=transaction (or session) puts PgBouncer in that mode between the package
 and the cluster (tests/integration/pooler.py): the package's connections (`conninfo`,
-`endpoint`) go through the pooler, the tests' own inspections (`db`, `row`) go direct."""
+`endpoint`) go through the pooler, the tests' own inspections (`db`, `row`) go direct.
+
+IDEMPOTENCY_TEST_CONNINFO runs them against a server the tests do not start instead (a libpq
+string, e.g. to a pooler of your own in front of your server): its database must be one the tests
+may empty, with the extension installable by that user; every connection takes that route, and
+the tests that stop and restart the server are skipped. IDEMPOTENCY_TEST_POOLER then says what the
+route is (`transaction` for a pooler in transaction mode), so that the tests it does not allow
+are skipped."""
 
 import os
 import sys
 
 import psycopg
 import pytest
+from psycopg.conninfo import conninfo_to_dict
 
 ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "..", ".."))
 sys.path.insert(0, os.path.join(ROOT, "tests", "integration"))
@@ -27,8 +35,36 @@ import pooler  # noqa: E402
 SERVER_CONNECTIONS = 300
 
 
+EXISTING = os.environ.get("IDEMPOTENCY_TEST_CONNINFO")
+
+
+class ExistingServer:
+    """The server IDEMPOTENCY_TEST_CONNINFO names, with the Cluster methods the tests use."""
+
+    def __init__(self, conninfo):
+        self._conninfo = conninfo
+        params = conninfo_to_dict(conninfo)
+        self.dir = params.get("host") or os.environ.get("PGHOST", "/var/run/postgresql")
+        self.port = int(params.get("port") or os.environ.get("PGPORT", 5432))
+        self.dbname = params.get("dbname") or os.environ.get("PGDATABASE", "postgres")
+
+    def conninfo(self):
+        return self._conninfo
+
+    def stop(self, mode="fast"):
+        pytest.skip("IDEMPOTENCY_TEST_CONNINFO: the tests do not stop a server they did not start")
+
+    restart = stop
+
+
 @pytest.fixture(scope="session")
 def cluster():
+    if EXISTING:
+        server = ExistingServer(EXISTING)
+        with psycopg.connect(server.conninfo(), autocommit=True) as conn:
+            conn.execute("CREATE EXTENSION IF NOT EXISTS idempotency")
+        yield server
+        return
     c = Cluster(settings={"max_connections": str(SERVER_CONNECTIONS)}).start()
     with psycopg.connect(c.conninfo(), autocommit=True) as conn:
         conn.execute("CREATE EXTENSION idempotency")
@@ -38,7 +74,11 @@ def cluster():
 
 @pytest.fixture(scope="session")
 def route(cluster):
-    """The PgBouncer that IDEMPOTENCY_TEST_POOLER names in front of the cluster, or None (direct)."""
+    """The PgBouncer that IDEMPOTENCY_TEST_POOLER names in front of the cluster, or None (direct,
+    or a server of IDEMPOTENCY_TEST_CONNINFO, which is its own route)."""
+    if EXISTING:
+        yield None
+        return
     bouncer = pooler.target(cluster, users=("postgres", "readme_app"), pool_size=SERVER_CONNECTIONS - 20)
     yield bouncer
     if bouncer is not None:
