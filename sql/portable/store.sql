@@ -1038,6 +1038,7 @@ DECLARE
     v_lock bigint;
     v_set text;
     v_busy boolean;
+    v_live boolean;
 BEGIN
     -- The role the caller ran as, where the session may act as it (inside another SECURITY
     -- DEFINER function it may not: then, and for a role passed by anyone else, the session's
@@ -1057,6 +1058,18 @@ BEGIN
                 WHEN x.key_secret IS NULL THEN pg_catalog.encode(pg_catalog.sha256(pg_catalog.convert_to(p_key, 'UTF8')), 'hex')
            END AS stored,
            r.max_response_size,
+           -- Whether the key has a live claim this call may complete, as last committed (the
+           -- update's own test): only then is the key marked before the update (see below). A
+           -- scalar subquery, not EXISTS, which the planner may turn into a hash of every key of
+           -- the scope.
+           COALESCE((SELECT true FROM idempotency.idempotency_keys AS k
+                    WHERE k.scope OPERATOR(pg_catalog.=) p_scope
+                      AND k.key OPERATOR(pg_catalog.=) CASE WHEN x.key_storage IS NULL OR x.key_storage OPERATOR(pg_catalog.=) 'plain' THEN p_key
+                                                            WHEN x.key_secret IS NULL THEN pg_catalog.encode(pg_catalog.sha256(pg_catalog.convert_to(p_key, 'UTF8')), 'hex')
+                                                       END
+                      AND k.status OPERATOR(pg_catalog.=) 'in_progress'::idempotency.key_status
+                      AND k.expires_at OPERATOR(pg_catalog.>) pg_catalog.now()
+                      AND (p_token IS NULL OR k.token OPERATOR(pg_catalog.=) p_token)), false) AS live,
            -- Whether the role is audited: its row, or idempotency.audit set on by ALTER ROLE or
            -- ALTER DATABASE (spelled as PostgreSQL spells on, without spaces)
            r.audit IS TRUE OR EXISTS (
@@ -1081,6 +1094,7 @@ BEGIN
       LEFT JOIN idempotency.config AS x ON true;
     IF c.ok AND c.stored IS NOT NULL THEN
         v_key := c.stored;
+        v_live := c.live;
     ELSE
         v_key := idempotency._stored_key(p_key, p_scope);  -- raises, or the keyed hash or a key of a database that is not UTF-8
     END IF;
@@ -1106,25 +1120,45 @@ BEGIN
     IF pg_catalog.current_setting('transaction_read_only') OPERATOR(pg_catalog.=) 'on' THEN
         PERFORM idempotency._p_refuse_read_only('complete');  -- raises
     END IF;
-    -- _p_mark(scope, key, true) (as the trigger would), then the update, which the trigger need
-    -- not mark again.
-    v_xact := pg_catalog.pg_current_xact_id()::pg_catalog.text;
-    v_state := pg_catalog.current_setting('idempotency_portable.marks', true);
-    v_count := CASE WHEN pg_catalog.split_part(v_state, ':', 1) OPERATOR(pg_catalog.=) v_xact
-                    THEN pg_catalog.split_part(v_state, ':', 2)::pg_catalog.int4 ELSE 0 END;
+    IF v_live IS NULL THEN
+        -- (The key's stored form was not known to the first statement.)
+        v_live := EXISTS (SELECT FROM idempotency.idempotency_keys AS k
+                           WHERE k.scope OPERATOR(pg_catalog.=) p_scope AND k.key OPERATOR(pg_catalog.=) v_key
+                             AND k.status OPERATOR(pg_catalog.=) 'in_progress'::idempotency.key_status
+                             AND k.expires_at OPERATOR(pg_catalog.>) pg_catalog.now()
+                             AND (p_token IS NULL OR k.token OPERATOR(pg_catalog.=) p_token));
+    END IF;
     v_lock := pg_catalog.hashtextextended(pg_catalog.length(p_scope)::pg_catalog.text OPERATOR(pg_catalog.||) ':'
                                           OPERATOR(pg_catalog.||) p_scope OPERATOR(pg_catalog.||) v_key, 5432);
     v_busy := false;
-    IF v_count OPERATOR(pg_catalog.<) 1000 THEN
-        IF pg_catalog.pg_try_advisory_xact_lock(v_lock) OR idempotency._p_lock_retry(v_lock) THEN
-            v_set := pg_catalog.set_config('idempotency_portable.marks',
-                                           v_xact OPERATOR(pg_catalog.||) ':' OPERATOR(pg_catalog.||) (v_count OPERATOR(pg_catalog.+) 1), false);
-        ELSE
-            -- Another open transaction marked the key: it is writing the key's row.
-            v_busy := true;
+    IF v_live THEN
+        -- _p_mark(scope, key, true) (as the trigger would), then the update, which the trigger
+        -- need not mark again.
+        v_xact := pg_catalog.pg_current_xact_id()::pg_catalog.text;
+        v_state := pg_catalog.current_setting('idempotency_portable.marks', true);
+        v_count := CASE WHEN pg_catalog.split_part(v_state, ':', 1) OPERATOR(pg_catalog.=) v_xact
+                        THEN pg_catalog.split_part(v_state, ':', 2)::pg_catalog.int4 ELSE 0 END;
+        IF v_count OPERATOR(pg_catalog.<) 1000 THEN
+            IF pg_catalog.pg_try_advisory_xact_lock(v_lock) OR idempotency._p_lock_retry(v_lock) THEN
+                v_set := pg_catalog.set_config('idempotency_portable.marks',
+                                               v_xact OPERATOR(pg_catalog.||) ':' OPERATOR(pg_catalog.||) (v_count OPERATOR(pg_catalog.+) 1), false);
+            ELSE
+                -- Another open transaction marked the key: it is writing the key's row.
+                v_busy := true;
+            END IF;
         END IF;
+        v_set := pg_catalog.set_config('idempotency_portable.marked', 'on', true);
+    ELSE
+        -- No live claim to complete: the call is refused (IK001..IK003) and changes no row, so
+        -- it does not mark the key. A transaction's advisory lock is let go only when it ends,
+        -- and while the refusal ran, claims of the key answered in_progress where, as natively,
+        -- a completed key replays and an absent, expired or lease-over one is claimed. Only
+        -- whether another open transaction marked the key is tested (a shared lock, released
+        -- at once, as a claim tests it): one writing the row (a takeover, a forget) is waited
+        -- for below. A live claim committed since the test is completed by the update all the
+        -- same, and marked by the trigger.
+        v_busy := NOT (pg_catalog.pg_try_advisory_lock_shared(v_lock) AND pg_catalog.pg_advisory_unlock_shared(v_lock));
     END IF;
-    v_set := pg_catalog.set_config('idempotency_portable.marked', 'on', true);
     FOR v_try IN 1 .. 2 LOOP
         UPDATE idempotency.idempotency_keys AS k SET
                status = 'completed'::idempotency.key_status, response = p_response, response_status = p_status,

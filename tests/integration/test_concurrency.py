@@ -346,3 +346,96 @@ def test_a_completion_does_not_wait_for_a_row_lock_alone_nor_in_repeatable_read(
             worker.execute("SELECT idempotency.complete(%s, '{}', token => %s)", (key, old if with_token else None))
         assert exc.value.sqlstate == "IK001", (key, exc.value.sqlstate, str(exc.value))
         worker.rollback()
+
+
+def test_a_refused_completion_leaves_the_key_to_other_claims(connect):
+    """A complete that is refused changes no row, so it must not make other sessions' claims of
+    its key answer in_progress while it runs: a completed key replays its stored response (IK002),
+    an absent or expired key is claimed anew (IK001), and a claim whose lease ran out is taken
+    over (IK003 for a token never issued), at once, as natively. The refusing call is held open
+    here between finding nothing to complete and raising (complete's own error ends its
+    transaction's locks): _complete, the part of complete that answers NULL where complete
+    raises, in an open transaction. In the portable edition the refusal had marked the key
+    first, and every such claim answered in_progress until the refusing transaction ended."""
+    db, refuser, claimer = connect(), connect(), connect()
+    claimer.execute("SET lock_timeout = '3s'")
+    request = {"pay": 7}
+
+    def completed(key):
+        token = claim(db, key, request)[1]
+        db.execute("SELECT idempotency.complete(%s, '{\"paid\": 7}', token => %s)", (key, token))
+        return token, ("completed", token)
+
+    def absent(key):
+        return None, None
+
+    def expired(key):
+        token = claim(db, key, request, lease="1 minute")[1]
+        db.execute("UPDATE idempotency.idempotency_keys SET locked_until = now() - interval '2 s', "
+                   "expires_at = now() - interval '1 s' WHERE key = %s", (key,))
+        return token, ("in_progress", token)
+
+    def lease_ran_out(key):
+        token = claim(db, key, request, lease="1 minute")[1]
+        db.execute("UPDATE idempotency.idempotency_keys SET locked_until = now() - interval '1 s' WHERE key = %s",
+                   (key,))
+        return token + 1000, ("in_progress", token)
+
+    cases = [
+        # (key, its setup, complete's refusal, the other session's answer)
+        ("rf-completed", completed, "IK002", ("replay", {"paid": 7}, 200)),
+        ("rf-absent", absent, "IK001", ("new", None, None)),
+        ("rf-expired", expired, "IK001", ("new", None, None)),
+        ("rf-lease-ran-out", lease_ran_out, "IK003", ("new", None, None)),
+    ]
+    for key, setup, refusal, expected in cases:
+        token, row = setup(key)
+        assert db.execute("SELECT status::text, token FROM idempotency.idempotency_keys WHERE key = %s",
+                          (key,)).fetchone() == row, key
+        with pytest.raises(psycopg.Error) as exc:
+            db.execute("SELECT idempotency.complete(%s, '{\"again\": 1}', token => %s)", (key, token))
+        assert exc.value.sqlstate == refusal, (key, exc.value.sqlstate, str(exc.value))
+        refuser.execute("BEGIN")
+        assert refuser.execute("SELECT idempotency._complete(%s, '{\"again\": 1}', 200, '', %s, NULL)",
+                               (key, token)).fetchone() == (None,), key
+        started = time.monotonic()
+        answer = claim(claimer, key, request)
+        elapsed = time.monotonic() - started
+        refuser.execute("ROLLBACK")
+        assert (answer[0], answer[2], answer[3]) == expected, (key, answer)
+        assert elapsed < 1.0, (key, elapsed)
+
+
+def test_replays_of_a_completed_key_answer_while_completions_of_it_are_refused(connect):
+    """A loop of refused completions of a completed key (IK002) beside a loop of its replays:
+    every replay answers the stored response. In the portable edition about one in five
+    answered in_progress, each refusal having marked the key while it ran."""
+    db, refuser, replayer = connect(), connect(), connect()
+    token = claim(db, "rf-loop", {"n": 1})[1]
+    db.execute("SELECT idempotency.complete('rf-loop', '{\"done\": 1}', token => %s)", (token,))
+    assert db.execute("SELECT status::text FROM idempotency.idempotency_keys WHERE key = 'rf-loop'"
+                      ).fetchone() == ("completed",)
+    stop = threading.Event()
+    refusals = []
+
+    def refuse():
+        while not stop.is_set():
+            try:
+                refuser.execute("SELECT idempotency.complete('rf-loop', '{}', token => %s)", (token,))
+                refusals.append("ok")
+            except psycopg.Error as e:
+                refusals.append(e.sqlstate)
+
+    thread = threading.Thread(target=refuse)
+    thread.start()
+    answers = []
+    try:
+        deadline = time.monotonic() + 1.5
+        while time.monotonic() < deadline:
+            answers.append(claim(replayer, "rf-loop", {"n": 1})[:3])
+    finally:
+        stop.set()
+        thread.join(10)
+    assert refusals and set(refusals) == {"IK002"}, set(refusals)
+    others = [a for a in answers if a != ("replay", token, {"done": 1})]
+    assert answers and not others, (len(others), len(answers), others[:3])
