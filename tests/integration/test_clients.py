@@ -22,11 +22,17 @@ CLIENTS = {
 PYTHON_CLIENT_SRC = os.path.join(ROOT, "clients", "python", "src")
 
 
-@pytest.fixture(scope="module")
-def bouncer(cluster):
+@pytest.fixture
+def bouncer(cluster, db):
     b = PgBouncer(cluster, "transaction", pool_size=4).start()
     yield b
     b.stop()
+    # The pooler's server connections carry the example's application_name, which the other
+    # tests count: gone before the next test.
+    deadline = time.monotonic() + 10
+    while db.execute("SELECT count(*) FROM pg_stat_activity WHERE application_name = 'send_receipt'").fetchone()[0]:
+        assert time.monotonic() < deadline, "the pooler's server connections outlived it"
+        time.sleep(0.05)
 
 
 @pytest.fixture(params=sorted(CLIENTS))
