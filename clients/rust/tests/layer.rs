@@ -8,7 +8,7 @@ use std::time::Duration;
 
 use axum::body::Body;
 use axum::http::{Request, StatusCode};
-use common::{pay_request, router, send, App, Cluster};
+use common::{pay_request, router, send, send_waiting, App, Cluster};
 
 const ORDER: &str = r#"{"amount": 59.90, "items": [{"sku": "A1", "qty": 2}]}"#;
 const ORDER_REORDERED: &str = r#"{"items":[{"qty":2,"sku":"A1"}],"amount":59.90}"#;
@@ -275,13 +275,7 @@ async fn in_progress_then_replay() {
     let cluster = Cluster::start().await;
     let app = Arc::new(App::default());
     let r = router(app.clone(), cluster.pool(), Duration::from_secs(60));
-    let first = {
-        let r = r.clone();
-        tokio::spawn(
-            async move { send(&r, pay_request(Some("c"), Some("\"k\""), ORDER, "wait")).await },
-        )
-    };
-    app.wait_runs(1).await;
+    let first = send_waiting(&r, &app, ORDER).await;
     let busy = send(&r, pay_request(Some("c"), Some("\"k\""), ORDER, "")).await;
     assert_eq!(busy.status, StatusCode::CONFLICT);
     assert!(busy.header("retry-after").is_some());
@@ -429,13 +423,7 @@ async fn database_down_while_the_handler_runs() {
     }
     let app = Arc::new(App::default());
     let r = router(app.clone(), cluster.pool(), Duration::from_secs(60));
-    let first = {
-        let r = r.clone();
-        tokio::spawn(
-            async move { send(&r, pay_request(Some("c"), Some("\"k\""), ORDER, "wait")).await },
-        )
-    };
-    app.wait_runs(1).await;
+    let first = send_waiting(&r, &app, ORDER).await;
     let c = cluster.clone();
     tokio::task::spawn_blocking(move || c.stop()).await.unwrap();
     app.gate.add_permits(1);
@@ -468,13 +456,7 @@ async fn completion_is_retried_until_the_lease_ends() {
         l.connect_timeout(Duration::from_secs(1))
     });
     let sent = std::time::Instant::now();
-    let first = {
-        let r = r.clone();
-        tokio::spawn(
-            async move { send(&r, pay_request(Some("c"), Some("\"k\""), ORDER, "wait")).await },
-        )
-    };
-    app.wait_runs(1).await;
+    let first = send_waiting(&r, &app, ORDER).await;
     let c = cluster.clone();
     tokio::task::spawn_blocking(move || c.stop()).await.unwrap();
     app.gate.add_permits(1);

@@ -15,7 +15,7 @@ use axum::http::StatusCode;
 use axum::response::{IntoResponse, Response};
 use axum::routing::post;
 use axum::{Extension, Json, Router};
-use common::{pay_request, router, send, App, Cluster, Route};
+use common::{pay_request, router, send, send_waiting, App, Cluster, Route};
 use deadpool_postgres::{Manager, ManagerConfig, Pool, RecyclingMethod};
 use idempotency_axum::{Claimed, IdempotencyLayer};
 use serde_json::json;
@@ -158,13 +158,7 @@ async fn completion_is_retried_on_a_new_connection_when_its_connection_is_killed
     let cluster = Cluster::start().await;
     let app = Arc::new(App::default());
     let r = router(app.clone(), cluster.pool(), Duration::from_secs(60));
-    let first = {
-        let r = r.clone();
-        tokio::spawn(
-            async move { send(&r, pay_request(Some("c"), Some("\"k\""), ORDER, "wait")).await },
-        )
-    };
-    app.wait_runs(1).await;
+    let first = send_waiting(&r, &app, ORDER).await;
 
     // Hold the claimed row so that `complete` blocks on it, on a server connection of its own.
     let (holder, conn) = cluster.direct_config().connect(NoTls).await.unwrap();

@@ -671,6 +671,22 @@ impl Answer {
     }
 }
 
+/// Sends `body` under key "k" for client "c" to the handler that waits at `app.gate`, and
+/// returns once that handler runs: the request in flight, for a test to act on meanwhile.
+pub async fn send_waiting(
+    router: &Router,
+    app: &App,
+    body: &'static str,
+) -> tokio::task::JoinHandle<Answer> {
+    let r = router.clone();
+    let first =
+        tokio::spawn(
+            async move { send(&r, pay_request(Some("c"), Some("\"k\""), body, "wait")).await },
+        );
+    app.wait_runs(1).await;
+    first
+}
+
 pub async fn send(router: &Router, req: Request<Body>) -> Answer {
     let r = router.clone().oneshot(req).await.unwrap();
     let status = r.status();
