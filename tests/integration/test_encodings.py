@@ -412,7 +412,7 @@ def test_mule_internal_is_refused(databases):
 def test_install_scripts_are_ascii():
     """Extension scripts are read in the database's encoding: only ASCII means the same in all."""
     for path in ["sql/idempotency.sql", "sql/idempotency--0.2.0--0.3.0.sql", "sql/idempotency--0.3.0--0.4.0.sql",
-                 "sql/idempotency--0.4.0--0.5.0.sql"]:
+                 "sql/idempotency--0.4.0--0.5.0.sql", "sql/idempotency--0.5.0--0.6.0.sql"]:
         with open(os.path.join(ROOT, path), "rb") as f:
             data = f.read()
         bad = [i for i, b in enumerate(data) if b > 0x7F]

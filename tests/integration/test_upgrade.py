@@ -1,4 +1,4 @@
-"""Upgrades: install each previous release (0.1.0, 0.2.0, 0.3.0, 0.4.0: install scripts frozen in sql/releases/),
+"""Upgrades: install each previous release (0.1.0 to 0.5.0: install scripts frozen in sql/releases/),
 write keys of every kind, ALTER EXTENSION idempotency UPDATE, and check that every key still
 behaves and that the upgraded schema is exactly what a fresh install of the new release creates."""
 
@@ -15,7 +15,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 from cluster import PG_BIN
 
 PG_CONFIG = os.path.join(PG_BIN, "pg_config")
-PREVIOUS = ["0.1.0", "0.2.0", "0.3.0", "0.4.0"]
+PREVIOUS = ["0.1.0", "0.2.0", "0.3.0", "0.4.0", "0.5.0"]
 
 
 def current_version():
