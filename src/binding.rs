@@ -30,7 +30,12 @@
 //! sees them all when the library is preloaded: at login the role's settings are applied after
 //! the startup options, and a lower-priority value still passes the check hook. Loaded later,
 //! the placeholder kept only the winning value, so the floor is read from pg_db_role_setting
-//! once per session instead.
+//! once per session instead; where a role's startup option displaced the configuration file's
+//! value (which only a superuser may read again), the session is audited.
+//!
+//! The size limits are superuser-only like the prefix, and floors: a row lowers them. A role's
+//! startup option read before the library loaded displaces an administrator's value the same
+//! way, so such a session's responses and recovery points are refused (42501).
 
 use crate::guc::{int, AUDIT, MAX_RECOVERY_POINT_SIZE, MAX_RESPONSE_SIZE, SCOPE_PREFIX};
 use crate::local::BackendLocal;
@@ -39,6 +44,9 @@ use std::cell::Cell;
 
 /// Some(verdict) once the setters were checked.
 static PREFIX_VERDICT: BackendLocal<Cell<Option<bool>>> = BackendLocal::new(Cell::new(None));
+/// Some(verdict) once the setters of max_response_size and max_recovery_point_size were checked.
+static LIMIT_VERDICT: BackendLocal<Cell<[Option<bool>; 2]>> =
+    BackendLocal::new(Cell::new([None; 2]));
 /// Loaded after login: the floor is read from pg_db_role_setting (Some once read).
 static AUDIT_FROM_CATALOG: BackendLocal<Cell<Option<bool>>> = BackendLocal::new(Cell::new(None));
 
@@ -97,6 +105,7 @@ pub fn with_scope_prefix<R>(f: impl FnOnce(&str) -> R) -> R {
 /// `idempotency.max_response_size` and the limit of the session's row in
 /// `idempotency.role_settings`.
 pub fn max_response_size() -> (i32, &'static str) {
+    refuse_untrusted_limit(true, c"idempotency.max_response_size");
     lower_limit(
         int(&MAX_RESPONSE_SIZE),
         "idempotency.max_response_size",
@@ -107,6 +116,7 @@ pub fn max_response_size() -> (i32, &'static str) {
 
 /// As [`max_response_size`], for the recovery points `checkpoint` stores.
 pub fn max_recovery_point_size() -> (i32, &'static str) {
+    refuse_untrusted_limit(false, c"idempotency.max_recovery_point_size");
     lower_limit(
         int(&MAX_RECOVERY_POINT_SIZE),
         "idempotency.max_recovery_point_size",
@@ -133,8 +143,42 @@ fn prefix_untrusted() -> bool {
     if let Some(v) = PREFIX_VERDICT.with(Cell::get) {
         return v;
     }
-    let setters = crate::guc::prefix_setters();
-    let untrusted = setters
+    let untrusted = set_by_untrusted(crate::guc::prefix_setters(), c"idempotency.scope_prefix");
+    PREFIX_VERDICT.with(|c| c.set(Some(untrusted)));
+    untrusted
+}
+
+/// Refuses (42501) a session whose size limit was set, before the library was loaded, by a role
+/// that may not set it: as for the scope prefix, the value an administrator set (server,
+/// database, role) was displaced by the role's and then dropped, so the limit in force would be
+/// the default, which may be higher than the administrator's.
+fn refuse_untrusted_limit(response: bool, name: &'static std::ffi::CStr) {
+    let i = usize::from(!response);
+    let mut verdicts = LIMIT_VERDICT.with(Cell::get);
+    let untrusted = *verdicts[i]
+        .get_or_insert_with(|| set_by_untrusted(crate::guc::limit_setters(response), name));
+    LIMIT_VERDICT.with(|c| c.set(verdicts));
+    if untrusted {
+        let name = name.to_string_lossy();
+        crate::error::raise(
+            pgrx::PgSqlErrorCode::ERRCODE_INSUFFICIENT_PRIVILEGE,
+            format!(
+                "{name} of this session was set by a role that may not set it, so the limit an \
+                 administrator set is not in force"
+            ),
+            Some(
+                "connect without setting the limit (PGOPTIONS, startup options, SET before the \
+                 extension was first used); preloading the library (shared_preload_libraries) \
+                 refuses such settings at connection time",
+            ),
+        );
+    }
+}
+
+/// Whether one of `setters` (roles that set `name`'s placeholder) may not set `name`: neither
+/// superuser nor granted SET on it.
+fn set_by_untrusted(setters: [pg_sys::Oid; 8], name: &std::ffi::CStr) -> bool {
+    setters
         .iter()
         .filter(|r| **r != pg_sys::InvalidOid)
         .any(|&role| {
@@ -142,14 +186,12 @@ fn prefix_untrusted() -> bool {
             unsafe {
                 !pg_sys::superuser_arg(role)
                     && pg_sys::pg_parameter_aclcheck(
-                        c"idempotency.scope_prefix".as_ptr(),
+                        name.as_ptr(),
                         role,
                         pg_sys::ACL_SET as pg_sys::AclMode,
                     ) != pg_sys::AclResult::ACLCHECK_OK
             }
-        });
-    PREFIX_VERDICT.with(|c| c.set(Some(untrusted)));
-    untrusted
+        })
 }
 
 /// Whether `complete` writes an audit row: the session's `idempotency.audit`, a superuser's
@@ -169,7 +211,11 @@ pub fn audit() -> bool {
     if let Some(v) = AUDIT_FROM_CATALOG.with(Cell::get) {
         return v;
     }
-    let v = audit_from_catalog();
+    // A role's startup option displaced the server configuration's value before the library
+    // loaded, and only a superuser may read that file again: the floor is unknown, so the session
+    // is audited (an extra audit row costs less than a missing one).
+    let v =
+        set_by_untrusted(crate::guc::audit_setter(), c"idempotency.audit") || audit_from_catalog();
     AUDIT_FROM_CATALOG.with(|c| c.set(Some(v)));
     v
 }

@@ -45,6 +45,13 @@ use std::cell::Cell;
 /// loaded (at most a few: the reset value, the current value and the SET stack).
 static PREFIX_SETTERS: BackendLocal<Cell<[Oid; 8]>> =
     BackendLocal::new(Cell::new([pg_sys::InvalidOid; 8]));
+/// The role whose startup option set the max_response_size / max_recovery_point_size
+/// placeholder before the library was loaded (see `placeholder_reset_setter`).
+static LIMIT_SETTERS: BackendLocal<Cell<[[Oid; 8]; 2]>> =
+    BackendLocal::new(Cell::new([[pg_sys::InvalidOid; 8]; 2]));
+/// The same for the audit placeholder.
+static AUDIT_SETTER: BackendLocal<Cell<[Oid; 8]>> =
+    BackendLocal::new(Cell::new([pg_sys::InvalidOid; 8]));
 
 /// The audit floor: bit `s` is set while the value last applied from superuser-controlled
 /// source `s` is on. Any of them on turns auditing on: a role may write its own
@@ -91,6 +98,24 @@ fn placeholder_setters(name: &std::ffi::CStr) -> [Oid; 8] {
     roles
 }
 
+/// The role whose startup option (PGOPTIONS, options) replaced `name`'s placeholder value as the
+/// value RESET returns, displacing the administrator's (server, database, role) before the
+/// library defines the setting; a SET stacks above that value and displaces nothing.
+fn placeholder_reset_setter(name: &std::ffi::CStr) -> [Oid; 8] {
+    let mut roles = [pg_sys::InvalidOid; 8];
+    // SAFETY: the record belongs to the server's settings, valid for the backend.
+    unsafe {
+        let record = crate::compat::find_setting(name);
+        if !record.is_null() {
+            let r = &*record;
+            if r.reset_source >= GucSource::PGC_S_CLIENT && r.reset_srole != pg_sys::InvalidOid {
+                roles[0] = r.reset_srole;
+            }
+        }
+    }
+    roles
+}
+
 /// Records the audit floor from the values applied from superuser-controlled sources.
 #[pg_guard]
 unsafe extern "C-unwind" fn audit_check(
@@ -132,6 +157,17 @@ pub fn loaded_late() -> bool {
 /// loaded (InvalidOid: none).
 pub fn prefix_setters() -> [Oid; 8] {
     PREFIX_SETTERS.with(Cell::get)
+}
+
+/// The role whose startup option set the max_response_size (`response`) or
+/// max_recovery_point_size placeholder before the library was loaded (InvalidOid: none).
+pub fn limit_setters(response: bool) -> [Oid; 8] {
+    LIMIT_SETTERS.with(Cell::get)[usize::from(!response)]
+}
+
+/// The role whose startup option set the audit placeholder before the library was loaded.
+pub fn audit_setter() -> [Oid; 8] {
+    AUDIT_SETTER.with(Cell::get)
 }
 
 /// An integer setting's current value, read in place (`GucSetting::get` checks the calling
@@ -222,6 +258,13 @@ pub fn init() {
     // SAFETY: _PG_init runs on the backend's (or postmaster's) main thread.
     LOADED_LATE.with(|c| c.set(unsafe { !pg_sys::process_shared_preload_libraries_in_progress }));
     PREFIX_SETTERS.with(|c| c.set(placeholder_setters(c"idempotency.scope_prefix")));
+    AUDIT_SETTER.with(|c| c.set(placeholder_reset_setter(c"idempotency.audit")));
+    LIMIT_SETTERS.with(|c| {
+        c.set([
+            placeholder_reset_setter(c"idempotency.max_response_size"),
+            placeholder_reset_setter(c"idempotency.max_recovery_point_size"),
+        ])
+    });
     GucRegistry::define_string_guc(
         c"idempotency.scope_prefix",
         c"Every scope this session passes to the extension must start with this prefix.",

@@ -189,7 +189,8 @@ BEGIN
     -- A value an administrator set (ALTER DATABASE or ALTER ROLE ... SET, which PostgreSQL takes
     -- for a setting no library defines): natively a warning where the library loads, and the
     -- default. A session's own value: natively its SET is refused.
-    IF raw IS NOT DISTINCT FROM idempotency._p_admin_setting(name) THEN
+    IF raw IS NOT DISTINCT FROM idempotency._p_admin_setting(name)
+       OR raw IS NOT DISTINCT FROM idempotency._p_server_setting(name) THEN
         IF v_hint IS NULL THEN
             RAISE WARNING USING ERRCODE = 'invalid_parameter_value', MESSAGE = v_message;
         ELSE
@@ -226,6 +227,39 @@ AS $fn$
      ORDER BY d.setdatabase OPERATOR(pg_catalog.<>) 0 AND d.setrole OPERATOR(pg_catalog.<>) 0 DESC,
               d.setrole OPERATOR(pg_catalog.<>) 0 DESC, d.setdatabase OPERATOR(pg_catalog.<>) 0 DESC
      LIMIT 1
+$fn$;
+
+-- A setting as the server's configuration sets it (postgresql.conf, its includes, ALTER SYSTEM's
+-- postgresql.auto.conf: the entry that applies, as the files read now), where the edition's owner
+-- may read them (pg_show_all_file_settings: superusers, and roles a superuser granted it to);
+-- else NULL. A session's SET hides that value from current_setting, and a startup option
+-- (PGOPTIONS) replaces it as the value RESET returns, so neither can tell it.
+CREATE FUNCTION idempotency._p_server_setting(name text)
+RETURNS text
+LANGUAGE plpgsql STABLE
+SET search_path = pg_catalog, pg_temp
+AS $fn$
+BEGIN
+    IF NOT pg_catalog.has_function_privilege('pg_catalog.pg_show_all_file_settings()', 'EXECUTE') THEN
+        RETURN NULL;
+    END IF;
+    RETURN (SELECT f.setting FROM pg_catalog.pg_show_all_file_settings() AS f
+             WHERE pg_catalog.lower(f.name) OPERATOR(pg_catalog.=) pg_catalog.lower(_p_server_setting.name) AND f.applied
+             ORDER BY f.seqno DESC LIMIT 1);
+END
+$fn$;
+
+-- Whether an administrator turned a boolean setting on for this session, where the session cannot
+-- undo it: ALTER DATABASE / ALTER ROLE ... SET for its login role (_p_admin_setting), else the
+-- server's configuration (_p_server_setting); spelled as parse_bool reads true.
+CREATE FUNCTION idempotency._p_admin_on(name text)
+RETURNS boolean
+LANGUAGE sql STABLE
+SET search_path = pg_catalog, pg_temp
+AS $fn$
+    SELECT COALESCE(pg_catalog.lower(pg_catalog.btrim(COALESCE(idempotency._p_admin_setting($1),
+                                                              idempotency._p_server_setting($1))))
+                    OPERATOR(pg_catalog.=) ANY (ARRAY['on', 'true', 'tru', 'tr', 't', 'yes', 'ye', 'y', '1']), false)
 $fn$;
 
 -- A boolean setting (unset or empty: false) as PostgreSQL's parse_bool reads it (a prefix of true,
@@ -285,18 +319,25 @@ BEGIN
 END
 $fn$;
 
--- The limit (kB) and the name of what set it: the setting, or a lower value in the session's row
--- (the SET ROLE role's when it has one, else the session user's).
+-- The limit (kB) and the name of what set it. A session may lower a limit, never raise it: the
+-- session's value (SET, set_config, a startup option), but no more than what an administrator set
+-- (ALTER DATABASE / ALTER ROLE ... SET for the login role, else the server's configuration where
+-- the owner may read it, else the native default), and no more than a lower value in the
+-- session's row of idempotency.role_settings (the SET ROLE role's when it has one, else the
+-- session user's).
 CREATE FUNCTION idempotency._p_limit(what text, OUT limit_kb integer, OUT setting text)
 LANGUAGE plpgsql STABLE
 SET search_path = pg_catalog, pg_temp
 AS $fn$
 DECLARE
     v_bound integer;
+    v_default integer;
+    v_admin text;
+    v_cap integer;
 BEGIN
     IF what OPERATOR(pg_catalog.=) 'response' THEN
-        limit_kb := idempotency._p_setting('idempotency.max_response_size', 4096, 'kB');
         setting := 'idempotency.max_response_size';
+        v_default := 4096;
         SELECT r.max_response_size INTO v_bound FROM idempotency.role_settings AS r
          WHERE r.role::pg_catalog.oid OPERATOR(pg_catalog.=) COALESCE(
                (SELECT s.role::pg_catalog.oid FROM idempotency.role_settings AS s
@@ -305,8 +346,8 @@ BEGIN
                          WHERE b.rolname OPERATOR(pg_catalog.=) pg_catalog.current_setting('role')::pg_catalog.name)),
                (SELECT a.oid FROM pg_catalog.pg_roles AS a WHERE a.rolname OPERATOR(pg_catalog.=) SESSION_USER));
     ELSE
-        limit_kb := idempotency._p_setting('idempotency.max_recovery_point_size', 64, 'kB');
         setting := 'idempotency.max_recovery_point_size';
+        v_default := 64;
         SELECT r.max_recovery_point_size INTO v_bound FROM idempotency.role_settings AS r
          WHERE r.role::pg_catalog.oid OPERATOR(pg_catalog.=) COALESCE(
                (SELECT s.role::pg_catalog.oid FROM idempotency.role_settings AS s
@@ -315,10 +356,18 @@ BEGIN
                          WHERE b.rolname OPERATOR(pg_catalog.=) pg_catalog.current_setting('role')::pg_catalog.name)),
                (SELECT a.oid FROM pg_catalog.pg_roles AS a WHERE a.rolname OPERATOR(pg_catalog.=) SESSION_USER));
     END IF;
+    limit_kb := idempotency._p_setting(setting, v_default, 'kB');
+    -- Nothing of the setting anywhere (no placeholder: no SET, no startup option, no entry an
+    -- administrator wrote, which every session would have): the default, which limit_kb is.
+    IF pg_catalog.current_setting(setting, true) IS NOT NULL THEN
+        v_admin := COALESCE(idempotency._p_admin_setting(setting), idempotency._p_server_setting(setting));
+        v_cap := CASE WHEN v_admin IS NULL THEN v_default
+                      ELSE idempotency._p_setting_value(setting, v_admin, v_default, 'kB') END;
+        limit_kb := LEAST(limit_kb, v_cap);
+    END IF;
     IF v_bound OPERATOR(pg_catalog.<) limit_kb THEN
         limit_kb := v_bound;
-        setting := 'idempotency.role_settings.' OPERATOR(pg_catalog.||) setting;
-        setting := pg_catalog.replace(setting, 'settings.idempotency.', 'settings.');
+        setting := 'idempotency.role_settings.' OPERATOR(pg_catalog.||) pg_catalog.replace(setting, 'idempotency.', '');
     END IF;
 END
 $fn$;
@@ -1107,11 +1156,12 @@ BEGIN
     IF p_ttl IS NOT NULL THEN
         PERFORM idempotency._p_duration('ttl', p_ttl);
     END IF;
-    -- _p_check_size is called where the response may be too large (it raises) or
-    -- idempotency.max_response_size is set (to anything but what the native edition shows for its default).
-    IF p_response IS NOT NULL THEN
-        v_raw := pg_catalog.btrim(pg_catalog.current_setting('idempotency.max_response_size', true));
-        IF v_raw OPERATOR(pg_catalog.<>) ALL ('{"",4MB}'::pg_catalog.text[])
+    -- _p_check_size is called where the response may be too large (it raises): larger than the
+    -- smallest limit there is (1 kB) while idempotency.max_response_size exists (set anywhere, by
+    -- the session or an administrator), else larger than the default or the role's row allows.
+    IF p_response IS NOT NULL AND pg_catalog.pg_column_size(p_response) OPERATOR(pg_catalog.>) 1024 THEN
+        v_raw := pg_catalog.current_setting('idempotency.max_response_size', true);
+        IF v_raw IS NOT NULL
            OR pg_catalog.pg_column_size(p_response)::bigint OPERATOR(pg_catalog.>)
               (LEAST(4096, c.max_response_size)::bigint OPERATOR(pg_catalog.*) 1024) THEN
             PERFORM idempotency._p_check_size('response', pg_catalog.pg_column_size(p_response)::bigint, 'response');
@@ -1190,9 +1240,13 @@ BEGIN
     -- audits: natively its SET is.)
     -- ('off', the native edition's default where its library loads, and '' or nothing, unset,
     -- are off without the call.)
+    -- An administrator's on is a floor: a session's off (SET, a startup option) does not undo
+    -- the server's configuration (read only where the placeholder exists: else nothing set it).
     IF COALESCE(pg_catalog.current_setting('idempotency.audit', true), '') OPERATOR(pg_catalog.<>) ALL ('{"",off}'::pg_catalog.text[])
        AND idempotency._p_setting_on('idempotency.audit')
-       OR c.audit THEN
+       OR c.audit
+       OR pg_catalog.current_setting('idempotency.audit', true) IS NOT NULL
+          AND idempotency._p_admin_on('idempotency.audit') THEN
         INSERT INTO idempotency.audit
                (scope, key, key_is_hash, request_hash, token, response_status, completed_at, completed_by)
         VALUES (p_scope, v_key, v_key OPERATOR(pg_catalog.<>) p_key, v_hash, v_token, p_status, pg_catalog.now(), p_role);

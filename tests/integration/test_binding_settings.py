@@ -12,12 +12,13 @@ fails on 0.4.0 (no such table) and with the table unread."""
 import contextlib
 import os
 import subprocess
+import time
 
 import psycopg
 import pytest
 from psycopg.types.json import Jsonb
 
-from cluster import Cluster
+from cluster import EDITION, Cluster
 from helpers import claim
 
 DB = "tenantdb"
@@ -146,13 +147,27 @@ def undo_in_catalog(su, bcluster, vector):
     assert accepted, "the role could not change any of its settings: the vector was not tried"
 
 
-def assert_bound(su, conn, tag, limits_named=True):
+def assert_bound(su, conn, tag, limits_named=True, limits_untrusted=False):
     """The tenant's row binds in this session: prefix, audit, both size limits (refused naming
-    the row's columns, unless a lower limit applies)."""
+    the row's columns, unless a lower limit applies; with limits_untrusted, every response and
+    recovery point is refused because the session's limits are not the ones an administrator
+    set)."""
     with pytest.raises(psycopg.errors.InsufficientPrivilege) as e:
         conn.execute("SELECT idempotency.claim('k', NULL, 'other:1')")
     assert 'scope "other:1"' in str(e.value)
     token = claim(conn, f"k-{tag}", scope="tenant:1", lease="1 minute")[1]
+    if limits_untrusted:
+        for sql in (f"SELECT idempotency.complete(%s, {BIG_RESPONSE}, scope => 'tenant:1', token => %s)",
+                    "SELECT idempotency.complete(%s, '{}', scope => 'tenant:1', token => %s)",
+                    "SELECT idempotency.checkpoint(%s, 'x', 'tenant:1', %s)"):
+            with pytest.raises(psycopg.errors.InsufficientPrivilege) as e:
+                conn.execute(sql, (f"k-{tag}", token))
+            assert "was set by a role that may not set it" in str(e.value)
+        conn.execute("SELECT idempotency.complete(%s, NULL, scope => 'tenant:1', token => %s)", (f"k-{tag}", token))
+        assert su.execute("SELECT key, completed_by FROM idempotency.audit").fetchall() == [(f"k-{tag}", "tenant")]
+        assert su.execute("SELECT status::text, response, recovery_point FROM idempotency.idempotency_keys "
+                          "WHERE key = %s", (f"k-{tag}",)).fetchone() == ("completed", None, None)
+        return
     with pytest.raises(psycopg.errors.ProgramLimitExceeded) as e:
         conn.execute(f"SELECT idempotency.complete(%s, {BIG_RESPONSE}, scope => 'tenant:1', token => %s)",
                      (f"k-{tag}", token))
@@ -202,7 +217,8 @@ def test_a_startup_option_cannot_undo_the_row(bcluster, su, how):
     """0.4.0, without preload: PGOPTIONS='-c idempotency.max_response_size=1GB' displaced the
     superuser's per-role limit (the placeholder keeps only the winning value, and the role's value
     is then thrown away: the default 4 MB applied) and a 3 MB response was stored. The row's 1 MB
-    holds (54000 program_limit_exceeded, as for the setting)."""
+    and the superuser's 1 kB hold (54000 program_limit_exceeded, as for the setting), or natively,
+    loaded late, the session's responses are refused (42501)."""
     bind_tenant(su)
     su.execute("ALTER ROLE tenant SET idempotency.max_response_size = '1kB'")
     su.execute("ALTER ROLE tenant SET idempotency.max_recovery_point_size = '1kB'")
@@ -218,9 +234,11 @@ def test_a_startup_option_cannot_undo_the_row(bcluster, su, how):
         t = connect(bcluster, "tenant", **kw)
     with t:
         assert t.execute("SHOW idempotency.audit").fetchone()[0] == "off"
-        # Preloaded, the superuser's per-role 1 kB (lower than the row's 1 MB) still applies;
-        # loaded late, the startup option displaced it and the row's limit is the one in force.
-        assert_bound(su, t, how, limits_named=bcluster.mode == "late")
+        # The superuser's per-role 1 kB (lower than the row's 1 MB) still applies. Natively,
+        # loaded late, the startup option displaced it before the library could see it: every
+        # response and recovery point of the session is refused (42501).
+        assert_bound(su, t, how, limits_named=False,
+                     limits_untrusted=EDITION == "native" and bcluster.mode == "late")
 
 
 def test_a_role_may_lower_a_bound_limit_but_not_raise_it(bcluster, su):
@@ -709,3 +727,163 @@ def test_a_switched_role_whose_name_needs_quoting_is_bound_by_its_row(bcluster, 
             assert roles(p) == ("Shop C", "pooler")
             assert refused(p, "shop_a:x")
             assert claim(p, "k", scope="shop_c:x")[0] == "new"
+
+
+# --- Limits and audit are floors: a session lowers a limit or turns audit on, never the reverse --
+
+MB5_RESPONSE = "jsonb_build_object('s', repeat('x', 5 * 1024 * 1024))"  # above the 4 MB default
+KB200_RESPONSE = "jsonb_build_object('s', repeat('x', 200 * 1024))"
+
+
+@contextlib.contextmanager
+def server_setting(bcluster, su, name, value):
+    """name = value in the server's configuration (ALTER SYSTEM, reloaded), for new sessions;
+    removed afterwards."""
+    # (ALTER SYSTEM takes a setting no library defines only where the session has its placeholder.)
+    su.execute(f"SET {name} = '{value}'")
+    su.execute(f"ALTER SYSTEM SET {name} = '{value}'")
+    su.execute(f"RESET {name}")
+    su.execute("SELECT pg_reload_conf()")
+    try:
+        for _ in range(100):
+            with connect(bcluster, "postgres") as check:
+                if check.execute("SELECT current_setting(%s, true)", (name,)).fetchone()[0] == value:
+                    break
+            time.sleep(0.05)
+        else:
+            raise AssertionError(f"{name} = {value} did not reach new sessions")
+        yield
+    finally:
+        su.execute(f"ALTER SYSTEM RESET {name}")
+        su.execute("SELECT pg_reload_conf()")
+        time.sleep(0.2)
+
+
+def tenant_raising(bcluster, how, name, value):
+    """A tenant session that set name = value itself (SET, set_config, or a startup option);
+    None where PostgreSQL refused the startup option (natively, preloaded: a superuser-only
+    setting)."""
+    if how == "PGOPTIONS":
+        try:
+            return connect(bcluster, "tenant", pgoptions=f"-c {name}={value}")
+        except psycopg.OperationalError as e:
+            assert EDITION == "native" and bcluster.mode == "preloaded" and "permission denied" in str(e)
+            return None
+    t = connect(bcluster, "tenant")
+    sql = f"SET {name} = '{value}'" if how == "SET" else f"SELECT set_config('{name}', '{value}', false)"
+    try:
+        t.execute(sql)
+    except psycopg.errors.InsufficientPrivilege:
+        # Natively, with the library loaded, the limits are superuser-only settings.
+        assert EDITION == "native" and name != "idempotency.audit"
+    return t
+
+
+def displaced_natively(bcluster, how):
+    """Natively, loaded late (not preloaded), a role's startup option for a superuser-only setting
+    reaches the placeholder before the library: the session's responses and recovery points are
+    then refused (42501), not measured against a limit that may not be the administrator's. (A
+    SET is refused at once, 42501, by the library that the first call loaded.)"""
+    return EDITION == "native" and bcluster.mode == "late" and how == "PGOPTIONS"
+
+
+@pytest.mark.parametrize("how", ["SET", "set_config", "PGOPTIONS"])
+def test_a_session_cannot_raise_a_size_limit_above_the_default(bcluster, su, how):
+    """Nothing set anywhere: the defaults (responses 4 MB, recovery points 64 kB) hold whatever
+    the session sets. The portable edition took a role's own SET ... = '1GB' and stored a 5 MB
+    response (natively the SET is refused, 42501)."""
+    t = tenant_raising(bcluster, how, "idempotency.max_response_size", "1GB")
+    if t is None:
+        return
+    with t:
+        token = claim(t, f"raise-{how}", lease="1 minute")[1]
+        assert token is not None
+        with pytest.raises((psycopg.errors.ProgramLimitExceeded, psycopg.errors.InsufficientPrivilege)) as e:
+            t.execute(f"SELECT idempotency.complete(%s, {MB5_RESPONSE}, token => %s)", (f"raise-{how}", token))
+        if displaced_natively(bcluster, how):
+            assert "was set by a role that may not set it" in str(e.value)
+        else:
+            assert "idempotency.max_response_size allows 4194304" in str(e.value)
+    t = tenant_raising(bcluster, how, "idempotency.max_recovery_point_size", "1GB")
+    if t is None:
+        return
+    with t:
+        token = claim(t, f"raise-rp-{how}", lease="1 minute")[1]
+        with pytest.raises((psycopg.errors.ProgramLimitExceeded, psycopg.errors.InsufficientPrivilege)) as e:
+            t.execute("SELECT idempotency.checkpoint(%s, repeat('x', 100 * 1024), '', %s)", (f"raise-rp-{how}", token))
+        if displaced_natively(bcluster, how):
+            assert "was set by a role that may not set it" in str(e.value)
+        else:
+            assert "idempotency.max_recovery_point_size allows 65536" in str(e.value)
+    assert su.execute("SELECT count(*) FROM idempotency.idempotency_keys WHERE response IS NOT NULL "
+                      "OR recovery_point IS NOT NULL").fetchone()[0] == 0
+
+
+@pytest.mark.parametrize("how", ["SET", "PGOPTIONS"])
+@pytest.mark.parametrize("where", ["database", "role", "server"])
+def test_a_session_cannot_raise_a_size_limit_above_what_an_administrator_set(bcluster, su, where, how):
+    """An administrator's 100 kB (ALTER DATABASE, ALTER ROLE, the server's configuration) holds
+    against the session's 1GB: a 200 kB response is refused naming the setting."""
+    name = "idempotency.max_response_size"
+    with contextlib.ExitStack() as stack:
+        if where == "database":
+            su.execute(f"ALTER DATABASE {DB} SET {name} = '100kB'")
+        elif where == "role":
+            su.execute(f"ALTER ROLE tenant SET {name} = '100kB'")
+        else:
+            stack.enter_context(server_setting(bcluster, su, name, "100kB"))
+        t = tenant_raising(bcluster, how, name, "1GB")
+        if t is None:
+            return
+        with t:
+            token = claim(t, f"admin-{where}-{how}", lease="1 minute")[1]
+            assert token is not None
+            if displaced_natively(bcluster, how):
+                with pytest.raises(psycopg.errors.InsufficientPrivilege) as e:
+                    t.execute(f"SELECT idempotency.complete(%s, {KB200_RESPONSE}, token => %s)",
+                              (f"admin-{where}-{how}", token))
+                assert "idempotency.max_response_size of this session was set by a role" in str(e.value)
+                return
+            with pytest.raises(psycopg.errors.ProgramLimitExceeded) as e:
+                t.execute(f"SELECT idempotency.complete(%s, {KB200_RESPONSE}, token => %s)",
+                          (f"admin-{where}-{how}", token))
+            assert "idempotency.max_response_size allows 102400" in str(e.value)
+            # A response under the administrator's limit is stored.
+            t.execute("SELECT idempotency.complete(%s, '{\"ok\": 1}', token => %s)", (f"admin-{where}-{how}", token))
+        assert su.execute("SELECT status::text FROM idempotency.idempotency_keys WHERE key = %s",
+                          (f"admin-{where}-{how}",)).fetchone()[0] == "completed"
+
+
+@pytest.mark.skipif(EDITION == "native", reason="natively the size limits are superuser settings: a role "
+                    "lowers them through GRANT SET ON PARAMETER or its row of idempotency.role_settings")
+def test_a_session_may_lower_a_size_limit(bcluster, su):
+    """Lowering is the session's to choose: 100 kB refuses a 200 kB response, naming the setting."""
+    with connect(bcluster, "tenant") as t:
+        t.execute("SET idempotency.max_response_size = '100kB'")
+        token = claim(t, "lower", lease="1 minute")[1]
+        with pytest.raises(psycopg.errors.ProgramLimitExceeded) as e:
+            t.execute(f"SELECT idempotency.complete('lower', {KB200_RESPONSE}, token => %s)", (token,))
+        assert "idempotency.max_response_size allows 102400" in str(e.value)
+
+
+@pytest.mark.parametrize("how", ["SET", "set_config", "PGOPTIONS"])
+@pytest.mark.parametrize("where", ["database", "server"])
+def test_a_session_cannot_turn_off_audit_an_administrator_turned_on(bcluster, su, where, how):
+    """idempotency.audit = on in the server's configuration (ALTER SYSTEM) or by ALTER DATABASE is
+    a floor: the session's off (SET, set_config, a startup option) leaves the audit row written.
+    The portable edition let the session's off undo the server's on."""
+    key = f"audited-{where}-{how}"
+    with contextlib.ExitStack() as stack:
+        if where == "database":
+            su.execute(f"ALTER DATABASE {DB} SET idempotency.audit = on")
+        else:
+            stack.enter_context(server_setting(bcluster, su, "idempotency.audit", "on"))
+        t = tenant_raising(bcluster, how, "idempotency.audit", "off")
+        assert t is not None
+        with t:
+            assert t.execute("SHOW idempotency.audit").fetchone()[0] == "off"
+            token = claim(t, key, lease="1 minute")[1]
+            assert token is not None
+            t.execute("SELECT idempotency.complete(%s, '{\"ok\": 1}', token => %s)", (key, token))
+    assert su.execute("SELECT key, completed_by::text FROM idempotency.audit WHERE key = %s",
+                      (key,)).fetchall() == [(key, "tenant")]
