@@ -21,7 +21,8 @@
 # portable runs do it). The specs create nothing of the extension themselves: the script prepares
 # the database (natively pg_isolation_regress's --load-extension), so one spec runs on each
 # edition. Where an edition answers otherwise by design, tests/isolation/expected/NAME_1.out is
-# the alternative output the tester accepts (tests/isolation/README.md says which and why).
+# the alternative output the tester accepts, and the spec's header says why (docs/testing.md);
+# today every spec has one expected output, for both editions.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
