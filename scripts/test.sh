@@ -85,8 +85,9 @@ done
 
 # The portable edition (docs/managed.md) on servers that have no file of the native extension:
 # the contract files that matter, the plain script on 15 (scripts/pg-portable.sh), pg_tle on 18
-# (scripts/pg-tle.sh; skipped, saying so, where the pg_tle tarball is absent). Tests of what only
-# the native edition has are marked native_only and skipped with their reason.
+# (scripts/pg-tle.sh; skipped, saying so, where the pg_tle tarball is absent): the isolation specs
+# (scripts/isolation.sh --portable), then the contract files. Tests of what only the native
+# edition has are marked native_only and skipped with their reason.
 PORTABLE=(test_model.py test_concurrency.py test_bad_input.py test_audit.py test_hashed_keys.py
           test_signed_keys.py test_privileges.py test_batch.py test_search_path.py
           test_expiry_and_dump.py test_patterns.py test_binding_settings.py test_partitioned.py
@@ -96,6 +97,7 @@ for v in "${VERSIONS[@]}"; do
         15)
             echo "== the portable edition, plain script, on PostgreSQL 15 without the library"
             portable_config=$(scripts/pg-portable.sh 15)
+            route=plain
             ;;
         18)
             if [ ! -f "${PG_TLE_TARBALL_DIR:-../shared/vendor/pg_tle}/SHA256SUMS" ]; then
@@ -104,9 +106,12 @@ for v in "${VERSIONS[@]}"; do
             fi
             echo "== the portable edition through pg_tle, on PostgreSQL 18 without the library"
             portable_config=$(scripts/pg-tle.sh 18)
+            route=pgtle
             ;;
         *) continue ;;
     esac
+    echo "== the portable edition ($route): isolation specs (tests/isolation, as natively)"
+    scripts/isolation.sh --portable "$route" "$portable_config"
     IDEMPOTENCY_EDITION=portable PG_BIN=$(dirname "$portable_config") \
         python3 -m pytest -q "${PORTABLE[@]/#/tests/integration/}"
 done
