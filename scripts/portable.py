@@ -648,6 +648,8 @@ def main(argv):
         if argv[1] == "pgtle":
             text = "\n".join(re.sub(r"^(\s*)" + re.escape(PGTLE_ONLY), r"\1", l) for l in text.split("\n"))
         sys.stdout.write(text)
+    elif cmd in ("-h", "--help") and len(argv) == 1:
+        sys.stdout.write(__doc__)
     else:
         sys.stderr.write(__doc__)
         return 2

@@ -141,6 +141,28 @@ def test_an_updated_store_has_the_schema_of_a_fresh_install(cluster, database, r
         assert rows["schema"] == f"postgres | idempotency {current_version()}, portable edition (plain script)"
 
 
+def test_with_the_update_registered_create_extension_gives_this_release(cluster, database, db, route):
+    """pg_tle: in a database where the previous release is registered but the extension was not
+    created, the registered update path makes CREATE EXTENSION give this release."""
+    if route != "pgtle":
+        pytest.skip("pg_tle's registered versions (the plain route has no CREATE EXTENSION)")
+    fresh = database("pupd_reg_fresh", None)
+    db.execute("DROP DATABASE IF EXISTS pupd_registered")
+    db.execute("CREATE DATABASE pupd_registered")
+    try:
+        ok(psql(cluster, "pupd_registered", "-c", "CREATE EXTENSION pg_tle"))
+        ok(psql(cluster, "pupd_registered", "-f", os.path.join(RELEASES, f"pgtle-idempotency--{PREVIOUS}.sql")))
+        ok(psql(cluster, "pupd_registered", "-f", pgtle_script("pgtle-update")))
+        ok(psql(cluster, "pupd_registered", "-c", "CREATE EXTENSION idempotency"))
+        with psycopg.connect(cluster.conninfo().replace("dbname=idem", "dbname=pupd_registered"),
+                             autocommit=True) as c:
+            diff = differences(catalog(c), catalog(fresh))
+            assert not diff, sorted(diff)[:10]
+            assert catalog(c)["extension"].startswith(current_version() + " | ")
+    finally:
+        db.execute("DROP DATABASE IF EXISTS pupd_registered WITH (FORCE)")
+
+
 @pytest.mark.parametrize("storage", ["plain", "sha256"])
 def test_every_key_answers_as_before_after_the_update(cluster, database, route, storage):
     name = f"pupd_keys_{storage}"
