@@ -17,8 +17,8 @@
 #   scripts/isolation.sh --portable pgtle "$(scripts/pg-tle.sh 18)" [spec ...]
 # plain: the test database gets dist/idempotency-portable.sql (psql -f, as on a service without
 # pg_tle); pgtle: the cluster preloads pg_tle, and the test database gets CREATE EXTENSION
-# pg_tle, dist/pgtle-idempotency.sql and CREATE EXTENSION idempotency (as tests/integration's
-# portable runs do it). The specs create nothing of the extension themselves: the script prepares
+# pg_tle, the pg_tle script made from the plain one (scripts/portable.py pgtle) and CREATE
+# EXTENSION idempotency (as tests/integration's portable runs do it). The specs create nothing of the extension themselves: the script prepares
 # the database (natively pg_isolation_regress's --load-extension), so one spec runs on each
 # edition. Where an edition answers otherwise by design, tests/isolation/expected/NAME_1.out is
 # the alternative output the tester accepts, and the spec's header says why (docs/testing.md);
@@ -117,7 +117,8 @@ else
         as_postgres "$bin/psql" -X -q -v ON_ERROR_STOP=1 -h "$dir" -p "$port" -U postgres -d "$db" "$@"
     }
     as_postgres "$bin/createdb" -h "$dir" -p "$port" -U postgres "$db"
-    cp dist/idempotency-portable.sql dist/pgtle-idempotency.sql "$dir/in/"
+    cp dist/idempotency-portable.sql "$dir/in/"
+    python3 scripts/portable.py pgtle >"$dir/in/pgtle-idempotency.sql"
     if [ "$edition" = plain ]; then
         psql_db -c "SET client_min_messages = warning" -f "$dir/in/idempotency-portable.sql" >/dev/null
     else

@@ -1,5 +1,5 @@
 -- Portable edition: the store in PL/pgSQL. Each function here named like a LANGUAGE c function
--- of sql/idempotency.sql replaces that declaration in the portable scripts (scripts/portable.sh
+-- of sql/idempotency.sql replaces that declaration in the portable scripts (scripts/portable.py
 -- refuses to build while a C function has no body here or in the other sql/portable/ files);
 -- the functions named idempotency._p_* are the portable edition's own helpers. The rules are the
 -- native edition's (src/api.rs, src/store/, crates/idempotency-core/src/arguments.rs and

@@ -18,13 +18,27 @@ PG_BIN = os.environ.get("PG_BIN", "/usr/lib/postgresql/15/bin")
 # IDEMPOTENCY_EDITION=portable runs the suite against the portable edition (dist/, docs/managed.md)
 # on a server without the native library (PG_BIN of scripts/pg-tle.sh or scripts/pg-portable.sh):
 # with pg_tle there, the pg_tle route (pg_tle preloaded; where a test says CREATE EXTENSION
-# idempotency, conftest.py creates pg_tle and registers dist/pgtle-idempotency.sql in that
-# database first); without it, the plain route (conftest.py runs dist/idempotency-portable.sql
-# instead).
+# idempotency, conftest.py creates pg_tle and registers the pg_tle script in that database
+# first); without it, the plain route (conftest.py runs dist/idempotency-portable.sql instead).
 EDITION = os.environ.get("IDEMPOTENCY_EDITION", "native")
 ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
 PORTABLE_PLAIN = os.path.join(ROOT, "dist", "idempotency-portable.sql")
-PORTABLE_PGTLE = os.path.join(ROOT, "dist", "pgtle-idempotency.sql")
+_PGTLE_SCRIPTS = {}
+
+
+def pgtle_script(kind="pgtle"):
+    """The path of a pg_tle script, made from the committed plain script as a user makes it:
+    scripts/portable.py pgtle (the install) or pgtle-update (the update from the previous
+    release), written once per test run into a temporary file."""
+    if kind not in _PGTLE_SCRIPTS:
+        out = subprocess.run([os.path.join(ROOT, "scripts", "portable.py"), kind], check=True,
+                             capture_output=True, text=True).stdout
+        fd, path = tempfile.mkstemp(prefix=f"idempotency-{kind}-", suffix=".sql")
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(out)
+        os.chmod(path, 0o644)
+        _PGTLE_SCRIPTS[kind] = path
+    return _PGTLE_SCRIPTS[kind]
 
 
 def pkglibdir(bin_dir):

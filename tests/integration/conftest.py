@@ -4,7 +4,7 @@ import re
 import psycopg
 import pytest
 
-from cluster import EDITION, PORTABLE_PGTLE, PORTABLE_PLAIN, PG_BIN, Cluster, portable_route
+from cluster import EDITION, PORTABLE_PLAIN, PG_BIN, Cluster, pgtle_script, portable_route
 
 # Servers inherit the environment: with RUST_BACKTRACE set (as on CI's machines) pgrx would put
 # Rust backtraces into errors' DETAIL, which test_hardening checks never reaches a client.
@@ -42,7 +42,7 @@ if EDITION == "portable":
     _EMBEDDED = re.compile(r"^CREATE EXTENSION IF NOT EXISTS idempotency;$", re.M | re.I)
     with open(PORTABLE_PLAIN, encoding="utf-8") as _f:
         _PLAIN = _f.read()
-    with open(PORTABLE_PGTLE, encoding="utf-8") as _f:
+    with open(pgtle_script(), encoding="utf-8") as _f:
         _PGTLE = ("CREATE EXTENSION IF NOT EXISTS pg_tle;\n" + _f.read().rstrip().rstrip(";")
                   + "\nWHERE NOT EXISTS (SELECT FROM pgtle.available_extensions() AS a WHERE a.name = 'idempotency');\n")
 

@@ -411,8 +411,11 @@ def test_mule_internal_is_refused(databases):
 
 def test_install_scripts_are_ascii():
     """Extension scripts are read in the database's encoding: only ASCII means the same in all."""
+    # The portable edition's scripts too (dist/: the plain install and update; pg_tle's are made from them).
+    dist = sorted(os.path.join("dist", f) for f in os.listdir(os.path.join(ROOT, "dist")) if f.endswith(".sql"))
+    assert "dist/idempotency-portable.sql" in dist and len(dist) >= 2, dist
     for path in ["sql/idempotency.sql", "sql/idempotency--0.2.0--0.3.0.sql", "sql/idempotency--0.3.0--0.4.0.sql",
-                 "sql/idempotency--0.4.0--0.5.0.sql", "sql/idempotency--0.5.0--0.6.0.sql"]:
+                 "sql/idempotency--0.4.0--0.5.0.sql", "sql/idempotency--0.5.0--0.6.0.sql"] + dist:
         with open(os.path.join(ROOT, path), "rb") as f:
             data = f.read()
         bad = [i for i, b in enumerate(data) if b > 0x7F]

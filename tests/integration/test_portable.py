@@ -1,4 +1,4 @@
-"""The portable edition (dist/, built by scripts/portable.sh from sql/portable/): canonical_json
+"""The portable edition (dist/, built by scripts/portable.py from sql/portable/): canonical_json
 and canonical_hash in SQL and PL/pgSQL only, installed where no library of ours is loaded, must
 give the native edition's bytes, errors and messages on the oracle's generated documents and on
 the hard cases (UTF-16 order of supplementary characters against U+E000..U+FFFF, control
@@ -18,7 +18,7 @@ import subprocess
 import psycopg
 import pytest
 
-from cluster import PG_BIN, Cluster
+from cluster import PG_BIN, Cluster, pgtle_script
 from test_canonical_oracle import SEED, oracle, rand_doc, rand_string, wide_doc
 
 # Each test compares the portable edition with the native one on a server that has the native
@@ -28,7 +28,6 @@ pytestmark = pytest.mark.native_only("compares the portable edition with the nat
 
 ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
 PLAIN = os.path.join(ROOT, "dist", "idempotency-portable.sql")
-PGTLE = os.path.join(ROOT, "dist", "pgtle-idempotency.sql")
 DOCS = int(os.environ.get("PORTABLE_DOCS", "2000"))
 
 # Each call's result, or its error as SQLSTATE, message and hint: both editions must agree on all.
@@ -217,8 +216,8 @@ def editions(cluster):
 
 
 def test_dist_is_current():
-    """dist/ is what scripts/portable.sh writes from the sources (CI fails on a stale dist/)."""
-    result = subprocess.run([os.path.join(ROOT, "scripts", "portable.sh"), "--check"], capture_output=True, text=True)
+    """dist/ is what scripts/portable.py writes from the sources (CI fails on a stale dist/)."""
+    result = subprocess.run([os.path.join(ROOT, "scripts", "portable.py"), "--check"], capture_output=True, text=True)
     assert result.returncode == 0, result.stderr
 
 
@@ -956,7 +955,7 @@ def test_the_pgtle_route_matches_the_native_edition(editions, pgtle_cluster):
         conn.execute("GRANT pgtle_admin TO tle_owner")
         conn.execute("ALTER DATABASE tle OWNER TO tle_owner")
         conn.execute("CREATE ROLE tle_app LOGIN")
-    result = psql(c, "tle", PGTLE, user="tle_owner")
+    result = psql(c, "tle", pgtle_script(), user="tle_owner")
     assert result.returncode == 0, result.stderr
     with psycopg.connect(conninfo(c, "tle", "tle_owner"), autocommit=True) as conn:
         conn.execute("CREATE EXTENSION idempotency")

@@ -1,4 +1,4 @@
-"""The portable edition's store (dist/, built by scripts/portable.sh: sql/idempotency.sql with each
+"""The portable edition's store (dist/, built by scripts/portable.py: sql/idempotency.sql with each
 C function replaced by a PL/pgSQL body) on servers that have no file of the native extension at
 all, by both routes: the plain script on a copy of PostgreSQL 15 (scripts/pg-portable.sh), pg_tle
 on a copy of PostgreSQL 18 (scripts/pg-tle.sh). Each test proves the library is absent first.
@@ -22,11 +22,10 @@ import psycopg
 import pytest
 from psycopg.types.json import Jsonb
 
-from cluster import EDITION, Cluster, pkglibdir
+from cluster import EDITION, Cluster, pgtle_script, pkglibdir
 
 ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
 PLAIN = os.path.join(ROOT, "dist", "idempotency-portable.sql")
-PGTLE = os.path.join(ROOT, "dist", "pgtle-idempotency.sql")
 NATIVE_BIN = {15: "/usr/lib/postgresql/15/bin", 18: "/var/cache/idempotency/pg/18/bin"}
 
 pytestmark = pytest.mark.skipif(EDITION == "portable", reason="makes its own servers of both editions")
@@ -57,7 +56,7 @@ def install(cluster, route, user="postgres", dbname=None):
     if route == "plain":
         psql(cluster, ["-f", PLAIN], user, dbname)
     else:
-        psql(cluster, ["-c", f"\\i {PGTLE}", "-c", "CREATE EXTENSION idempotency"], user, dbname)
+        psql(cluster, ["-c", f"\\i {pgtle_script()}", "-c", "CREATE EXTENSION idempotency"], user, dbname)
 
 
 def start(name):
@@ -452,7 +451,7 @@ def test_the_build_refuses_a_c_function_without_a_portable_body(tmp_path):
     native.write_text(text + "\nCREATE FUNCTION idempotency.brand_new(x integer)\nRETURNS integer\n"
                              "LANGUAGE c IMMUTABLE\nAS 'MODULE_PATHNAME', 'idempotency_brand_new';\n")
     sources = [os.path.join(ROOT, "sql", "portable", f) for f in ("canonical.sql", "derivation.sql", "store.sql")]
-    build = [os.path.join(ROOT, "scripts", "portable-build.py")]
+    build = [os.path.join(ROOT, "scripts", "portable.py"), "build"]
     for mode in ("plain", "pgtle"):
         r = subprocess.run(["python3", *build, mode, str(native), *sources], capture_output=True, text=True)
         assert r.returncode != 0 and "brand_new" in r.stderr, r.stderr
@@ -462,5 +461,5 @@ def test_the_build_refuses_a_c_function_without_a_portable_body(tmp_path):
     r = subprocess.run(["python3", *build, "plain", str(native), *sources, str(body)], capture_output=True, text=True)
     assert r.returncode == 0, r.stderr
     assert "MODULE_PATHNAME" not in r.stdout and "LANGUAGE sql IMMUTABLE" in r.stdout
-    # As built for CI: what scripts/portable.sh writes is current.
-    assert subprocess.run([os.path.join(ROOT, "scripts", "portable.sh"), "--check"]).returncode == 0
+    # As built for CI: what scripts/portable.py writes is current.
+    assert subprocess.run([os.path.join(ROOT, "scripts", "portable.py"), "--check"]).returncode == 0
