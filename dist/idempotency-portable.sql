@@ -1065,10 +1065,10 @@ BEGIN
 END
 $fn$;
 
--- Portable edition: the store in PL/pgSQL. Each function here named like a LANGUAGE c function
--- of sql/idempotency.sql replaces that declaration in the portable scripts (scripts/portable.py
--- refuses to build while a C function has no body here or in the other sql/portable/ files);
--- the functions named idempotency._p_* are the portable edition's own helpers. The rules are the
+-- Portable edition: the store in PL/pgSQL. Each BODY here gives a LANGUAGE c function of
+-- sql/idempotency.sql its portable body, under the native declaration (sql/portable/README.md;
+-- scripts/portable.py refuses to build while a C function has no body here or in the other
+-- sql/portable/ files); the functions named idempotency._p_* are the edition's own helpers. The rules are the
 -- native edition's (src/api.rs, src/store/, crates/idempotency-core/src/arguments.rs and
 -- signing.rs): the same checks in the same order, SQLSTATEs and messages, the same rows, tokens
 -- and stored keys. Every function pins search_path; every reference is schema-qualified.

@@ -1,8 +1,10 @@
 #!/usr/bin/env python3
 """Builds the portable edition (SQL and PL/pgSQL only, for servers that load no library of ours,
 docs/managed.md): the native install script sql/idempotency.sql with each of its LANGUAGE c
-functions replaced by the PL/pgSQL function of the same name in sql/portable/*.sql (the build
-fails when one has no portable body).
+functions given the body of the same name in sql/portable/*.sql, which carries only the
+language, SET clauses and body: the declaration stays sql/idempotency.sql's (the build fails when
+a C function has no portable body, or a body names an attribute of its own; see
+sql/portable/README.md).
 
     scripts/portable.py              writes dist/: the plain install script and the plain update
                                      script from the previous release
@@ -89,7 +91,8 @@ def chunks(text, path):
     out, pending, i = [], [], 0
     while i < len(lines):
         line = lines[i]
-        m = re.match(r"^CREATE (?:OR REPLACE )?FUNCTION idempotency\.(\w+)\(", line)
+        m = (re.match(r"^CREATE (?:OR REPLACE )?FUNCTION idempotency\.(\w+)\(", line)
+             or re.match(r"^BODY idempotency\.(\w+)$", line))
         if m:
             chunk = pending + [line]
             i += 1
@@ -223,6 +226,51 @@ END
 $notice$;
 """
 
+# A portable body of a LANGUAGE c function carries no declaration (sql/portable/README.md):
+#     BODY idempotency.name
+#     LANGUAGE plpgsql
+#     SET search_path = pg_catalog, pg_temp
+#     AS $fn$ ... $fn$;
+# The head (name, arguments, defaults, result) and the attributes (volatility, parallel safety,
+# strictness, SECURITY DEFINER, cost, rows) are sql/idempotency.sql's; only the language, the SET
+# clauses and the body are the edition's. A body that names an attribute itself is refused,
+# except the differences by design listed here with the attribute they drop and why.
+BY_DESIGN = {
+    # Runs as the caller, whose name the audit row records (CURRENT_USER), and inlines into
+    # complete; the work runs as the store's owner in idempotency._p_complete.
+    "_complete": "SECURITY DEFINER",
+}
+ATTRIBUTE = re.compile(r"\b(VOLATILE|STABLE|IMMUTABLE|PARALLEL|STRICT|CALLED|RETURNS NULL|SECURITY|LEAKPROOF|COST|ROWS|WINDOW)\b")
+
+
+def compose(name, declaration, body, path):
+    """The function `name` as the portable edition declares it: the native `declaration` (its
+    LANGUAGE c form) with the language, SET clauses and body of the portable `body` chunk."""
+    head, sep, tail = declaration.partition("\nLANGUAGE c")
+    if not sep:
+        fail(f"sql/idempotency.sql: {name}'s declaration has no line LANGUAGE c")
+    attributes = re.sub(r"\s+", " ", tail.split("\nAS 'MODULE_PATHNAME'")[0]).strip()
+    drop = BY_DESIGN.get(name)
+    if drop:
+        if drop not in attributes:
+            fail(f"{name} no longer has {drop} natively: drop it from BY_DESIGN in scripts/portable.py")
+        attributes = re.sub(r"\s+", " ", attributes.replace(drop, "")).strip()
+    lines = body.split("\n")
+    at = next(i for i, line in enumerate(lines) if line.startswith("BODY idempotency."))
+    language = lines[at + 1]
+    m = re.match(r"^LANGUAGE (plpgsql|sql)$", language)
+    if not m:
+        bad = ATTRIBUTE.search(language)
+        fail(f"{path}: the body of {name} says {bad.group(0) if bad else language!r}: its attributes are "
+             "sql/idempotency.sql's (the line after BODY is LANGUAGE plpgsql or LANGUAGE sql alone)")
+    for line in lines[at + 2:]:
+        if line.startswith("AS "):
+            break
+        if not line.startswith(("SET ", "--")):
+            fail(f"{path}: the body of {name} has {line!r} before AS: only SET clauses (and comments) may come there")
+    return "\n".join(lines[:at] + [head + "\n" + f"LANGUAGE {m.group(1)} {attributes}".rstrip()] + lines[at + 2:])
+
+
 C_FUNCTION = re.compile(
     r"^CREATE (?:OR REPLACE )?FUNCTION idempotency\.(\w+)\((?:(?!^CREATE |^\$fn\$;$).)*?"
     r"^AS 'MODULE_PATHNAME', '\w+';\n", re.M | re.S)
@@ -280,7 +328,10 @@ def build(native_path, sources):
                 if name is None or name not in replaced:
                     out += chunk.lstrip("\n") + "\n"
             out += "-- End of the portable edition's helpers ----------------------------------------------------\n\n"
-        return out + fns[m.group(1)].lstrip("\n")
+        body = fns[m.group(1)]
+        if re.search(r"^BODY idempotency\.", body, re.M):
+            body = compose(m.group(1), m.group(0), body, "sql/portable/")
+        return out + body.lstrip("\n")
 
     text = C_FUNCTION.sub(replace, text)
     notice = re.compile(r"^DO \$notice\$\n.*?^\$notice\$;\n", re.M | re.S)

@@ -793,9 +793,8 @@ BEGIN
 END
 $fn$;
 
-CREATE FUNCTION idempotency.canonical_json(doc jsonb, numbers text DEFAULT 'exact')
-RETURNS text
-LANGUAGE plpgsql IMMUTABLE PARALLEL SAFE
+BODY idempotency.canonical_json
+LANGUAGE plpgsql
 SET search_path = pg_catalog, pg_temp
 AS $fn$
 BEGIN
@@ -817,9 +816,8 @@ BEGIN
 END
 $fn$;
 
-CREATE FUNCTION idempotency.canonical_hash(doc jsonb, exclude text[] DEFAULT '{}')
-RETURNS bytea
-LANGUAGE plpgsql IMMUTABLE PARALLEL SAFE
+BODY idempotency.canonical_hash
+LANGUAGE plpgsql
 SET search_path = pg_catalog, pg_temp
 AS $fn$
 DECLARE

@@ -40,9 +40,8 @@ BEGIN
 END
 $fn$;
 
-CREATE FUNCTION idempotency.derive_key(parent text, step text, params jsonb DEFAULT NULL)
-RETURNS text
-LANGUAGE plpgsql IMMUTABLE PARALLEL SAFE
+BODY idempotency.derive_key
+LANGUAGE plpgsql
 SET search_path = pg_catalog, pg_temp
 AS $fn$
 DECLARE
@@ -141,9 +140,8 @@ $fn$;
 
 -- job:<slot start, UTC>/<slot length>: a slot is whole months (floored to calendar months
 -- since 1970-01) or a fixed length without months (floored on the Unix epoch).
-CREATE FUNCTION idempotency.cron_key(job text, scheduled_at timestamptz, slot interval)
-RETURNS text
-LANGUAGE plpgsql IMMUTABLE PARALLEL SAFE
+BODY idempotency.cron_key
+LANGUAGE plpgsql
 SET search_path = pg_catalog, pg_temp
 AS $fn$
 DECLARE
@@ -272,13 +270,8 @@ $fn$;
 
 -- SHA-256 of the canonical form of {"body": body, "method": METHOD, "path": path, "query": query}
 -- (query NULL: {}; body NULL: null).
-CREATE FUNCTION idempotency.request_fingerprint(
-    method text,
-    path   text,
-    query  jsonb DEFAULT NULL,
-    body   jsonb DEFAULT NULL
-) RETURNS bytea
-LANGUAGE plpgsql IMMUTABLE PARALLEL SAFE
+BODY idempotency.request_fingerprint
+LANGUAGE plpgsql
 SET search_path = pg_catalog, pg_temp
 AS $fn$
 BEGIN

@@ -1,7 +1,7 @@
--- Portable edition: the store in PL/pgSQL. Each function here named like a LANGUAGE c function
--- of sql/idempotency.sql replaces that declaration in the portable scripts (scripts/portable.py
--- refuses to build while a C function has no body here or in the other sql/portable/ files);
--- the functions named idempotency._p_* are the portable edition's own helpers. The rules are the
+-- Portable edition: the store in PL/pgSQL. Each BODY here gives a LANGUAGE c function of
+-- sql/idempotency.sql its portable body, under the native declaration (sql/portable/README.md;
+-- scripts/portable.py refuses to build while a C function has no body here or in the other
+-- sql/portable/ files); the functions named idempotency._p_* are the edition's own helpers. The rules are the
 -- native edition's (src/api.rs, src/store/, crates/idempotency-core/src/arguments.rs and
 -- signing.rs): the same checks in the same order, SQLSTATEs and messages, the same rows, tokens
 -- and stored keys. Every function pins search_path; every reference is schema-qualified.
@@ -1282,14 +1282,8 @@ $revoke$;
 -- error). Everything else (a takeover, a restart, a mismatch, a busy key, a store with rules
 -- or keyed hashes, a database that is not UTF-8) goes to _p_claim or _p_claim_checked, which
 -- read again.
-CREATE FUNCTION idempotency.claim(
-    key   text,
-    request jsonb DEFAULT NULL,
-    scope text DEFAULT '',
-    ttl   interval DEFAULT NULL,
-    lease interval DEFAULT NULL
-) RETURNS idempotency.claim_result
-LANGUAGE plpgsql VOLATILE PARALLEL UNSAFE SECURITY DEFINER
+BODY idempotency.claim
+LANGUAGE plpgsql
 SET search_path = pg_catalog, pg_temp
 -- One plan for the statement below whatever the arguments: a plan made for the arguments of
 -- each call (PostgreSQL's choice where the store's tables were never analyzed) costs more
@@ -1465,9 +1459,8 @@ BEGIN
 END
 $fn$;
 
-CREATE FUNCTION idempotency._stored_key(key text, scope text)
-RETURNS text
-LANGUAGE plpgsql VOLATILE PARALLEL UNSAFE
+BODY idempotency._stored_key
+LANGUAGE plpgsql
 SET search_path = pg_catalog, pg_temp
 AS $fn$
 DECLARE
@@ -1513,9 +1506,8 @@ END
 $fn$;
 
 -- Counts nothing: the counters of the native edition live in shared memory (stats shows NULL).
-CREATE FUNCTION idempotency._count(event text)
-RETURNS void
-LANGUAGE plpgsql VOLATILE PARALLEL SAFE
+BODY idempotency._count
+LANGUAGE plpgsql
 SET search_path = pg_catalog, pg_temp
 AS $fn$
 BEGIN
@@ -1527,9 +1519,8 @@ BEGIN
 END
 $fn$;
 
-CREATE FUNCTION idempotency._check_recovery_point(recovery_point text)
-RETURNS void
-LANGUAGE plpgsql VOLATILE PARALLEL SAFE
+BODY idempotency._check_recovery_point
+LANGUAGE plpgsql
 SET search_path = pg_catalog, pg_temp
 AS $fn$
 BEGIN
@@ -1544,17 +1535,14 @@ $fn$;
 -- the owner. A single-expression SQL function without SET search_path (every name in it is
 -- schema-qualified), so the planner inlines it into complete's expression, itself inlined into
 -- the caller's statement: a call of a PL/pgSQL function fewer on the path of every completion.
-CREATE FUNCTION idempotency._complete(
-    key text, response jsonb, response_status integer, scope text, token bigint, ttl interval)
-RETURNS timestamptz
-LANGUAGE sql VOLATILE PARALLEL UNSAFE
+BODY idempotency._complete
+LANGUAGE sql
 AS $fn$
     SELECT idempotency._p_complete($1, $2, $3, $4, $5, $6, CURRENT_USER)
 $fn$;
 
-CREATE FUNCTION idempotency.sweep(batch_size integer DEFAULT NULL)
-RETURNS bigint
-LANGUAGE plpgsql VOLATILE PARALLEL UNSAFE SECURITY DEFINER
+BODY idempotency.sweep
+LANGUAGE plpgsql
 SET search_path = pg_catalog, pg_temp
 AS $fn$
 DECLARE
@@ -1584,18 +1572,16 @@ END
 $fn$;
 
 -- Nothing to tell: no process of this edition caches how the store keeps keys.
-CREATE FUNCTION idempotency._store_changed()
-RETURNS void
-LANGUAGE plpgsql VOLATILE PARALLEL UNSAFE
+BODY idempotency._store_changed
+LANGUAGE plpgsql
 SET search_path = pg_catalog, pg_temp
 AS $fn$
 BEGIN
 END
 $fn$;
 
-CREATE FUNCTION idempotency._rekey(digest bytea, secret bytea)
-RETURNS text
-LANGUAGE plpgsql IMMUTABLE PARALLEL SAFE
+BODY idempotency._rekey
+LANGUAGE plpgsql
 SET search_path = pg_catalog, pg_temp
 AS $fn$
 BEGIN
@@ -1607,9 +1593,8 @@ BEGIN
 END
 $fn$;
 
-CREATE FUNCTION idempotency.sweep_audit(batch_size integer DEFAULT NULL)
-RETURNS bigint
-LANGUAGE plpgsql VOLATILE PARALLEL UNSAFE SECURITY DEFINER
+BODY idempotency.sweep_audit
+LANGUAGE plpgsql
 SET search_path = pg_catalog, pg_temp
 AS $fn$
 DECLARE
@@ -1647,9 +1632,8 @@ BEGIN
 END
 $fn$;
 
-CREATE FUNCTION idempotency._sign(key text, kid integer, secret bytea)
-RETURNS text
-LANGUAGE plpgsql STABLE PARALLEL SAFE
+BODY idempotency._sign
+LANGUAGE plpgsql
 SET search_path = pg_catalog, pg_temp
 AS $fn$
 BEGIN
@@ -1664,17 +1648,15 @@ BEGIN
 END
 $fn$;
 
-CREATE FUNCTION idempotency._signed_kid(signed text)
-RETURNS integer
-LANGUAGE sql IMMUTABLE PARALLEL SAFE
+BODY idempotency._signed_kid
+LANGUAGE sql
 SET search_path = pg_catalog, pg_temp
 AS $fn$
     SELECT p.kid FROM idempotency._p_parse_signed(signed) AS p
 $fn$;
 
-CREATE FUNCTION idempotency._verify(signed text, secret bytea)
-RETURNS text
-LANGUAGE plpgsql STABLE PARALLEL SAFE
+BODY idempotency._verify
+LANGUAGE plpgsql
 SET search_path = pg_catalog, pg_temp
 AS $fn$
 DECLARE
@@ -1694,9 +1676,8 @@ $fn$;
 
 -- 32 bytes from the server's strong random source (gen_random_uuid, in core since PostgreSQL
 -- 13: 122 random bits each), so a secret never appears in any SQL text or log.
-CREATE FUNCTION idempotency._random_secret()
-RETURNS bytea
-LANGUAGE sql VOLATILE PARALLEL SAFE
+BODY idempotency._random_secret
+LANGUAGE sql
 SET search_path = pg_catalog, pg_temp
 AS $fn$
     SELECT pg_catalog.sha256(pg_catalog.uuid_send(pg_catalog.gen_random_uuid())
@@ -1705,28 +1686,16 @@ AS $fn$
 $fn$;
 
 -- No background sweeper in this edition (see idempotency.schedule_sweep).
-CREATE FUNCTION idempotency._sweeper_preloaded()
-RETURNS boolean
-LANGUAGE sql STABLE PARALLEL SAFE
+BODY idempotency._sweeper_preloaded
+LANGUAGE sql
 SET search_path = pg_catalog, pg_temp
 AS $fn$
     SELECT false
 $fn$;
 
 -- The counters need shared memory: NULL in this edition, for the roles that may read them.
-CREATE FUNCTION idempotency._shared_stats(
-    OUT preloaded          boolean,
-    OUT claims_new         bigint,
-    OUT claims_replay      bigint,
-    OUT claims_in_progress bigint,
-    OUT claims_mismatch    bigint,
-    OUT completions        bigint,
-    OUT releases           bigint,
-    OUT rows_swept         bigint,
-    OUT last_sweep_at      timestamptz,
-    OUT last_sweep_rows    bigint
-)
-LANGUAGE plpgsql VOLATILE PARALLEL SAFE
+BODY idempotency._shared_stats
+LANGUAGE plpgsql
 SET search_path = pg_catalog, pg_temp
 AS $fn$
 BEGIN
@@ -1751,33 +1720,16 @@ END
 $fn$;
 
 -- No background sweeper to tell.
-CREATE FUNCTION idempotency._announce()
-RETURNS void
-LANGUAGE plpgsql VOLATILE PARALLEL UNSAFE
+BODY idempotency._announce
+LANGUAGE plpgsql
 SET search_path = pg_catalog, pg_temp
 AS $fn$
 BEGIN
 END
 $fn$;
 
-CREATE FUNCTION idempotency.claim_many(
-    keys     text[],
-    requests jsonb[] DEFAULT NULL,
-    scope    text DEFAULT '',
-    ttl      interval DEFAULT NULL,
-    lease    interval DEFAULT NULL
-) RETURNS TABLE (
-    ord             integer,
-    key             text,
-    outcome         idempotency.outcome,
-    token           bigint,
-    response        jsonb,
-    response_status integer,
-    retry_after     interval,
-    expires_at      timestamptz,
-    recovery_point  text
-)
-LANGUAGE plpgsql VOLATILE PARALLEL UNSAFE SECURITY DEFINER ROWS 100
+BODY idempotency.claim_many
+LANGUAGE plpgsql
 SET search_path = pg_catalog, pg_temp
 AS $fn$
 #variable_conflict use_variable
@@ -1837,9 +1789,8 @@ END
 $fn$;
 
 -- No session caches role_settings in this edition: every call reads the role's row.
-CREATE FUNCTION idempotency._role_settings_changed()
-RETURNS trigger
-LANGUAGE plpgsql VOLATILE PARALLEL UNSAFE
+BODY idempotency._role_settings_changed
+LANGUAGE plpgsql
 SET search_path = pg_catalog, pg_temp
 AS $fn$
 BEGIN

@@ -13,6 +13,7 @@ import json
 import os
 import random
 import re
+import shutil
 import subprocess
 
 import psycopg
@@ -219,6 +220,30 @@ def test_dist_is_current():
     """dist/ is what scripts/portable.py writes from the sources (CI fails on a stale dist/)."""
     result = subprocess.run([os.path.join(ROOT, "scripts", "portable.py"), "--check"], capture_output=True, text=True)
     assert result.returncode == 0, result.stderr
+
+
+@pytest.mark.parametrize("edit, refusal", [
+    ("LANGUAGE plpgsql STABLE", "the body of derive_key says 'STABLE'"),
+    ("LANGUAGE plpgsql SECURITY DEFINER", "the body of derive_key says 'SECURITY'"),
+    ("LANGUAGE plpgsql\nPARALLEL UNSAFE", "the body of derive_key has 'PARALLEL UNSAFE' before AS"),
+])
+def test_a_portable_body_cannot_change_the_native_declaration(tmp_path, edit, refusal):
+    """A portable body carries no declaration: its head and attributes are sql/idempotency.sql's,
+    and the generator refuses a body that names volatility, parallel safety, strictness or
+    SECURITY DEFINER itself (the one difference by design is listed in the generator)."""
+    for part in ("scripts", "sql", "dist"):
+        shutil.copytree(os.path.join(ROOT, part), tmp_path / part)
+    for f in ("Cargo.toml", "idempotency.control"):
+        shutil.copy(os.path.join(ROOT, f), tmp_path / f)
+    source = tmp_path / "sql" / "portable" / "derivation.sql"
+    text = source.read_text()
+    assert "BODY idempotency.derive_key\nLANGUAGE plpgsql\n" in text
+    source.write_text(text.replace("BODY idempotency.derive_key\nLANGUAGE plpgsql\n",
+                                   f"BODY idempotency.derive_key\n{edit}\n", 1))
+    before = (tmp_path / "dist" / "idempotency-portable.sql").read_bytes()
+    result = subprocess.run([str(tmp_path / "scripts" / "portable.py")], capture_output=True, text=True)
+    assert result.returncode != 0 and refusal in result.stderr, result.stderr
+    assert (tmp_path / "dist" / "idempotency-portable.sql").read_bytes() == before
 
 
 def test_the_portable_database_has_no_library(editions):
