@@ -276,10 +276,39 @@ C_FUNCTION = re.compile(
     r"^AS 'MODULE_PATHNAME', '\w+';\n", re.M | re.S)
 
 
+# The rules the native edition shares with the pure core (crates/idempotency-core): the portable
+# sources name them @NAME@, filled from the crate's `pub const NAME: type = value;` (integer
+# expressions), so a rule is written once.
+CORE = os.path.join(ROOT, "crates", "idempotency-core", "src")
+RULE = re.compile(r"@([A-Z][A-Z0-9_]*)@")
+
+
+def rules():
+    found = {}
+    for name in sorted(os.listdir(CORE)):
+        if name.endswith(".rs"):
+            for m in re.finditer(r"^pub const ([A-Z][A-Z0-9_]*): [iu](?:\d+|size) = ([0-9_ *+()-]+);$",
+                                 read(os.path.join(CORE, name)), re.M):
+                expr = m.group(2).replace("_", "")
+                # Digits and + - * ( ) only (the pattern above): nothing else can run.
+                found[m.group(1)] = str(eval(expr, {"__builtins__": {}}, {}))
+    return found
+
+
+def fill_rules(text, path):
+    known = rules()
+
+    def value(m):
+        if m.group(1) not in known:
+            fail(f"{path}: @{m.group(1)}@ names no integer constant of crates/idempotency-core/src")
+        return known[m.group(1)]
+    return RULE.sub(value, text)
+
+
 def portable_functions(sources):
     pool, fns = [], {}
     for path in sources:
-        for name, text in chunks(read(path), path):
+        for name, text in chunks(fill_rules(read(path), path), path):
             if name is not None:
                 if name in fns:
                     fail(f"{path}: function {name} is defined twice in sql/portable/")

@@ -8,9 +8,11 @@ use pgrx::{GucContext, GucFlags, GucRegistry, GucSetting};
 use std::ffi::CString;
 
 /// TTL in seconds when a call passes NULL.
-pub static DEFAULT_TTL: GucSetting<i32> = GucSetting::<i32>::new(24 * 3600);
+pub static DEFAULT_TTL: GucSetting<i32> =
+    GucSetting::<i32>::new(idempotency_core::arguments::DEFAULT_TTL_SECS);
 /// In-progress lease in seconds when a call passes NULL.
-pub static DEFAULT_LEASE: GucSetting<i32> = GucSetting::<i32>::new(5 * 60);
+pub static DEFAULT_LEASE: GucSetting<i32> =
+    GucSetting::<i32>::new(idempotency_core::arguments::DEFAULT_LEASE_SECS);
 /// Milliseconds a claim may wait on another open transaction's claim of the same key.
 pub static CLAIM_WAIT: GucSetting<i32> = GucSetting::<i32>::new(0);
 /// Seconds between sweeps when nothing is left to delete.

@@ -2,7 +2,7 @@
 -- edition's results, checks, SQLSTATEs and messages (crates/idempotency-core/src/derivation.rs
 -- and arguments.rs). Every function pins search_path; every reference is schema-qualified.
 
--- Refuses a document nested deeper than 1000 levels, naming the argument (as reading a jsonb
+-- Refuses a document nested deeper than @MAX_DEPTH@ levels, naming the argument (as reading a jsonb
 -- argument does in the native edition, before any other check of the call).
 CREATE FUNCTION idempotency._canon_check_depth(doc jsonb, arg text)
 RETURNS void
@@ -11,15 +11,15 @@ SET search_path = pg_catalog, pg_temp
 AS $fn$
 BEGIN
     IF pg_catalog.jsonb_path_exists(doc,
-           'strict $.**{1000 to last} ? (@.type() == "object" || @.type() == "array")') THEN
+           'strict $.**{@MAX_DEPTH@ to last} ? (@.type() == "object" || @.type() == "array")') THEN
         RAISE EXCEPTION USING
             ERRCODE = 'statement_too_complex',
-            MESSAGE = arg OPERATOR(pg_catalog.||) ': document is nested deeper than 1000 levels';
+            MESSAGE = arg OPERATOR(pg_catalog.||) ': document is nested deeper than @MAX_DEPTH@ levels';
     END IF;
 END
 $fn$;
 
--- A key-like argument: not NULL, not empty (unless allowed), at most 255 characters.
+-- A key-like argument: not NULL, not empty (unless allowed), at most @MAX_KEY_CHARS@ characters.
 CREATE FUNCTION idempotency._canon_check_key(arg text, value text, allow_empty boolean)
 RETURNS void
 LANGUAGE plpgsql IMMUTABLE PARALLEL SAFE
@@ -32,10 +32,10 @@ BEGIN
     IF NOT allow_empty AND value OPERATOR(pg_catalog.=) '' THEN
         RAISE EXCEPTION USING ERRCODE = 'invalid_parameter_value', MESSAGE = arg OPERATOR(pg_catalog.||) ' must not be empty';
     END IF;
-    IF pg_catalog.length(value) OPERATOR(pg_catalog.>) 255 THEN
+    IF pg_catalog.length(value) OPERATOR(pg_catalog.>) @MAX_KEY_CHARS@ THEN
         RAISE EXCEPTION USING
             ERRCODE = 'invalid_parameter_value',
-            MESSAGE = pg_catalog.format('%s must be at most 255 characters (got %s)', arg, pg_catalog.length(value));
+            MESSAGE = pg_catalog.format('%s must be at most @MAX_KEY_CHARS@ characters (got %s)', arg, pg_catalog.length(value));
     END IF;
 END
 $fn$;
@@ -76,10 +76,10 @@ BEGIN
                      pg_catalog.sha256(pg_catalog.convert_to(idempotency._canon_text(params, true, 'params'), 'UTF8')),
                      'hex'), 16);
     END IF;
-    IF pg_catalog.length(v_key) OPERATOR(pg_catalog.>) 255 THEN
+    IF pg_catalog.length(v_key) OPERATOR(pg_catalog.>) @MAX_KEY_CHARS@ THEN
         RAISE EXCEPTION USING
             ERRCODE = 'invalid_parameter_value',
-            MESSAGE = 'derived key would be longer than 255 characters: shorten parent or step';
+            MESSAGE = 'derived key would be longer than @MAX_KEY_CHARS@ characters: shorten parent or step';
     END IF;
     RETURN v_key;
 END
@@ -259,10 +259,10 @@ BEGIN
              OPERATOR(pg_catalog.||) CASE WHEN v_frac OPERATOR(pg_catalog.=) 0 THEN ''
                  ELSE '.' OPERATOR(pg_catalog.||) pg_catalog.rtrim(pg_catalog.lpad(v_frac::pg_catalog.text, 6, '0'), '0') END
              OPERATOR(pg_catalog.||) 'Z/' OPERATOR(pg_catalog.||) v_length;
-    IF pg_catalog.length(v_key) OPERATOR(pg_catalog.>) 255 THEN
+    IF pg_catalog.length(v_key) OPERATOR(pg_catalog.>) @MAX_KEY_CHARS@ THEN
         RAISE EXCEPTION USING
             ERRCODE = 'invalid_parameter_value',
-            MESSAGE = 'cron key would be longer than 255 characters: shorten job';
+            MESSAGE = 'cron key would be longer than @MAX_KEY_CHARS@ characters: shorten job';
     END IF;
     RETURN v_key;
 END

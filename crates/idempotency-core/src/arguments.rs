@@ -7,6 +7,10 @@
 pub const MAX_KEY_CHARS: usize = 255;
 /// Longest accepted TTL: keys are never stored forever.
 pub const MAX_TTL_MICROS: i128 = 10 * 366 * 86_400 * 1_000_000;
+/// `idempotency.default_ttl` where nothing sets it, in seconds: at least a day of retries.
+pub const DEFAULT_TTL_SECS: i32 = 24 * 3600;
+/// `idempotency.default_lease` where nothing sets it, in seconds.
+pub const DEFAULT_LEASE_SECS: i32 = 5 * 60;
 
 /// Which SQLSTATE an argument error maps to.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
