@@ -1866,6 +1866,44 @@ AS $fn$
                NULL, NULL)::idempotency.claim_result
 $fn$;
 
+-- A token above the key's previous one `old`, for a restart or a takeover: the sequence's next
+-- value, and where that is not above it (the sequence may lag behind the store after a restore
+-- of rows without it), the sequence is first moved past it. Never into the upper half of the
+-- sequence's range: the sequence is shared by every key, and one row whose token is there
+-- (restored from a dump or written by hand; the sequence itself gets there only after handing
+-- out half its range) would otherwise leave it next to nothing, or with bigint's maximum
+-- nothing at all, so that every later claim of any key failed (2200H). The claim of such a key
+-- is refused with 22003 instead (tokens must rise per key, so no smaller one is given), and the
+-- sequence is left where it is: the key is usable again once forget or the sweep deleted its
+-- row. As natively (next_token_above in src/store/sql.rs).
+CREATE FUNCTION idempotency._p_token_above(p_key text, old bigint)
+RETURNS bigint
+LANGUAGE plpgsql VOLATILE
+SET search_path = pg_catalog, pg_temp
+AS $fn$
+DECLARE
+    v_token bigint := pg_catalog.nextval('idempotency.token_seq');
+    v_highest bigint;
+BEGIN
+    IF v_token OPERATOR(pg_catalog.>) old THEN
+        RETURN v_token;
+    END IF;
+    SELECT s.seqmax OPERATOR(pg_catalog./) 2 INTO v_highest
+      FROM pg_catalog.pg_sequence AS s
+     WHERE s.seqrelid OPERATOR(pg_catalog.=) 'idempotency.token_seq'::pg_catalog.regclass;
+    IF old OPERATOR(pg_catalog.>) v_highest THEN
+        RAISE EXCEPTION USING
+            ERRCODE = 'numeric_value_out_of_range',
+            MESSAGE = idempotency._canon_message(pg_catalog.format(
+                'idempotency.claim: key %s has token %s, above the highest token a claim moves the token sequence past (%s): no larger token is issued for it',
+                idempotency._p_key_label(p_key), old, v_highest)),
+            HINT = 'the row was restored from a dump or written by hand; delete it with idempotency.forget(key, scope) (the sweep deletes it once it expires), then claim the key again';
+    END IF;
+    PERFORM pg_catalog.setval('idempotency.token_seq', old, true);
+    RETURN pg_catalog.nextval('idempotency.token_seq');
+END
+$fn$;
+
 -- The claim algorithm on a key in its stored form, arguments checked: the outcome table
 -- applied to the row, the row read and written through SQL. Never waits on another
 -- transaction's claim of the key beyond idempotency.claim_wait (see _p_mark; a row
@@ -1974,13 +2012,7 @@ BEGIN
                 v_busy := EXISTS (SELECT FROM idempotency.idempotency_keys AS k
                                    WHERE k.scope OPERATOR(pg_catalog.=) p_scope AND k.key OPERATOR(pg_catalog.=) p_key);
             ELSIF r.expired THEN
-                -- A token above the key's previous one (the sequence may lag behind the store
-                -- after a restore of rows without it).
-                v_token := pg_catalog.nextval('idempotency.token_seq');
-                IF v_token OPERATOR(pg_catalog.<=) r.token THEN
-                    PERFORM pg_catalog.setval('idempotency.token_seq', r.token, true);
-                    v_token := pg_catalog.nextval('idempotency.token_seq');
-                END IF;
+                v_token := idempotency._p_token_above(p_key, r.token);
                 UPDATE idempotency.idempotency_keys AS k SET
                        request_hash = p_hash, status = 'in_progress', token = v_token,
                        response = NULL, response_status = NULL, recovery_point = NULL,
@@ -1996,13 +2028,7 @@ BEGIN
                 END IF;
             ELSIF (r.request_hash IS NULL OR p_hash IS NULL OR r.request_hash OPERATOR(pg_catalog.=) p_hash)
                   AND NOT r.completed AND r.lease_over THEN
-                -- A token above the key's previous one (the sequence may lag behind the store
-                -- after a restore of rows without it).
-                v_token := pg_catalog.nextval('idempotency.token_seq');
-                IF v_token OPERATOR(pg_catalog.<=) r.token THEN
-                    PERFORM pg_catalog.setval('idempotency.token_seq', r.token, true);
-                    v_token := pg_catalog.nextval('idempotency.token_seq');
-                END IF;
+                v_token := idempotency._p_token_above(p_key, r.token);
                 UPDATE idempotency.idempotency_keys AS k SET
                        request_hash = COALESCE(k.request_hash, p_hash), token = v_token,
                        locked_until = pg_catalog.now() OPERATOR(pg_catalog.+) p_lease,
