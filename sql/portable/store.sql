@@ -678,8 +678,12 @@ $fn$;
 -- finds a key marked by another open transaction answers in_progress at once instead of
 -- waiting for that transaction (the native edition sees the uncommitted change itself). A
 -- transaction marks its first 1000 keys (the lock table is shared and finite; a backfill of
--- 100,000 keys in one transaction must work): a claim of a later one by another session waits
--- until the backfill's transaction ends, as an INSERT would.
+-- 100,000 keys in one transaction must work): a claim of a later one by another session, within
+-- its own first 1000, waits until the backfill's transaction ends, as an INSERT would (a wait
+-- one way only: the backfill waits for no claim). Past its first 1000, a claim
+-- gets NULL (not marked, and no other transaction marked the key) and inserts without waiting
+-- (_p_claim): two such transactions claiming the same keys would otherwise each wait for the
+-- other's unmarked rows, a deadlock.
 CREATE FUNCTION idempotency._p_mark(scope text, key text, wait boolean)
 RETURNS boolean
 LANGUAGE plpgsql VOLATILE
@@ -697,7 +701,12 @@ BEGIN
     END IF;
     IF v_count OPERATOR(pg_catalog.>=) 1000 THEN
         -- Not marked; a key another transaction marked is still refused.
-        RETURN wait OR NOT idempotency._p_marked(scope, key);
+        IF wait THEN
+            RETURN true;
+        ELSIF idempotency._p_marked(scope, key) THEN
+            RETURN false;
+        END IF;
+        RETURN NULL;
     END IF;
     IF NOT pg_catalog.pg_try_advisory_xact_lock(v_lock)
        AND NOT (wait AND idempotency._p_lock_retry(v_lock)) THEN
@@ -859,6 +868,8 @@ DECLARE
     v_busy boolean;
     v_started timestamptz;
     v_wait integer;
+    v_mark boolean;
+    v_timeout text;
 BEGIN
     LOOP
         v_busy := false;
@@ -871,8 +882,50 @@ BEGIN
           FROM idempotency.idempotency_keys AS k
          WHERE k.scope OPERATOR(pg_catalog.=) p_scope AND k.key OPERATOR(pg_catalog.=) p_key;
         IF NOT FOUND THEN
-            IF NOT idempotency._p_mark(p_scope, p_key, false) THEN
+            v_mark := idempotency._p_mark(p_scope, p_key, false);
+            IF NOT v_mark THEN
                 v_busy := true;
+            ELSIF v_mark IS NULL THEN
+                -- Past the transaction's marks: another open transaction past its own may have
+                -- inserted the key unmarked, and an insert would wait for it (and it, in turn,
+                -- for this one's unmarked keys: a deadlock). The insert waits a millisecond at
+                -- most (lock_timeout, in a subtransaction that its timeout rolls back): a key
+                -- it would wait for longer is busy, as natively. (The transaction holds the
+                -- store's table lock from its earlier writes, so the wait can only be a row's.)
+                BEGIN
+                    v_timeout := pg_catalog.current_setting('lock_timeout');
+                    PERFORM pg_catalog.set_config('lock_timeout', '1ms', true);
+                    PERFORM pg_catalog.set_config('idempotency_portable.marked', 'on', true);
+                    IF NOT EXISTS (SELECT FROM pg_catalog.pg_rewrite AS w
+                                    WHERE w.ev_class OPERATOR(pg_catalog.=) 'idempotency.idempotency_keys'::pg_catalog.regclass) THEN
+                        INSERT INTO idempotency.idempotency_keys AS k
+                               (scope, key, request_hash, status, token, created_at, locked_until, expires_at, ttl)
+                        VALUES (p_scope, p_key, p_hash, 'in_progress', pg_catalog.nextval('idempotency.token_seq'), pg_catalog.now(),
+                                pg_catalog.now() OPERATOR(pg_catalog.+) p_lease, pg_catalog.now() OPERATOR(pg_catalog.+) p_ttl, p_ttl)
+                        ON CONFLICT (scope, key) DO NOTHING
+                        RETURNING k.token, k.expires_at INTO res.token, res.expires_at;
+                    ELSE
+                        -- A store with rules refuses ON CONFLICT (as below).
+                        INSERT INTO idempotency.idempotency_keys AS k
+                               (scope, key, request_hash, status, token, created_at, locked_until, expires_at, ttl)
+                        VALUES (p_scope, p_key, p_hash, 'in_progress', pg_catalog.nextval('idempotency.token_seq'), pg_catalog.now(),
+                                pg_catalog.now() OPERATOR(pg_catalog.+) p_lease, pg_catalog.now() OPERATOR(pg_catalog.+) p_ttl, p_ttl);
+                        SELECT k.token, k.expires_at INTO res.token, res.expires_at
+                          FROM idempotency.idempotency_keys AS k
+                         WHERE k.scope OPERATOR(pg_catalog.=) p_scope AND k.key OPERATOR(pg_catalog.=) p_key;
+                    END IF;
+                    PERFORM pg_catalog.set_config('idempotency_portable.marked', 'off', true);
+                    PERFORM pg_catalog.set_config('lock_timeout', v_timeout, true);
+                    IF res.token IS NOT NULL THEN
+                        res.outcome := 'new';
+                        RETURN res;
+                    END IF;
+                EXCEPTION
+                    WHEN lock_not_available THEN
+                        v_busy := true;
+                    WHEN unique_violation THEN
+                        NULL;  -- a row that got there first is read in the next round
+                END;
             ELSIF NOT EXISTS (SELECT FROM pg_catalog.pg_rewrite AS w
                                WHERE w.ev_class OPERATOR(pg_catalog.=) 'idempotency.idempotency_keys'::pg_catalog.regclass) THEN
                 INSERT INTO idempotency.idempotency_keys AS k
@@ -1415,9 +1468,9 @@ BEGIN
                                                v_xact OPERATOR(pg_catalog.||) ':' OPERATOR(pg_catalog.||) (v_count OPERATOR(pg_catalog.+) 1), false);
             END IF;
         ELSE
-            -- Not marked (the transaction's first 1000 keys are); a key another transaction
-            -- marked is still refused.
-            v_marked := pg_catalog.pg_try_advisory_lock_shared(v_lock) AND pg_catalog.pg_advisory_unlock_shared(v_lock);
+            -- Not marked (the transaction's first 1000 keys are): _p_claim inserts it without
+            -- waiting for another transaction's unmarked row (see _p_mark).
+            v_marked := false;
         END IF;
         IF v_marked THEN
             v_set := pg_catalog.set_config('idempotency_portable.marked', 'on', true);

@@ -154,6 +154,54 @@ def test_backfill_of_many_keys_in_one_statement(db):
     assert n == 100000
 
 
+@pytest.mark.parametrize("trial", range(4))
+def test_two_large_transactions_sharing_keys_answer_in_progress_and_never_deadlock(connect, trial):
+    """Two open transactions, each past its first 1,000 keys, claim the same 500 keys in
+    opposite orders. Each key answers new in one of them and in_progress in the other, at once,
+    as natively. The portable edition marks only a transaction's first 1,000 keys (the lock
+    table is shared); past them its inserts used to wait for each other's uncommitted rows,
+    which ended in a deadlock (40P01) in most trials."""
+    a, b = connect(), connect()
+    shared = [f"dl{trial}-s{i}" for i in range(500)]
+    barrier = threading.Barrier(2)
+    answers = {}
+
+    def run(name, conn, order):
+        with conn.transaction():
+            conn.execute("SET LOCAL lock_timeout = '17s'")
+            for i in range(1000):
+                assert claim(conn, f"dl{trial}-{name}{i}", ttl="1 hour")[0] == "new"
+            barrier.wait(60)
+            answers[name] = {k: claim(conn, k, ttl="1 hour")[0] for k in order}
+            # The claims left the session's own lock_timeout as it was.
+            answers[name + "-lock_timeout"] = conn.execute("SHOW lock_timeout").fetchone()[0]
+            barrier.wait(60)  # both open until both answered every shared key
+
+    errors = []
+
+    def thread(*args):
+        try:
+            run(*args)
+        except Exception as e:  # surfaced below
+            errors.append(e)
+            barrier.abort()
+
+    threads = [threading.Thread(target=thread, args=("a", a, shared)),
+               threading.Thread(target=thread, args=("b", b, shared[::-1]))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert not [e for e in errors if not isinstance(e, threading.BrokenBarrierError)], errors
+    assert not errors, errors
+    assert answers["a-lock_timeout"] == answers["b-lock_timeout"] == "17s", answers
+    for k in shared:
+        assert sorted((answers["a"][k], answers["b"][k])) == ["in_progress", "new"], (k, answers["a"][k], answers["b"][k])
+    stored = a.execute("SELECT count(*) FROM idempotency.idempotency_keys WHERE key LIKE %s",
+                       (f"dl{trial}-%",)).fetchone()[0]
+    assert stored == 2500, stored
+
+
 def test_mismatch_logs_one_warning_with_hash_prefixes(db):
     notices = []
     db.add_notice_handler(lambda d: notices.append((d.severity_nonlocalized, d.message_primary)))
