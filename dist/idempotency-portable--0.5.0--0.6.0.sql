@@ -437,6 +437,273 @@ BEGIN
 END
 $fn$;
 
+CREATE OR REPLACE FUNCTION idempotency._p_mark(scope text, key text, wait boolean)
+RETURNS boolean
+LANGUAGE plpgsql VOLATILE
+SET search_path = pg_catalog, pg_temp
+AS $fn$
+DECLARE
+    v_xact text := pg_catalog.pg_current_xact_id()::text;
+    v_state text := pg_catalog.current_setting('idempotency_portable.marks', true);
+    v_count integer := 0;
+    v_lock bigint := pg_catalog.hashtextextended(pg_catalog.length(scope)::pg_catalog.text OPERATOR(pg_catalog.||) ':'
+                                   OPERATOR(pg_catalog.||) scope OPERATOR(pg_catalog.||) key, 5432);  -- the key's lock number
+BEGIN
+    IF pg_catalog.split_part(v_state, ':', 1) OPERATOR(pg_catalog.=) v_xact THEN
+        v_count := pg_catalog.split_part(v_state, ':', 2)::integer;
+    END IF;
+    IF v_count OPERATOR(pg_catalog.>=) 1000 THEN
+        -- Not marked; a key another transaction marked is still refused.
+        IF wait THEN
+            RETURN true;
+        ELSIF idempotency._p_marked(scope, key) THEN
+            RETURN false;
+        END IF;
+        RETURN NULL;
+    END IF;
+    IF NOT pg_catalog.pg_try_advisory_xact_lock(v_lock)
+       AND NOT (wait AND idempotency._p_lock_retry(v_lock)) THEN
+        RETURN wait;
+    END IF;
+    -- Session-level (not LOCAL): the SET clause of this function would undo a local change.
+    -- Rolled back with the transaction, as the locks are released with it. Not under the
+    -- prefix idempotency.: where the native library is loaded (a server moving between the
+    -- editions) that prefix is reserved for its settings.
+    PERFORM pg_catalog.set_config('idempotency_portable.marks',
+                                  v_xact OPERATOR(pg_catalog.||) ':' OPERATOR(pg_catalog.||) (v_count OPERATOR(pg_catalog.+) 1), false);
+    RETURN true;
+END
+$fn$;
+
+CREATE OR REPLACE FUNCTION idempotency._p_token_above(p_key text, old bigint)
+RETURNS bigint
+LANGUAGE plpgsql VOLATILE
+SET search_path = pg_catalog, pg_temp
+AS $fn$
+DECLARE
+    v_token bigint := pg_catalog.nextval('idempotency.token_seq');
+    v_highest bigint;
+BEGIN
+    IF v_token OPERATOR(pg_catalog.>) old THEN
+        RETURN v_token;
+    END IF;
+    SELECT s.seqmax OPERATOR(pg_catalog./) 2 INTO v_highest
+      FROM pg_catalog.pg_sequence AS s
+     WHERE s.seqrelid OPERATOR(pg_catalog.=) 'idempotency.token_seq'::pg_catalog.regclass;
+    IF old OPERATOR(pg_catalog.>) v_highest THEN
+        RAISE EXCEPTION USING
+            ERRCODE = 'numeric_value_out_of_range',
+            MESSAGE = idempotency._canon_message(pg_catalog.format(
+                'idempotency.claim: key %s has token %s, above the highest token a claim moves the token sequence past (%s): no larger token is issued for it',
+                idempotency._p_key_label(p_key), old, v_highest)),
+            HINT = 'the row was restored from a dump or written by hand; delete it with idempotency.forget(key, scope) (the sweep deletes it once it expires), then claim the key again';
+    END IF;
+    PERFORM pg_catalog.setval('idempotency.token_seq', old, true);
+    RETURN pg_catalog.nextval('idempotency.token_seq');
+END
+$fn$;
+
+CREATE OR REPLACE FUNCTION idempotency._p_claim(p_scope text, p_key text, p_hash bytea, p_ttl interval, p_lease interval)
+RETURNS idempotency.claim_result
+LANGUAGE plpgsql VOLATILE
+SET search_path = pg_catalog, pg_temp
+AS $fn$
+DECLARE
+    r record;
+    res idempotency.claim_result;
+    v_rounds integer := 0;
+    v_token bigint;
+    v_busy boolean;
+    v_started timestamptz;
+    v_wait integer;
+    v_mark boolean;
+    v_timeout text;
+BEGIN
+    LOOP
+        v_busy := false;
+        SELECT k.status OPERATOR(pg_catalog.=) 'completed'::idempotency.key_status AS completed,
+               k.request_hash, k.token, k.response, k.response_status, k.recovery_point, k.expires_at,
+               k.expires_at OPERATOR(pg_catalog.<=) pg_catalog.now() AS expired,
+               k.locked_until OPERATOR(pg_catalog.<=) pg_catalog.now() AS lease_over,
+               GREATEST(k.locked_until OPERATOR(pg_catalog.-) pg_catalog.now(), '1 second'::pg_catalog.interval) AS retry_after
+          INTO r
+          FROM idempotency.idempotency_keys AS k
+         WHERE k.scope OPERATOR(pg_catalog.=) p_scope AND k.key OPERATOR(pg_catalog.=) p_key;
+        IF NOT FOUND THEN
+            v_mark := idempotency._p_mark(p_scope, p_key, false);
+            IF NOT v_mark THEN
+                v_busy := true;
+            ELSIF v_mark IS NULL THEN
+                -- Past the transaction's marks: another open transaction past its own may have
+                -- inserted the key unmarked, and an insert would wait for it (and it, in turn,
+                -- for this one's unmarked keys: a deadlock). The insert waits a millisecond at
+                -- most (lock_timeout, in a subtransaction that its timeout rolls back): a key
+                -- it would wait for longer is busy, as natively. (The transaction holds the
+                -- store's table lock from its earlier writes, so the wait can only be a row's.)
+                BEGIN
+                    v_timeout := pg_catalog.current_setting('lock_timeout');
+                    PERFORM pg_catalog.set_config('lock_timeout', '1ms', true);
+                    PERFORM pg_catalog.set_config('idempotency_portable.marked', 'on', true);
+                    IF NOT EXISTS (SELECT FROM pg_catalog.pg_rewrite AS w
+                                    WHERE w.ev_class OPERATOR(pg_catalog.=) 'idempotency.idempotency_keys'::pg_catalog.regclass) THEN
+                        INSERT INTO idempotency.idempotency_keys AS k
+                               (scope, key, request_hash, status, token, created_at, locked_until, expires_at, ttl)
+                        VALUES (p_scope, p_key, p_hash, 'in_progress', pg_catalog.nextval('idempotency.token_seq'), pg_catalog.now(),
+                                pg_catalog.now() OPERATOR(pg_catalog.+) p_lease, pg_catalog.now() OPERATOR(pg_catalog.+) p_ttl, p_ttl)
+                        ON CONFLICT (scope, key) DO NOTHING
+                        RETURNING k.token, k.expires_at INTO res.token, res.expires_at;
+                    ELSE
+                        -- A store with rules refuses ON CONFLICT (as below).
+                        INSERT INTO idempotency.idempotency_keys AS k
+                               (scope, key, request_hash, status, token, created_at, locked_until, expires_at, ttl)
+                        VALUES (p_scope, p_key, p_hash, 'in_progress', pg_catalog.nextval('idempotency.token_seq'), pg_catalog.now(),
+                                pg_catalog.now() OPERATOR(pg_catalog.+) p_lease, pg_catalog.now() OPERATOR(pg_catalog.+) p_ttl, p_ttl);
+                        SELECT k.token, k.expires_at INTO res.token, res.expires_at
+                          FROM idempotency.idempotency_keys AS k
+                         WHERE k.scope OPERATOR(pg_catalog.=) p_scope AND k.key OPERATOR(pg_catalog.=) p_key;
+                    END IF;
+                    PERFORM pg_catalog.set_config('idempotency_portable.marked', 'off', true);
+                    PERFORM pg_catalog.set_config('lock_timeout', v_timeout, true);
+                    IF res.token IS NOT NULL THEN
+                        res.outcome := 'new';
+                        RETURN res;
+                    END IF;
+                EXCEPTION
+                    WHEN lock_not_available THEN
+                        v_busy := true;
+                    WHEN unique_violation THEN
+                        NULL;  -- a row that got there first is read in the next round
+                END;
+            ELSIF NOT EXISTS (SELECT FROM pg_catalog.pg_rewrite AS w
+                               WHERE w.ev_class OPERATOR(pg_catalog.=) 'idempotency.idempotency_keys'::pg_catalog.regclass) THEN
+                INSERT INTO idempotency.idempotency_keys AS k
+                       (scope, key, request_hash, status, token, created_at, locked_until, expires_at, ttl)
+                VALUES (p_scope, p_key, p_hash, 'in_progress', pg_catalog.nextval('idempotency.token_seq'), pg_catalog.now(),
+                        pg_catalog.now() OPERATOR(pg_catalog.+) p_lease, pg_catalog.now() OPERATOR(pg_catalog.+) p_ttl, p_ttl)
+                ON CONFLICT (scope, key) DO NOTHING
+                RETURNING k.token, k.expires_at INTO res.token, res.expires_at;
+                IF FOUND THEN
+                    res.outcome := 'new';
+                    RETURN res;
+                END IF;
+            ELSE
+                -- A store with rules (an owner's change) refuses ON CONFLICT: the key, found
+                -- absent and marked, is inserted without it; a row that got there first is read
+                -- in the next round.
+                BEGIN
+                    INSERT INTO idempotency.idempotency_keys AS k
+                           (scope, key, request_hash, status, token, created_at, locked_until, expires_at, ttl)
+                    VALUES (p_scope, p_key, p_hash, 'in_progress', pg_catalog.nextval('idempotency.token_seq'), pg_catalog.now(),
+                            pg_catalog.now() OPERATOR(pg_catalog.+) p_lease, pg_catalog.now() OPERATOR(pg_catalog.+) p_ttl, p_ttl);
+                    SELECT k.token, k.expires_at INTO res.token, res.expires_at
+                      FROM idempotency.idempotency_keys AS k
+                     WHERE k.scope OPERATOR(pg_catalog.=) p_scope AND k.key OPERATOR(pg_catalog.=) p_key;
+                    IF FOUND THEN
+                        res.outcome := 'new';
+                        RETURN res;
+                    END IF;
+                EXCEPTION WHEN unique_violation THEN
+                    NULL;
+                END;
+            END IF;
+        ELSIF NOT pg_catalog.pg_try_advisory_lock_shared(pg_catalog.hashtextextended(
+                      pg_catalog.length(p_scope)::pg_catalog.text OPERATOR(pg_catalog.||) ':'
+                      OPERATOR(pg_catalog.||) p_scope OPERATOR(pg_catalog.||) p_key, 5432)) THEN
+            -- _p_marked written out: another open transaction is changing the row.
+            v_busy := true;
+        ELSIF NOT pg_catalog.pg_advisory_unlock_shared(pg_catalog.hashtextextended(
+                      pg_catalog.length(p_scope)::pg_catalog.text OPERATOR(pg_catalog.||) ':'
+                      OPERATOR(pg_catalog.||) p_scope OPERATOR(pg_catalog.||) p_key, 5432)) THEN
+            NULL;  -- never: the shared lock taken just above is released
+        ELSIF NOT r.expired AND r.request_hash IS NOT NULL AND p_hash IS NOT NULL
+              AND r.request_hash OPERATOR(pg_catalog.<>) p_hash THEN
+            RAISE WARNING '%', idempotency._canon_message(pg_catalog.format(
+                'idempotency: key reused with a different request: scope=%s key=%s stored_hash=%s request_hash=%s',
+                idempotency._p_debug(p_scope), idempotency._p_key_label(p_key),
+                pg_catalog.encode(pg_catalog.substr(r.request_hash, 1, 6), 'hex'),
+                pg_catalog.encode(pg_catalog.substr(p_hash, 1, 6), 'hex')));
+            res.outcome := 'mismatch';
+            res.expires_at := r.expires_at;
+            RETURN res;
+        ELSIF NOT r.expired AND r.completed THEN
+            -- One statement (each costs, in every transaction).
+            RETURN ROW('replay', r.token, r.response, r.response_status, NULL, r.expires_at, NULL)::idempotency.claim_result;
+        ELSIF NOT r.expired AND NOT r.lease_over THEN
+            res.outcome := 'in_progress';
+            res.retry_after := r.retry_after;
+            res.expires_at := r.expires_at;
+            res.recovery_point := r.recovery_point;
+            RETURN res;
+        ELSE
+            -- Expired (restart) or lease over (takeover): lock the newest version without
+            -- waiting, and decide again on it.
+            SELECT k.status OPERATOR(pg_catalog.=) 'completed'::idempotency.key_status AS completed,
+                   k.request_hash, k.token, k.response, k.response_status, k.recovery_point, k.expires_at,
+                   k.expires_at OPERATOR(pg_catalog.<=) pg_catalog.now() AS expired,
+                   k.locked_until OPERATOR(pg_catalog.<=) pg_catalog.now() AS lease_over,
+                   GREATEST(k.locked_until OPERATOR(pg_catalog.-) pg_catalog.now(), '1 second'::pg_catalog.interval) AS retry_after
+              INTO r
+              FROM idempotency.idempotency_keys AS k
+             WHERE k.scope OPERATOR(pg_catalog.=) p_scope AND k.key OPERATOR(pg_catalog.=) p_key
+               FOR UPDATE SKIP LOCKED;
+            IF NOT FOUND THEN
+                -- Still there: another claimer holds its row lock.
+                v_busy := EXISTS (SELECT FROM idempotency.idempotency_keys AS k
+                                   WHERE k.scope OPERATOR(pg_catalog.=) p_scope AND k.key OPERATOR(pg_catalog.=) p_key);
+            ELSIF r.expired THEN
+                v_token := idempotency._p_token_above(p_key, r.token);
+                UPDATE idempotency.idempotency_keys AS k SET
+                       request_hash = p_hash, status = 'in_progress', token = v_token,
+                       response = NULL, response_status = NULL, recovery_point = NULL,
+                       created_at = pg_catalog.now(), completed_at = NULL,
+                       locked_until = pg_catalog.now() OPERATOR(pg_catalog.+) p_lease,
+                       expires_at = pg_catalog.now() OPERATOR(pg_catalog.+) p_ttl, ttl = p_ttl
+                 WHERE k.scope OPERATOR(pg_catalog.=) p_scope AND k.key OPERATOR(pg_catalog.=) p_key
+                   AND k.token OPERATOR(pg_catalog.<) v_token
+                RETURNING k.token, k.expires_at, k.recovery_point INTO res.token, res.expires_at, res.recovery_point;
+                IF FOUND THEN
+                    res.outcome := 'new';
+                    RETURN res;
+                END IF;
+            ELSIF (r.request_hash IS NULL OR p_hash IS NULL OR r.request_hash OPERATOR(pg_catalog.=) p_hash)
+                  AND NOT r.completed AND r.lease_over THEN
+                v_token := idempotency._p_token_above(p_key, r.token);
+                UPDATE idempotency.idempotency_keys AS k SET
+                       request_hash = COALESCE(k.request_hash, p_hash), token = v_token,
+                       locked_until = pg_catalog.now() OPERATOR(pg_catalog.+) p_lease,
+                       expires_at = pg_catalog.now() OPERATOR(pg_catalog.+) p_ttl, ttl = p_ttl
+                 WHERE k.scope OPERATOR(pg_catalog.=) p_scope AND k.key OPERATOR(pg_catalog.=) p_key
+                   AND k.token OPERATOR(pg_catalog.<) v_token
+                RETURNING k.token, k.expires_at, k.recovery_point INTO res.token, res.expires_at, res.recovery_point;
+                IF FOUND THEN
+                    res.outcome := 'new';
+                    RETURN res;
+                END IF;
+            END IF;
+            -- Anything else: the row changed; read it again (answered in the next round).
+        END IF;
+        IF v_busy THEN
+            v_wait := idempotency._p_setting('idempotency.claim_wait', 0, 'ms');
+            v_started := COALESCE(v_started, pg_catalog.clock_timestamp());
+            IF pg_catalog.clock_timestamp() OPERATOR(pg_catalog.>=)
+               (v_started OPERATOR(pg_catalog.+) pg_catalog.make_interval(secs => GREATEST(v_wait, 0) OPERATOR(pg_catalog./) 1000.0)) THEN
+                RETURN idempotency._p_busy();
+            END IF;
+            PERFORM pg_catalog.pg_sleep(0.005);
+        ELSE
+            v_rounds := v_rounds OPERATOR(pg_catalog.+) 1;
+            IF v_rounds OPERATOR(pg_catalog.>=) 50 THEN
+                RAISE EXCEPTION USING
+                    ERRCODE = 'serialization_failure',
+                    MESSAGE = idempotency._canon_message(pg_catalog.format('idempotency.claim: key %s kept changing under concurrent claims',
+                                                idempotency._p_key_label(p_key))),
+                    HINT = 'retry the transaction';
+            END IF;
+        END IF;
+    END LOOP;
+END
+$fn$;
+
 CREATE OR REPLACE FUNCTION idempotency._p_complete(
     p_key text, p_response jsonb, p_status integer, p_scope text, p_token bigint, p_ttl interval, p_role name)
 RETURNS timestamptz
@@ -785,9 +1052,9 @@ BEGIN
                                                v_xact OPERATOR(pg_catalog.||) ':' OPERATOR(pg_catalog.||) (v_count OPERATOR(pg_catalog.+) 1), false);
             END IF;
         ELSE
-            -- Not marked (the transaction's first 1000 keys are); a key another transaction
-            -- marked is still refused.
-            v_marked := pg_catalog.pg_try_advisory_lock_shared(v_lock) AND pg_catalog.pg_advisory_unlock_shared(v_lock);
+            -- Not marked (the transaction's first 1000 keys are): _p_claim inserts it without
+            -- waiting for another transaction's unmarked row (see _p_mark).
+            v_marked := false;
         END IF;
         IF v_marked THEN
             v_set := pg_catalog.set_config('idempotency_portable.marked', 'on', true);

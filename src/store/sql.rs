@@ -1,7 +1,7 @@
 //! The statements the store runs, each prepared once per backend, and the calls that run them
 //! through SPI.
 
-use super::catalog::{keys_hashed, relation_oid, tenant_type, PinnedSearchPath};
+use super::catalog::{key_label, keys_hashed, relation_oid, tenant_type, PinnedSearchPath};
 use super::spi_failed;
 use super::{ClaimRequest, ClaimResult, CompleteRequest, Completed, Outcome, OwnedJsonb, Row};
 use crate::encoding;
@@ -446,7 +446,7 @@ pub(crate) fn write_claim(
         req.ttl.into(),
     ];
     if let Write::Restart(old) | Write::TakeOver(old) = write {
-        args.push(next_token_above(client, old)?.into());
+        args.push(next_token_above(client, old, req.key)?.into());
     }
     args.extend(tenant_arg(req.scope));
     let table = client.update(stmt, None, &args)?;
@@ -487,7 +487,19 @@ const STEPS_TAKEN_ONE_BY_ONE: i64 = 1000;
 /// alone (every value taken is this call's or another claim's, never both); a farther one is
 /// set with `setval` right after a `nextval`, which would go back over values handed out only
 /// if other claims took that many values of this node's sequence in between.
-fn next_token_above(client: &mut SpiClient<'_>, old: i64) -> Result<i64, pgrx::spi::Error> {
+///
+/// The sequence is never moved into the upper half of its range ([`highest_token_moved_past`]):
+/// the sequence is shared by every key, and one row whose token is there (restored from a dump
+/// or written by hand; the sequence itself gets there only after handing out half its range)
+/// would otherwise leave it next to nothing, or with `bigint`'s maximum nothing at all, so that
+/// every later claim of any key failed (`2200H`). The claim of such a key is refused with
+/// `22003` instead (tokens must rise per key, so no smaller one is given), and the sequence is
+/// left where it is: the key is usable again once `forget` or the sweep deleted its row.
+fn next_token_above(
+    client: &mut SpiClient<'_>,
+    old: i64,
+    key: &str,
+) -> Result<i64, pgrx::spi::Error> {
     let next = next_token(client)?;
     if next > old {
         return Ok(next);
@@ -497,20 +509,35 @@ fn next_token_above(client: &mut SpiClient<'_>, old: i64) -> Result<i64, pgrx::s
     // released below, or with the transaction if an error comes first.
     unsafe { pg_sys::LockRelationOid(seq, pg_sys::ShareUpdateExclusiveLock as pg_sys::LOCKMODE) };
     let result = (|| {
-        let increment = client
+        let row = client
             .select(
-                "SELECT s.seqincrement FROM pg_catalog.pg_sequence AS s \
+                "SELECT s.seqincrement, s.seqmax FROM pg_catalog.pg_sequence AS s \
                   WHERE s.seqrelid OPERATOR(pg_catalog.=) $1",
                 Some(1),
                 &[seq.into()],
             )?
-            .first()
-            .get::<i64>(1)?
-            .unwrap_or(1)
-            .max(1);
+            .first();
+        let increment = row.get::<i64>(1)?.unwrap_or(1).max(1);
+        let highest = highest_token_moved_past(row.get::<i64>(2)?.unwrap_or(i64::MAX));
         let mut next = next_token(client)?;
         if next > old {
             return Ok(next);
+        }
+        if old > highest {
+            raise(
+                PgSqlErrorCode::ERRCODE_NUMERIC_VALUE_OUT_OF_RANGE,
+                format!(
+                    "idempotency.claim: key {} has token {old}, above the highest token a \
+                     claim moves the token sequence past ({highest}): no larger token is issued \
+                     for it",
+                    key_label(key)
+                ),
+                Some(
+                    "the row was restored from a dump or written by hand; delete it with \
+                     idempotency.forget(key, scope) (the sweep deletes it once it expires), \
+                     then claim the key again",
+                ),
+            );
         }
         let steps = (old - next) / increment + 1;
         if steps <= STEPS_TAKEN_ONE_BY_ONE {
@@ -530,6 +557,12 @@ fn next_token_above(client: &mut SpiClient<'_>, old: i64) -> Result<i64, pgrx::s
     // SAFETY: releases the lock taken above, held by this transaction.
     unsafe { pg_sys::UnlockRelationOid(seq, pg_sys::ShareUpdateExclusiveLock as pg_sys::LOCKMODE) };
     result
+}
+
+/// The highest stored token a restart or takeover moves the token sequence past: half the
+/// sequence's maximum, so that the upper half is always left to the sequence itself.
+fn highest_token_moved_past(seqmax: i64) -> i64 {
+    seqmax / 2
 }
 
 /// A key a batch inserted (its index in the `keys` given), its token and its expiry.

@@ -154,6 +154,64 @@ def test_backfill_of_many_keys_in_one_statement(db):
     assert n == 100000
 
 
+@pytest.mark.parametrize("trial", range(3))
+@pytest.mark.parametrize("keys", ["shared_past_own_1000", "all_1500_in_opposite_orders"])
+def test_two_large_transactions_sharing_keys_answer_in_progress_and_never_deadlock(connect, keys, trial):
+    """Two open transactions claim the same keys in opposite orders, past their first 1,000:
+    after 1,000 keys of their own, 500 shared ones; or the same 1,500 keys, one from the first,
+    the other from the last. Each shared key answers new in one of them and in_progress in the
+    other, and no deadlock (40P01). The portable edition marks only a transaction's first 1,000
+    keys (the lock table is shared); past them its inserts used to wait for each other's
+    uncommitted rows, a deadlock. Now a claim past its transaction's first 1,000 keys waits for
+    no one, and where both are past them (the shared keys after 1,000 of their own), both stay
+    open until both answered: nothing waits, as natively. A claim within its transaction's
+    first 1,000 keys still waits for the other's unmarked keys until that commits
+    (docs/managed.md), so in the other case each commits once it answered."""
+    a, b = connect(), connect()
+    if keys == "shared_past_own_1000":
+        own, shared = 1000, [f"dl{trial}-s{i}" for i in range(500)]
+    else:
+        own, shared = 0, [f"dl{trial}-s{i}" for i in range(1500)]
+    barrier = threading.Barrier(2)
+    answers = {}
+
+    def run(name, conn, order):
+        with conn.transaction():
+            conn.execute("SET LOCAL lock_timeout = '17s'")
+            for i in range(own):
+                assert claim(conn, f"dl{trial}-{name}{i}", ttl="1 hour")[0] == "new"
+            barrier.wait(60)
+            answers[name] = {k: claim(conn, k, ttl="1 hour")[0] for k in order}
+            # The claims left the session's own lock_timeout as it was.
+            answers[name + "-lock_timeout"] = conn.execute("SHOW lock_timeout").fetchone()[0]
+            if own:
+                barrier.wait(60)  # both open until both answered every shared key
+
+    errors = []
+
+    def thread(*args):
+        try:
+            run(*args)
+        except Exception as e:  # surfaced below
+            errors.append(e)
+            barrier.abort()
+
+    threads = [threading.Thread(target=thread, args=("a", a, shared)),
+               threading.Thread(target=thread, args=("b", b, shared[::-1]))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert not [e for e in errors if not isinstance(e, threading.BrokenBarrierError)], errors
+    assert not errors, errors
+    assert answers["a-lock_timeout"] == answers["b-lock_timeout"] == "17s", answers
+    for k in shared:
+        assert sorted((answers["a"][k], answers["b"][k])) == ["in_progress", "new"], (k, answers["a"][k], answers["b"][k])
+    stored = a.execute("SELECT count(*) FROM idempotency.idempotency_keys WHERE key LIKE %s",
+                       (f"dl{trial}-%",)).fetchone()[0]
+    assert stored == 2 * own + len(shared), stored
+
+
 def test_mismatch_logs_one_warning_with_hash_prefixes(db):
     notices = []
     db.add_notice_handler(lambda d: notices.append((d.severity_nonlocalized, d.message_primary)))

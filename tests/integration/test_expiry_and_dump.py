@@ -5,6 +5,7 @@ import subprocess
 import time
 
 import psycopg
+import pytest
 
 from cluster import PG_BIN
 from helpers import claim
@@ -84,3 +85,106 @@ def test_takeover_with_the_sequence_set_back_never_hands_out_its_token_again(db)
         assert e.sqlstate == "IK003", e
     else:
         raise AssertionError(f"the taken-over holder's token {taken[1]} completed the claim of {later[-1]}")
+
+
+BIGINT_MAX = 9223372036854775807
+HIGHEST_MOVED_PAST = BIGINT_MAX // 2  # half the token sequence's maximum
+
+
+def write_row(conn, key, token, state):
+    """Writes a row of the store as a restored dump (or a hand-written INSERT) would: an expired
+    claim, or a live one whose lease ran out (a takeover), with the token given. Returns the
+    token read back."""
+    if state == "expired":
+        times = "now() - interval '2 hours', now() - interval '90 minutes', now() - interval '1 hour'"
+    else:
+        times = "now() - interval '1 minute', now() - interval '1 second', now() + interval '59 minutes'"
+    conn.execute(
+        "INSERT INTO idempotency.idempotency_keys "
+        "(scope, key, request_hash, status, token, created_at, locked_until, expires_at, ttl) "
+        f"VALUES ('', %s, NULL, 'in_progress', %s, {times}, interval '1 hour')",
+        (key, token),
+    )
+    return conn.execute("SELECT token FROM idempotency.idempotency_keys WHERE scope = '' AND key = %s",
+                        (key,)).fetchone()[0]
+
+
+def last_token(conn):
+    return conn.execute("SELECT last_value FROM idempotency.token_seq").fetchone()[0]
+
+
+@pytest.mark.parametrize("state", ["expired", "lease_over"])
+@pytest.mark.parametrize("token", [BIGINT_MAX, BIGINT_MAX - 1, BIGINT_MAX - 1000, HIGHEST_MOVED_PAST + 1])
+def test_a_key_whose_token_leaves_no_room_above_it_is_refused_and_other_keys_still_claim(db, token, state):
+    """A row whose token is in the upper half of the token sequence's range (restored from a
+    crafted dump, or written by hand): its restart or takeover is refused with 22003, naming the
+    key and its token, and the sequence is not moved, so every other key still claims. Before,
+    the claim set the sequence past the token (bigint's maximum for the first), and every later
+    claim of any key failed with 2200H. Forgetting the key makes it claimable again."""
+    claim(db, "before-poisoned")  # the sequence has handed out a value: last_value is one of them
+    assert write_row(db, "poisoned", token, state) == token
+    before = last_token(db)
+    try:
+        claim(db, "poisoned", {"a": 1})
+    except psycopg.Error as e:
+        assert e.sqlstate == "22003", e
+        assert '"poisoned"' in e.diag.message_primary and str(token) in e.diag.message_primary, e.diag.message_primary
+        assert "idempotency.forget" in e.diag.message_hint, e.diag.message_hint
+    else:
+        raise AssertionError(f"the claim of a key with token {token} was not refused")
+    try:
+        db.execute("SELECT * FROM idempotency.claim_many(ARRAY['poisoned'])").fetchall()
+    except psycopg.Error as e:
+        assert e.sqlstate == "22003", e
+    else:
+        raise AssertionError(f"claim_many of a key with token {token} was not refused")
+    after = last_token(db)
+    assert after < HIGHEST_MOVED_PAST and after - before <= 4, (before, after)
+    other = claim(db, "other-key")
+    assert other[0] == "new" and before < other[1] < HIGHEST_MOVED_PAST, other
+    assert db.execute("SELECT token FROM idempotency.idempotency_keys WHERE key = 'poisoned'").fetchone()[0] == token
+    # True for the live row, false for the expired one (counts as absent), deleted either way.
+    assert db.execute("SELECT idempotency.forget('poisoned')").fetchone()[0] is (state == "lease_over")
+    again = claim(db, "poisoned", {"a": 1})
+    assert again[0] == "new" and again[1] > other[1], again
+
+
+@pytest.mark.parametrize("token", [0, -1, -BIGINT_MAX - 1])
+def test_a_key_whose_token_is_zero_or_negative_is_claimed_with_a_token_from_the_sequence(db, token):
+    """Tokens from the sequence start at 1; a row with a token of zero or below (written by
+    hand) is restarted with the sequence's next value, above it, and the sequence is not set
+    back."""
+    claim(db, "before-low")
+    assert write_row(db, "low", token, "expired") == token
+    before = last_token(db)
+    r = claim(db, "low", {"a": 1})
+    assert r[0] == "new" and before < r[1] <= before + 2, (before, r)
+    assert claim(db, "after-low")[1] > r[1]
+
+
+def test_a_restored_row_with_a_token_at_bigints_maximum_is_refused_and_the_restored_store_claims(cluster, db):
+    """pg_dump keeps such a row as it is, and restore loads it (a constraint refusing it would
+    fail the whole table's restore); in the restored database its claim is refused (22003) and
+    every other key claims, as in the original."""
+    claim(db, "restored-before")
+    assert write_row(db, "restored-poisoned", BIGINT_MAX, "expired") == BIGINT_MAX
+    conn = ["-h", cluster.dir, "-p", str(cluster.port), "-U", "postgres"]
+    dump = subprocess.run([f"{PG_BIN}/pg_dump", *conn, "-Fc", cluster.dbname], check=True, capture_output=True).stdout
+    subprocess.run([f"{PG_BIN}/createdb", *conn, "restored-max"], check=True)
+    try:
+        subprocess.run([f"{PG_BIN}/pg_restore", *conn, "-d", "restored-max"], input=dump, check=True)
+        with psycopg.connect(f"host={cluster.dir} port={cluster.port} user=postgres dbname=restored-max",
+                             autocommit=True) as other:
+            assert other.execute("SELECT token FROM idempotency.idempotency_keys WHERE key = 'restored-poisoned'"
+                                 ).fetchone()[0] == BIGINT_MAX
+            try:
+                claim(other, "restored-poisoned")
+            except psycopg.Error as e:
+                assert e.sqlstate == "22003", e
+            else:
+                raise AssertionError("the restored row's claim was not refused")
+            assert last_token(other) < HIGHEST_MOVED_PAST
+            fresh = [claim(other, f"after-restore-{i}") for i in range(3)]
+            assert all(r[0] == "new" for r in fresh), fresh
+    finally:
+        subprocess.run([f"{PG_BIN}/dropdb", *conn, "restored-max"], check=True)
