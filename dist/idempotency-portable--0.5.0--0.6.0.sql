@@ -932,7 +932,8 @@ BEGIN
            AND x.key_secret IS NULL AS ok,
            -- Neither ttl nor lease given nor set (or set to what the native edition shows for
            -- its defaults): one day and five minutes, which pass every check of _p_ttl_and_lease.
-           -- (A default spelled otherwise, ' 1d' or '24h', takes _p_ttl_and_lease.)
+           -- (A default spelled otherwise, ' 1d' or '24h', takes _p_ttl_and_lease; so would every
+           -- default if the core's constants changed and these spellings did not.)
            claim.ttl IS NULL AND claim.lease IS NULL
            AND COALESCE(pg_catalog.current_setting('idempotency.default_ttl', true), '')
                OPERATOR(pg_catalog.=) ANY ('{"",1d}'::pg_catalog.text[])

@@ -31,7 +31,8 @@ pub static AUDIT: GucSetting<bool> = GucSetting::<bool>::new(false);
 /// Seconds audit rows are kept (0: kept until deleted by hand).
 pub static AUDIT_RETENTION: GucSetting<i32> = GucSetting::<i32>::new(0);
 /// Milliseconds a claim that meets another open transaction's claim tells the caller to wait.
-pub static BUSY_RETRY_AFTER: GucSetting<i32> = GucSetting::<i32>::new(1000);
+pub static BUSY_RETRY_AFTER: GucSetting<i32> =
+    GucSetting::<i32>::new(idempotency_core::arguments::DEFAULT_BUSY_RETRY_AFTER_MS);
 /// Hash partitions CREATE EXTENSION gives the store (0: a plain table); read only then.
 static PARTITIONS: GucSetting<i32> = GucSetting::<i32>::new(0);
 /// Largest response `complete` stores, in kB.

@@ -409,7 +409,7 @@ BEGIN
 END
 $fn$;
 
--- The scope argument's rules: not NULL, at most 255 characters, under the session's prefix.
+-- The scope argument's rules: not NULL, at most @MAX_KEY_CHARS@ characters, under the session's prefix.
 CREATE FUNCTION idempotency._p_check_scope(scope text)
 RETURNS void
 LANGUAGE plpgsql STABLE
@@ -418,7 +418,7 @@ AS $fn$
 DECLARE
     v_prefix text;
 BEGIN
-    IF scope IS NULL OR pg_catalog.length(scope) OPERATOR(pg_catalog.>) 255 THEN
+    IF scope IS NULL OR pg_catalog.length(scope) OPERATOR(pg_catalog.>) @MAX_KEY_CHARS@ THEN
         PERFORM idempotency._canon_check_key('scope', scope, true);  -- raises
     END IF;
     v_prefix := idempotency._p_scope_prefix();
@@ -522,7 +522,7 @@ DECLARE
 BEGIN
     v_m := pg_catalog.regexp_match(signed, '^(.*)\.([^.]*)\.([^.]*)$', 's');
     IF v_m IS NULL OR v_m[1] OPERATOR(pg_catalog.=) '' OR pg_catalog.length(v_m[3]) OPERATOR(pg_catalog.<>) 43
-       OR pg_catalog.length(v_m[1]) OPERATOR(pg_catalog.>) 255
+       OR pg_catalog.length(v_m[1]) OPERATOR(pg_catalog.>) @MAX_KEY_CHARS@
        OR v_m[2] OPERATOR(pg_catalog.!~) '^[1-9][0-9]{0,9}$'
        OR v_m[2]::bigint OPERATOR(pg_catalog.>) 2147483647
        -- 43 characters of base64url hold 32 bytes and two bits that must be zero
@@ -651,13 +651,13 @@ DECLARE
 BEGIN
     IF ttl IS NULL THEN
         v_ttl_name := 'idempotency.default_ttl';
-        ttl_value := pg_catalog.make_interval(secs => idempotency._p_setting('idempotency.default_ttl', 86400, 's'));
+        ttl_value := pg_catalog.make_interval(secs => idempotency._p_setting('idempotency.default_ttl', @DEFAULT_TTL_SECS@, 's'));
     ELSE
         ttl_value := ttl;
     END IF;
     v_ttl_ends := idempotency._p_duration(v_ttl_name, ttl_value);
     IF lease IS NULL THEN
-        lease_value := pg_catalog.make_interval(secs => idempotency._p_setting('idempotency.default_lease', 300, 's'));
+        lease_value := pg_catalog.make_interval(secs => idempotency._p_setting('idempotency.default_lease', @DEFAULT_LEASE_SECS@, 's'));
         v_lease_ends := idempotency._p_duration('idempotency.default_lease', lease_value);
         IF v_lease_ends OPERATOR(pg_catalog.>) v_ttl_ends THEN
             lease_value := ttl_value;
@@ -726,10 +726,10 @@ $fn$;
 -- application's pg_advisory_lock of it included, never makes a write wait long). A claim that
 -- finds a key marked by another open transaction answers in_progress at once instead of
 -- waiting for that transaction (the native edition sees the uncommitted change itself). A
--- transaction marks its first 1000 keys (the lock table is shared and finite; a backfill of
+-- transaction marks its first @PORTABLE_MARKS_PER_TRANSACTION@ keys (the lock table is shared and finite; a backfill of
 -- 100,000 keys in one transaction must work): a claim of a later one by another session, within
--- its own first 1000, waits until the backfill's transaction ends, as an INSERT would (a wait
--- one way only: the backfill waits for no claim). Past its first 1000, a claim
+-- its own first @PORTABLE_MARKS_PER_TRANSACTION@, waits until the backfill's transaction ends, as an INSERT would (a wait
+-- one way only: the backfill waits for no claim). Past its first @PORTABLE_MARKS_PER_TRANSACTION@, a claim
 -- gets NULL (not marked, and no other transaction marked the key) and inserts without waiting
 -- (_p_claim): two such transactions claiming the same keys would otherwise each wait for the
 -- other's unmarked rows, a deadlock.
@@ -748,7 +748,7 @@ BEGIN
     IF pg_catalog.split_part(v_state, ':', 1) OPERATOR(pg_catalog.=) v_xact THEN
         v_count := pg_catalog.split_part(v_state, ':', 2)::integer;
     END IF;
-    IF v_count OPERATOR(pg_catalog.>=) 1000 THEN
+    IF v_count OPERATOR(pg_catalog.>=) @PORTABLE_MARKS_PER_TRANSACTION@ THEN
         -- Not marked; a key another transaction marked is still refused.
         IF wait THEN
             RETURN true;
@@ -819,7 +819,7 @@ BEGIN
     IF pg_catalog.split_part(v_state, ':', 1) OPERATOR(pg_catalog.=) v_xact THEN
         v_count := pg_catalog.split_part(v_state, ':', 2)::pg_catalog.int4;
     END IF;
-    IF v_count OPERATOR(pg_catalog.<) 1000 THEN
+    IF v_count OPERATOR(pg_catalog.<) @PORTABLE_MARKS_PER_TRANSACTION@ THEN
         v_lock := pg_catalog.hashtextextended(pg_catalog.length(v_scope)::pg_catalog.text OPERATOR(pg_catalog.||) ':'
                                               OPERATOR(pg_catalog.||) v_scope OPERATOR(pg_catalog.||) v_key, 5432);
         v_marked := pg_catalog.pg_try_advisory_xact_lock(v_lock);
@@ -857,7 +857,7 @@ LANGUAGE sql STABLE
 SET search_path = pg_catalog, pg_temp
 AS $fn$
     SELECT ROW('in_progress', NULL, NULL, NULL,
-               pg_catalog.make_interval(secs => GREATEST(idempotency._p_setting('idempotency.busy_retry_after', 1000, 'ms'), 1)
+               pg_catalog.make_interval(secs => GREATEST(idempotency._p_setting('idempotency.busy_retry_after', @DEFAULT_BUSY_RETRY_AFTER_MS@, 'ms'), 1)
                                                 OPERATOR(pg_catalog./) 1000.0),
                NULL, NULL)::idempotency.claim_result
 $fn$;
@@ -1176,8 +1176,8 @@ BEGIN
         p_role := SESSION_USER;
     END IF;
     SELECT pg_catalog.getdatabaseencoding() OPERATOR(pg_catalog.=) 'UTF8'
-           AND p_key IS NOT NULL AND p_key OPERATOR(pg_catalog.<>) '' AND pg_catalog.length(p_key) OPERATOR(pg_catalog.<=) 255
-           AND p_scope IS NOT NULL AND pg_catalog.length(p_scope) OPERATOR(pg_catalog.<=) 255
+           AND p_key IS NOT NULL AND p_key OPERATOR(pg_catalog.<>) '' AND pg_catalog.length(p_key) OPERATOR(pg_catalog.<=) @MAX_KEY_CHARS@
+           AND p_scope IS NOT NULL AND pg_catalog.length(p_scope) OPERATOR(pg_catalog.<=) @MAX_KEY_CHARS@
            -- _p_scope_prefix
            AND pg_catalog.starts_with(p_scope, COALESCE(r.scope_prefix,
                    pg_catalog.current_setting('idempotency.scope_prefix', true), '')) AS ok,
@@ -1267,7 +1267,7 @@ BEGIN
         v_state := pg_catalog.current_setting('idempotency_portable.marks', true);
         v_count := CASE WHEN pg_catalog.split_part(v_state, ':', 1) OPERATOR(pg_catalog.=) v_xact
                         THEN pg_catalog.split_part(v_state, ':', 2)::pg_catalog.int4 ELSE 0 END;
-        IF v_count OPERATOR(pg_catalog.<) 1000 THEN
+        IF v_count OPERATOR(pg_catalog.<) @PORTABLE_MARKS_PER_TRANSACTION@ THEN
             IF pg_catalog.pg_try_advisory_xact_lock(v_lock) OR idempotency._p_lock_retry(v_lock) THEN
                 v_set := pg_catalog.set_config('idempotency_portable.marks',
                                                v_xact OPERATOR(pg_catalog.||) ':' OPERATOR(pg_catalog.||) (v_count OPERATOR(pg_catalog.+) 1), false);
@@ -1389,14 +1389,15 @@ BEGIN
     END IF;
     SELECT -- The checks of _canon_check_key and _p_check_scope (with _p_scope_prefix's prefix),
            -- and a store that keeps plain keys or unkeyed hashes.
-           claim.key IS NOT NULL AND claim.key OPERATOR(pg_catalog.<>) '' AND pg_catalog.length(claim.key) OPERATOR(pg_catalog.<=) 255
-           AND claim.scope IS NOT NULL AND pg_catalog.length(claim.scope) OPERATOR(pg_catalog.<=) 255
+           claim.key IS NOT NULL AND claim.key OPERATOR(pg_catalog.<>) '' AND pg_catalog.length(claim.key) OPERATOR(pg_catalog.<=) @MAX_KEY_CHARS@
+           AND claim.scope IS NOT NULL AND pg_catalog.length(claim.scope) OPERATOR(pg_catalog.<=) @MAX_KEY_CHARS@
            AND pg_catalog.starts_with(claim.scope, COALESCE(p.scope_prefix,
                    pg_catalog.current_setting('idempotency.scope_prefix', true), ''))
            AND x.key_secret IS NULL AS ok,
            -- Neither ttl nor lease given nor set (or set to what the native edition shows for
            -- its defaults): one day and five minutes, which pass every check of _p_ttl_and_lease.
-           -- (A default spelled otherwise, ' 1d' or '24h', takes _p_ttl_and_lease.)
+           -- (A default spelled otherwise, ' 1d' or '24h', takes _p_ttl_and_lease; so would every
+           -- default if the core's constants changed and these spellings did not.)
            claim.ttl IS NULL AND claim.lease IS NULL
            AND COALESCE(pg_catalog.current_setting('idempotency.default_ttl', true), '')
                OPERATOR(pg_catalog.=) ANY ('{"",1d}'::pg_catalog.text[])
@@ -1485,8 +1486,8 @@ BEGIN
         RETURN idempotency._p_claim_checked(claim.key, claim.request, claim.scope, claim.ttl, claim.lease);
     END IF;
     IF c.defaults THEN
-        v_ttl := '86400 seconds'::pg_catalog.interval;
-        v_lease := '300 seconds'::pg_catalog.interval;
+        v_ttl := '@DEFAULT_TTL_SECS@ seconds'::pg_catalog.interval;
+        v_lease := '@DEFAULT_LEASE_SECS@ seconds'::pg_catalog.interval;
     ELSE
         SELECT d.ttl_value, d.lease_value INTO v_ttl, v_lease FROM idempotency._p_ttl_and_lease(claim.ttl, claim.lease) AS d;
     END IF;
@@ -1509,14 +1510,14 @@ BEGIN
         v_state := pg_catalog.current_setting('idempotency_portable.marks', true);
         v_count := CASE WHEN pg_catalog.split_part(v_state, ':', 1) OPERATOR(pg_catalog.=) v_xact
                         THEN pg_catalog.split_part(v_state, ':', 2)::pg_catalog.int4 ELSE 0 END;
-        IF v_count OPERATOR(pg_catalog.<) 1000 THEN
+        IF v_count OPERATOR(pg_catalog.<) @PORTABLE_MARKS_PER_TRANSACTION@ THEN
             v_marked := pg_catalog.pg_try_advisory_xact_lock(v_lock);
             IF v_marked THEN
                 v_set := pg_catalog.set_config('idempotency_portable.marks',
                                                v_xact OPERATOR(pg_catalog.||) ':' OPERATOR(pg_catalog.||) (v_count OPERATOR(pg_catalog.+) 1), false);
             END IF;
         ELSE
-            -- Not marked (the transaction's first 1000 keys are): _p_claim inserts it without
+            -- Not marked (the transaction's first @PORTABLE_MARKS_PER_TRANSACTION@ keys are): _p_claim inserts it without
             -- waiting for another transaction's unmarked row (see _p_mark).
             v_marked := false;
         END IF;
@@ -1553,8 +1554,8 @@ BEGIN
     -- statement, and each nested call, costs more than the checks on this path, run by every
     -- claim and completion, in every transaction).
     SELECT pg_catalog.getdatabaseencoding() OPERATOR(pg_catalog.=) 'UTF8'
-           AND key IS NOT NULL AND key OPERATOR(pg_catalog.<>) '' AND pg_catalog.length(key) OPERATOR(pg_catalog.<=) 255
-           AND scope IS NOT NULL AND pg_catalog.length(scope) OPERATOR(pg_catalog.<=) 255
+           AND key IS NOT NULL AND key OPERATOR(pg_catalog.<>) '' AND pg_catalog.length(key) OPERATOR(pg_catalog.<=) @MAX_KEY_CHARS@
+           AND scope IS NOT NULL AND pg_catalog.length(scope) OPERATOR(pg_catalog.<=) @MAX_KEY_CHARS@
            AND pg_catalog.starts_with(scope, COALESCE(
                    (SELECT r.scope_prefix FROM idempotency.role_settings AS r
                      WHERE r.role::pg_catalog.oid OPERATOR(pg_catalog.=) COALESCE(

@@ -11,6 +11,12 @@ pub const MAX_TTL_MICROS: i128 = 10 * 366 * 86_400 * 1_000_000;
 pub const DEFAULT_TTL_SECS: i32 = 24 * 3600;
 /// `idempotency.default_lease` where nothing sets it, in seconds.
 pub const DEFAULT_LEASE_SECS: i32 = 5 * 60;
+/// `idempotency.busy_retry_after` where nothing sets it, in milliseconds: the `retry_after` of a
+/// claim that meets another open transaction's claim of the key.
+pub const DEFAULT_BUSY_RETRY_AFTER_MS: i32 = 1000;
+/// How many keys one transaction of the portable edition marks (a transaction-scoped advisory
+/// lock each, in PostgreSQL's shared, finite lock table); natively the index orders every write.
+pub const PORTABLE_MARKS_PER_TRANSACTION: i32 = 1000;
 
 /// Which SQLSTATE an argument error maps to.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
