@@ -1065,24 +1065,18 @@ BEGIN
 END
 $fn$;
 
--- Portable edition: the store in PL/pgSQL. Each BODY here gives a LANGUAGE c function of
--- sql/idempotency.sql its portable body, under the native declaration (sql/portable/README.md;
--- scripts/portable.py refuses to build while a C function has no body here or in the other
--- sql/portable/ files); the functions named idempotency._p_* are the edition's own helpers. The rules are the
--- native edition's (src/api.rs, src/store/, crates/idempotency-core/src/arguments.rs and
--- signing.rs): the same checks in the same order, SQLSTATEs and messages, the same rows, tokens
--- and stored keys. Every function pins search_path; every reference is schema-qualified.
+-- Portable edition: settings and what binds a role.
 --
--- Settings: the native library defines idempotency.* as settings; without it they are
--- placeholders that hold text, read here with current_setting(name, true), with the native
--- defaults and units. What binds a role comes from idempotency.role_settings (the row of the role
--- the session switched to with SET ROLE when it has one, else the session user's), which the role
--- can neither read nor change, exactly as the native edition reads it. Inside these SECURITY
--- DEFINER functions CURRENT_USER is the owner; the setting role still names the role SET ROLE
--- set ('none' when the session did not switch, switched back, or ran SET SESSION AUTHORIZATION),
--- looked up by name in pg_roles.
-
--- Helpers ---------------------------------------------------------------------------------------
+-- The native library defines idempotency.* as settings; without it they are placeholders that hold
+-- text, read here with current_setting(name, true), with the native defaults and units. What binds
+-- a role comes from idempotency.role_settings (the row of the role the session switched to with
+-- SET ROLE when it has one, else the session user's), which the role can neither read nor change,
+-- exactly as the native edition reads it. Inside the SECURITY DEFINER functions CURRENT_USER is
+-- the owner; the setting role still names the role SET ROLE set ('none' when the session did not
+-- switch, switched back, or ran SET SESSION AUTHORIZATION), looked up by name in pg_roles. Size
+-- limits and audit are floors: a session lowers a limit or turns audit on, never the reverse.
+--
+-- Part of the store in SQL and PL/pgSQL: sql/portable/README.md says how the files fit together.
 
 -- An integer setting in its unit ('s', 'ms', 'kB', or '' for none), read as PostgreSQL reads
 -- the native edition's settings; unset or empty: the native default.
@@ -1459,6 +1453,13 @@ BEGIN
 END
 $fn$;
 
+-- Portable edition: argument checks and the stored form of a key.
+--
+-- The native edition's rules (crates/idempotency-core/src/arguments.rs, src/api/): the same checks
+-- in the same order, with the same SQLSTATEs and messages.
+--
+-- Part of the store in SQL and PL/pgSQL: sql/portable/README.md says how the files fit together.
+
 -- Claims, completions and sweeps write: refused at once in a read-only transaction.
 CREATE FUNCTION idempotency._p_refuse_read_only(function_name text)
 RETURNS void
@@ -1511,95 +1512,6 @@ AS $fn$
            OPERATOR(pg_catalog.||) '"'
       FROM (SELECT idempotency._canon_quote(pg_catalog.substr(value, i, 40)) AS quoted, i AS n
               FROM pg_catalog.generate_series(1, GREATEST(pg_catalog.length(value), 1), 40) AS i) AS p
-$fn$;
-
--- HMAC-SHA256 (RFC 2104) on the core sha256(): the native edition's keyed hashes and signatures.
-CREATE FUNCTION idempotency._p_hmac(secret bytea, message bytea)
-RETURNS bytea
-LANGUAGE plpgsql IMMUTABLE STRICT PARALLEL SAFE
-SET search_path = pg_catalog, pg_temp
-AS $fn$
-DECLARE
-    v_key bytea := secret;
-    v_ipad bytea;
-    v_opad bytea;
-BEGIN
-    IF pg_catalog.length(v_key) OPERATOR(pg_catalog.>) 64 THEN
-        v_key := pg_catalog.sha256(v_key);
-    END IF;
-    v_key := v_key OPERATOR(pg_catalog.||) pg_catalog.decode(pg_catalog.repeat('00', 64 OPERATOR(pg_catalog.-) pg_catalog.length(v_key)), 'hex');
-    v_ipad := v_key;
-    v_opad := v_key;
-    FOR i IN 0 .. 63 LOOP
-        v_ipad := pg_catalog.set_byte(v_ipad, i, pg_catalog.get_byte(v_key, i) OPERATOR(pg_catalog.#) 54);
-        v_opad := pg_catalog.set_byte(v_opad, i, pg_catalog.get_byte(v_key, i) OPERATOR(pg_catalog.#) 92);
-    END LOOP;
-    RETURN pg_catalog.sha256(v_opad OPERATOR(pg_catalog.||) pg_catalog.sha256(v_ipad OPERATOR(pg_catalog.||) message));
-END
-$fn$;
-
--- base64url without padding (RFC 4648 section 5), and its strict inverse (NULL when malformed).
-CREATE FUNCTION idempotency._p_b64url(bytes bytea)
-RETURNS text
-LANGUAGE sql IMMUTABLE STRICT PARALLEL SAFE
-SET search_path = pg_catalog, pg_temp
-AS $fn$
-    SELECT pg_catalog.translate(pg_catalog.rtrim(pg_catalog.encode(bytes, 'base64'), '='), E'+/\n', '-_')
-$fn$;
-
--- A secret argument: 16 bytes at least.
-CREATE FUNCTION idempotency._p_check_secret(secret bytea)
-RETURNS void
-LANGUAGE plpgsql IMMUTABLE PARALLEL SAFE
-SET search_path = pg_catalog, pg_temp
-AS $fn$
-BEGIN
-    IF secret IS NULL THEN
-        RAISE EXCEPTION USING ERRCODE = 'null_value_not_allowed', MESSAGE = 'secret must not be NULL';
-    ELSIF pg_catalog.length(secret) OPERATOR(pg_catalog.<) 16 THEN
-        RAISE EXCEPTION USING ERRCODE = 'invalid_parameter_value', MESSAGE = 'secret must be at least 16 bytes';
-    END IF;
-END
-$fn$;
-
--- The message a signature covers: "<kid>.<key>", then a zero byte and the scope prefix if any.
-CREATE FUNCTION idempotency._p_signed_message(kid integer, key text)
-RETURNS bytea
-LANGUAGE plpgsql STABLE
-SET search_path = pg_catalog, pg_temp
-AS $fn$
-DECLARE
-    v_prefix text := idempotency._p_scope_prefix();
-    v_message bytea := pg_catalog.convert_to(kid::text OPERATOR(pg_catalog.||) '.' OPERATOR(pg_catalog.||) key, 'UTF8');
-BEGIN
-    IF v_prefix OPERATOR(pg_catalog.<>) '' THEN
-        v_message := v_message OPERATOR(pg_catalog.||) '\x00'::bytea OPERATOR(pg_catalog.||) pg_catalog.convert_to(v_prefix, 'UTF8');
-    END IF;
-    RETURN v_message;
-END
-$fn$;
-
--- A signed key's parts (key, secret id, signature), or NULLs when it is not shaped like one.
-CREATE FUNCTION idempotency._p_parse_signed(signed text, OUT key text, OUT kid integer, OUT signature bytea)
-LANGUAGE plpgsql IMMUTABLE PARALLEL SAFE
-SET search_path = pg_catalog, pg_temp
-AS $fn$
-DECLARE
-    v_m text[];
-BEGIN
-    v_m := pg_catalog.regexp_match(signed, '^(.*)\.([^.]*)\.([^.]*)$', 's');
-    IF v_m IS NULL OR v_m[1] OPERATOR(pg_catalog.=) '' OR pg_catalog.length(v_m[3]) OPERATOR(pg_catalog.<>) 43
-       OR pg_catalog.length(v_m[1]) OPERATOR(pg_catalog.>) 255
-       OR v_m[2] OPERATOR(pg_catalog.!~) '^[1-9][0-9]{0,9}$'
-       OR v_m[2]::bigint OPERATOR(pg_catalog.>) 2147483647
-       -- 43 characters of base64url hold 32 bytes and two bits that must be zero
-       OR v_m[3] OPERATOR(pg_catalog.!~) '^[A-Za-z0-9_-]{42}[AEIMQUYcgkosw048]$' THEN
-        RETURN;
-    END IF;
-    key := v_m[1];
-    kid := v_m[2]::integer;
-    signature := pg_catalog.decode(pg_catalog.translate(v_m[3], '-_', '+/') OPERATOR(pg_catalog.||) '=', 'base64');
-END
 $fn$;
 
 -- The owner of the store: the extension's owner, or the schema's where the plain script made it.
@@ -1759,6 +1671,123 @@ BEGIN
     RETURN pg_catalog.sha256(pg_catalog.convert_to(idempotency._canon_text(request, true, arg), 'UTF8'));
 END
 $fn$;
+
+-- A stored key as messages name it: quoted, or (hashed) where the store keeps keys hashed.
+CREATE FUNCTION idempotency._p_key_label(stored text)
+RETURNS text
+LANGUAGE plpgsql STABLE
+SET search_path = pg_catalog, pg_temp
+AS $fn$
+BEGIN
+    RETURN CASE WHEN EXISTS (SELECT FROM idempotency.config AS c
+                              WHERE c.key_storage OPERATOR(pg_catalog.=) 'sha256')
+                THEN '(hashed)' ELSE idempotency._p_debug(stored) END;
+END
+$fn$;
+
+-- Portable edition: signed keys and keys stored as keyed hashes.
+--
+-- As crates/idempotency-core/src/signing.rs: HMAC-SHA-256, base64url without padding, the same
+-- messages signed and the same secrets' rotation.
+--
+-- Part of the store in SQL and PL/pgSQL: sql/portable/README.md says how the files fit together.
+
+-- HMAC-SHA256 (RFC 2104) on the core sha256(): the native edition's keyed hashes and signatures.
+CREATE FUNCTION idempotency._p_hmac(secret bytea, message bytea)
+RETURNS bytea
+LANGUAGE plpgsql IMMUTABLE STRICT PARALLEL SAFE
+SET search_path = pg_catalog, pg_temp
+AS $fn$
+DECLARE
+    v_key bytea := secret;
+    v_ipad bytea;
+    v_opad bytea;
+BEGIN
+    IF pg_catalog.length(v_key) OPERATOR(pg_catalog.>) 64 THEN
+        v_key := pg_catalog.sha256(v_key);
+    END IF;
+    v_key := v_key OPERATOR(pg_catalog.||) pg_catalog.decode(pg_catalog.repeat('00', 64 OPERATOR(pg_catalog.-) pg_catalog.length(v_key)), 'hex');
+    v_ipad := v_key;
+    v_opad := v_key;
+    FOR i IN 0 .. 63 LOOP
+        v_ipad := pg_catalog.set_byte(v_ipad, i, pg_catalog.get_byte(v_key, i) OPERATOR(pg_catalog.#) 54);
+        v_opad := pg_catalog.set_byte(v_opad, i, pg_catalog.get_byte(v_key, i) OPERATOR(pg_catalog.#) 92);
+    END LOOP;
+    RETURN pg_catalog.sha256(v_opad OPERATOR(pg_catalog.||) pg_catalog.sha256(v_ipad OPERATOR(pg_catalog.||) message));
+END
+$fn$;
+
+-- base64url without padding (RFC 4648 section 5), and its strict inverse (NULL when malformed).
+CREATE FUNCTION idempotency._p_b64url(bytes bytea)
+RETURNS text
+LANGUAGE sql IMMUTABLE STRICT PARALLEL SAFE
+SET search_path = pg_catalog, pg_temp
+AS $fn$
+    SELECT pg_catalog.translate(pg_catalog.rtrim(pg_catalog.encode(bytes, 'base64'), '='), E'+/\n', '-_')
+$fn$;
+
+-- A secret argument: 16 bytes at least.
+CREATE FUNCTION idempotency._p_check_secret(secret bytea)
+RETURNS void
+LANGUAGE plpgsql IMMUTABLE PARALLEL SAFE
+SET search_path = pg_catalog, pg_temp
+AS $fn$
+BEGIN
+    IF secret IS NULL THEN
+        RAISE EXCEPTION USING ERRCODE = 'null_value_not_allowed', MESSAGE = 'secret must not be NULL';
+    ELSIF pg_catalog.length(secret) OPERATOR(pg_catalog.<) 16 THEN
+        RAISE EXCEPTION USING ERRCODE = 'invalid_parameter_value', MESSAGE = 'secret must be at least 16 bytes';
+    END IF;
+END
+$fn$;
+
+-- The message a signature covers: "<kid>.<key>", then a zero byte and the scope prefix if any.
+CREATE FUNCTION idempotency._p_signed_message(kid integer, key text)
+RETURNS bytea
+LANGUAGE plpgsql STABLE
+SET search_path = pg_catalog, pg_temp
+AS $fn$
+DECLARE
+    v_prefix text := idempotency._p_scope_prefix();
+    v_message bytea := pg_catalog.convert_to(kid::text OPERATOR(pg_catalog.||) '.' OPERATOR(pg_catalog.||) key, 'UTF8');
+BEGIN
+    IF v_prefix OPERATOR(pg_catalog.<>) '' THEN
+        v_message := v_message OPERATOR(pg_catalog.||) '\x00'::bytea OPERATOR(pg_catalog.||) pg_catalog.convert_to(v_prefix, 'UTF8');
+    END IF;
+    RETURN v_message;
+END
+$fn$;
+
+-- A signed key's parts (key, secret id, signature), or NULLs when it is not shaped like one.
+CREATE FUNCTION idempotency._p_parse_signed(signed text, OUT key text, OUT kid integer, OUT signature bytea)
+LANGUAGE plpgsql IMMUTABLE PARALLEL SAFE
+SET search_path = pg_catalog, pg_temp
+AS $fn$
+DECLARE
+    v_m text[];
+BEGIN
+    v_m := pg_catalog.regexp_match(signed, '^(.*)\.([^.]*)\.([^.]*)$', 's');
+    IF v_m IS NULL OR v_m[1] OPERATOR(pg_catalog.=) '' OR pg_catalog.length(v_m[3]) OPERATOR(pg_catalog.<>) 43
+       OR pg_catalog.length(v_m[1]) OPERATOR(pg_catalog.>) 255
+       OR v_m[2] OPERATOR(pg_catalog.!~) '^[1-9][0-9]{0,9}$'
+       OR v_m[2]::bigint OPERATOR(pg_catalog.>) 2147483647
+       -- 43 characters of base64url hold 32 bytes and two bits that must be zero
+       OR v_m[3] OPERATOR(pg_catalog.!~) '^[A-Za-z0-9_-]{42}[AEIMQUYcgkosw048]$' THEN
+        RETURN;
+    END IF;
+    key := v_m[1];
+    kid := v_m[2]::integer;
+    signature := pg_catalog.decode(pg_catalog.translate(v_m[3], '-_', '+/') OPERATOR(pg_catalog.||) '=', 'base64');
+END
+$fn$;
+
+-- Portable edition: claims, and the mark protocol that orders the writes of one key.
+--
+-- A transaction marks each key it writes with a transaction-scoped advisory lock (its first
+-- 1000 keys), so that a claim of a key another open transaction is
+-- writing answers in_progress instead of waiting on its row, as the native edition answers.
+--
+-- Part of the store in SQL and PL/pgSQL: sql/portable/README.md says how the files fit together.
 
 -- A key's advisory lock number, its mark: a 64-bit hash of its scope and stored key,
 -- pg_catalog.hashtextextended(length(scope) || ':' || scope || key, 5432), written out where it is
@@ -2192,18 +2221,11 @@ BEGIN
 END
 $fn$;
 
--- A stored key as messages name it: quoted, or (hashed) where the store keeps keys hashed.
-CREATE FUNCTION idempotency._p_key_label(stored text)
-RETURNS text
-LANGUAGE plpgsql STABLE
-SET search_path = pg_catalog, pg_temp
-AS $fn$
-BEGIN
-    RETURN CASE WHEN EXISTS (SELECT FROM idempotency.config AS c
-                              WHERE c.key_storage OPERATOR(pg_catalog.=) 'sha256')
-                THEN '(hashed)' ELSE idempotency._p_debug(stored) END;
-END
-$fn$;
+-- Portable edition: completions.
+--
+-- One statement checks, marks and updates; a refused completion leaves the key alone.
+--
+-- Part of the store in SQL and PL/pgSQL: sql/portable/README.md says how the files fit together.
 
 -- complete's work as the store's owner; the completing role (for the audit row) is passed by
 -- _complete, which runs as the caller. One statement reads what the checks need (the store's
@@ -2399,6 +2421,12 @@ BEGIN
     RETURN v_expires_at;
 END
 $fn$;
+
+-- Portable edition: privileges of the helpers.
+--
+-- Last: every helper exists by now.
+--
+-- Part of the store in SQL and PL/pgSQL: sql/portable/README.md says how the files fit together.
 
 -- The helpers are for the functions above (which run as the store's owner), not for callers;
 -- _p_complete only checks the role it is given (complete's work runs through it as the owner).
@@ -2668,6 +2696,13 @@ END
 $fn$;
 
 -- Counts releases in shared memory (a no-op unless preloaded); the C functions count the rest.
+-- Portable edition: counters.
+--
+-- The native edition's counters live in shared memory, which this edition has not: stats
+-- shows NULL for them.
+--
+-- Part of the store in SQL and PL/pgSQL: sql/portable/README.md says how the files fit together.
+
 -- Counts nothing: the counters of the native edition live in shared memory (stats shows NULL).
 CREATE FUNCTION idempotency._count(event text)
 RETURNS void
@@ -3033,6 +3068,13 @@ BEGIN
     RETURN r;
 END
 $fn$;
+
+-- Portable edition: sweeps of expired keys and old audit rows.
+--
+-- No background sweeper runs in this edition: sweep() is called, or scheduled with pg_cron
+-- (schedule_sweep).
+--
+-- Part of the store in SQL and PL/pgSQL: sql/portable/README.md says how the files fit together.
 
 CREATE FUNCTION idempotency.sweep(batch_size integer DEFAULT NULL)
 RETURNS bigint

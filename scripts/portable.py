@@ -39,7 +39,10 @@ import sys
 
 ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), ".."))
 NATIVE = os.path.join(ROOT, "sql", "idempotency.sql")
-SOURCES = [os.path.join(ROOT, "sql", "portable", f) for f in ("canonical.sql", "derivation.sql", "store.sql")]
+# In this order (sql/portable/README.md): the helpers of each file may use those of the files before.
+SOURCES = [os.path.join(ROOT, "sql", "portable", f + ".sql")
+           for f in ("canonical", "derivation", "settings", "checks", "signing", "claim", "complete", "sweep",
+                     "stats", "privileges")]
 RELEASES = os.path.join(ROOT, "sql", "releases", "portable")
 DIST = os.path.join(ROOT, "dist")
 PLAIN_NAME = "idempotency-portable.sql"
@@ -285,6 +288,8 @@ RULE = re.compile(r"@([A-Z][A-Z0-9_]*)@")
 
 def rules():
     found = {}
+    if not os.path.isdir(CORE):
+        fail(f"no {CORE}: the rules of the portable sources are that crate's constants")
     for name in sorted(os.listdir(CORE)):
         if name.endswith(".rs"):
             for m in re.finditer(r"^pub const ([A-Z][A-Z0-9_]*): [iu](?:\d+|size) = ([0-9_ *+()-]+);$",

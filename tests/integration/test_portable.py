@@ -9,6 +9,7 @@ Two routes: the plain script, in a database of the test cluster where the extens
 created; pg_tle, on a copy of the server that has no file of the native extension at all
 (scripts/pg-tle.sh), compared with the native edition of the test cluster."""
 
+import importlib.util
 import json
 import os
 import random
@@ -231,8 +232,8 @@ def test_a_portable_body_cannot_change_the_native_declaration(tmp_path, edit, re
     """A portable body carries no declaration: its head and attributes are sql/idempotency.sql's,
     and the generator refuses a body that names volatility, parallel safety, strictness or
     SECURITY DEFINER itself (the one difference by design is listed in the generator)."""
-    for part in ("scripts", "sql", "dist"):
-        shutil.copytree(os.path.join(ROOT, part), tmp_path / part)
+    for part in ("scripts", "sql", "dist", "crates"):
+        shutil.copytree(os.path.join(ROOT, part), tmp_path / part, ignore=shutil.ignore_patterns("target"))
     for f in ("Cargo.toml", "idempotency.control"):
         shutil.copy(os.path.join(ROOT, f), tmp_path / f)
     source = tmp_path / "sql" / "portable" / "derivation.sql"
@@ -244,6 +245,47 @@ def test_a_portable_body_cannot_change_the_native_declaration(tmp_path, edit, re
     result = subprocess.run([str(tmp_path / "scripts" / "portable.py")], capture_output=True, text=True)
     assert result.returncode != 0 and refusal in result.stderr, result.stderr
     assert (tmp_path / "dist" / "idempotency-portable.sql").read_bytes() == before
+
+
+def test_the_portable_sources_write_no_literal_copy_of_a_core_rule():
+    """Key and scope length, nesting depth, the defaults of default_ttl, default_lease and
+    busy_retry_after and the marks per transaction are the core crate's constants, named @NAME@ in
+    sql/portable/ and filled by the generator: none of them is written out there."""
+    spec = importlib.util.spec_from_file_location("portable", os.path.join(ROOT, "scripts", "portable.py"))
+    portable = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(portable)
+    rules = portable.rules()
+    assert rules["MAX_KEY_CHARS"] == "255" and rules["MAX_DEPTH"] == "1000"
+    patterns = {
+        "MAX_KEY_CHARS": r"\b255\b",
+        "MAX_DEPTH": r"\{1000 to last\}|deeper than 1000\b|depth integer DEFAULT 1000\b",
+        "DEFAULT_TTL_SECS": r"'idempotency\.default_ttl', 86400\b|'86400 seconds'",
+        "DEFAULT_LEASE_SECS": r"'idempotency\.default_lease', 300\b|'300 seconds'",
+        "DEFAULT_BUSY_RETRY_AFTER_MS": r"'idempotency\.busy_retry_after', 1000\b",
+        "PORTABLE_MARKS_PER_TRANSACTION": r"v_count OPERATOR\(pg_catalog\.[<>]=?\) 1000\b",
+    }
+    used = set()
+    for path in portable.SOURCES:
+        text = open(path, encoding="utf-8").read()
+        for name, pattern in patterns.items():
+            found = [text[:m.start()].count("\n") + 1 for m in re.finditer(pattern, text)]
+            assert not found, f"{os.path.basename(path)}:{found}: {name} written out; write @{name}@"
+        used |= set(re.findall(r"@([A-Z][A-Z0-9_]*)@", text))
+    assert set(patterns) <= used, f"rules never used: {set(patterns) - used}"
+    # Filled in the built script.
+    built = open(PLAIN, encoding="utf-8").read()
+    assert "@MAX_KEY_CHARS@" not in built and "must be at most 255 characters" in built
+
+
+def test_a_portable_source_naming_an_unknown_rule_does_not_build(tmp_path):
+    for part in ("scripts", "sql", "dist", "crates"):
+        shutil.copytree(os.path.join(ROOT, part), tmp_path / part, ignore=shutil.ignore_patterns("target"))
+    for f in ("Cargo.toml", "idempotency.control"):
+        shutil.copy(os.path.join(ROOT, f), tmp_path / f)
+    source = tmp_path / "sql" / "portable" / "checks.sql"
+    source.write_text(source.read_text().replace("@MAX_KEY_CHARS@", "@MAX_KEY_CHARZ@", 1))
+    result = subprocess.run([str(tmp_path / "scripts" / "portable.py")], capture_output=True, text=True)
+    assert result.returncode != 0 and "@MAX_KEY_CHARZ@ names no integer constant" in result.stderr, result.stderr
 
 
 def test_the_portable_database_has_no_library(editions):

@@ -13,6 +13,7 @@ on a copy of PostgreSQL 18 (scripts/pg-tle.sh). Each test proves the library is 
 The whole contract suite runs against the portable edition too: IDEMPOTENCY_EDITION=portable
 (tests/integration/cluster.py, scripts/test.sh)."""
 
+import importlib.util
 import os
 import subprocess
 import threading
@@ -450,7 +451,10 @@ def test_the_build_refuses_a_c_function_without_a_portable_body(tmp_path):
         text = f.read()
     native.write_text(text + "\nCREATE FUNCTION idempotency.brand_new(x integer)\nRETURNS integer\n"
                              "LANGUAGE c IMMUTABLE\nAS 'MODULE_PATHNAME', 'idempotency_brand_new';\n")
-    sources = [os.path.join(ROOT, "sql", "portable", f) for f in ("canonical.sql", "derivation.sql", "store.sql")]
+    spec = importlib.util.spec_from_file_location("portable", os.path.join(ROOT, "scripts", "portable.py"))
+    portable = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(portable)
+    sources = portable.SOURCES
     build = [os.path.join(ROOT, "scripts", "portable.py"), "build"]
     for mode in ("plain", "pgtle"):
         r = subprocess.run(["python3", *build, mode, str(native), *sources], capture_output=True, text=True)
