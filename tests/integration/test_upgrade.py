@@ -187,21 +187,21 @@ def test_the_upgrade_gives_the_store_the_fill_factor_that_keeps_completions_hot(
     """Many claims in flight: at fillfactor 90 a page took more claims than it could hold
     completed, and their completions moved to other pages (non-HOT). The upgrade lowers the
     store's fill factor to 25, on a plain table and on each partition of a partitioned store,
-    but keeps one changed by hand."""
+    but keeps one changed by hand (the update from 0.4.0, which made that change)."""
     def fillfactors(conn):
         return dict(conn.execute("""SELECT c.relname, array_to_string(c.reloptions, ',') FROM pg_class c
                                      WHERE c.relnamespace = 'idempotency'::regnamespace
                                        AND c.relname LIKE 'idempotency_keys%' AND c.relkind IN ('r', 'p')""").fetchall())
 
     plain = fresh_db("upgrade_ff_plain")
-    plain.execute(f"CREATE EXTENSION idempotency VERSION '{PREVIOUS[-1]}'")
+    plain.execute(f"CREATE EXTENSION idempotency VERSION '0.4.0'")
     assert fillfactors(plain) == {"idempotency_keys": "fillfactor=90"}
     plain.execute("ALTER EXTENSION idempotency UPDATE")
     assert fillfactors(plain) == {"idempotency_keys": "fillfactor=25"}
 
     parted = fresh_db("upgrade_ff_parted")
     parted.execute("SET idempotency.partitions = 3")
-    parted.execute(f"CREATE EXTENSION idempotency VERSION '{PREVIOUS[-1]}'")
+    parted.execute(f"CREATE EXTENSION idempotency VERSION '0.4.0'")
     parted.execute("RESET idempotency.partitions")
     parted.execute("ALTER TABLE idempotency.idempotency_keys_p2 SET (fillfactor = 70)")
     assert fillfactors(parted) == {"idempotency_keys": None, "idempotency_keys_p0": "fillfactor=90",
@@ -260,7 +260,7 @@ def test_per_role_settings_become_binding_rows(cluster, db, fresh_db):
     db.execute("DROP DATABASE IF EXISTS upgrade_roles_latin1")
     db.execute("CREATE DATABASE upgrade_roles_latin1 ENCODING 'LATIN1' LC_COLLATE 'C' LC_CTYPE 'C' TEMPLATE template0")
     try:
-        up.execute(f"CREATE EXTENSION idempotency VERSION '{PREVIOUS[-1]}'")
+        up.execute(f"CREATE EXTENSION idempotency VERSION '0.4.0'")
         for statement in [
             "ALTER ROLE mig_a SET idempotency.scope_prefix = 'a:'",
             "ALTER ROLE mig_a IN DATABASE upgrade_roles SET idempotency.scope_prefix = 'a2:'",
