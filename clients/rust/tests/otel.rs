@@ -342,6 +342,8 @@ async fn spans_and_metrics_of_every_outcome() {
     assert_eq!(f[3]["idempotency.token"], json!(c1.token.unwrap()));
     assert!(f[4].get("error.type").is_none());
     assert_eq!(f[6]["idempotency.released"], json!(true));
+    // SHA-256 of scope NUL key: the same in the Python and Node packages.
+    assert_eq!(f[0]["idempotency.key_hash"], json!("c8e6b9416ff4a7bd"));
     assert_eq!(f[0]["idempotency.key_hash"], f[2]["idempotency.key_hash"]);
     assert_no_secret(&spans);
 

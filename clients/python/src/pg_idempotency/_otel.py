@@ -33,7 +33,7 @@ _instruments = None
 
 def key_hash(scope: str, key: str) -> str:
     """The first 16 hex digits of SHA-256(scope || NUL || key), UTF-8: the key's stand-in."""
-    data = scope.encode("utf-8", "surrogatepass") + b"\0" + key.encode("utf-8", "surrogatepass")
+    data = str(scope).encode("utf-8", "surrogatepass") + b"\0" + str(key).encode("utf-8", "surrogatepass")
     return hashlib.sha256(data).hexdigest()[:16]
 
 
