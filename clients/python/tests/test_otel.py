@@ -10,6 +10,7 @@ import os
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 
 import psycopg
@@ -197,3 +198,31 @@ def test_without_opentelemetry_the_package_works_and_imports_none_of_it(conninfo
     """)
     out = subprocess.run([sys.executable, "-c", script, conninfo], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr
+
+
+def test_the_asgi_middleware_spans_and_its_wait(conninfo, otel, spans):
+    from starlette.testclient import TestClient
+    from test_asgi import make_app, post
+
+    calls = []
+    with TestClient(make_app(conninfo, calls, wait=dt.timedelta(seconds=10)), raise_server_exceptions=False) as client:
+        first = {}
+        t = threading.Thread(target=lambda: first.update(r=post(client, '"SECRETKEY-h"', SECRET_REQUEST,
+                                                                **{"x-delay": "0.5"})))
+        t.start()
+        deadline = time.monotonic() + 20
+        while not calls:
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        again = post(client, '"SECRETKEY-h"', SECRET_REQUEST)  # waits for the first answer, then replays
+        t.join()
+        assert first["r"].status_code == 201 and again.headers["idempotent-replayed"] == "true"
+        assert post(client, '"SECRETKEY-h"', {"card": "other-SECRETREQUEST"}).status_code == 422
+    got = spans()
+    claims = [s for s in got if s.name == "idempotency.claim"]
+    by = {s.attributes["idempotency.outcome"]: s.attributes for s in claims}
+    assert sorted(by) == ["mismatch", "new", "replay"] and len(claims) == 3
+    assert by["replay"]["idempotency.waited"] > 0 and "idempotency.waited" not in by["new"]
+    assert {s.attributes["idempotency.scope"] for s in got} == {"c1:POST /orders"}
+    assert [s.name for s in got].count("idempotency.complete") == 1
+    assert_no_secret(got)
