@@ -39,4 +39,4 @@ done
 
 echo "== clients/rust: cargo package (builds the packaged crate)"
 cargo package --locked
-ls -l target/package/idempotency-axum-*.crate
+ls -l "${CARGO_TARGET_DIR:-target}"/package/idempotency-axum-*.crate
