@@ -8,6 +8,10 @@
 #      each mode of IDEMPOTENCY_POOLER_MODES (default "direct transaction session"): PG_BIN (default
 #      /usr/lib/postgresql/15/bin) with the extension installed (`cargo pgrx install`); as root
 #      the clusters run as the postgres OS user (runuser), as tests/integration/cluster.py does.
+#      tests/otel.test.js (spans and metrics through @opentelemetry/api, read back with the SDK's
+#      in-memory exporter) runs in the direct mode only: it skips itself in the others.
+# Step 4 installs the package without its optional peer @opentelemetry/api and checks that nothing
+# of OpenTelemetry is loaded.
 # Needs Node.js 18.18 or later and the npm registry (or a warm npm cache).
 set -euo pipefail
 cd "$(dirname "$0")/../clients/node"
@@ -28,7 +32,7 @@ fresh=$(mktemp -d /tmp/pg-idempotency-fresh-XXXXXX)
 trap 'rm -rf "$fresh"' EXIT
 (cd "$fresh" && npm init -y >/dev/null &&
     npm install --no-audit --no-fund --loglevel=error "$tgz" pg@8 >/dev/null &&
-    node -e "const m = require('pg-idempotency'); for (const f of ['idempotent', 'idempotentTransaction', 'idempotentBatch', 'claimMany', 'completeMany', 'expressIdempotency', 'fastifyIdempotency']) if (typeof m[f] !== 'function') throw new Error(f + ' missing'); console.log('pg-idempotency loads from the tarball')")
+    node -e "const m = require('pg-idempotency'); for (const f of ['idempotent', 'idempotentTransaction', 'idempotentBatch', 'claimMany', 'completeMany', 'expressIdempotency', 'fastifyIdempotency']) if (typeof m[f] !== 'function') throw new Error(f + ' missing'); if (Object.keys(require.cache).some((p) => p.includes('@opentelemetry'))) throw new Error('OpenTelemetry loaded without the optional peer'); console.log('pg-idempotency loads from the tarball, without @opentelemetry/api')")
 
 # Direct, and through PgBouncer in transaction and session mode (IDEMPOTENCY_POOLER_MODES).
 for mode in ${IDEMPOTENCY_POOLER_MODES:-direct transaction session}; do

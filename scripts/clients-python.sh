@@ -10,7 +10,9 @@
 #
 # The tests run once per route in IDEMPOTENCY_POOLER_MODES (default "direct transaction session"):
 # direct to the cluster, and through PgBouncer in transaction and in session mode
-# (IDEMPOTENCY_TEST_POOLER, tests/integration/pooler.py).
+# (IDEMPOTENCY_TEST_POOLER, tests/integration/pooler.py). The OpenTelemetry tests (tests/test_otel.py,
+# the `otel` extra read back with the SDK's in-memory exporter) run in the direct mode only: they
+# skip themselves in the others.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 

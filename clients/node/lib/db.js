@@ -5,6 +5,7 @@
 // serialization failure; each of them is safe to repeat (see README, "Failures").
 
 const { IdempotencyError, FencedError } = require('./errors');
+const { traced } = require('./otel');
 
 // Errors that say the connection broke, not that the statement was refused: the statement may or
 // may not have run, and repeating it on another connection is safe. SQLSTATE class 08 covers
@@ -97,8 +98,8 @@ class Db {
   }
 
   // One statement, repeated after a lost connection (until `patience` ms, default this.patience,
-  // run out) or a 40001/40P01.
-  async query(sql, params, patience = this.patience) {
+  // run out) or a 40001/40P01. `op` (lib/otel.js) counts the repeats after lost connections.
+  async query(sql, params, patience = this.patience, op = undefined) {
     const deadline = Date.now() + patience;
     let pause = 100;
     for (;;) {
@@ -109,6 +110,7 @@ class Db {
           await sleep(20 + Math.random() * 30);
         } else if (connectionLost(err) && Date.now() < deadline) {
           this.onLost(err);
+          if (op) op.retried();
           await sleep(pause);
           pause = Math.min(pause * 2, 1000);
         } else {
@@ -134,14 +136,18 @@ class Db {
 // The statements, each on a queryable: a Db (repeated on lost connections, each time on a
 // connection of the pool that is not the broken one) or a pg Client/Pool (the caller's
 // transaction: never repeated). `leaseEnd`: the statement finishes a claim whose lease ends then.
-async function run(q, sql, params, leaseEnd) {
-  if (q instanceof Db) return q.query(sql, params, leaseEnd === undefined ? q.patience : q.until(leaseEnd));
+async function run(q, sql, params, leaseEnd, op) {
+  if (q instanceof Db) return q.query(sql, params, leaseEnd === undefined ? q.patience : q.until(leaseEnd), op);
   return (await q.query(sql, params)).rows;
 }
 
-async function claim(q, { key, request, scope, ttl, lease }) {
-  const rows = await run(q, CLAIM_SQL, [key, request, scope, ttl, lease]);
-  return claimRow(rows[0]);
+async function claim(q, { key, request, scope, ttl, lease, claimWait }) {
+  return traced('claim', { scope, key, claimWait }, async (op) => {
+    const rows = await run(q, CLAIM_SQL, [key, request, scope, ttl, lease], undefined, op);
+    const c = claimRow(rows[0]);
+    op.claimed(c);
+    return c;
+  });
 }
 
 // idempotency.claim_many: one claim row per key, in input order. `requests`: JSON texts or null.
@@ -167,11 +173,13 @@ function fenced(err) {
 }
 
 async function complete(q, { key, response, status, scope, token, ttl, leaseEnd }) {
-  const rows = await run(q,
-    `SELECT idempotency.complete($1, $2::jsonb, $3::int, scope => $4, token => $5::bigint,
-                                 ttl => $6::interval) AS expires_at`,
-    [key, response, status, scope, token, ttl], leaseEnd);
-  return rows[0].expires_at;
+  return traced('complete', { scope, key, token }, async (op) => {
+    const rows = await run(q,
+      `SELECT idempotency.complete($1, $2::jsonb, $3::int, scope => $4, token => $5::bigint,
+                                   ttl => $6::interval) AS expires_at`,
+      [key, response, status, scope, token, ttl], leaseEnd, op);
+    return rows[0].expires_at;
+  });
 }
 
 // After IK002 (already completed) from a complete with `token`: whether the completion stored is
@@ -185,19 +193,24 @@ async function ownCompletion(q, { key, scope, token }) {
 }
 
 async function checkpoint(q, { key, point, scope, token, leaseEnd }) {
-  try {
-    await run(q, 'SELECT idempotency.checkpoint($1, $2, scope => $3, token => $4::bigint)',
-      [key, point, scope, token], leaseEnd);
-  } catch (err) {
-    if (fenced(err)) throw new FencedError({ key, scope, cause: err });
-    throw err;
-  }
+  return traced('checkpoint', { scope, key, token }, async (op) => {
+    try {
+      await run(q, 'SELECT idempotency.checkpoint($1, $2, scope => $3, token => $4::bigint)',
+        [key, point, scope, token], leaseEnd, op);
+    } catch (err) {
+      if (fenced(err)) throw new FencedError({ key, scope, cause: err });
+      throw err;
+    }
+  });
 }
 
 async function release(q, { key, scope, token, leaseEnd }) {
-  const rows = await run(q, 'SELECT idempotency.release($1, scope => $2, token => $3::bigint) AS released',
-    [key, scope, token], leaseEnd);
-  return rows[0].released;
+  return traced('release', { scope, key, token }, async (op) => {
+    const rows = await run(q, 'SELECT idempotency.release($1, scope => $2, token => $3::bigint) AS released',
+      [key, scope, token], leaseEnd, op);
+    op.released(rows[0].released);
+    return rows[0].released;
+  });
 }
 
 async function deriveKey(q, { parent, step, params }) {

@@ -6,6 +6,7 @@
 // turn requests into `begin()` calls and responses into `finish()` calls.
 
 const db = require('./db');
+const { traced } = require('./otel');
 const { parseHeader, KeyError } = require('./key');
 
 const PROBLEM_JSON = 'application/problem+json';
@@ -151,35 +152,47 @@ class HttpIdempotency {
     }
     const query = queryObject(req.search ?? '');
     const params = [key, method, req.path, JSON.stringify(query), body, scope, this.ttl, this.lease];
-    const deadline = Date.now() + this.waitMs;
-    for (;;) {
-      let c;
-      try {
-        c = await this.claim(sql, params, this.connectTimeout * 1000);
-      } catch (err) {
-        if (this.failOpen && db.connectionLost(err)) {
-          // Fail open (opted in): the handler runs without the store, unprotected.
-          this.onError(err);
-          return { action: 'next' };
+    const started = Date.now();
+    const deadline = started + this.waitMs;
+    let c;
+    let polled = false;
+    // The claim's span ends with the claim (and the waits for an in-progress key); the handler and
+    // the completion are not in it.
+    const failed = await traced('claim', { scope, key }, async (op) => {
+      for (;;) {
+        try {
+          c = await this.claim(sql, params, this.connectTimeout * 1000, op);
+        } catch (err) {
+          op.failed(err);
+          if (this.failOpen && db.connectionLost(err)) {
+            // Fail open (opted in): the handler runs without the store, unprotected.
+            this.onError(err);
+            return { action: 'next' };
+          }
+          return { action: 'respond', response: HttpIdempotency.decorate(this.dbError(err), echo) };
         }
-        return { action: 'respond', response: HttpIdempotency.decorate(this.dbError(err), echo) };
+        if (c.outcome === 'in_progress' && Date.now() < deadline) {
+          polled = true;
+          await db.sleep(Math.min((c.retryAfter ?? 1) * 1000, 200, deadline - Date.now()));
+          continue;
+        }
+        op.claimed(c);
+        if (polled) op.waited((Date.now() - started) / 1000); // it waited for an in-progress key
+        return null;
       }
-      if (c.outcome === 'new') {
-        return {
-          action: 'run',
-          ticket: { key, scope, token: c.token, expiresAt: c.expiresAt, leaseEnd: c.leaseEnd, rawKey, sql, params },
-        };
-      }
-      if (c.outcome === 'in_progress' && Date.now() < deadline) {
-        await db.sleep(Math.min((c.retryAfter ?? 1) * 1000, 200, deadline - Date.now()));
-        continue;
-      }
-      return { action: 'respond', response: await this.answer(c, { key, scope, rawKey }) };
+    });
+    if (failed) return failed;
+    if (c.outcome === 'new') {
+      return {
+        action: 'run',
+        ticket: { key, scope, token: c.token, expiresAt: c.expiresAt, leaseEnd: c.leaseEnd, rawKey, sql, params },
+      };
     }
+    return { action: 'respond', response: await this.answer(c, { key, scope, rawKey }) };
   }
 
-  async claim(sql, params, patience) {
-    const rows = await this.q.query(sql, params, patience);
+  async claim(sql, params, patience, op) {
+    const rows = await this.q.query(sql, params, patience, op);
     return db.claimRow(rows[0]);
   }
 

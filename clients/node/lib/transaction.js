@@ -21,7 +21,8 @@ async function idempotentTransaction(client, options, fn) {
       // How long the claim may wait for another open transaction's claim of the key.
       await client.query("SELECT set_config('idempotency.claim_wait', $1, true)", [typeof options.claimWait === 'number' ? `${Math.round(options.claimWait * 1000)}ms` : String(options.claimWait)]);
     }
-    const c = await db.claim(client, { key, request, scope, ttl, lease });
+    const claimWait = typeof options.claimWait === 'number' ? options.claimWait : undefined;
+    const c = await db.claim(client, { key, request, scope, ttl, lease, claimWait });
     let result;
     if (c.outcome === 'replay') {
       result = { value: c.response, status: c.responseStatus, outcome: 'replay', replayed: true, expiresAt: c.expiresAt };

@@ -19,6 +19,7 @@ use deadpool_postgres::Pool;
 use tower_layer::Layer;
 use tower_service::Service;
 
+use crate::otel::Op;
 use crate::request::{read_with, IdemRequest};
 use crate::response::{default_replay_headers, envelope, finish, problem, unavailable, Echo};
 use crate::store::{self, Outcome};
@@ -395,12 +396,20 @@ where
 {
     let ttl = cfg.ttl.as_secs_f64();
     let lease = cfg.lease.min(cfg.ttl).as_secs_f64();
-    let deadline = Instant::now() + cfg.wait;
+    let started = Instant::now();
+    let deadline = started + cfg.wait;
     let mut pause = Duration::from_millis(50);
+    // The claim's span: the claim and the waits for an in-progress key, not the handler.
+    let op = Op::claim(&ir.scope, &ir.key);
+    let mut polled = false;
     let (c, lease_ends) = loop {
         let client = match tokio::time::timeout(cfg.connect_timeout, cfg.pool.get()).await {
             Ok(Ok(c)) => c,
-            _ => return down(&cfg, inner, parts, bytes, &ir).await,
+            _ => {
+                op.failed_as("connection");
+                drop(op);
+                return down(&cfg, inner, parts, bytes, &ir).await;
+            }
         };
         let db = pooled(&cfg, &client);
         // The server starts the lease when it runs the claim, which is after this instant: the
@@ -408,22 +417,35 @@ where
         let claimed_at = Instant::now();
         let c = match store::claim_via(&db, &ir, ttl, lease).await {
             Ok(c) => c,
-            Err(e) if store::is_transient(&e) => return down(&cfg, inner, parts, bytes, &ir).await,
-            Err(e) => return store::db_error(&e, &ir.echo),
+            Err(e) => {
+                op.failed(&e);
+                drop(op);
+                if store::is_transient(&e) {
+                    return down(&cfg, inner, parts, bytes, &ir).await;
+                }
+                return store::db_error(&e, &ir.echo);
+            }
         };
         let now = Instant::now();
         if c.outcome == Outcome::InProgress && now < deadline {
             // A duplicate waits for the first request's answer, off the connection.
             drop(client);
+            polled = true;
             tokio::time::sleep(pause.min(deadline - now)).await;
             pause = (pause * 2).min(Duration::from_millis(500));
             continue;
         }
+        op.claimed(&c);
+        if polled {
+            op.waited(now - started);
+        }
         if c.outcome != Outcome::New {
+            drop(op);
             return store::answer_via(&db, &ir, &c, &cfg.replay_headers).await;
         }
         break (c, claimed_at + Duration::from_secs_f64(lease));
     }; // the connection goes back to the pool while the inner service runs
+    drop(op);
     parts.extensions.insert(Claimed {
         key: ir.key.clone(),
         scope: ir.scope.clone(),
@@ -529,7 +551,8 @@ async fn complete(
     let status_i = i32::from(status.as_u16());
     let (key, scope, token) = (ir.key.as_str(), ir.scope.as_str(), c.token);
     let text = text.as_str();
-    let mut done = retrying(cfg, retry_until, |db| async move {
+    let op = Op::complete(scope, key, token);
+    let mut done = retrying(cfg, retry_until, Some(&op), |db| async move {
         let r = store::complete_via(
             &pooled(cfg, &db),
             key,
@@ -547,7 +570,7 @@ async fn complete(
     if matches!(&done, Err(Some(e)) if store::sqlstate(e) == Some("IK002")) {
         // Already completed: by this very completion if an earlier try committed and only its
         // answer was lost with the connection. The token tells: nobody else holds it.
-        let ours = retrying(cfg, retry_until, |db| async move {
+        let ours = retrying(cfg, retry_until, None, |db| async move {
             let r = store::completed_with(&pooled(cfg, &db), key, scope, token).await;
             (db, r)
         })
@@ -556,6 +579,12 @@ async fn complete(
             done = Ok(expires);
         }
     }
+    match &done {
+        Ok(_) => {}
+        Err(Some(e)) => op.failed(e),
+        Err(None) => op.failed_as("connection"),
+    }
+    drop(op);
     match done {
         Ok(expires) => {
             // The live answer is the handler's, untouched but for the idempotency headers.
@@ -593,6 +622,7 @@ async fn fenced_off(cfg: &Config, ir: &IdemRequest) -> Response {
         return unavailable(&ir.echo);
     };
     let db = pooled(cfg, &client);
+    let op = Op::claim(&ir.scope, &ir.key);
     let c = match store::claim_via(
         &db,
         ir,
@@ -602,11 +632,20 @@ async fn fenced_off(cfg: &Config, ir: &IdemRequest) -> Response {
     .await
     {
         Ok(c) => c,
-        Err(e) => return store::db_error(&e, &ir.echo),
+        Err(e) => {
+            op.failed(&e);
+            return store::db_error(&e, &ir.echo);
+        }
     };
+    op.claimed(&c);
+    drop(op);
     if c.outcome == Outcome::New {
         // Do not start over inside this request.
-        let _ = store::release_via(&db, &ir.key, &ir.scope, c.token).await;
+        let op = Op::release(&ir.scope, &ir.key, c.token);
+        if let Ok(released) = op.result(store::release_via(&db, &ir.key, &ir.scope, c.token).await)
+        {
+            op.released(released);
+        }
         let mut echo = ir.echo.clone();
         echo.retry_after = Some(1);
         return finish(
@@ -625,22 +664,29 @@ async fn fenced_off(cfg: &Config, ir: &IdemRequest) -> Response {
 /// `release`, retried on new connections until `deadline`.
 async fn release(cfg: &Config, deadline: Instant, ir: &IdemRequest, token: Option<i64>) {
     let (key, scope) = (ir.key.as_str(), ir.scope.as_str());
-    let _ = retrying(cfg, deadline, |db| async move {
+    let op = Op::release(scope, key, token);
+    match retrying(cfg, deadline, Some(&op), |db| async move {
         let r = store::release_via(&pooled(cfg, &db), key, scope, token).await;
         (db, r)
     })
-    .await;
+    .await
+    {
+        Ok(released) => op.released(released),
+        Err(Some(e)) => op.failed(&e),
+        Err(None) => op.failed_as("connection"),
+    }
 }
 
 /// Runs `f` on a pooled connection; after a transient error (connection lost, server restarting,
 /// the pooler's own failure) again on a new one, with backoff, until `deadline` (at least once).
-/// `Err(None)`: no connection could be had.
+/// `Err(None)`: no connection could be had. `op` counts the tries after the first.
 ///
 /// `f` gets the connection and hands it back with its result (a closure that borrowed it would
 /// make the future not `Send`).
 async fn retrying<T, F, Fut>(
     cfg: &Config,
     deadline: Instant,
+    op: Option<&Op>,
     mut f: F,
 ) -> Result<T, Option<tokio_postgres::Error>>
 where
@@ -676,6 +722,9 @@ where
         }
         tokio::time::sleep(pause.min(deadline - now)).await;
         pause = (pause * 2).min(Duration::from_secs(1));
+        if let Some(op) = op {
+            op.retried();
+        }
     }
 }
 

@@ -57,6 +57,7 @@
 pub mod body;
 pub mod key;
 mod layer;
+mod otel;
 pub mod request;
 pub mod response;
 pub mod store;

@@ -16,6 +16,7 @@ use axum::response::Response;
 use tokio_postgres::types::{ToSql, Type};
 use tokio_postgres::{GenericClient, Row};
 
+use crate::otel::Op;
 use crate::request::IdemRequest;
 use crate::response::{default_replay_headers, finish, problem, replayed, Echo};
 
@@ -146,7 +147,10 @@ pub async fn claim<C: GenericClient + Sync>(
     ttl_secs: f64,
     lease_secs: f64,
 ) -> Result<Claim, tokio_postgres::Error> {
-    claim_via(&Unnamed(db), ctx, ttl_secs, lease_secs).await
+    let op = Op::claim(&ctx.scope, &ctx.key);
+    let c = op.result(claim_via(&Unnamed(db), ctx, ttl_secs, lease_secs).await)?;
+    op.claimed(&c);
+    Ok(c)
 }
 
 pub(crate) async fn claim_via(
@@ -403,7 +407,8 @@ pub async fn complete<C: GenericClient + Sync>(
     body: &str,
     ttl_secs: Option<f64>,
 ) -> Result<(String, SystemTime), tokio_postgres::Error> {
-    complete_via(&Unnamed(db), key, scope, token, status, body, ttl_secs).await
+    let op = Op::complete(scope, key, token);
+    op.result(complete_via(&Unnamed(db), key, scope, token, status, body, ttl_secs).await)
 }
 
 pub(crate) async fn complete_via(
@@ -439,7 +444,10 @@ pub async fn release<C: GenericClient + Sync>(
     scope: &str,
     token: Option<i64>,
 ) -> Result<bool, tokio_postgres::Error> {
-    release_via(&Unnamed(db), key, scope, token).await
+    let op = Op::release(scope, key, token);
+    let released = op.result(release_via(&Unnamed(db), key, scope, token).await)?;
+    op.released(released);
+    Ok(released)
 }
 
 pub(crate) async fn release_via(
@@ -469,17 +477,20 @@ pub async fn checkpoint<C: GenericClient + Sync>(
     token: Option<i64>,
     recovery_point: &str,
 ) -> Result<(), tokio_postgres::Error> {
-    Unnamed(db)
-        .rows(
-            "SELECT idempotency.checkpoint($1, $2, scope => $3, token => $4)",
-            &[
-                (&key, Type::TEXT),
-                (&recovery_point, Type::TEXT),
-                (&scope, Type::TEXT),
-                (&token, Type::INT8),
-            ],
-        )
-        .await?;
+    let op = Op::checkpoint(scope, key, token);
+    op.result(
+        Unnamed(db)
+            .rows(
+                "SELECT idempotency.checkpoint($1, $2, scope => $3, token => $4)",
+                &[
+                    (&key, Type::TEXT),
+                    (&recovery_point, Type::TEXT),
+                    (&scope, Type::TEXT),
+                    (&token, Type::INT8),
+                ],
+            )
+            .await,
+    )?;
     Ok(())
 }
 

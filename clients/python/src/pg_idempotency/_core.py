@@ -20,6 +20,8 @@ from typing import Any, Callable, List, Optional, Sequence
 
 import psycopg
 
+from . import _otel
+
 # The lease a new claim got, in seconds (what locked_until - now() is in the claim's transaction):
 # the lease asked for, else the server's idempotency.default_lease, at most the TTL. The client
 # retries a completion that a broken connection interrupted for as long as the lease leaves time.
@@ -240,11 +242,14 @@ class _Calls:
     def claim(self, key: str, request: Any = None, scope: str = "", ttl: Optional[dt.timedelta] = None,
               lease: Optional[dt.timedelta] = None) -> ClaimResult:
         """Raises InvalidKey for a key or scope the extension refuses."""
-        try:
-            row = self.execute(CLAIM_SQL, claim_params(key, request, scope, ttl, lease))
-        except psycopg.Error as e:
-            invalid_key_or_raise(e)
-        return ClaimResult.from_row(key, scope, row)
+        with _otel.Op("claim", scope, key) as op:
+            try:
+                row = self.execute(CLAIM_SQL, claim_params(key, request, scope, ttl, lease))
+            except psycopg.Error as e:
+                invalid_key_or_raise(e)
+            result = ClaimResult.from_row(key, scope, row)
+            op.claimed(result)
+            return result
 
     def _finishing_patience(self, lease_ends: Optional[float]) -> Optional[float]:
         """How long complete, release and checkpoint are repeated on a new connection when the
@@ -262,10 +267,11 @@ class _Calls:
         first try had committed raises Fenced (IK002)."""
         params = {"key": key, "response": response if response_is_json else to_json(response),
                   "status": status, "scope": scope, "token": token, "ttl": ttl}
-        try:
-            return self.execute(COMPLETE_SQL, params, patience=self._finishing_patience(lease_ends))[0]
-        except Exception as e:
-            fenced_or_raise(e)
+        with _otel.Op("complete", scope, key, token):
+            try:
+                return self.execute(COMPLETE_SQL, params, patience=self._finishing_patience(lease_ends))[0]
+            except Exception as e:
+                fenced_or_raise(e)
 
     def claim_many(self, keys: Sequence[str], requests: Optional[Sequence[Any]] = None, scope: str = "",
                    ttl: Optional[dt.timedelta] = None, lease: Optional[dt.timedelta] = None) -> List[ClaimResult]:
@@ -291,16 +297,20 @@ class _Calls:
 
     def release(self, key: str, scope: str = "", token: Optional[int] = None,
                 lease_ends: Optional[float] = None) -> bool:
-        return self.execute(RELEASE_SQL, {"key": key, "scope": scope, "token": token},
-                            patience=self._finishing_patience(lease_ends))[0]
+        with _otel.Op("release", scope, key, token) as op:
+            released = self.execute(RELEASE_SQL, {"key": key, "scope": scope, "token": token},
+                                    patience=self._finishing_patience(lease_ends))[0]
+            op.released(released)
+            return released
 
     def checkpoint(self, key: str, point: str, scope: str = "", token: Optional[int] = None,
                    lease_ends: Optional[float] = None) -> None:
-        try:
-            self.execute(CHECKPOINT_SQL, {"key": key, "point": point, "scope": scope, "token": token},
-                         patience=self._finishing_patience(lease_ends))
-        except Exception as e:
-            fenced_or_raise(e)
+        with _otel.Op("checkpoint", scope, key, token):
+            try:
+                self.execute(CHECKPOINT_SQL, {"key": key, "point": point, "scope": scope, "token": token},
+                             patience=self._finishing_patience(lease_ends))
+            except Exception as e:
+                fenced_or_raise(e)
 
     def forget(self, key: str, scope: str = "") -> bool:
         return self.execute(FORGET_SQL, {"key": key, "scope": scope})[0]
@@ -404,6 +414,7 @@ class Store(_Calls):
                 if not _is_transient(e) or time.monotonic() + pause > deadline:
                     raise
                 log.warning("connection lost (%s); reconnecting", str(e).strip())
+                _otel.retried()
                 self.close()
                 time.sleep(pause)
                 pause = min(pause * 2, 1.0)
@@ -470,6 +481,7 @@ class AsyncStore(_Calls):
                 if not _is_transient(e) or time.monotonic() + pause > deadline:
                     raise
                 log.warning("connection lost (%s); reconnecting", str(e).strip())
+                _otel.retried()
                 await self.close()
                 await asyncio.sleep(pause)
                 pause = min(pause * 2, 1.0)
@@ -501,20 +513,24 @@ class AsyncStore(_Calls):
 
     # The same calls, awaited.
     async def claim(self, key, request=None, scope="", ttl=None, lease=None) -> ClaimResult:
-        try:
-            row = await self.execute(CLAIM_SQL, claim_params(key, request, scope, ttl, lease))
-        except psycopg.Error as e:
-            invalid_key_or_raise(e)
-        return ClaimResult.from_row(key, scope, row)
+        with _otel.Op("claim", scope, key) as op:
+            try:
+                row = await self.execute(CLAIM_SQL, claim_params(key, request, scope, ttl, lease))
+            except psycopg.Error as e:
+                invalid_key_or_raise(e)
+            result = ClaimResult.from_row(key, scope, row)
+            op.claimed(result)
+            return result
 
     async def complete(self, key, response, status=200, scope="", token=None, ttl=None, response_is_json=False,
                        lease_ends=None):
         params = {"key": key, "response": response if response_is_json else to_json(response),
                   "status": status, "scope": scope, "token": token, "ttl": ttl}
-        try:
-            return (await self.execute(COMPLETE_SQL, params, patience=self._finishing_patience(lease_ends)))[0]
-        except Exception as e:
-            fenced_or_raise(e)
+        with _otel.Op("complete", scope, key, token):
+            try:
+                return (await self.execute(COMPLETE_SQL, params, patience=self._finishing_patience(lease_ends)))[0]
+            except Exception as e:
+                fenced_or_raise(e)
 
     async def claim_many(self, keys, requests=None, scope="", ttl=None, lease=None) -> List[ClaimResult]:
         params = claim_many_params(keys, requests, scope, ttl, lease)
@@ -530,15 +546,19 @@ class AsyncStore(_Calls):
             fenced_or_raise(e)
 
     async def release(self, key, scope="", token=None, lease_ends=None) -> bool:
-        return (await self.execute(RELEASE_SQL, {"key": key, "scope": scope, "token": token},
-                                   patience=self._finishing_patience(lease_ends)))[0]
+        with _otel.Op("release", scope, key, token) as op:
+            released = (await self.execute(RELEASE_SQL, {"key": key, "scope": scope, "token": token},
+                                           patience=self._finishing_patience(lease_ends)))[0]
+            op.released(released)
+            return released
 
     async def checkpoint(self, key, point, scope="", token=None, lease_ends=None) -> None:
-        try:
-            await self.execute(CHECKPOINT_SQL, {"key": key, "point": point, "scope": scope, "token": token},
-                               patience=self._finishing_patience(lease_ends))
-        except Exception as e:
-            fenced_or_raise(e)
+        with _otel.Op("checkpoint", scope, key, token):
+            try:
+                await self.execute(CHECKPOINT_SQL, {"key": key, "point": point, "scope": scope, "token": token},
+                                   patience=self._finishing_patience(lease_ends))
+            except Exception as e:
+                fenced_or_raise(e)
 
     async def forget(self, key, scope="") -> bool:
         return (await self.execute(FORGET_SQL, {"key": key, "scope": scope}))[0]

@@ -14,6 +14,7 @@ import logging
 import time
 from typing import Callable, Iterable, Optional
 
+from . import _otel
 from ._core import ALREADY_COMPLETED, IN_PROGRESS, MISMATCH, NEW, AsyncStore, ClaimResult, Fenced, is_unreachable
 from .http import (REPLAY_HEADERS, CLAIM_HTTP_SQL, EXPIRES_SQL, HEADER, KeyError400, Policy, Request, Response, claim_error,
                    claim_params, encode_response, finish, outcome_response, parse_key, problem, scope_of,
@@ -161,26 +162,33 @@ class IdempotencyMiddleware:
         await _send_response(send, finish(resp, echo, expires))
 
     async def _claim(self, req, key, params):
-        deadline = time.monotonic() + self.policy.wait.total_seconds()
-        pause = 0.05
-        while True:
-            try:
-                row = await _bounded(self.store.execute(CLAIM_HTTP_SQL, params, patience=self.policy.connect_timeout),
-                                     self.policy.connect_timeout)
-            except Exception as e:
-                r = claim_error(self.policy, e)
-                if r is not None:
-                    return r
-                if is_unreachable(e):
-                    return _UNREACHABLE
-                log.error("pg_idempotency: the claim failed: %s", e)
-                return unavailable(self.policy)
-            c = ClaimResult.from_row(key, params["scope"], row)
-            left = deadline - time.monotonic()
-            if c.outcome != IN_PROGRESS or left <= 0:
-                return c
-            await asyncio.sleep(min(pause, left))
-            pause = min(pause * 2, 0.5)
+        with _otel.Op("claim", params["scope"], key) as op:
+            started = time.monotonic()
+            deadline = started + self.policy.wait.total_seconds()
+            pause = 0.05
+            while True:
+                try:
+                    row = await _bounded(
+                        self.store.execute(CLAIM_HTTP_SQL, params, patience=self.policy.connect_timeout),
+                        self.policy.connect_timeout)
+                except Exception as e:
+                    op.failed(e)
+                    r = claim_error(self.policy, e)
+                    if r is not None:
+                        return r
+                    if is_unreachable(e):
+                        return _UNREACHABLE
+                    log.error("pg_idempotency: the claim failed: %s", e)
+                    return unavailable(self.policy)
+                c = ClaimResult.from_row(key, params["scope"], row)
+                left = deadline - time.monotonic()
+                if c.outcome != IN_PROGRESS or left <= 0:
+                    op.claimed(c)
+                    if pause > 0.05:  # it waited for an in-progress key
+                        op.waited(time.monotonic() - started)
+                    return c
+                await asyncio.sleep(min(pause, left))
+                pause = min(pause * 2, 0.5)
 
     async def _answer(self, c: ClaimResult, echo):
         expires = None

@@ -32,6 +32,7 @@ from django.db.utils import InterfaceError, OperationalError
 from django.http import HttpResponse
 from django.utils.module_loading import import_string
 
+from . import _otel
 from ._core import (ALREADY_COMPLETED, IN_PROGRESS, MISMATCH, NEW, ClaimResult, Fenced, Store, _Calls,
                     _libpq_timeout, is_unreachable)
 from .http import (REPLAY_HEADERS, CLAIM_HTTP_SQL, EXPIRES_SQL, KeyError400, Policy, Request, Response, claim_error, claim_params,
@@ -188,25 +189,31 @@ class IdempotencyMiddleware:
         return response
 
     def _claim(self, key, params):
-        deadline = time.monotonic() + self.policy.wait.total_seconds()
-        pause = 0.05
-        while True:
-            try:
-                row = self.store.execute(CLAIM_HTTP_SQL, params, patience=self.policy.connect_timeout)
-            except Exception as e:
-                r = claim_error(self.policy, e)
-                if r is not None:
-                    return r
-                if is_unreachable(e):
-                    return _UNREACHABLE
-                log.error("pg_idempotency: the claim failed: %s", e)
-                return unavailable(self.policy)
-            c = ClaimResult.from_row(key, params["scope"], row)
-            left = deadline - time.monotonic()
-            if c.outcome != IN_PROGRESS or left <= 0:
-                return c
-            time.sleep(min(pause, left))
-            pause = min(pause * 2, 0.5)
+        with _otel.Op("claim", params["scope"], key) as op:
+            started = time.monotonic()
+            deadline = started + self.policy.wait.total_seconds()
+            pause = 0.05
+            while True:
+                try:
+                    row = self.store.execute(CLAIM_HTTP_SQL, params, patience=self.policy.connect_timeout)
+                except Exception as e:
+                    op.failed(e)
+                    r = claim_error(self.policy, e)
+                    if r is not None:
+                        return r
+                    if is_unreachable(e):
+                        return _UNREACHABLE
+                    log.error("pg_idempotency: the claim failed: %s", e)
+                    return unavailable(self.policy)
+                c = ClaimResult.from_row(key, params["scope"], row)
+                left = deadline - time.monotonic()
+                if c.outcome != IN_PROGRESS or left <= 0:
+                    op.claimed(c)
+                    if pause > 0.05:  # it waited for an in-progress key
+                        op.waited(time.monotonic() - started)
+                    return c
+                time.sleep(min(pause, left))
+                pause = min(pause * 2, 0.5)
 
     def _answer(self, c: ClaimResult, echo):
         expires = None

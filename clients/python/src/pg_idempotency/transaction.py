@@ -14,6 +14,7 @@ from typing import Any, Optional
 
 import psycopg
 
+from . import _otel
 from ._core import (CLAIM_SQL, COMPLETE_SQL, IN_PROGRESS, MISMATCH, NEW, REPLAY, ClaimResult, InProgress, Mismatch,
                     claim_params, fenced_or_raise, to_json)
 
@@ -46,26 +47,32 @@ class TransactionClaim:
         """Stores the answer in the same transaction; returns the key's new expires_at."""
         if self.result.outcome != NEW:
             raise RuntimeError("complete() is only for a new claim")
-        try:
-            self.completed_expires_at = self._conn.execute(COMPLETE_SQL, self._params(response, status),
-                                                           prepare=False).fetchone()[0]
-        except psycopg.Error as e:
-            fenced_or_raise(e)
+        with _otel.Op("complete", self.result.scope, self.result.key, self.result.token):
+            try:
+                self.completed_expires_at = self._conn.execute(COMPLETE_SQL, self._params(response, status),
+                                                               prepare=False).fetchone()[0]
+            except psycopg.Error as e:
+                fenced_or_raise(e)
         return self.completed_expires_at
 
     async def acomplete(self, response: Any, status: int = 200) -> dt.datetime:
         if self.result.outcome != NEW:
             raise RuntimeError("complete() is only for a new claim")
-        try:
-            cur = await self._conn.execute(COMPLETE_SQL, self._params(response, status), prepare=False)
-            self.completed_expires_at = (await cur.fetchone())[0]
-        except psycopg.Error as e:
-            fenced_or_raise(e)
+        with _otel.Op("complete", self.result.scope, self.result.key, self.result.token):
+            try:
+                cur = await self._conn.execute(COMPLETE_SQL, self._params(response, status), prepare=False)
+                self.completed_expires_at = (await cur.fetchone())[0]
+            except psycopg.Error as e:
+                fenced_or_raise(e)
         return self.completed_expires_at
 
 
 def _wait_params(wait):
     return {"ms": str(int(wait.total_seconds() * 1000))}
+
+
+def _wait_seconds(wait) -> Optional[float]:
+    return None if wait is None else wait.total_seconds()
 
 
 def _check(result: ClaimResult):
@@ -89,10 +96,12 @@ def idempotency_transaction(conn: psycopg.Connection, key: str, *, request: Any 
     wait that long for the other transaction (idempotency.claim_wait), which then usually turns
     into a replay. A new claim must be completed with `c.complete(...)` before the block ends."""
     with conn.transaction():
-        if wait is not None:
-            conn.execute(_WAIT_SQL, _wait_params(wait), prepare=False)
-        row = conn.execute(CLAIM_SQL, claim_params(key, request, scope, ttl, None), prepare=False).fetchone()
-        result = ClaimResult.from_row(key, scope, row)
+        with _otel.Op("claim", scope, key, claim_wait=_wait_seconds(wait)) as op:
+            if wait is not None:
+                conn.execute(_WAIT_SQL, _wait_params(wait), prepare=False)
+            row = conn.execute(CLAIM_SQL, claim_params(key, request, scope, ttl, None), prepare=False).fetchone()
+            result = ClaimResult.from_row(key, scope, row)
+            op.claimed(result)
         _check(result)
         c = TransactionClaim(conn, result, ttl)
         yield c
@@ -104,10 +113,12 @@ async def aidempotency_transaction(conn: psycopg.AsyncConnection, key: str, *, r
                                    ttl: Optional[dt.timedelta] = None, wait: Optional[dt.timedelta] = None):
     """idempotency_transaction for an AsyncConnection; complete with `await c.acomplete(...)`."""
     async with conn.transaction():
-        if wait is not None:
-            await conn.execute(_WAIT_SQL, _wait_params(wait), prepare=False)
-        cur = await conn.execute(CLAIM_SQL, claim_params(key, request, scope, ttl, None), prepare=False)
-        result = ClaimResult.from_row(key, scope, await cur.fetchone())
+        with _otel.Op("claim", scope, key, claim_wait=_wait_seconds(wait)) as op:
+            if wait is not None:
+                await conn.execute(_WAIT_SQL, _wait_params(wait), prepare=False)
+            cur = await conn.execute(CLAIM_SQL, claim_params(key, request, scope, ttl, None), prepare=False)
+            result = ClaimResult.from_row(key, scope, await cur.fetchone())
+            op.claimed(result)
         _check(result)
         c = TransactionClaim(conn, result, ttl)
         yield c
