@@ -114,8 +114,24 @@ SELECT NULL::name AS database,
        NULL::boolean AS sweeper_enabled;
 DROP FUNCTION idempotency._cluster_stats();
 DROP FUNCTION idempotency._shared_stats();
-BODY idempotency._shared_stats
-LANGUAGE plpgsql
+CREATE OR REPLACE FUNCTION idempotency._shared_stats(
+    OUT preloaded          boolean,
+    OUT claims_new         bigint,
+    OUT claims_replay      bigint,
+    OUT claims_in_progress bigint,
+    OUT claims_mismatch    bigint,
+    OUT completions        bigint,
+    OUT releases           bigint,
+    OUT rows_swept         bigint,
+    OUT last_sweep_at      timestamptz,
+    OUT last_sweep_rows    bigint,
+    OUT takeovers            bigint,
+    OUT stale_tokens_refused bigint,
+    OUT claims_waited        bigint,
+    OUT claim_wait_seconds   double precision,
+    OUT last_sweep_error     text
+)
+LANGUAGE plpgsql VOLATILE PARALLEL SAFE
 SET search_path = pg_catalog, pg_temp
 AS $fn$
 BEGIN

@@ -554,7 +554,9 @@ def update_body(old_plain, old_path, new_body, native_upgrade, native_upgrade_pa
     def replace(m):
         if m.group(1) not in portable:
             fail(f"{native_upgrade_path}: no portable body for the LANGUAGE c function {m.group(1)}")
-        fn = strip_comments(portable[m.group(1)])
+        # The function as the portable install declares it: the native declaration, the body.
+        fn = next((c for n, c in new_fns.values() if n == m.group(1)), portable[m.group(1)])
+        fn = strip_comments(fn)
         return re.sub(r"^CREATE FUNCTION ", "CREATE OR REPLACE FUNCTION ", fn)
 
     text = C_FUNCTION.sub(replace, text)

@@ -191,7 +191,8 @@ def test_a_scrape_of_a_large_store_scans_no_table_and_estimates_its_rows(db):
     for column, n in zip(("rows_in_progress", "rows_completed", "rows_expired"), exact):
         assert abs(s[column] - n) <= 0.15 * n, (column, s[column], n)
     assert 60 <= s["sweep_lag_seconds"] < 120
-    db.execute("DELETE FROM idempotency.idempotency_keys")
+    # Small again, so that the next tests' views count exactly.
+    db.execute("TRUNCATE idempotency.idempotency_keys")
 
 
 @pytest.mark.skipif(EDITION != "portable", reason="the portable edition's NULL counters")
