@@ -534,11 +534,14 @@ def update_body(old_plain, old_path, new_body, native_upgrade, native_upgrade_pa
                  f"cannot make from the sources: {s[:200]}")
 
     out = []
-    # 1. Functions a fresh install no longer has, or whose result changed: dropped.
+    # 1. Functions a fresh install no longer has, or whose result changed: dropped (here,
+    # unless the native upgrade script drops them itself, in its own order: after pointing a
+    # view that uses one elsewhere, say).
     dropped = set()
     for sig, (name, chunk) in old_fns.items():
         if sig not in new_fns or result(strip_comments(chunk)) != result(strip_comments(new_fns[sig][1])):
-            out.append(drop_statement(strip_comments(chunk)))
+            if not re.search(rf"^DROP FUNCTION idempotency\.{name}\(", native_upgrade, re.M):
+                out.append(drop_statement(strip_comments(chunk)))
             dropped.add(sig)
     if out:
         out.insert(0, "-- Functions of the previous release that this one does not have (or declares otherwise).\n")
@@ -551,7 +554,9 @@ def update_body(old_plain, old_path, new_body, native_upgrade, native_upgrade_pa
     def replace(m):
         if m.group(1) not in portable:
             fail(f"{native_upgrade_path}: no portable body for the LANGUAGE c function {m.group(1)}")
-        fn = strip_comments(portable[m.group(1)])
+        # The function as the portable install declares it: the native declaration, the body.
+        fn = next((c for n, c in new_fns.values() if n == m.group(1)), portable[m.group(1)])
+        fn = strip_comments(fn)
         return re.sub(r"^CREATE FUNCTION ", "CREATE OR REPLACE FUNCTION ", fn)
 
     text = C_FUNCTION.sub(replace, text)

@@ -165,7 +165,8 @@ RETURNS text
 LANGUAGE c VOLATILE PARALLEL UNSAFE
 AS 'MODULE_PATHNAME', 'idempotency_key';
 
--- Counts releases in shared memory (a no-op unless preloaded); the C functions count the rest.
+-- Counts releases and IK003 answers ('stale_token') in shared memory (a no-op unless
+-- preloaded); the C functions count the rest.
 CREATE FUNCTION idempotency._count(event text)
 RETURNS void
 LANGUAGE c VOLATILE PARALLEL SAFE
@@ -253,12 +254,16 @@ BEGIN
             MESSAGE = pg_catalog.format('cannot %s key %s in scope %L: it is already completed', p_action, v_label, p_scope),
             HINT = 'a completed key replays its stored response; claim it to read that response';
     ELSIF p_token OPERATOR(pg_catalog.<) r.token THEN
+        -- Counted (stats.stale_tokens_refused) before the error undoes the transaction: the
+        -- counters are not transactional.
+        PERFORM idempotency._count('stale_token');
         RAISE EXCEPTION USING
             ERRCODE = 'IK003',
             MESSAGE = pg_catalog.format('cannot %s key %s in scope %L: token %s is stale, the current token is %s',
                                         p_action, v_label, p_scope, p_token, r.token),
             HINT = 'another worker took the key over after this lease ran out (or the token is another key''s); abandon this attempt';
     ELSE
+        PERFORM idempotency._count('stale_token');
         RAISE EXCEPTION USING
             ERRCODE = 'IK003',
             MESSAGE = pg_catalog.format('cannot %s key %s in scope %L: token %s was never issued for it, the current token is %s',
@@ -1326,7 +1331,12 @@ CREATE FUNCTION idempotency._shared_stats(
     OUT releases           bigint,
     OUT rows_swept         bigint,
     OUT last_sweep_at      timestamptz,
-    OUT last_sweep_rows    bigint
+    OUT last_sweep_rows    bigint,
+    OUT takeovers            bigint,
+    OUT stale_tokens_refused bigint,
+    OUT claims_waited        bigint,
+    OUT claim_wait_seconds   double precision,
+    OUT last_sweep_error     text
 )
 LANGUAGE c VOLATILE PARALLEL SAFE
 AS 'MODULE_PATHNAME', 'idempotency_shared_stats';
@@ -1345,7 +1355,12 @@ CREATE FUNCTION idempotency._cluster_stats(
     OUT releases           bigint,
     OUT rows_swept         bigint,
     OUT last_sweep_at      timestamptz,
-    OUT last_sweep_rows    bigint
+    OUT last_sweep_rows    bigint,
+    OUT takeovers            bigint,
+    OUT stale_tokens_refused bigint,
+    OUT claims_waited        bigint,
+    OUT claim_wait_seconds   double precision,
+    OUT last_sweep_error     text
 )
 RETURNS SETOF record
 LANGUAGE plpgsql VOLATILE
@@ -1378,7 +1393,8 @@ BEGIN
                                                     v_node.nodeid, v_node.result),
                         HINT = 'the store is distributed: its statistics need every node (see pg_dist_node)';
                 END IF;
-                v_docs := v_docs OPERATOR(pg_catalog.||) v_node.result::jsonb;
+                v_docs := v_docs OPERATOR(pg_catalog.||)
+                          (v_node.result::jsonb OPERATOR(pg_catalog.||) pg_catalog.jsonb_build_object('node', v_node.nodeid));
             END LOOP;
             RETURN QUERY
             SELECT pg_catalog.bool_and(j.preloaded),
@@ -1388,12 +1404,20 @@ BEGIN
                    pg_catalog.sum(j.rows_swept)::bigint,
                    CASE WHEN pg_catalog.bool_and(j.last_sweep_at IS NOT NULL)
                         THEN pg_catalog.min(j.last_sweep_at) END,
-                   pg_catalog.sum(j.last_sweep_rows)::bigint
+                   pg_catalog.sum(j.last_sweep_rows)::bigint,
+                   pg_catalog.sum(j.takeovers)::bigint, pg_catalog.sum(j.stale_tokens_refused)::bigint,
+                   pg_catalog.sum(j.claims_waited)::bigint,
+                   pg_catalog.sum(j.claim_wait_seconds)::double precision,
+                   -- A node whose last sweep failed shows, named.
+                   pg_catalog.string_agg(pg_catalog.format('node %s: %s', j.node, j.last_sweep_error), '; ' ORDER BY j.node)
+                       FILTER (WHERE j.last_sweep_error IS NOT NULL)
               FROM pg_catalog.unnest(v_docs) AS d(doc),
                    pg_catalog.jsonb_to_record(d.doc) AS j(preloaded boolean, claims_new bigint,
                        claims_replay bigint, claims_in_progress bigint, claims_mismatch bigint,
                        completions bigint, releases bigint, rows_swept bigint,
-                       last_sweep_at timestamptz, last_sweep_rows bigint);
+                       last_sweep_at timestamptz, last_sweep_rows bigint, takeovers bigint,
+                       stale_tokens_refused bigint, claims_waited bigint,
+                       claim_wait_seconds double precision, last_sweep_error text, node integer);
             RETURN;
         END IF;
     END IF;
@@ -1401,8 +1425,103 @@ BEGIN
 END
 $fn$;
 
+-- Monitoring: a schema of its own, so that a monitoring role is granted the counters and
+-- nothing else (GRANT USAGE ON SCHEMA idempotency_monitor TO monitor). USAGE on schema
+-- idempotency is the application's grant, the whole API. The view is idempotency.stats (the
+-- same columns, kept in step: test_privileges.py); it reads the table as its owner, and its
+-- counters (_shared_stats) answer roles granted this schema.
+CREATE SCHEMA idempotency_monitor;
+COMMENT ON SCHEMA idempotency_monitor IS
+    'The counters of idempotency.stats for monitoring roles: GRANT USAGE ON SCHEMA idempotency_monitor TO <role>';
+
+-- The exact row counts of the store: live rows by status, and expired rows not yet swept (a
+-- scan of the whole table; the stats views estimate them). As the caller: for the store's
+-- owner, superusers and roles granted SELECT on idempotency.idempotency_keys.
+CREATE FUNCTION idempotency.count_keys()
+RETURNS TABLE (rows_in_progress bigint, rows_completed bigint, rows_expired bigint)
+LANGUAGE sql STABLE
+SET search_path = pg_catalog, pg_temp
+AS $fn$
+    SELECT pg_catalog.count(*) FILTER (
+               WHERE k.status OPERATOR(pg_catalog.=) 'in_progress'::idempotency.key_status
+                 AND k.expires_at OPERATOR(pg_catalog.>) pg_catalog.now()),
+           pg_catalog.count(*) FILTER (
+               WHERE k.status OPERATOR(pg_catalog.=) 'completed'::idempotency.key_status
+                 AND k.expires_at OPERATOR(pg_catalog.>) pg_catalog.now()),
+           pg_catalog.count(*) FILTER (
+               WHERE k.expires_at OPERATOR(pg_catalog.<=) pg_catalog.now())
+      FROM idempotency.idempotency_keys AS k
+$fn$;
+
+-- The store's rows for the stats views, at a cost that does not grow with the store: counted
+-- exactly (count_keys) while the table is at most 128 pages (1 MB; also on Citus, whose
+-- coordinator holds no rows), otherwise the planner's estimates (from the statistics that
+-- ANALYZE and autovacuum keep, scaled to the table's current size). The oldest expiry through
+-- the sweep index: the first row in its order, then the rows keyed no later than that row's
+-- expiry (a row's key, the expiry its claim set, is never later than its expires_at: see
+-- docs/architecture.md#the-sweep-index). SECURITY DEFINER, reading the table as its owner; in
+-- this schema, so that it is named only by the views and by roles granted the schema.
+CREATE FUNCTION idempotency_monitor._store_rows(
+    OUT rows_in_progress bigint,
+    OUT rows_completed   bigint,
+    OUT rows_expired     bigint,
+    OUT oldest_expiry    timestamptz
+)
+RETURNS record
+LANGUAGE plpgsql VOLATILE SECURITY DEFINER
+SET search_path = pg_catalog, pg_temp
+AS $fn$
+DECLARE
+    v_pages bigint;
+    v_first timestamptz;
+    v_plan json;
+BEGIN
+    -- The table, or its partitions (a partitioned table has no pages of its own).
+    SELECT COALESCE(pg_catalog.sum(pg_catalog.pg_relation_size(c.oid)), 0)
+           OPERATOR(pg_catalog./) pg_catalog.current_setting('block_size')::bigint
+      INTO v_pages
+      FROM pg_catalog.pg_class AS c
+     WHERE c.oid OPERATOR(pg_catalog.=) 'idempotency.idempotency_keys'::pg_catalog.regclass
+        OR c.oid OPERATOR(pg_catalog.=) ANY (
+               SELECT t.relid FROM pg_catalog.pg_partition_tree('idempotency.idempotency_keys'::pg_catalog.regclass) AS t
+                WHERE t.isleaf);
+    IF v_pages OPERATOR(pg_catalog.<=) 128 THEN
+        SELECT c.rows_in_progress, c.rows_completed, c.rows_expired
+          INTO rows_in_progress, rows_completed, rows_expired
+          FROM idempotency.count_keys() AS c;
+    ELSE
+        EXECUTE 'EXPLAIN (FORMAT JSON) SELECT FROM idempotency.idempotency_keys AS k '
+                'WHERE k.status OPERATOR(pg_catalog.=) ''in_progress''::idempotency.key_status '
+                'AND k.expires_at OPERATOR(pg_catalog.>) pg_catalog.now()' INTO v_plan;
+        rows_in_progress := (v_plan OPERATOR(pg_catalog.->) 0 OPERATOR(pg_catalog.->) 'Plan'
+                             OPERATOR(pg_catalog.->>) 'Plan Rows')::numeric::bigint;
+        EXECUTE 'EXPLAIN (FORMAT JSON) SELECT FROM idempotency.idempotency_keys AS k '
+                'WHERE k.status OPERATOR(pg_catalog.=) ''completed''::idempotency.key_status '
+                'AND k.expires_at OPERATOR(pg_catalog.>) pg_catalog.now()' INTO v_plan;
+        rows_completed := (v_plan OPERATOR(pg_catalog.->) 0 OPERATOR(pg_catalog.->) 'Plan'
+                           OPERATOR(pg_catalog.->>) 'Plan Rows')::numeric::bigint;
+        EXECUTE 'EXPLAIN (FORMAT JSON) SELECT FROM idempotency.idempotency_keys AS k '
+                'WHERE k.expires_at OPERATOR(pg_catalog.<=) pg_catalog.now()' INTO v_plan;
+        rows_expired := (v_plan OPERATOR(pg_catalog.->) 0 OPERATOR(pg_catalog.->) 'Plan'
+                         OPERATOR(pg_catalog.->>) 'Plan Rows')::numeric::bigint;
+    END IF;
+    SELECT k.expires_at INTO v_first
+      FROM idempotency.idempotency_keys AS k
+     ORDER BY ((k.created_at AT TIME ZONE 'UTC') OPERATOR(pg_catalog.+) k.ttl)
+     LIMIT 1;
+    IF v_first IS NOT NULL THEN
+        -- Planned with the bound's value, so that the range is read through the index.
+        EXECUTE 'SELECT pg_catalog.min(k.expires_at) FROM idempotency.idempotency_keys AS k '
+                'WHERE ((k.created_at AT TIME ZONE ''UTC'') OPERATOR(pg_catalog.+) k.ttl) '
+                'OPERATOR(pg_catalog.<=) $1'
+          INTO oldest_expiry USING v_first AT TIME ZONE 'UTC';
+    END IF;
+END
+$fn$;
+
 -- One row for the current database: the store's contents (expired rows count apart: they are
--- absent to claim and wait for the sweeper) and the counters since server start.
+-- absent to claim and wait for the sweeper; estimated on a large store, count_keys counts
+-- exactly), the counters since server start, and how far the sweep is behind.
 CREATE VIEW idempotency.stats AS
 SELECT pg_catalog.current_database() AS database,
        t.rows_in_progress,
@@ -1418,27 +1537,18 @@ SELECT pg_catalog.current_database() AS database,
        s.completions,
        s.releases,
        s.rows_swept,
-       s.preloaded AS sweeper_enabled
-  FROM (SELECT pg_catalog.count(*) FILTER (
-                   WHERE k.status OPERATOR(pg_catalog.=) 'in_progress'::idempotency.key_status
-                     AND k.expires_at OPERATOR(pg_catalog.>) pg_catalog.now()) AS rows_in_progress,
-               pg_catalog.count(*) FILTER (
-                   WHERE k.status OPERATOR(pg_catalog.=) 'completed'::idempotency.key_status
-                     AND k.expires_at OPERATOR(pg_catalog.>) pg_catalog.now()) AS rows_completed,
-               pg_catalog.count(*) FILTER (
-                   WHERE k.expires_at OPERATOR(pg_catalog.<=) pg_catalog.now()) AS rows_expired,
-               pg_catalog.min(k.expires_at) AS oldest_expiry
-          FROM idempotency.idempotency_keys AS k) AS t,
+       s.preloaded AS sweeper_enabled,
+       s.takeovers,
+       s.stale_tokens_refused,
+       s.claims_waited,
+       s.claim_wait_seconds,
+       CASE WHEN t.oldest_expiry OPERATOR(pg_catalog.<=) pg_catalog.now()
+            THEN pg_catalog.date_part('epoch', pg_catalog.now() OPERATOR(pg_catalog.-) t.oldest_expiry)
+       END AS sweep_lag_seconds,
+       s.last_sweep_error
+  FROM idempotency_monitor._store_rows() AS t,
        idempotency._cluster_stats() AS s;
 
--- Monitoring: a schema of its own, so that a monitoring role is granted the counters and
--- nothing else (GRANT USAGE ON SCHEMA idempotency_monitor TO monitor). USAGE on schema
--- idempotency is the application's grant, the whole API. The view is idempotency.stats (the
--- same columns, kept in step: test_privileges.py); it reads the table as its owner, and its
--- counters (_shared_stats) answer roles granted this schema.
-CREATE SCHEMA idempotency_monitor;
-COMMENT ON SCHEMA idempotency_monitor IS
-    'The counters of idempotency.stats for monitoring roles: GRANT USAGE ON SCHEMA idempotency_monitor TO <role>';
 CREATE VIEW idempotency_monitor.stats AS
 SELECT pg_catalog.current_database() AS database,
        t.rows_in_progress,
@@ -1454,17 +1564,16 @@ SELECT pg_catalog.current_database() AS database,
        s.completions,
        s.releases,
        s.rows_swept,
-       s.preloaded AS sweeper_enabled
-  FROM (SELECT pg_catalog.count(*) FILTER (
-                   WHERE k.status OPERATOR(pg_catalog.=) 'in_progress'::idempotency.key_status
-                     AND k.expires_at OPERATOR(pg_catalog.>) pg_catalog.now()) AS rows_in_progress,
-               pg_catalog.count(*) FILTER (
-                   WHERE k.status OPERATOR(pg_catalog.=) 'completed'::idempotency.key_status
-                     AND k.expires_at OPERATOR(pg_catalog.>) pg_catalog.now()) AS rows_completed,
-               pg_catalog.count(*) FILTER (
-                   WHERE k.expires_at OPERATOR(pg_catalog.<=) pg_catalog.now()) AS rows_expired,
-               pg_catalog.min(k.expires_at) AS oldest_expiry
-          FROM idempotency.idempotency_keys AS k) AS t,
+       s.preloaded AS sweeper_enabled,
+       s.takeovers,
+       s.stale_tokens_refused,
+       s.claims_waited,
+       s.claim_wait_seconds,
+       CASE WHEN t.oldest_expiry OPERATOR(pg_catalog.<=) pg_catalog.now()
+            THEN pg_catalog.date_part('epoch', pg_catalog.now() OPERATOR(pg_catalog.-) t.oldest_expiry)
+       END AS sweep_lag_seconds,
+       s.last_sweep_error
+  FROM idempotency_monitor._store_rows() AS t,
        -- Without Citus, this server's counters straight from the C function, which checks the
        -- querying role itself: the PL/pgSQL _cluster_stats would name idempotency._shared_stats
        -- as that role, and a role granted only the monitoring schema may name nothing in schema

@@ -18,9 +18,20 @@ pub enum Event {
     Completion = 4,
     Release = 5,
     Swept = 6,
+    /// A claim that took over an in-progress key whose lease had run out.
+    Takeover = 7,
+    /// An IK003 answer: a completion or checkpoint with a stale (or foreign) token.
+    StaleTokenRefused = 8,
+    /// A claim that waited for a busy key under `idempotency.claim_wait`.
+    ClaimWaited = 9,
+    /// The microseconds those claims waited, in all.
+    ClaimWaitMicros = 10,
 }
 
-pub const EVENTS: usize = 7;
+pub const EVENTS: usize = 11;
+
+/// The bytes of a failed sweep's message kept (cut at a character boundary).
+pub const SWEEP_ERROR_BYTES: usize = 240;
 
 /// What the last sweeper visit to a database found.
 #[derive(Clone, Copy, Default, Debug, PartialEq, Eq)]
@@ -35,7 +46,7 @@ pub enum ExtensionSeen {
     Absent,
 }
 
-#[derive(Clone, Copy, Default)]
+#[derive(Clone, Copy)]
 pub struct Slot {
     pub database: u32,
     /// What the last sweeper visit found.
@@ -44,6 +55,32 @@ pub struct Slot {
     /// Microseconds since 2000-01-01 of the last finished sweep of this database, or 0.
     pub last_sweep_at: i64,
     pub last_sweep_rows: i64,
+    /// The message of the last sweep of this database that failed, if no sweep finished since:
+    /// its first `last_sweep_error_len` bytes (UTF-8).
+    pub last_sweep_error: [u8; SWEEP_ERROR_BYTES],
+    pub last_sweep_error_len: u16,
+}
+
+impl Default for Slot {
+    fn default() -> Self {
+        Slot {
+            database: 0,
+            extension: ExtensionSeen::default(),
+            counters: [0; EVENTS],
+            last_sweep_at: 0,
+            last_sweep_rows: 0,
+            last_sweep_error: [0; SWEEP_ERROR_BYTES],
+            last_sweep_error_len: 0,
+        }
+    }
+}
+
+impl Slot {
+    /// The message of the last failed sweep, while no sweep has finished since.
+    pub fn sweep_error(&self) -> Option<&str> {
+        let len = usize::from(self.last_sweep_error_len).min(SWEEP_ERROR_BYTES);
+        (len > 0).then(|| std::str::from_utf8(&self.last_sweep_error[..len]).unwrap_or("?"))
+    }
 }
 
 /// Databases that ran CREATE EXTENSION since the launcher last looked.
@@ -218,7 +255,50 @@ pub fn sweep_finished(rows: i64) {
     with_slot(current_database(), |s| {
         s.last_sweep_at = now;
         s.last_sweep_rows = rows;
+        s.last_sweep_error_len = 0;
     });
+}
+
+/// Records a sweep of the current database that failed with `message` (kept until a sweep
+/// finishes).
+pub fn sweep_failed(message: &str) {
+    let mut end = message.len().min(SWEEP_ERROR_BYTES);
+    while !message.is_char_boundary(end) {
+        end -= 1;
+    }
+    with_slot(current_database(), |s| {
+        s.last_sweep_error[..end].copy_from_slice(&message.as_bytes()[..end]);
+        s.last_sweep_error_len = end as u16;
+    });
+}
+
+/// Runs a sweep (`f`), recording its error, if it raises one, as the database's last sweep
+/// error (then raised as it was). Only the counters are touched on the way: nothing else runs
+/// before the error goes on up.
+pub fn sweep_recording_error<R>(f: impl FnOnce() -> R) -> R {
+    if !enabled() {
+        return f();
+    }
+    pgrx::pg_sys::PgTryBuilder::new(std::panic::AssertUnwindSafe(f))
+        .catch_others(|e| {
+            match &e {
+                pgrx::pg_sys::panic::CaughtError::PostgresError(r)
+                | pgrx::pg_sys::panic::CaughtError::ErrorReport(r)
+                | pgrx::pg_sys::panic::CaughtError::RustPanic { ereport: r, .. } => sweep_failed(
+                    &format!("{}: {}", sqlstate(r.sql_error_code()), r.message()),
+                ),
+            }
+            e.rethrow()
+        })
+        .execute()
+}
+
+/// The five characters of an error code (as the server's unpack_sql_state).
+fn sqlstate(code: pgrx::PgSqlErrorCode) -> String {
+    let code = code as i32;
+    (0..5)
+        .map(|i| char::from((((code >> (6 * i)) & 0x3F) as u8) + b'0'))
+        .collect()
 }
 
 /// Records whether the current database has the extension (called by its sweeper).
@@ -299,6 +379,8 @@ pub fn snapshot() -> Option<Slot> {
         counters: [0; EVENTS],
         last_sweep_at: slot.last_sweep_at,
         last_sweep_rows: slot.last_sweep_rows,
+        last_sweep_error: slot.last_sweep_error,
+        last_sweep_error_len: slot.last_sweep_error_len,
     };
     let load = |c: &u64| {
         // SAFETY: as in count(): counters are only ever accessed atomically (or under the

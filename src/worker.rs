@@ -275,11 +275,13 @@ pub extern "C-unwind" fn idempotency_sweeper_main(arg: pg_sys::Datum) {
     set_for_session(c"synchronous_commit", c"off");
     compress_full_page_images();
     lower_priority(guc::SWEEP_NICE.get());
-    store::sweep_start();
-    let total = sweep_in_batches(
-        |batch| Some(store::sweep_batch(batch, "")),
-        Some(store::expired_since),
-    );
+    let total = stats::sweep_recording_error(|| {
+        store::sweep_start();
+        sweep_in_batches(
+            |batch| Some(store::sweep_batch(batch, "")),
+            Some(store::expired_since),
+        )
+    });
     stats::sweep_finished(total);
     sweep_audit();
 }

@@ -1,7 +1,8 @@
 -- Portable edition: counters.
 --
 -- The native edition's counters live in shared memory, which this edition has not: stats
--- shows NULL for them.
+-- shows NULL for them (and for last_sweep_error). The row counts, oldest_expiry and
+-- sweep_lag_seconds come from the table, as natively (sql/idempotency.sql).
 --
 -- Part of the store in SQL and PL/pgSQL: sql/portable/README.md says how the files fit together.
 
@@ -11,9 +12,9 @@ LANGUAGE plpgsql
 SET search_path = pg_catalog, pg_temp
 AS $fn$
 BEGIN
-    IF event IS DISTINCT FROM 'release' THEN
+    IF event IS NULL OR event OPERATOR(pg_catalog.<>) ALL (ARRAY['release', 'stale_token']) THEN
         RAISE EXCEPTION USING ERRCODE = 'invalid_parameter_value',
-            MESSAGE = idempotency._canon_message(pg_catalog.format('event must be ''release'' (got %s)',
+            MESSAGE = idempotency._canon_message(pg_catalog.format('event must be ''release'' or ''stale_token'' (got %s)',
                                                                    idempotency._canon_quote(COALESCE(event, 'NULL'))));
     END IF;
 END

@@ -169,6 +169,9 @@ pgrx::impl_sql_translatable!(DbText, "text");
 /// `what` names the result in the error), NULL where None or missing.
 pub struct Row {
     pub(crate) columns: &'static [super::result::ResultColumn],
+    /// The columns every release declares: a result of fewer is refused; one of at least these
+    /// (a store not yet updated) gets the fields of its columns.
+    pub(crate) required: usize,
     pub(crate) what: &'static str,
     pub(crate) fields: Vec<Option<pg_sys::Datum>>,
 }
@@ -183,6 +186,7 @@ unsafe impl BoxRet for Row {
             let row = super::result::form_tuple(
                 fcinfo.as_mut_ptr(),
                 self.columns,
+                self.required,
                 self.what,
                 &self.fields,
             );

@@ -159,8 +159,10 @@ fn idempotency_sweep(batch_size: Option<i32>) -> i64 {
     let batch = batch_size_arg(batch_size);
     store::refuse_read_only("sweep");
     let prefix = sweep_prefix("sweep");
-    store::sweep_start();
-    let total = in_batches(batch, |b| store::sweep_batch(b, &prefix));
+    let total = stats::sweep_recording_error(|| {
+        store::sweep_start();
+        in_batches(batch, |b| store::sweep_batch(b, &prefix))
+    });
     stats::sweep_finished(total);
     total
 }
@@ -227,16 +229,17 @@ fn in_batches(batch: i64, mut delete_batch: impl FnMut(i64) -> i64) -> i64 {
     )
 }
 
-/// `idempotency._count(event text)`: counts an event of a PL/pgSQL function (`release`;
-/// the Rust functions count their own).
+/// `idempotency._count(event text)`: counts an event of a PL/pgSQL function (`release`, and
+/// `stale_token` for an IK003 answer; the Rust functions count their own).
 #[pg_extern(sql = false)]
 fn idempotency_count(event: Option<Text<'_>>) {
     match event.map(|t| t.utf8("event")).as_deref() {
         Some("release") => stats::count(Event::Release, 1),
+        Some("stale_token") => stats::count(Event::StaleTokenRefused, 1),
         other => raise(
             PgSqlErrorCode::ERRCODE_INVALID_PARAMETER_VALUE,
             format!(
-                "event must be 'release' (got {})",
+                "event must be 'release' or 'stale_token' (got {})",
                 arguments::abbreviate(other.unwrap_or("NULL"))
             ),
             None,
@@ -412,8 +415,15 @@ fn idempotency_shared_stats() -> Row {
         .filter(|s| s.last_sweep_at != 0)
         .map(|s| s.last_sweep_rows)
         .into_datum();
+    let seconds = |micros: Option<u64>| micros.map(|m| m as f64 / 1e6).into_datum();
+    let error = slot
+        .as_ref()
+        .and_then(|s| s.sweep_error())
+        .map(|e| crate::encoding::text_datum(e, "last_sweep_error"));
     Row {
         columns: &super::result::SHARED_STATS_RESULT,
+        // A store not yet updated to 0.6.0 declares the first ten.
+        required: 10,
         what: "the result of idempotency._shared_stats",
         fields: vec![
             Some(pg_sys::Datum::from(crate::worker::sweeper_runs())),
@@ -426,6 +436,11 @@ fn idempotency_shared_stats() -> Row {
             counter(Event::Swept),
             last_at,
             last_rows,
+            counter(Event::Takeover),
+            counter(Event::StaleTokenRefused),
+            counter(Event::ClaimWaited),
+            seconds(slot.map(|s| s.counters[Event::ClaimWaitMicros as usize])),
+            error,
         ],
     }
 }

@@ -71,7 +71,7 @@ const fn counter(name: &'static CStr) -> ResultColumn {
 }
 
 /// The OUT parameters of `_shared_stats`.
-pub(crate) const SHARED_STATS_RESULT: [ResultColumn; 10] = [
+pub(crate) const SHARED_STATS_RESULT: [ResultColumn; 15] = [
     column(c"preloaded", pg_sys::BOOLOID, "boolean"),
     counter(c"claims_new"),
     counter(c"claims_replay"),
@@ -82,6 +82,11 @@ pub(crate) const SHARED_STATS_RESULT: [ResultColumn; 10] = [
     counter(c"rows_swept"),
     column(c"last_sweep_at", pg_sys::TIMESTAMPTZOID, TIMESTAMPTZ),
     counter(c"last_sweep_rows"),
+    counter(c"takeovers"),
+    counter(c"stale_tokens_refused"),
+    counter(c"claims_waited"),
+    column(c"claim_wait_seconds", pg_sys::FLOAT8OID, "double precision"),
+    column(c"last_sweep_error", pg_sys::TEXTOID, "text"),
 ];
 
 /// The OID of the enum `idempotency.outcome` (InvalidOid when there is none).
@@ -175,6 +180,7 @@ pub(crate) unsafe fn check_result(
 pub(super) unsafe fn form_tuple(
     fcinfo: pg_sys::FunctionCallInfo,
     columns: &[ResultColumn],
+    required: usize,
     what: &str,
     fields: &[Option<pg_sys::Datum>],
 ) -> pg_sys::Datum {
@@ -193,8 +199,14 @@ pub(super) unsafe fn form_tuple(
             );
         }
         debug_assert!(fields.len() <= columns.len());
-        check_result(tupdesc, columns, what);
-        tuple_datum(pg_sys::BlessTupleDesc(tupdesc), fields)
+        // A declaration of an earlier release ends sooner: its columns get their fields.
+        let natts =
+            ((*tupdesc).natts.max(0) as usize).clamp(required.min(columns.len()), columns.len());
+        check_result(tupdesc, &columns[..natts], what);
+        tuple_datum(
+            pg_sys::BlessTupleDesc(tupdesc),
+            &fields[..natts.min(fields.len())],
+        )
     }
 }
 

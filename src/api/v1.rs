@@ -43,7 +43,20 @@ pub extern "C-unwind" fn idempotency_claim(fcinfo: pg_sys::FunctionCallInfo) -> 
             lease,
         });
         stats::count(outcome_slot(result.outcome).1, 1);
+        count_takeover_and_wait(&result);
         claim_tuple(&result_type, result)
+    }
+}
+
+/// Counts a claim's takeover and its wait for a busy key, if it had either (most claims have
+/// neither, and cost two branches here).
+fn count_takeover_and_wait(result: &store::ClaimResult) {
+    if result.took_over {
+        stats::count(Event::Takeover, 1);
+    }
+    if let Some(waited) = result.waited {
+        stats::count(Event::ClaimWaited, 1);
+        stats::count(Event::ClaimWaitMicros, waited.as_micros() as u64);
     }
 }
 
@@ -152,6 +165,7 @@ pub extern "C-unwind" fn idempotency_claim_many(fcinfo: pg_sys::FunctionCallInfo
         store::claim_many(&scope, &stored, &hashes, ttl, lease, |i, result| {
             let o = outcome_slot(result.outcome).0;
             counts[o] += 1;
+            count_takeover_and_wait(&result);
             let fields: [Option<pg_sys::Datum>; 9] = [
                 (i as i32 + 1).into_datum(),
                 keys[i],

@@ -68,6 +68,8 @@ pub fn claim(req: &ClaimRequest<'_>) -> ClaimResult {
     let wait = Duration::from_millis(guc::int(&guc::CLAIM_WAIT).max(0) as u64);
     // Only a wait for a busy key needs the clock.
     let mut started = None;
+    // Whether the claim paused for a busy key at least once (with claim_wait = 0 it never does).
+    let mut slept = false;
     let path = Path::choose("claim");
     if path == Path::SqlOnly {
         // On Citus: this node must hand out tokens of its own range.
@@ -93,12 +95,18 @@ pub fn claim(req: &ClaimRequest<'_>) -> ClaimResult {
             }
         };
         match step {
-            Ok(Step::Done(result)) => return result,
+            Ok(Step::Done(mut result)) => {
+                result.waited = waited(started, slept);
+                return result;
+            }
             Ok(Step::Busy) => {
                 if started.get_or_insert_with(Instant::now).elapsed() >= wait {
-                    return busy_result();
+                    let mut result = busy_result();
+                    result.waited = waited(started, slept);
+                    return result;
                 }
                 sleep_a_little();
+                slept = true;
             }
             // Only rounds where the row changed under us count; waiting does not.
             Ok(Step::Again) => rounds += 1,
@@ -113,6 +121,11 @@ pub fn claim(req: &ClaimRequest<'_>) -> ClaimResult {
         ),
         Some("retry the transaction"),
     )
+}
+
+/// How long a claim that paused for a busy key waited in all (None if it never paused).
+fn waited(started: Option<Instant>, slept: bool) -> Option<Duration> {
+    started.filter(|_| slept).map(|s| s.elapsed())
 }
 
 /// One round of a claim under READ COMMITTED, the look-up below SQL: first a look without the
@@ -258,7 +271,10 @@ fn decide(
                 Decision::TakeOver => {
                     Ok(
                         write_claim(client, Write::TakeOver(locked.token.unwrap_or(0)), req)?
-                            .map_or(Step::Again, Step::Done),
+                            .map_or(Step::Again, |mut result| {
+                                result.took_over = true;
+                                Step::Done(result)
+                            }),
                     )
                 }
                 d => Ok(Step::Done(answer(req, d, locked))),

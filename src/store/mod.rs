@@ -85,6 +85,10 @@ pub struct ClaimResult {
     pub retry_after: Option<Interval>,
     pub expires_at: Option<TimestampWithTimeZone>,
     pub recovery_point: Option<String>,
+    /// The claim took over an in-progress key whose lease had run out.
+    pub took_over: bool,
+    /// How long the claim waited for a busy key (`idempotency.claim_wait`), if it waited.
+    pub waited: Option<std::time::Duration>,
 }
 
 impl ClaimResult {
@@ -97,6 +101,8 @@ impl ClaimResult {
             retry_after: None,
             expires_at: None,
             recovery_point: None,
+            took_over: false,
+            waited: None,
         }
     }
 }
