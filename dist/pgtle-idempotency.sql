@@ -652,7 +652,7 @@ BEGIN
                 v_tok[v_i] := v_tok[v_i] OPERATOR(pg_catalog.||) v_c;
                 -- Level v_sp (the document is level 0): from `depth` on, the error.
                 IF v_sp OPERATOR(pg_catalog.>=) depth THEN
-                    v_deep := v_deep OPERATOR(pg_catalog.||) v_i;
+                    v_deep[pg_catalog.cardinality(v_deep) OPERATOR(pg_catalog.+) 1] := v_i;
                 END IF;
                 v_sp := v_sp OPERATOR(pg_catalog.+) 1;
                 v_open[v_sp] := v_i;
@@ -671,8 +671,9 @@ BEGIN
                 IF exact AND v_t OPERATOR(pg_catalog.~) '^-?([1-9][0-9]{0,20}\.[0-9]+|0(\.0{0,5}[1-9][0-9]*|\.0+))$' THEN
                     v_tok[v_i] := v_tok[v_i] OPERATOR(pg_catalog.||) pg_catalog.rtrim(pg_catalog.rtrim(v_t, '0'), '.');
                 ELSE
-                    v_nums := v_nums OPERATOR(pg_catalog.||) v_i;
-                    v_numt := v_numt OPERATOR(pg_catalog.||) v_t;
+                    v_k := pg_catalog.cardinality(v_nums) OPERATOR(pg_catalog.+) 1;
+                    v_nums[v_k] := v_i;
+                    v_numt[v_k] := v_t;
                 END IF;
             ELSE
                 v_tok[v_i] := v_tok[v_i] OPERATOR(pg_catalog.||) v_t;
@@ -688,8 +689,8 @@ BEGIN
             FOR v_k IN 1 .. pg_catalog.cardinality(v_nums) LOOP
                 v_i := v_nums[v_k];
                 IF v_fmt[v_k] IS NULL THEN
-                    v_bad := v_bad OPERATOR(pg_catalog.||) v_i;
-                    v_badt := v_badt OPERATOR(pg_catalog.||) v_numt[v_k];
+                    v_bad[pg_catalog.cardinality(v_bad) OPERATOR(pg_catalog.+) 1] := v_i;
+                    v_badt[pg_catalog.cardinality(v_badt) OPERATOR(pg_catalog.+) 1] := v_numt[v_k];
                 ELSE
                     v_tok[v_i] := v_tok[v_i] OPERATOR(pg_catalog.||) v_fmt[v_k];
                 END IF;
