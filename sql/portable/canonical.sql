@@ -288,6 +288,8 @@ DECLARE
     v_parts    text[];
     v_esc      boolean;
     v_mark     text;
+    v_pair     text;
+    v_close    integer[];
     v_t        text;
     v_s        text;
     v_numt     text[] := '{}';
@@ -301,10 +303,8 @@ DECLARE
     v_open     integer[] := '{}';
     v_obj      boolean[] := '{}';
     v_count    integer[] := '{}';
-    v_last     integer[] := '{}';
     v_m        integer := 0;
     v_ms       integer[] := '{}';
-    v_me       integer[] := '{}';
     v_mo       integer[] := '{}';
     v_mk       text[] := '{}';
     v_nums     integer[] := '{}';
@@ -318,7 +318,6 @@ DECLARE
     v_rfirst   boolean[];
     v_diff     integer[];
     v_moved    boolean;
-    v_multi    boolean := false;
     v_bytes    boolean;
     v_shift    integer;
     v_pieces   text[];
@@ -426,16 +425,18 @@ BEGIN
         v_n := pg_catalog.cardinality(v_tok);
         v_limit := CASE WHEN exact THEN 21 ELSE 15 END;
         v_mark := pg_catalog.chr(3);
+        v_pair := v_mark OPERATOR(pg_catalog.||) pg_catalog.chr(4) OPERATOR(pg_catalog.||) v_mark;
+        v_close := pg_catalog.array_fill(0, ARRAY[v_n]);
         v_j := 0;  -- the strings taken
         FOR v_i IN 1 .. v_n LOOP
             v_t := v_tok[v_i];
             v_c := pg_catalog.left(v_t, 1);
             IF v_c OPERATOR(pg_catalog.=) v_mark THEN
                 v_j := v_j OPERATOR(pg_catalog.+) 1;
-                v_s := v_parts[v_j OPERATOR(pg_catalog.*) 2];
-                IF v_esc THEN
-                    v_s := pg_catalog.replace(pg_catalog.replace(v_s, pg_catalog.chr(2), '\"'), pg_catalog.chr(1), '\\');
-                END IF;
+                v_s := CASE WHEN v_esc
+                            THEN pg_catalog.replace(pg_catalog.replace(v_parts[v_j OPERATOR(pg_catalog.*) 2],
+                                                                       pg_catalog.chr(2), '\"'), pg_catalog.chr(1), '\\')
+                            ELSE v_parts[v_j OPERATOR(pg_catalog.*) 2] END;
                 IF v_t OPERATOR(pg_catalog.=) v_mark THEN
                     -- A string in an array.
                     v_tok[v_i] := CASE WHEN v_count[v_sp] OPERATOR(pg_catalog.>) 0 THEN ',"' ELSE '"' END
@@ -448,38 +449,31 @@ BEGIN
                 v_ms[v_m] := v_i;
                 v_mo[v_m] := v_open[v_sp];
                 v_mk[v_m] := v_s;
-                IF v_last[v_sp] IS NOT NULL THEN
-                    v_me[v_last[v_sp]] := v_i OPERATOR(pg_catalog.-) 1;
-                    v_multi := true;
-                END IF;
-                v_last[v_sp] := v_m;
-                v_s := '"' OPERATOR(pg_catalog.||) v_s OPERATOR(pg_catalog.||) '":';
-                v_t := pg_catalog.substr(v_t, 3);  -- the value, if a scalar
-                IF v_t OPERATOR(pg_catalog.=) v_mark THEN
+                IF v_t OPERATOR(pg_catalog.=) v_pair THEN
+                    -- Its value a string.
                     v_j := v_j OPERATOR(pg_catalog.+) 1;
-                    v_t := v_parts[v_j OPERATOR(pg_catalog.*) 2];
-                    IF v_esc THEN
-                        v_t := pg_catalog.replace(pg_catalog.replace(v_t, pg_catalog.chr(2), '\"'), pg_catalog.chr(1), '\\');
-                    END IF;
-                    v_tok[v_i] := v_s OPERATOR(pg_catalog.||) '"' OPERATOR(pg_catalog.||) v_t OPERATOR(pg_catalog.||) '"';
+                    v_tok[v_i] := '"' OPERATOR(pg_catalog.||) v_s OPERATOR(pg_catalog.||) '":"'
+                                  OPERATOR(pg_catalog.||) CASE WHEN v_esc
+                                      THEN pg_catalog.replace(pg_catalog.replace(v_parts[v_j OPERATOR(pg_catalog.*) 2],
+                                                                                 pg_catalog.chr(2), '\"'), pg_catalog.chr(1), '\\')
+                                      ELSE v_parts[v_j OPERATOR(pg_catalog.*) 2] END
+                                  OPERATOR(pg_catalog.||) '"';
                     CONTINUE;
                 END IF;
-                v_tok[v_i] := v_s;
+                v_tok[v_i] := '"' OPERATOR(pg_catalog.||) v_s OPERATOR(pg_catalog.||) '":';
+                v_t := pg_catalog.substr(v_t, 3);  -- the value, if a scalar
                 v_c := pg_catalog.left(v_t, 1);
                 -- (A container's members follow; or true, false, null, a number.)
-            ELSIF v_c OPERATOR(pg_catalog.=) '}' OR v_c OPERATOR(pg_catalog.=) ']' THEN
-                IF v_last[v_sp] IS NOT NULL THEN
-                    v_me[v_last[v_sp]] := v_i OPERATOR(pg_catalog.-) 1;
-                END IF;
+            ELSIF v_c OPERATOR(pg_catalog.=) '}' THEN
+                v_close[v_open[v_sp]] := v_i;
+                v_sp := v_sp OPERATOR(pg_catalog.-) 1;
+                CONTINUE;
+            ELSIF v_c OPERATOR(pg_catalog.=) ']' THEN
                 v_sp := v_sp OPERATOR(pg_catalog.-) 1;
                 CONTINUE;
             ELSIF v_sp OPERATOR(pg_catalog.>) 0 AND NOT v_obj[v_sp] THEN
                 -- A value in an array: after a comma unless it is the first.
-                IF v_count[v_sp] OPERATOR(pg_catalog.>) 0 THEN
-                    v_tok[v_i] := ',';
-                ELSE
-                    v_tok[v_i] := '';
-                END IF;
+                v_tok[v_i] := CASE WHEN v_count[v_sp] OPERATOR(pg_catalog.>) 0 THEN ',' ELSE '' END;
                 v_count[v_sp] := v_count[v_sp] OPERATOR(pg_catalog.+) 1;
             ELSE
                 v_tok[v_i] := '';  -- the document, or a member's container (its name is the token before)
@@ -496,7 +490,6 @@ BEGIN
                 v_open[v_sp] := v_i;
                 v_obj[v_sp] := v_c OPERATOR(pg_catalog.=) '{';
                 v_count[v_sp] := 0;
-                v_last[v_sp] := NULL;
             ELSIF v_t OPERATOR(pg_catalog.=) '' THEN
                 NULL;  -- a member whose value is the container that follows
             ELSIF v_c OPERATOR(pg_catalog.<>) 't' AND v_c OPERATOR(pg_catalog.<>) 'f' AND v_c OPERATOR(pg_catalog.<>) 'n'
@@ -541,7 +534,7 @@ BEGIN
         -- U+E000..U+FFFF (see _canon_name_order).
         v_diff := pg_catalog.array_fill(0, ARRAY[v_n OPERATOR(pg_catalog.+) 1]);
         v_moved := false;
-        IF v_multi THEN
+        IF v_m OPERATOR(pg_catalog.>) 1 THEN
             v_bytes := pg_catalog.getdatabaseencoding() OPERATOR(pg_catalog.=) 'UTF8';
             IF v_bytes THEN
                 v_s := pg_catalog.array_to_string(v_mk, '');
@@ -559,13 +552,17 @@ BEGIN
                                         ORDER BY CASE WHEN v_bytes THEN m.key END COLLATE pg_catalog."C",
                                                  CASE WHEN NOT v_bytes THEN idempotency._canon_name_order(m.key) END)
                                     OPERATOR(pg_catalog.-) (m.e OPERATOR(pg_catalog.-) m.s OPERATOR(pg_catalog.+) 1))::pg_catalog.int4 AS before
-                              FROM (SELECT u.s, u.e, u.o,
+                              FROM (SELECT u.s, u.o,
+                                           -- Its last token: before the next member of its object,
+                                           -- or before its object's end.
+                                           COALESCE(pg_catalog.lead(u.s) OVER (PARTITION BY u.o ORDER BY u.s), v_close[u.o])
+                                           OPERATOR(pg_catalog.-) 1 AS e,
                                            -- The name (unescaped where it has an escape).
                                            CASE WHEN NOT v_esc OR pg_catalog.strpos(u.k, '\') OPERATOR(pg_catalog.=) 0 THEN u.k
                                                 ELSE ('"' OPERATOR(pg_catalog.||) u.k OPERATOR(pg_catalog.||) '"')::pg_catalog.jsonb
                                                      OPERATOR(pg_catalog.#>>) '{}'::pg_catalog.text[] END AS key
-                                      FROM (SELECT pg_catalog.unnest(v_ms) AS s, pg_catalog.unnest(v_me) AS e,
-                                                   pg_catalog.unnest(v_mo) AS o, pg_catalog.unnest(v_mk) AS k) AS u) AS m) AS w) AS r
+                                      FROM (SELECT pg_catalog.unnest(v_ms) AS s, pg_catalog.unnest(v_mo) AS o,
+                                                   pg_catalog.unnest(v_mk) AS k) AS u) AS m) AS w) AS r
              WHERE r.before OPERATOR(pg_catalog.<>) 0 OR r.shift OPERATOR(pg_catalog.<>) 0;
             FOR v_k IN 1 .. COALESCE(pg_catalog.cardinality(v_rs), 0) LOOP
                 IF NOT v_rfirst[v_k] THEN
