@@ -454,6 +454,7 @@ DECLARE
     v_close    integer[];
     v_t        text;
     v_s        text;
+    v_pre      text;
     v_numt     text[] := '{}';
     v_n        integer;
     v_limit    integer;
@@ -574,19 +575,21 @@ BEGIN
         END IF;
         v_parts := pg_catalog.string_to_array(v_text, '"');
         v_text := NULL;
-        -- The odd parts joined by the mark chr(3); ": " made chr(4) (a member's name and its
-        -- scalar value make one token); then cut at brackets, commas and spaces.
+        -- The odd parts joined by the mark chr(3) (gathered in a loop: a statement costs more
+        -- than a small document's parts); ": " made chr(4) (a member's name and its scalar value
+        -- make one token); then cut at brackets, commas and spaces.
+        v_mark := pg_catalog.chr(3);
+        v_tok := '{}';
+        FOR v_k IN 1 .. (pg_catalog.cardinality(v_parts) OPERATOR(pg_catalog.+) 1) OPERATOR(pg_catalog./) 2 LOOP
+            v_tok[v_k] := v_parts[v_k OPERATOR(pg_catalog.*) 2 OPERATOR(pg_catalog.-) 1];
+        END LOOP;
         v_tok := pg_catalog.array_remove(pg_catalog.string_to_array(
                      pg_catalog.replace(pg_catalog.replace(pg_catalog.replace(pg_catalog.replace(
-                         pg_catalog.replace(pg_catalog.replace(pg_catalog.array_to_string(ARRAY(
-                             SELECT x.part FROM (SELECT pg_catalog.unnest(v_parts) AS part,
-                                                        pg_catalog.generate_series(1, pg_catalog.cardinality(v_parts)) AS n) AS x
-                              WHERE x.n OPERATOR(pg_catalog.%) 2 OPERATOR(pg_catalog.=) 1), pg_catalog.chr(3)),
+                         pg_catalog.replace(pg_catalog.replace(pg_catalog.array_to_string(v_tok, v_mark),
                          ',', ' '), ': ', pg_catalog.chr(4)), '{', ' { '), '}', ' } '), '[', ' [ '), ']', ' ] '),
                      ' '), '');
         v_n := pg_catalog.cardinality(v_tok);
         v_limit := CASE WHEN exact THEN 21 ELSE 15 END;
-        v_mark := pg_catalog.chr(3);
         v_pair := v_mark OPERATOR(pg_catalog.||) pg_catalog.chr(4) OPERATOR(pg_catalog.||) v_mark;
         v_close := pg_catalog.array_fill(0, ARRAY[v_n]);
         v_j := 0;  -- the strings taken
@@ -622,7 +625,7 @@ BEGIN
                                   OPERATOR(pg_catalog.||) '"';
                     CONTINUE;
                 END IF;
-                v_tok[v_i] := '"' OPERATOR(pg_catalog.||) v_s OPERATOR(pg_catalog.||) '":';
+                v_pre := '"' OPERATOR(pg_catalog.||) v_s OPERATOR(pg_catalog.||) '":';
                 v_t := pg_catalog.substr(v_t, 3);  -- the value, if a scalar
                 v_c := pg_catalog.left(v_t, 1);
                 -- (A container's members follow; or true, false, null, a number.)
@@ -635,15 +638,15 @@ BEGIN
                 CONTINUE;
             ELSIF v_sp OPERATOR(pg_catalog.>) 0 AND NOT v_obj[v_sp] THEN
                 -- A value in an array: after a comma unless it is the first.
-                v_tok[v_i] := CASE WHEN v_count[v_sp] OPERATOR(pg_catalog.>) 0 THEN ',' ELSE '' END;
+                v_pre := CASE WHEN v_count[v_sp] OPERATOR(pg_catalog.>) 0 THEN ',' ELSE '' END;
                 v_count[v_sp] := v_count[v_sp] OPERATOR(pg_catalog.+) 1;
             ELSE
-                v_tok[v_i] := '';  -- the document, or a member's container (its name is the token before)
+                v_pre := '';  -- the document, or a member's container (its name is the token before)
             END IF;
-            -- v_t is a value: a container opened, or a number or literal (after the piece's
-            -- comma or name).
+            -- v_t is a value: a container opened, or a number or literal (after v_pre, the
+            -- piece's comma or name).
             IF v_c OPERATOR(pg_catalog.=) '{' OR v_c OPERATOR(pg_catalog.=) '[' THEN
-                v_tok[v_i] := v_tok[v_i] OPERATOR(pg_catalog.||) v_c;
+                v_tok[v_i] := v_pre OPERATOR(pg_catalog.||) v_c;
                 -- Level v_sp (the document is level 0): from `depth` on, the error.
                 IF v_sp OPERATOR(pg_catalog.>=) depth THEN
                     v_deep[pg_catalog.cardinality(v_deep) OPERATOR(pg_catalog.+) 1] := v_i;
@@ -653,7 +656,7 @@ BEGIN
                 v_obj[v_sp] := v_c OPERATOR(pg_catalog.=) '{';
                 v_count[v_sp] := 0;
             ELSIF v_t OPERATOR(pg_catalog.=) '' THEN
-                NULL;  -- a member whose value is the container that follows
+                v_tok[v_i] := v_pre;  -- a member whose value is the container that follows
             ELSIF v_c OPERATOR(pg_catalog.<>) 't' AND v_c OPERATOR(pg_catalog.<>) 'f' AND v_c OPERATOR(pg_catalog.<>) 'n'
                   AND (pg_catalog.strpos(v_t, '.') OPERATOR(pg_catalog.>) 0
                        OR pg_catalog.octet_length(v_t) OPERATOR(pg_catalog.>)
@@ -662,14 +665,15 @@ BEGIN
                 -- is): a fraction as the flat case above writes it where it can; the others
                 -- below, all in one statement.
                 IF exact AND v_t OPERATOR(pg_catalog.~) '^-?([1-9][0-9]{0,20}\.[0-9]+|0(\.0{0,5}[1-9][0-9]*|\.0+))$' THEN
-                    v_tok[v_i] := v_tok[v_i] OPERATOR(pg_catalog.||) pg_catalog.rtrim(pg_catalog.rtrim(v_t, '0'), '.');
+                    v_tok[v_i] := v_pre OPERATOR(pg_catalog.||) pg_catalog.rtrim(pg_catalog.rtrim(v_t, '0'), '.');
                 ELSE
+                    v_tok[v_i] := v_pre;
                     v_k := pg_catalog.cardinality(v_nums) OPERATOR(pg_catalog.+) 1;
                     v_nums[v_k] := v_i;
                     v_numt[v_k] := v_t;
                 END IF;
             ELSE
-                v_tok[v_i] := v_tok[v_i] OPERATOR(pg_catalog.||) v_t;
+                v_tok[v_i] := v_pre OPERATOR(pg_catalog.||) v_t;
             END IF;
         END LOOP;
         -- The other numbers: _canon_layout or _canon_double (NULL: outside the double range, an
