@@ -7,8 +7,8 @@
 -- Nesting deeper than 1000 levels is 54001, as in the native edition. Hashes are SHA-256 of
 -- the UTF-8 bytes of the exact form, whatever the database encoding.
 --
--- No recursion in PL/pgSQL (a document 1000 levels deep would exceed the stack): a recursive
--- query lists every value with its position, and the pieces are joined in that order.
+-- No recursion in PL/pgSQL (a document 1000 levels deep would exceed the stack): a nested
+-- document is written by loops over the tokens of its text, with a stack of their own.
 -- Every function pins search_path; every reference is schema-qualified.
 
 -- In a database whose encoding is not UTF-8, text is hashed as Unicode: a character without a
