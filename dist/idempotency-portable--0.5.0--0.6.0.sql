@@ -1168,12 +1168,17 @@ BEGIN
     -- _p_check_size is called where the response may be too large (it raises): larger than the
     -- smallest limit there is (1 kB) while idempotency.max_response_size exists (set anywhere, by
     -- the session or an administrator), else larger than the default or the role's row allows.
-    IF p_response IS NOT NULL AND pg_catalog.pg_column_size(p_response) OPERATOR(pg_catalog.>) 1024 THEN
+    IF p_response IS NOT NULL THEN
         v_raw := pg_catalog.current_setting('idempotency.max_response_size', true);
-        IF v_raw IS NOT NULL
-           OR pg_catalog.pg_column_size(p_response)::bigint OPERATOR(pg_catalog.>)
-              (LEAST(4096, c.max_response_size)::bigint OPERATOR(pg_catalog.*) 1024) THEN
+        IF pg_catalog.pg_column_size(p_response) OPERATOR(pg_catalog.>) 1024
+           AND (v_raw IS NOT NULL
+                OR pg_catalog.pg_column_size(p_response)::bigint OPERATOR(pg_catalog.>)
+                   (LEAST(4096, c.max_response_size)::bigint OPERATOR(pg_catalog.*) 1024)) THEN
             PERFORM idempotency._p_check_size('response', pg_catalog.pg_column_size(p_response)::bigint, 'response');
+        ELSIF pg_catalog.btrim(v_raw) OPERATOR(pg_catalog.<>) ALL ('{"",4MB}'::pg_catalog.text[]) THEN
+            -- A bad value is refused by the call that reads it (natively by its SET), whatever
+            -- the response's size.
+            PERFORM idempotency._p_setting('idempotency.max_response_size', 4096, 'kB');
         END IF;
     END IF;
     IF pg_catalog.current_setting('transaction_read_only') OPERATOR(pg_catalog.=) 'on' THEN

@@ -175,441 +175,12 @@ CREATE TYPE idempotency.claim_result AS (
 
 -- The portable edition's helpers (sql/portable/*.sql) ------------------------------------
 
--- Portable edition: canonical_json and canonical_hash in SQL and PL/pgSQL.
+-- Portable edition: messages that quote values as the native edition does.
 --
--- The same bytes as the native edition (crates/idempotency-core/src/canonical.rs and
--- exclusion.rs): RFC 8785 layout, member names in UTF-16 code-unit order, strings escaped as
--- the RFC says, numbers exact (their decimal value in the ECMAScript layout) or, in 'rfc8785'
--- mode, rounded to the nearest double and written as ECMAScript's Number::toString does.
--- Nesting deeper than 1000 levels is 54001, as in the native edition. Hashes are SHA-256 of
--- the UTF-8 bytes of the exact form, whatever the database encoding.
+-- Rust's Debug quoting of strings (escapes of control, format, combining and private-use
+-- characters), and messages in databases whose encoding is not UTF-8.
 --
--- No recursion in PL/pgSQL (a document 1000 levels deep would exceed the stack): a recursive
--- query lists every value with its position, and the pieces are joined in that order.
--- Every function pins search_path; every reference is schema-qualified.
-
--- In a database whose encoding is not UTF-8, text is hashed as Unicode: a character without a
--- Unicode equivalent (EUC_JP 0xA2AF, say) is refused with 22P05 naming the argument, as the
--- native edition refuses it. Nothing to check in a UTF-8 database.
-CREATE FUNCTION idempotency._canon_unicode(value text, arg text)
-RETURNS void
-LANGUAGE plpgsql IMMUTABLE PARALLEL SAFE
-SET search_path = pg_catalog, pg_temp
-AS $fn$
-DECLARE
-    v_msg text;
-BEGIN
-    IF value IS NULL OR pg_catalog.getdatabaseencoding() OPERATOR(pg_catalog.=) 'UTF8' THEN
-        RETURN;
-    END IF;
-    BEGIN
-        PERFORM pg_catalog.convert_to(value, 'UTF8');
-    EXCEPTION WHEN untranslatable_character THEN
-        GET STACKED DIAGNOSTICS v_msg = MESSAGE_TEXT;
-        RAISE EXCEPTION USING
-            ERRCODE = 'untranslatable_character',
-            MESSAGE = arg OPERATOR(pg_catalog.||) ': '
-                      OPERATOR(pg_catalog.||) pg_catalog.replace(v_msg, 'in encoding "UTF8"', 'in Unicode');
-    END;
-END
-$fn$;
-
--- The same for the strings of a document.
-CREATE FUNCTION idempotency._canon_unicode_doc(value jsonb, arg text)
-RETURNS void
-LANGUAGE plpgsql IMMUTABLE PARALLEL SAFE
-SET search_path = pg_catalog, pg_temp
-AS $fn$
-BEGIN
-    IF value IS NOT NULL AND pg_catalog.getdatabaseencoding() OPERATOR(pg_catalog.<>) 'UTF8' THEN
-        PERFORM idempotency._canon_unicode(value::pg_catalog.text, arg);
-    END IF;
-END
-$fn$;
-
--- The ECMAScript Number::toString layout of an exact decimal number written as
--- -?digits(.digits)?([eE][+-]?digits)? (numeric's output, or float8's shortest output).
-CREATE FUNCTION idempotency._canon_layout(num text)
-RETURNS text
-LANGUAGE plpgsql IMMUTABLE STRICT PARALLEL SAFE
-SET search_path = pg_catalog, pg_temp
-AS $fn$
-DECLARE
-    v_rest   text := num;
-    v_sign   text := '';
-    v_exp    integer := 0;
-    v_at     integer;
-    v_int    text;
-    v_frac   text := '';
-    v_digits text;
-    v_s      text;
-    v_k      integer;
-    v_n      integer;
-BEGIN
-    IF pg_catalog.left(v_rest, 1) OPERATOR(pg_catalog.=) '-' THEN
-        v_sign := '-';
-        v_rest := pg_catalog.substr(v_rest, 2);
-    END IF;
-    v_at := pg_catalog.strpos(pg_catalog.lower(v_rest), 'e');
-    IF v_at OPERATOR(pg_catalog.>) 0 THEN
-        v_exp := pg_catalog.substr(v_rest, v_at OPERATOR(pg_catalog.+) 1)::pg_catalog.int4;
-        v_rest := pg_catalog.left(v_rest, v_at OPERATOR(pg_catalog.-) 1);
-    END IF;
-    v_at := pg_catalog.strpos(v_rest, '.');
-    IF v_at OPERATOR(pg_catalog.>) 0 THEN
-        v_int := pg_catalog.left(v_rest, v_at OPERATOR(pg_catalog.-) 1);
-        v_frac := pg_catalog.substr(v_rest, v_at OPERATOR(pg_catalog.+) 1);
-    ELSE
-        v_int := v_rest;
-    END IF;
-    v_digits := pg_catalog.ltrim(v_int OPERATOR(pg_catalog.||) v_frac, '0');
-    IF v_digits OPERATOR(pg_catalog.=) '' THEN
-        RETURN '0';  -- zero, -0 included
-    END IF;
-    v_s := pg_catalog.rtrim(v_digits, '0');
-    v_k := pg_catalog.length(v_s);
-    -- value = 0.s * 10^n
-    v_n := v_exp OPERATOR(pg_catalog.-) pg_catalog.length(v_frac)
-           OPERATOR(pg_catalog.+) pg_catalog.length(v_digits);
-    IF v_k OPERATOR(pg_catalog.<=) v_n AND v_n OPERATOR(pg_catalog.<=) 21 THEN
-        RETURN v_sign OPERATOR(pg_catalog.||) v_s
-               OPERATOR(pg_catalog.||) pg_catalog.repeat('0', v_n OPERATOR(pg_catalog.-) v_k);
-    ELSIF 0 OPERATOR(pg_catalog.<) v_n AND v_n OPERATOR(pg_catalog.<=) 21 THEN
-        RETURN v_sign OPERATOR(pg_catalog.||) pg_catalog.left(v_s, v_n)
-               OPERATOR(pg_catalog.||) '.'
-               OPERATOR(pg_catalog.||) pg_catalog.substr(v_s, v_n OPERATOR(pg_catalog.+) 1);
-    ELSIF -6 OPERATOR(pg_catalog.<) v_n AND v_n OPERATOR(pg_catalog.<=) 0 THEN
-        RETURN v_sign OPERATOR(pg_catalog.||) '0.'
-               OPERATOR(pg_catalog.||) pg_catalog.repeat('0', OPERATOR(pg_catalog.-) v_n)
-               OPERATOR(pg_catalog.||) v_s;
-    END IF;
-    RETURN v_sign OPERATOR(pg_catalog.||) pg_catalog.left(v_s, 1)
-           OPERATOR(pg_catalog.||) CASE WHEN v_k OPERATOR(pg_catalog.>) 1
-                                        THEN '.' OPERATOR(pg_catalog.||) pg_catalog.substr(v_s, 2)
-                                        ELSE '' END
-           OPERATOR(pg_catalog.||) 'e'
-           OPERATOR(pg_catalog.||) CASE WHEN v_n OPERATOR(pg_catalog.>) 0 THEN '+' ELSE '-' END
-           OPERATOR(pg_catalog.||) pg_catalog.abs(v_n OPERATOR(pg_catalog.-) 1)::pg_catalog.text;
-END
-$fn$;
-
--- Whether x >= 2^k, exactly (x >= 0).
-CREATE FUNCTION idempotency._canon_at_least_pow2(x numeric, k integer)
-RETURNS boolean
-LANGUAGE sql IMMUTABLE STRICT PARALLEL SAFE
-SET search_path = pg_catalog, pg_temp
-AS $fn$
-    SELECT CASE WHEN k OPERATOR(pg_catalog.>=) 0
-                THEN x OPERATOR(pg_catalog.>=) pg_catalog.power(2::pg_catalog.numeric, k::pg_catalog.numeric)
-                ELSE x OPERATOR(pg_catalog.*) pg_catalog.power(2::pg_catalog.numeric, (OPERATOR(pg_catalog.-) k)::pg_catalog.numeric)
-                     OPERATOR(pg_catalog.>=) 1::pg_catalog.numeric END
-$fn$;
-
--- A number in 'rfc8785' mode: the nearest double (ties to even), written as ECMAScript writes
--- it; NULL when it is outside the double range (the caller raises 22003). The rounding is
--- done here in exact numeric arithmetic rather than left to the C library's strtod (through
--- float8in): m * 2^e with m an integer below 2^53, then made a float8 without rounding (halves
--- of m, times an exact power of 2).
--- Bounds, exactly: |x| >= 2^1024 - 2^970 rounds to infinity; |x| <= 2^-1075 rounds to zero.
--- float8's output with extra_float_digits > 0 is the shortest spelling that reads back as the
--- same double: the digits ECMAScript chooses.
-CREATE FUNCTION idempotency._canon_double(num numeric)
-RETURNS text
-LANGUAGE plpgsql IMMUTABLE STRICT PARALLEL SAFE
-SET search_path = pg_catalog, pg_temp
-SET extra_float_digits = 1
-AS $fn$
-DECLARE
-    v_abs numeric := pg_catalog.abs(num);
-    v_e   integer;
-    v_p   numeric;
-    v_y   numeric;
-    v_m   numeric;
-    v_r   numeric;
-    v_d   float8;
-    v_text   text;
-    v_best   integer;
-    v_c      numeric;
-    v_f      integer;
-    v_n      numeric;
-    v_digits integer;
-    v_i      integer;
-BEGIN
-    IF v_abs OPERATOR(pg_catalog.>=) 179769313486231580793728971405303415079934132710037826936173778980444968292764750946649017977587207096330286416692887910946555547851940402630657488671505820681908902000708383676273854845817711531764475730270069855571366959622842914819860834936475292719074168444365510704342711559699508093042880177904174497792::pg_catalog.numeric THEN
-        RETURN NULL;
-    END IF;
-    IF v_abs OPERATOR(pg_catalog.*) 404804506614621236704990693437834614099113299528284236713802716054860679135990693783920767402874248990374155728633623822779617474771586953734026799881477019843034848553132722728933815484186432682479535356945490137124014966849385397236206711298319112681620113024717539104666829230461005064372655017292012526615415482186989568::pg_catalog.numeric
-       OPERATOR(pg_catalog.<=) 1::pg_catalog.numeric THEN
-        RETURN '0';  -- -0 too
-    END IF;
-    -- The binary exponent e with 2^52 <= |x| / 2^e < 2^53, at least -1074 (subnormals).
-    v_e := pg_catalog.floor(pg_catalog.log(2::pg_catalog.numeric, v_abs))::pg_catalog.int4 OPERATOR(pg_catalog.-) 52;
-    WHILE NOT idempotency._canon_at_least_pow2(v_abs, v_e OPERATOR(pg_catalog.+) 52) LOOP
-        v_e := v_e OPERATOR(pg_catalog.-) 1;
-    END LOOP;
-    WHILE idempotency._canon_at_least_pow2(v_abs, v_e OPERATOR(pg_catalog.+) 53) LOOP
-        v_e := v_e OPERATOR(pg_catalog.+) 1;
-    END LOOP;
-    IF v_e OPERATOR(pg_catalog.<) -1074 THEN
-        v_e := -1074;
-    END IF;
-    -- m = |x| / 2^e rounded to an integer, ties to even; v_r is the sign of (remainder - half).
-    IF v_e OPERATOR(pg_catalog.>=) 0 THEN
-        v_p := pg_catalog.power(2::pg_catalog.numeric, v_e::pg_catalog.numeric);
-        v_m := pg_catalog.div(v_abs, v_p);
-        v_r := (v_abs OPERATOR(pg_catalog.-) (v_m OPERATOR(pg_catalog.*) v_p)) OPERATOR(pg_catalog.*) 2
-               OPERATOR(pg_catalog.-) v_p;
-    ELSE
-        v_y := v_abs OPERATOR(pg_catalog.*) pg_catalog.power(2::pg_catalog.numeric, (OPERATOR(pg_catalog.-) v_e)::pg_catalog.numeric);
-        v_m := pg_catalog.trunc(v_y);
-        v_r := (v_y OPERATOR(pg_catalog.-) v_m) OPERATOR(pg_catalog.*) 2 OPERATOR(pg_catalog.-) 1;
-    END IF;
-    IF v_r OPERATOR(pg_catalog.>) 0
-       OR v_r OPERATOR(pg_catalog.=) 0 AND pg_catalog.mod(v_m, 2::pg_catalog.numeric) OPERATOR(pg_catalog.=) 1 THEN
-        v_m := v_m OPERATOR(pg_catalog.+) 1;
-    END IF;
-    IF v_m OPERATOR(pg_catalog.=) 9007199254740992::pg_catalog.numeric THEN  -- rounded up to 2^53
-        v_m := 4503599627370496::pg_catalog.numeric;
-        v_e := v_e OPERATOR(pg_catalog.+) 1;
-    END IF;
-    v_d := (pg_catalog.div(v_m, 67108864::pg_catalog.numeric)::pg_catalog.float8 OPERATOR(pg_catalog.*) 67108864::pg_catalog.float8
-            OPERATOR(pg_catalog.+) pg_catalog.mod(v_m, 67108864::pg_catalog.numeric)::pg_catalog.float8)
-           OPERATOR(pg_catalog.*) pg_catalog.power(2::pg_catalog.float8, v_e::pg_catalog.float8);
-    -- float8's output is the shortest spelling strictly inside the interval that reads back as
-    -- this double (PostgreSQL's Ryu leaves its bounds out). ECMAScript also takes a bound when
-    -- it reads back as this double, which it does when m is even (ties go to even): 1e+23, not
-    -- 9.999999999999999e+22. A bound with fewer digits than float8's spelling is the answer.
-    -- The bounds are c * 2^f: (2m - 1) and (2m + 1) times 2^(e - 1); below a power of two
-    -- (m = 2^52, not the smallest normal) the lower gap is half as wide: (4m - 1) * 2^(e - 2).
-    -- With f < 0 a bound is an odd number times 5^-f over 10^-f: at least 17 significant digits,
-    -- never fewer than float8's; so only integer bounds (f >= 0) are looked at.
-    v_text := v_d::pg_catalog.text;
-    IF v_e OPERATOR(pg_catalog.>=) 1 AND pg_catalog.mod(v_m, 2::pg_catalog.numeric) OPERATOR(pg_catalog.=) 0 THEN
-        v_best := pg_catalog.length(pg_catalog.rtrim(pg_catalog.ltrim(pg_catalog.replace(
-                      pg_catalog.split_part(v_text, 'e', 1), '.', ''), '0'), '0'));
-        FOR v_i IN 1 .. 2 LOOP
-            IF v_i OPERATOR(pg_catalog.=) 2 THEN
-                v_c := (2 OPERATOR(pg_catalog.*) v_m) OPERATOR(pg_catalog.+) 1;
-                v_f := v_e OPERATOR(pg_catalog.-) 1;
-            ELSIF v_m OPERATOR(pg_catalog.=) 4503599627370496::pg_catalog.numeric THEN
-                v_c := (4 OPERATOR(pg_catalog.*) v_m) OPERATOR(pg_catalog.-) 1;
-                v_f := v_e OPERATOR(pg_catalog.-) 2;
-            ELSE
-                v_c := (2 OPERATOR(pg_catalog.*) v_m) OPERATOR(pg_catalog.-) 1;
-                v_f := v_e OPERATOR(pg_catalog.-) 1;
-            END IF;
-            CONTINUE WHEN v_f OPERATOR(pg_catalog.<) 0;
-            v_n := pg_catalog.trunc(v_c OPERATOR(pg_catalog.*) pg_catalog.power(2::pg_catalog.numeric, v_f::pg_catalog.numeric));
-            v_digits := pg_catalog.length(pg_catalog.rtrim(v_n::pg_catalog.text, '0'));
-            IF v_digits OPERATOR(pg_catalog.<) v_best THEN
-                v_best := v_digits;
-                v_text := v_n::pg_catalog.text;
-            END IF;
-        END LOOP;
-    END IF;
-    RETURN CASE WHEN num OPERATOR(pg_catalog.<) 0 THEN '-' ELSE '' END
-           OPERATOR(pg_catalog.||) idempotency._canon_layout(v_text);
-END
-$fn$;
-
--- A member name's place in UTF-16 code-unit order, as bytes compared with memcmp: its UTF-8
--- bytes, which are in code point order, except that a character of U+E000..U+FFFF (UTF-8 lead
--- byte EE or EF) must come after every supplementary character (whose UTF-16 form starts with
--- a surrogate, D800..DBFF): such a character is given the prefix F8, a byte UTF-8 never has.
-CREATE FUNCTION idempotency._canon_name_order(name text)
-RETURNS bytea
-LANGUAGE plpgsql IMMUTABLE STRICT PARALLEL SAFE
-SET search_path = pg_catalog, pg_temp
-AS $fn$
-DECLARE
-    v_utf8 bytea := pg_catalog.convert_to(name, 'UTF8');
-BEGIN
-    IF pg_catalog.position(v_utf8, pg_catalog.decode('ee', 'hex')) OPERATOR(pg_catalog.=) 0
-       AND pg_catalog.position(v_utf8, pg_catalog.decode('ef', 'hex')) OPERATOR(pg_catalog.=) 0 THEN
-        RETURN v_utf8;
-    END IF;
-    -- In hex: end every character with ',' (one alternative per UTF-8 length), then prefix
-    -- the characters led by ee or ef.
-    RETURN pg_catalog.decode(
-        pg_catalog.replace(
-            pg_catalog.regexp_replace(
-                ',' OPERATOR(pg_catalog.||) pg_catalog.regexp_replace(
-                    pg_catalog.encode(v_utf8, 'hex'),
-                    '([0-7].|[cd].[89ab].|e.[89ab].[89ab].|f.[89ab].[89ab].[89ab].)', E'\\1,', 'g'),
-                ',(e[ef])', E',f8\\1', 'g'),
-            ',', ''),
-        'hex');
-END
-$fn$;
-
--- The canonical form of a non-NULL document; `exact` chooses the number mode; `arg` names
--- the argument in errors ("doc: document is nested deeper than 1000 levels"). `depth` is the
--- nesting allowed: 1000, as for any argument; request_fingerprint writes its arguments, each
--- checked, one level down.
-CREATE FUNCTION idempotency._canon_text(doc jsonb, exact boolean, arg text, depth integer DEFAULT 1000)
-RETURNS text
-LANGUAGE plpgsql IMMUTABLE STRICT PARALLEL SAFE
-SET search_path = pg_catalog, pg_temp
--- One plan for each statement below whatever the document: PostgreSQL's plan for each call's
--- arguments is planned again in every call, which costs more than a small document's work.
-SET plan_cache_mode = force_generic_plan
-AS $fn$
-DECLARE
-    v_kind     text := pg_catalog.jsonb_typeof(doc);
-    v_fail     text;
-    v_bad_num  text;
-    v_out      text;
-    v_flat     boolean;
-BEGIN
-    -- A container of scalars only (no nested object or array), in a UTF-8 database: written in
-    -- one statement. Its strings and names come out of jsonb escaped as RFC 8785 says; integers
-    -- of at most 21 digits (15 in 'rfc8785' mode, exact as doubles) are written as integers, and
-    -- in exact mode fractions below 10^21 and not below 10^-6 in magnitude as jsonb writes them
-    -- (never an exponent, never -0) without trailing zeros: what _canon_layout writes for them
-    -- (other numbers: the general path below); member names sort in UTF-16 code-unit order as
-    -- their UTF-8 bytes do (COLLATE "C"), unless one has a character of U+E000..U+FFFF (see
-    -- _canon_name_order: then the general path).
-    IF depth OPERATOR(pg_catalog.>=) 1 AND (v_kind OPERATOR(pg_catalog.=) 'object' OR v_kind OPERATOR(pg_catalog.=) 'array')
-       AND pg_catalog.getdatabaseencoding() OPERATOR(pg_catalog.=) 'UTF8' THEN
-        IF v_kind OPERATOR(pg_catalog.=) 'object' THEN
-            -- Of scalars, its numbers below 10^21 in magnitude, integers or not below 10^-6 in
-            -- exact mode (integers below 10^15 in 'rfc8785' mode; 1.0 is 1), no member name with a character of
-            -- U+E000..U+FFFF: one jsonpath test (no row per member to test). claim has a copy
-            -- of the exact mode's test of members and of the statement below (a change here
-            -- changes that copy too); it tests member names by one regular expression on the
-            -- text it writes instead, which costs it less than the jsonpath's test of each name.
-            IF NOT (CASE WHEN exact THEN pg_catalog.jsonb_path_exists(doc,
-                   'strict $ ? (exists (@.* ? (@.type() == "object" || @.type() == "array" || (@.type() == "number" && (@ >= 1e21 || @ <= -1e21 || (@.floor() != @ && @ > -0.000001 && @ < 0.000001))))) || exists (@.keyvalue() ? (@.key like_regex "[\uE000-\uFFFF]")))')
-                        ELSE pg_catalog.jsonb_path_exists(doc,
-                   'strict $ ? (exists (@.* ? (@.type() == "object" || @.type() == "array" || (@.type() == "number" && (@ >= 1e15 || @ <= -1e15 || @.floor() != @)))) || exists (@.keyvalue() ? (@.key like_regex "[\uE000-\uFFFF]")))') END) THEN
-                SELECT '{' OPERATOR(pg_catalog.||) COALESCE(pg_catalog.string_agg(
-                           pg_catalog.to_json(e.key)::pg_catalog.text OPERATOR(pg_catalog.||) ':'
-                           OPERATOR(pg_catalog.||) CASE WHEN pg_catalog.jsonb_typeof(e.value) OPERATOR(pg_catalog.=) 'number'
-                                                             AND pg_catalog.strpos(e.value::pg_catalog.text, '.') OPERATOR(pg_catalog.>) 0
-                                                        THEN pg_catalog.rtrim(pg_catalog.rtrim(e.value::pg_catalog.text, '0'), '.')
-                                                        ELSE e.value::pg_catalog.text END, ','
-                           ORDER BY e.key COLLATE pg_catalog."C"), '') OPERATOR(pg_catalog.||) '}'
-                  INTO v_out
-                  FROM pg_catalog.jsonb_each(doc) AS e;
-                RETURN v_out;
-            END IF;
-        ELSIF v_kind OPERATOR(pg_catalog.=) 'array' THEN
-            SELECT pg_catalog.bool_and(CASE pg_catalog.jsonb_typeof(a.value)
-                       WHEN 'string' THEN true WHEN 'boolean' THEN true WHEN 'null' THEN true
-                       WHEN 'number' THEN a.value::pg_catalog.text OPERATOR(pg_catalog.~)
-                                          CASE WHEN exact THEN '^-?([1-9][0-9]{0,20}(\.[0-9]+)?|0(\.0{0,5}[1-9][0-9]*|\.0+)?)$'
-                                               ELSE '^(0|-?[1-9][0-9]{0,14})$' END
-                       ELSE false END),
-                   '[' OPERATOR(pg_catalog.||) COALESCE(pg_catalog.string_agg(
-                       CASE WHEN pg_catalog.jsonb_typeof(a.value) OPERATOR(pg_catalog.=) 'number'
-                                 AND pg_catalog.strpos(a.value::pg_catalog.text, '.') OPERATOR(pg_catalog.>) 0
-                            THEN pg_catalog.rtrim(pg_catalog.rtrim(a.value::pg_catalog.text, '0'), '.')
-                            ELSE a.value::pg_catalog.text END, ',' ORDER BY a.pos), '')
-                   OPERATOR(pg_catalog.||) ']'
-              INTO v_flat, v_out
-              FROM pg_catalog.jsonb_array_elements(doc) WITH ORDINALITY AS a(value, pos);
-            IF v_flat IS NOT FALSE THEN
-                RETURN v_out;
-            END IF;
-        END IF;
-    END IF;
-    IF v_kind OPERATOR(pg_catalog.=) 'number' THEN
-        v_out := CASE WHEN exact THEN idempotency._canon_layout(doc::pg_catalog.text)
-                      ELSE idempotency._canon_double(doc::pg_catalog.numeric) END;
-        IF v_out IS NULL THEN
-            v_bad_num := doc::pg_catalog.text;
-        ELSE
-            RETURN v_out;
-        END IF;
-    ELSIF v_kind OPERATOR(pg_catalog.<>) 'object' AND v_kind OPERATOR(pg_catalog.<>) 'array' THEN
-        RETURN doc::pg_catalog.text;  -- a string (escaped as RFC 8785 says), true, false, null
-    ELSE
-        -- Every value: its path (per level, its 4-byte rank in canonical order), its level
-        -- (the document is level 0; a container at level 1000 is nested 1001 deep), and what
-        -- is written before it ("," and the member's name). Containers at level `depth` are
-        -- not opened (they are the error). The pieces: each value's head and opening (or scalar), and each container's
-        -- closing at its path followed by \xff, after all its children's paths.
-        WITH RECURSIVE node(path, level, kind, v, head) AS (
-            SELECT ''::pg_catalog.bytea, 0, v_kind, doc, ''::pg_catalog.text
-            UNION ALL
-            SELECT n.path OPERATOR(pg_catalog.||) pg_catalog.int4send(c.pos::pg_catalog.int4),
-                   n.level OPERATOR(pg_catalog.+) 1, pg_catalog.jsonb_typeof(c.v), c.v, c.head
-              FROM node AS n,
-                   LATERAL (
-                       SELECT m.value AS v, m.pos,
-                              CASE WHEN m.pos OPERATOR(pg_catalog.>) 1 THEN ',' ELSE '' END
-                              OPERATOR(pg_catalog.||) pg_catalog.to_json(m.key)::pg_catalog.text
-                              OPERATOR(pg_catalog.||) ':' AS head
-                         FROM (SELECT e.key, e.value,
-                                      pg_catalog.row_number() OVER (
-                                          ORDER BY CASE WHEN pg_catalog.getdatabaseencoding() OPERATOR(pg_catalog.=) 'UTF8'
-                                                             AND e.key OPERATOR(pg_catalog.!~) '[\uE000-\uFFFF]'
-                                                        THEN pg_catalog.convert_to(e.key, 'UTF8')
-                                                        ELSE idempotency._canon_name_order(e.key) END) AS pos
-                                 FROM pg_catalog.jsonb_each(
-                                          CASE WHEN n.kind OPERATOR(pg_catalog.=) 'object' THEN n.v
-                                               ELSE '{}'::pg_catalog.jsonb END) AS e) AS m
-                       UNION ALL
-                       SELECT a.value, a.pos,
-                              CASE WHEN a.pos OPERATOR(pg_catalog.>) 1 THEN ',' ELSE '' END
-                         FROM pg_catalog.jsonb_array_elements(
-                                  CASE WHEN n.kind OPERATOR(pg_catalog.=) 'array' THEN n.v
-                                       ELSE '[]'::pg_catalog.jsonb END)
-                              WITH ORDINALITY AS a(value, pos)
-                   ) AS c
-             WHERE n.level OPERATOR(pg_catalog.<) depth
-               AND n.kind OPERATOR(pg_catalog.=) ANY ('{object,array}'::pg_catalog.text[])
-        ),
-        piece(path, level, kind, v, text) AS (
-            SELECT n.path, n.level, n.kind, n.v,
-                   n.head OPERATOR(pg_catalog.||) CASE n.kind
-                       WHEN 'object' THEN '{'
-                       WHEN 'array' THEN '['
-                       WHEN 'number' THEN
-                           CASE WHEN n.v::pg_catalog.text OPERATOR(pg_catalog.~)
-                                     CASE WHEN exact THEN '^(0|-?[1-9][0-9]{0,20})$' ELSE '^(0|-?[1-9][0-9]{0,14})$' END
-                                THEN n.v::pg_catalog.text
-                                WHEN exact THEN idempotency._canon_layout(n.v::pg_catalog.text)
-                                ELSE idempotency._canon_double(n.v::pg_catalog.numeric) END
-                       ELSE n.v::pg_catalog.text END
-              FROM node AS n
-            UNION ALL
-            SELECT n.path OPERATOR(pg_catalog.||) pg_catalog.decode('ff', 'hex'), n.level, 'close', NULL,
-                   CASE n.kind WHEN 'object' THEN '}' ELSE ']' END
-              FROM node AS n
-             WHERE n.kind OPERATOR(pg_catalog.=) ANY ('{object,array}'::pg_catalog.text[])
-        )
-        -- The first failure in canonical order is the one the native edition meets.
-        SELECT f.kind, f.v::pg_catalog.text,
-               (SELECT pg_catalog.string_agg(p.text, '' ORDER BY p.path) FROM piece AS p)
-          INTO v_fail, v_bad_num, v_out
-          FROM (SELECT 1) AS one
-          LEFT JOIN LATERAL (
-              SELECT p.kind, p.v FROM piece AS p
-               WHERE p.kind OPERATOR(pg_catalog.=) 'number' AND p.text IS NULL
-                  OR p.level OPERATOR(pg_catalog.>=) depth
-                     AND p.kind OPERATOR(pg_catalog.=) ANY ('{object,array}'::pg_catalog.text[])
-               ORDER BY p.path LIMIT 1) AS f ON true;
-        IF v_fail IS NULL THEN
-            RETURN v_out;
-        END IF;
-        IF v_fail OPERATOR(pg_catalog.<>) 'number' THEN
-            RAISE EXCEPTION USING
-                ERRCODE = 'statement_too_complex',
-                MESSAGE = arg OPERATOR(pg_catalog.||) ': document is nested deeper than 1000 levels';
-        END IF;
-    END IF;
-    -- The number as exact mode writes it (1e+309), abbreviated as the native edition does.
-    v_bad_num := idempotency._canon_layout(v_bad_num);
-    IF pg_catalog.length(v_bad_num) OPERATOR(pg_catalog.>) 40 THEN
-        v_bad_num := pg_catalog.left(v_bad_num, 40) OPERATOR(pg_catalog.||) '...';
-    END IF;
-    RAISE EXCEPTION USING
-        ERRCODE = 'numeric_value_out_of_range',
-        MESSAGE = pg_catalog.format('%s: number %s is outside the IEEE-754 double range', arg, v_bad_num),
-        HINT = 'RFC 8785 allows only IEEE-754 doubles: send such numbers as JSON strings, or use numbers => ''exact''';
-END
-$fn$;
+-- Part of the canonical form in SQL and PL/pgSQL (canonical.sql; sql/portable/README.md).
 
 -- The code points Rust's Debug writes as \u{hex} in a string (those neither printable nor
 -- grapheme extenders, by the Unicode tables of the Rust that builds the native edition);
@@ -850,6 +421,652 @@ BEGIN
     RETURN v_out;
 END
 $fn$;
+
+-- Portable edition: numbers of the canonical form.
+--
+-- Exact numbers in the ECMAScript layout, and in 'rfc8785' mode the nearest double written as
+-- ECMAScript's Number::toString does (crates/idempotency-core/src/canonical.rs).
+--
+-- Part of the canonical form in SQL and PL/pgSQL (canonical.sql; sql/portable/README.md).
+
+-- The ECMAScript Number::toString layout of an exact decimal number written as
+-- -?digits(.digits)?([eE][+-]?digits)? (numeric's output, or float8's shortest output).
+CREATE FUNCTION idempotency._canon_layout(num text)
+RETURNS text
+LANGUAGE plpgsql IMMUTABLE STRICT PARALLEL SAFE
+SET search_path = pg_catalog, pg_temp
+AS $fn$
+DECLARE
+    v_rest   text := num;
+    v_sign   text := '';
+    v_exp    integer := 0;
+    v_at     integer;
+    v_int    text;
+    v_frac   text := '';
+    v_digits text;
+    v_s      text;
+    v_k      integer;
+    v_n      integer;
+BEGIN
+    IF pg_catalog.left(v_rest, 1) OPERATOR(pg_catalog.=) '-' THEN
+        v_sign := '-';
+        v_rest := pg_catalog.substr(v_rest, 2);
+    END IF;
+    v_at := pg_catalog.strpos(pg_catalog.lower(v_rest), 'e');
+    IF v_at OPERATOR(pg_catalog.>) 0 THEN
+        v_exp := pg_catalog.substr(v_rest, v_at OPERATOR(pg_catalog.+) 1)::pg_catalog.int4;
+        v_rest := pg_catalog.left(v_rest, v_at OPERATOR(pg_catalog.-) 1);
+    END IF;
+    v_at := pg_catalog.strpos(v_rest, '.');
+    IF v_at OPERATOR(pg_catalog.>) 0 THEN
+        v_int := pg_catalog.left(v_rest, v_at OPERATOR(pg_catalog.-) 1);
+        v_frac := pg_catalog.substr(v_rest, v_at OPERATOR(pg_catalog.+) 1);
+    ELSE
+        v_int := v_rest;
+    END IF;
+    v_digits := pg_catalog.ltrim(v_int OPERATOR(pg_catalog.||) v_frac, '0');
+    IF v_digits OPERATOR(pg_catalog.=) '' THEN
+        RETURN '0';  -- zero, -0 included
+    END IF;
+    v_s := pg_catalog.rtrim(v_digits, '0');
+    v_k := pg_catalog.length(v_s);
+    -- value = 0.s * 10^n
+    v_n := v_exp OPERATOR(pg_catalog.-) pg_catalog.length(v_frac)
+           OPERATOR(pg_catalog.+) pg_catalog.length(v_digits);
+    IF v_k OPERATOR(pg_catalog.<=) v_n AND v_n OPERATOR(pg_catalog.<=) 21 THEN
+        RETURN v_sign OPERATOR(pg_catalog.||) v_s
+               OPERATOR(pg_catalog.||) pg_catalog.repeat('0', v_n OPERATOR(pg_catalog.-) v_k);
+    ELSIF 0 OPERATOR(pg_catalog.<) v_n AND v_n OPERATOR(pg_catalog.<=) 21 THEN
+        RETURN v_sign OPERATOR(pg_catalog.||) pg_catalog.left(v_s, v_n)
+               OPERATOR(pg_catalog.||) '.'
+               OPERATOR(pg_catalog.||) pg_catalog.substr(v_s, v_n OPERATOR(pg_catalog.+) 1);
+    ELSIF -6 OPERATOR(pg_catalog.<) v_n AND v_n OPERATOR(pg_catalog.<=) 0 THEN
+        RETURN v_sign OPERATOR(pg_catalog.||) '0.'
+               OPERATOR(pg_catalog.||) pg_catalog.repeat('0', OPERATOR(pg_catalog.-) v_n)
+               OPERATOR(pg_catalog.||) v_s;
+    END IF;
+    RETURN v_sign OPERATOR(pg_catalog.||) pg_catalog.left(v_s, 1)
+           OPERATOR(pg_catalog.||) CASE WHEN v_k OPERATOR(pg_catalog.>) 1
+                                        THEN '.' OPERATOR(pg_catalog.||) pg_catalog.substr(v_s, 2)
+                                        ELSE '' END
+           OPERATOR(pg_catalog.||) 'e'
+           OPERATOR(pg_catalog.||) CASE WHEN v_n OPERATOR(pg_catalog.>) 0 THEN '+' ELSE '-' END
+           OPERATOR(pg_catalog.||) pg_catalog.abs(v_n OPERATOR(pg_catalog.-) 1)::pg_catalog.text;
+END
+$fn$;
+
+-- Whether x >= 2^k, exactly (x >= 0).
+CREATE FUNCTION idempotency._canon_at_least_pow2(x numeric, k integer)
+RETURNS boolean
+LANGUAGE sql IMMUTABLE STRICT PARALLEL SAFE
+SET search_path = pg_catalog, pg_temp
+AS $fn$
+    SELECT CASE WHEN k OPERATOR(pg_catalog.>=) 0
+                THEN x OPERATOR(pg_catalog.>=) pg_catalog.power(2::pg_catalog.numeric, k::pg_catalog.numeric)
+                ELSE x OPERATOR(pg_catalog.*) pg_catalog.power(2::pg_catalog.numeric, (OPERATOR(pg_catalog.-) k)::pg_catalog.numeric)
+                     OPERATOR(pg_catalog.>=) 1::pg_catalog.numeric END
+$fn$;
+
+-- A number in 'rfc8785' mode: the nearest double (ties to even), written as ECMAScript writes
+-- it; NULL when it is outside the double range (the caller raises 22003). The rounding is
+-- done here in exact numeric arithmetic rather than left to the C library's strtod (through
+-- float8in): m * 2^e with m an integer below 2^53, then made a float8 without rounding (halves
+-- of m, times an exact power of 2).
+-- Bounds, exactly: |x| >= 2^1024 - 2^970 rounds to infinity; |x| <= 2^-1075 rounds to zero.
+-- float8's output with extra_float_digits > 0 is the shortest spelling that reads back as the
+-- same double: the digits ECMAScript chooses.
+CREATE FUNCTION idempotency._canon_double(num numeric)
+RETURNS text
+LANGUAGE plpgsql IMMUTABLE STRICT PARALLEL SAFE
+SET search_path = pg_catalog, pg_temp
+SET extra_float_digits = 1
+AS $fn$
+DECLARE
+    v_abs numeric := pg_catalog.abs(num);
+    v_e   integer;
+    v_p   numeric;
+    v_y   numeric;
+    v_m   numeric;
+    v_r   numeric;
+    v_d   float8;
+    v_text   text;
+    v_best   integer;
+    v_c      numeric;
+    v_f      integer;
+    v_n      numeric;
+    v_digits integer;
+    v_i      integer;
+BEGIN
+    IF v_abs OPERATOR(pg_catalog.>=) 179769313486231580793728971405303415079934132710037826936173778980444968292764750946649017977587207096330286416692887910946555547851940402630657488671505820681908902000708383676273854845817711531764475730270069855571366959622842914819860834936475292719074168444365510704342711559699508093042880177904174497792::pg_catalog.numeric THEN
+        RETURN NULL;
+    END IF;
+    IF v_abs OPERATOR(pg_catalog.*) 404804506614621236704990693437834614099113299528284236713802716054860679135990693783920767402874248990374155728633623822779617474771586953734026799881477019843034848553132722728933815484186432682479535356945490137124014966849385397236206711298319112681620113024717539104666829230461005064372655017292012526615415482186989568::pg_catalog.numeric
+       OPERATOR(pg_catalog.<=) 1::pg_catalog.numeric THEN
+        RETURN '0';  -- -0 too
+    END IF;
+    -- The binary exponent e with 2^52 <= |x| / 2^e < 2^53, at least -1074 (subnormals).
+    v_e := pg_catalog.floor(pg_catalog.log(2::pg_catalog.numeric, v_abs))::pg_catalog.int4 OPERATOR(pg_catalog.-) 52;
+    WHILE NOT idempotency._canon_at_least_pow2(v_abs, v_e OPERATOR(pg_catalog.+) 52) LOOP
+        v_e := v_e OPERATOR(pg_catalog.-) 1;
+    END LOOP;
+    WHILE idempotency._canon_at_least_pow2(v_abs, v_e OPERATOR(pg_catalog.+) 53) LOOP
+        v_e := v_e OPERATOR(pg_catalog.+) 1;
+    END LOOP;
+    IF v_e OPERATOR(pg_catalog.<) -1074 THEN
+        v_e := -1074;
+    END IF;
+    -- m = |x| / 2^e rounded to an integer, ties to even; v_r is the sign of (remainder - half).
+    IF v_e OPERATOR(pg_catalog.>=) 0 THEN
+        v_p := pg_catalog.power(2::pg_catalog.numeric, v_e::pg_catalog.numeric);
+        v_m := pg_catalog.div(v_abs, v_p);
+        v_r := (v_abs OPERATOR(pg_catalog.-) (v_m OPERATOR(pg_catalog.*) v_p)) OPERATOR(pg_catalog.*) 2
+               OPERATOR(pg_catalog.-) v_p;
+    ELSE
+        v_y := v_abs OPERATOR(pg_catalog.*) pg_catalog.power(2::pg_catalog.numeric, (OPERATOR(pg_catalog.-) v_e)::pg_catalog.numeric);
+        v_m := pg_catalog.trunc(v_y);
+        v_r := (v_y OPERATOR(pg_catalog.-) v_m) OPERATOR(pg_catalog.*) 2 OPERATOR(pg_catalog.-) 1;
+    END IF;
+    IF v_r OPERATOR(pg_catalog.>) 0
+       OR v_r OPERATOR(pg_catalog.=) 0 AND pg_catalog.mod(v_m, 2::pg_catalog.numeric) OPERATOR(pg_catalog.=) 1 THEN
+        v_m := v_m OPERATOR(pg_catalog.+) 1;
+    END IF;
+    IF v_m OPERATOR(pg_catalog.=) 9007199254740992::pg_catalog.numeric THEN  -- rounded up to 2^53
+        v_m := 4503599627370496::pg_catalog.numeric;
+        v_e := v_e OPERATOR(pg_catalog.+) 1;
+    END IF;
+    v_d := (pg_catalog.div(v_m, 67108864::pg_catalog.numeric)::pg_catalog.float8 OPERATOR(pg_catalog.*) 67108864::pg_catalog.float8
+            OPERATOR(pg_catalog.+) pg_catalog.mod(v_m, 67108864::pg_catalog.numeric)::pg_catalog.float8)
+           OPERATOR(pg_catalog.*) pg_catalog.power(2::pg_catalog.float8, v_e::pg_catalog.float8);
+    -- float8's output is the shortest spelling strictly inside the interval that reads back as
+    -- this double (PostgreSQL's Ryu leaves its bounds out). ECMAScript also takes a bound when
+    -- it reads back as this double, which it does when m is even (ties go to even): 1e+23, not
+    -- 9.999999999999999e+22. A bound with fewer digits than float8's spelling is the answer.
+    -- The bounds are c * 2^f: (2m - 1) and (2m + 1) times 2^(e - 1); below a power of two
+    -- (m = 2^52, not the smallest normal) the lower gap is half as wide: (4m - 1) * 2^(e - 2).
+    -- With f < 0 a bound is an odd number times 5^-f over 10^-f: at least 17 significant digits,
+    -- never fewer than float8's; so only integer bounds (f >= 0) are looked at.
+    v_text := v_d::pg_catalog.text;
+    IF v_e OPERATOR(pg_catalog.>=) 1 AND pg_catalog.mod(v_m, 2::pg_catalog.numeric) OPERATOR(pg_catalog.=) 0 THEN
+        v_best := pg_catalog.length(pg_catalog.rtrim(pg_catalog.ltrim(pg_catalog.replace(
+                      pg_catalog.split_part(v_text, 'e', 1), '.', ''), '0'), '0'));
+        FOR v_i IN 1 .. 2 LOOP
+            IF v_i OPERATOR(pg_catalog.=) 2 THEN
+                v_c := (2 OPERATOR(pg_catalog.*) v_m) OPERATOR(pg_catalog.+) 1;
+                v_f := v_e OPERATOR(pg_catalog.-) 1;
+            ELSIF v_m OPERATOR(pg_catalog.=) 4503599627370496::pg_catalog.numeric THEN
+                v_c := (4 OPERATOR(pg_catalog.*) v_m) OPERATOR(pg_catalog.-) 1;
+                v_f := v_e OPERATOR(pg_catalog.-) 2;
+            ELSE
+                v_c := (2 OPERATOR(pg_catalog.*) v_m) OPERATOR(pg_catalog.-) 1;
+                v_f := v_e OPERATOR(pg_catalog.-) 1;
+            END IF;
+            CONTINUE WHEN v_f OPERATOR(pg_catalog.<) 0;
+            v_n := pg_catalog.trunc(v_c OPERATOR(pg_catalog.*) pg_catalog.power(2::pg_catalog.numeric, v_f::pg_catalog.numeric));
+            v_digits := pg_catalog.length(pg_catalog.rtrim(v_n::pg_catalog.text, '0'));
+            IF v_digits OPERATOR(pg_catalog.<) v_best THEN
+                v_best := v_digits;
+                v_text := v_n::pg_catalog.text;
+            END IF;
+        END LOOP;
+    END IF;
+    RETURN CASE WHEN num OPERATOR(pg_catalog.<) 0 THEN '-' ELSE '' END
+           OPERATOR(pg_catalog.||) idempotency._canon_layout(v_text);
+END
+$fn$;
+
+-- Portable edition: canonical_json and canonical_hash in SQL and PL/pgSQL.
+--
+-- The same bytes as the native edition (crates/idempotency-core/src/canonical.rs and
+-- exclusion.rs): RFC 8785 layout, member names in UTF-16 code-unit order, strings escaped as
+-- the RFC says, numbers exact (their decimal value in the ECMAScript layout) or, in 'rfc8785'
+-- mode, rounded to the nearest double and written as ECMAScript's Number::toString does.
+-- Nesting deeper than 1000 levels is 54001, as in the native edition. Hashes are SHA-256 of
+-- the UTF-8 bytes of the exact form, whatever the database encoding.
+--
+-- No recursion in PL/pgSQL (a document 1000 levels deep would exceed the stack): a nested
+-- document is written by loops over the tokens of its text, with a stack of their own.
+-- Every function pins search_path; every reference is schema-qualified.
+
+-- In a database whose encoding is not UTF-8, text is hashed as Unicode: a character without a
+-- Unicode equivalent (EUC_JP 0xA2AF, say) is refused with 22P05 naming the argument, as the
+-- native edition refuses it. Nothing to check in a UTF-8 database.
+CREATE FUNCTION idempotency._canon_unicode(value text, arg text)
+RETURNS void
+LANGUAGE plpgsql IMMUTABLE PARALLEL SAFE
+SET search_path = pg_catalog, pg_temp
+AS $fn$
+DECLARE
+    v_msg text;
+BEGIN
+    IF value IS NULL OR pg_catalog.getdatabaseencoding() OPERATOR(pg_catalog.=) 'UTF8' THEN
+        RETURN;
+    END IF;
+    BEGIN
+        PERFORM pg_catalog.convert_to(value, 'UTF8');
+    EXCEPTION WHEN untranslatable_character THEN
+        GET STACKED DIAGNOSTICS v_msg = MESSAGE_TEXT;
+        RAISE EXCEPTION USING
+            ERRCODE = 'untranslatable_character',
+            MESSAGE = arg OPERATOR(pg_catalog.||) ': '
+                      OPERATOR(pg_catalog.||) pg_catalog.replace(v_msg, 'in encoding "UTF8"', 'in Unicode');
+    END;
+END
+$fn$;
+
+-- The same for the strings of a document.
+CREATE FUNCTION idempotency._canon_unicode_doc(value jsonb, arg text)
+RETURNS void
+LANGUAGE plpgsql IMMUTABLE PARALLEL SAFE
+SET search_path = pg_catalog, pg_temp
+AS $fn$
+BEGIN
+    IF value IS NOT NULL AND pg_catalog.getdatabaseencoding() OPERATOR(pg_catalog.<>) 'UTF8' THEN
+        PERFORM idempotency._canon_unicode(value::pg_catalog.text, arg);
+    END IF;
+END
+$fn$;
+
+-- A member name's place in UTF-16 code-unit order, as bytes compared with memcmp: its UTF-8
+-- bytes, which are in code point order, except that a character of U+E000..U+FFFF (UTF-8 lead
+-- byte EE or EF) must come after every supplementary character (whose UTF-16 form starts with
+-- a surrogate, D800..DBFF): such a character is given the prefix F8, a byte UTF-8 never has.
+CREATE FUNCTION idempotency._canon_name_order(name text)
+RETURNS bytea
+LANGUAGE plpgsql IMMUTABLE STRICT PARALLEL SAFE
+SET search_path = pg_catalog, pg_temp
+AS $fn$
+DECLARE
+    v_utf8 bytea := pg_catalog.convert_to(name, 'UTF8');
+BEGIN
+    IF pg_catalog.position(v_utf8, pg_catalog.decode('ee', 'hex')) OPERATOR(pg_catalog.=) 0
+       AND pg_catalog.position(v_utf8, pg_catalog.decode('ef', 'hex')) OPERATOR(pg_catalog.=) 0 THEN
+        RETURN v_utf8;
+    END IF;
+    -- In hex: end every character with ',' (one alternative per UTF-8 length), then prefix
+    -- the characters led by ee or ef.
+    RETURN pg_catalog.decode(
+        pg_catalog.replace(
+            pg_catalog.regexp_replace(
+                ',' OPERATOR(pg_catalog.||) pg_catalog.regexp_replace(
+                    pg_catalog.encode(v_utf8, 'hex'),
+                    '([0-7].|[cd].[89ab].|e.[89ab].[89ab].|f.[89ab].[89ab].[89ab].)', E'\\1,', 'g'),
+                ',(e[ef])', E',f8\\1', 'g'),
+            ',', ''),
+        'hex');
+END
+$fn$;
+
+-- The canonical form of a non-NULL document; `exact` chooses the number mode; `arg` names
+-- the argument in errors ("doc: document is nested deeper than 1000 levels"). `depth` is the
+-- nesting allowed: 1000, as for any argument; request_fingerprint writes its arguments, each
+-- checked, one level down.
+CREATE FUNCTION idempotency._canon_text(doc jsonb, exact boolean, arg text, depth integer DEFAULT 1000)
+RETURNS text
+LANGUAGE plpgsql IMMUTABLE STRICT PARALLEL SAFE
+SET search_path = pg_catalog, pg_temp
+-- One plan for each statement below whatever the document: PostgreSQL's plan for each call's
+-- arguments is planned again in every call, which costs more than a small document's work.
+SET plan_cache_mode = force_generic_plan
+AS $fn$
+DECLARE
+    v_kind     text := pg_catalog.jsonb_typeof(doc);
+    v_fail     text;
+    v_bad_num  text;
+    v_out      text;
+    v_flat     boolean;
+    v_text     text;
+    v_tok      text[];
+    v_parts    text[];
+    v_esc      boolean;
+    v_mark     text;
+    v_pair     text;
+    v_close    integer[];
+    v_t        text;
+    v_s        text;
+    v_pre      text;
+    v_numt     text[] := '{}';
+    v_n        integer;
+    v_limit    integer;
+    v_c        text;
+    v_i        integer;
+    v_j        integer;
+    v_k        integer;
+    v_sp       integer := 0;
+    v_open     integer[] := '{}';
+    v_obj      boolean[] := '{}';
+    v_count    integer[] := '{}';
+    v_m        integer := 0;
+    v_ms       integer[] := '{}';
+    v_mo       integer[] := '{}';
+    v_mk       text[] := '{}';
+    v_nums     integer[] := '{}';
+    v_fmt      text[];
+    v_deep     integer[] := '{}';
+    v_bad      integer[] := '{}';
+    v_badt     text[] := '{}';
+    v_rs       integer[];
+    v_re       integer[];
+    v_rshift   integer[];
+    v_rfirst   boolean[];
+    v_diff     integer[];
+    v_moved    boolean;
+    v_bytes    boolean;
+    v_shift    integer;
+    v_pieces   text[];
+    v_fail_at  integer;
+BEGIN
+    -- A container of scalars only (no nested object or array), in a UTF-8 database: written in
+    -- one statement. Its strings and names come out of jsonb escaped as RFC 8785 says; integers
+    -- of at most 21 digits (15 in 'rfc8785' mode, exact as doubles) are written as integers, and
+    -- in exact mode fractions below 10^21 and not below 10^-6 in magnitude as jsonb writes them
+    -- (never an exponent, never -0) without trailing zeros: what _canon_layout writes for them
+    -- (other numbers: the general path below); member names sort in UTF-16 code-unit order as
+    -- their UTF-8 bytes do (COLLATE "C"), unless one has a character of U+E000..U+FFFF (see
+    -- _canon_name_order: then the general path).
+    IF depth OPERATOR(pg_catalog.>=) 1 AND (v_kind OPERATOR(pg_catalog.=) 'object' OR v_kind OPERATOR(pg_catalog.=) 'array')
+       AND pg_catalog.getdatabaseencoding() OPERATOR(pg_catalog.=) 'UTF8' THEN
+        IF v_kind OPERATOR(pg_catalog.=) 'object' THEN
+            -- Of scalars, its numbers below 10^21 in magnitude, integers or not below 10^-6 in
+            -- exact mode (integers below 10^15 in 'rfc8785' mode; 1.0 is 1), no member name with a character of
+            -- U+E000..U+FFFF: one jsonpath test (no row per member to test). claim has a copy
+            -- of the exact mode's test of members and of the statement below (a change here
+            -- changes that copy too); it tests member names by one regular expression on the
+            -- text it writes instead, which costs it less than the jsonpath's test of each name.
+            IF NOT (CASE WHEN exact THEN pg_catalog.jsonb_path_exists(doc,
+                   'strict $ ? (exists (@.* ? (@.type() == "object" || @.type() == "array" || (@.type() == "number" && (@ >= 1e21 || @ <= -1e21 || (@.floor() != @ && @ > -0.000001 && @ < 0.000001))))) || exists (@.keyvalue() ? (@.key like_regex "[\uE000-\uFFFF]")))')
+                        ELSE pg_catalog.jsonb_path_exists(doc,
+                   'strict $ ? (exists (@.* ? (@.type() == "object" || @.type() == "array" || (@.type() == "number" && (@ >= 1e15 || @ <= -1e15 || @.floor() != @)))) || exists (@.keyvalue() ? (@.key like_regex "[\uE000-\uFFFF]")))') END) THEN
+                SELECT '{' OPERATOR(pg_catalog.||) COALESCE(pg_catalog.string_agg(
+                           pg_catalog.to_json(e.key)::pg_catalog.text OPERATOR(pg_catalog.||) ':'
+                           OPERATOR(pg_catalog.||) CASE WHEN pg_catalog.jsonb_typeof(e.value) OPERATOR(pg_catalog.=) 'number'
+                                                             AND pg_catalog.strpos(e.value::pg_catalog.text, '.') OPERATOR(pg_catalog.>) 0
+                                                        THEN pg_catalog.rtrim(pg_catalog.rtrim(e.value::pg_catalog.text, '0'), '.')
+                                                        ELSE e.value::pg_catalog.text END, ','
+                           ORDER BY e.key COLLATE pg_catalog."C"), '') OPERATOR(pg_catalog.||) '}'
+                  INTO v_out
+                  FROM pg_catalog.jsonb_each(doc) AS e;
+                RETURN v_out;
+            END IF;
+        ELSIF v_kind OPERATOR(pg_catalog.=) 'array'
+              -- (Not with a nested container: its value would be written out here for nothing.)
+              AND NOT pg_catalog.jsonb_path_exists(doc, 'strict $ ? (exists (@[*] ? (@.type() == "object" || @.type() == "array")))') THEN
+            SELECT pg_catalog.bool_and(CASE pg_catalog.jsonb_typeof(a.value)
+                       WHEN 'string' THEN true WHEN 'boolean' THEN true WHEN 'null' THEN true
+                       WHEN 'number' THEN a.value::pg_catalog.text OPERATOR(pg_catalog.~)
+                                          CASE WHEN exact THEN '^-?([1-9][0-9]{0,20}(\.[0-9]+)?|0(\.0{0,5}[1-9][0-9]*|\.0+)?)$'
+                                               ELSE '^(0|-?[1-9][0-9]{0,14})$' END
+                       ELSE false END),
+                   '[' OPERATOR(pg_catalog.||) COALESCE(pg_catalog.string_agg(
+                       CASE WHEN pg_catalog.jsonb_typeof(a.value) OPERATOR(pg_catalog.=) 'number'
+                                 AND pg_catalog.strpos(a.value::pg_catalog.text, '.') OPERATOR(pg_catalog.>) 0
+                            THEN pg_catalog.rtrim(pg_catalog.rtrim(a.value::pg_catalog.text, '0'), '.')
+                            ELSE a.value::pg_catalog.text END, ',' ORDER BY a.pos), '')
+                   OPERATOR(pg_catalog.||) ']'
+              INTO v_flat, v_out
+              FROM pg_catalog.jsonb_array_elements(doc) WITH ORDINALITY AS a(value, pos);
+            IF v_flat IS NOT FALSE THEN
+                RETURN v_out;
+            END IF;
+        END IF;
+    END IF;
+    IF v_kind OPERATOR(pg_catalog.=) 'number' THEN
+        v_out := CASE WHEN exact THEN idempotency._canon_layout(doc::pg_catalog.text)
+                      ELSE idempotency._canon_double(doc::pg_catalog.numeric) END;
+        IF v_out IS NULL THEN
+            v_bad_num := doc::pg_catalog.text;
+        ELSE
+            RETURN v_out;
+        END IF;
+    ELSIF v_kind OPERATOR(pg_catalog.<>) 'object' AND v_kind OPERATOR(pg_catalog.<>) 'array' THEN
+        RETURN doc::pg_catalog.text;  -- a string (escaped as RFC 8785 says), true, false, null
+    ELSE
+        -- A walk of the document's text, in time and memory linear in it whatever its nesting
+        -- (no value is copied once per level it is nested in). jsonb writes its text in one
+        -- pass, strings and names escaped as RFC 8785 says. Cut at its quotes, the text is its
+        -- strings (the even parts) between the rest (the odd parts: brackets, numbers, literals,
+        -- ", " and ": "), which, joined with a mark in place of each string, is cut into
+        -- tokens: a bracket, a value of an array, or a member (its name with ":", and its value
+        -- unless the value is a container). Each token is one piece of the canonical form, so
+        -- the form is the tokens in another order: within each object, its members (a member's
+        -- token and its value's tokens) in canonical order of their names. A first pass over the
+        -- tokens, with a stack of the open containers, writes the pieces and the commas of
+        -- arrays, and finds the members, the numbers to rewrite and the containers nested too
+        -- deep; one statement ranks the members of every object; each member's tokens then move
+        -- by one shift (its place in its object plus its enclosing members' shifts: a running
+        -- sum of differences), and the pieces are joined in that order.
+        -- (Splitting and replacing are much faster than a regular expression over long strings.)
+        v_text := doc::pg_catalog.text;
+        -- A quote inside a string is escaped: \" and \\ are made control characters for the
+        -- cut (jsonb writes none: it escapes them), and made again in each string taken.
+        v_esc := pg_catalog.strpos(v_text, '\') OPERATOR(pg_catalog.>) 0;
+        IF v_esc THEN
+            v_text := pg_catalog.replace(pg_catalog.replace(v_text, '\\', pg_catalog.chr(1)), '\"', pg_catalog.chr(2));
+        END IF;
+        v_parts := pg_catalog.string_to_array(v_text, '"');
+        v_text := NULL;
+        -- The odd parts joined by the mark chr(3) (gathered in a loop: a statement costs more
+        -- than a small document's parts); ": " made chr(4) (a member's name and its scalar value
+        -- make one token); then cut at brackets, commas and spaces.
+        v_mark := pg_catalog.chr(3);
+        v_tok := '{}';
+        FOR v_k IN 1 .. (pg_catalog.cardinality(v_parts) OPERATOR(pg_catalog.+) 1) OPERATOR(pg_catalog./) 2 LOOP
+            v_tok[v_k] := v_parts[v_k OPERATOR(pg_catalog.*) 2 OPERATOR(pg_catalog.-) 1];
+        END LOOP;
+        v_tok := pg_catalog.array_remove(pg_catalog.string_to_array(
+                     pg_catalog.replace(pg_catalog.replace(pg_catalog.replace(pg_catalog.replace(
+                         pg_catalog.replace(pg_catalog.replace(pg_catalog.array_to_string(v_tok, v_mark),
+                         ',', ' '), ': ', pg_catalog.chr(4)), '{', ' { '), '}', ' } '), '[', ' [ '), ']', ' ] '),
+                     ' '), '');
+        v_n := pg_catalog.cardinality(v_tok);
+        v_limit := CASE WHEN exact THEN 21 ELSE 15 END;
+        v_pair := v_mark OPERATOR(pg_catalog.||) pg_catalog.chr(4) OPERATOR(pg_catalog.||) v_mark;
+        v_close := pg_catalog.array_fill(0, ARRAY[v_n]);
+        v_j := 0;  -- the strings taken
+        FOR v_i IN 1 .. v_n LOOP
+            v_t := v_tok[v_i];
+            v_c := pg_catalog.left(v_t, 1);
+            IF v_c OPERATOR(pg_catalog.=) v_mark THEN
+                v_j := v_j OPERATOR(pg_catalog.+) 1;
+                v_s := CASE WHEN v_esc
+                            THEN pg_catalog.replace(pg_catalog.replace(v_parts[v_j OPERATOR(pg_catalog.*) 2],
+                                                                       pg_catalog.chr(2), '\"'), pg_catalog.chr(1), '\\')
+                            ELSE v_parts[v_j OPERATOR(pg_catalog.*) 2] END;
+                IF v_t OPERATOR(pg_catalog.=) v_mark THEN
+                    -- A string in an array.
+                    v_tok[v_i] := CASE WHEN v_count[v_sp] OPERATOR(pg_catalog.>) 0 THEN ',"' ELSE '"' END
+                                  OPERATOR(pg_catalog.||) v_s OPERATOR(pg_catalog.||) '"';
+                    v_count[v_sp] := v_count[v_sp] OPERATOR(pg_catalog.+) 1;
+                    CONTINUE;
+                END IF;
+                -- A member: it runs to the next member of its object, or the object's end.
+                v_m := v_m OPERATOR(pg_catalog.+) 1;
+                v_ms[v_m] := v_i;
+                v_mo[v_m] := v_open[v_sp];
+                v_mk[v_m] := v_s;
+                IF v_t OPERATOR(pg_catalog.=) v_pair THEN
+                    -- Its value a string.
+                    v_j := v_j OPERATOR(pg_catalog.+) 1;
+                    v_tok[v_i] := '"' OPERATOR(pg_catalog.||) v_s OPERATOR(pg_catalog.||) '":"'
+                                  OPERATOR(pg_catalog.||) CASE WHEN v_esc
+                                      THEN pg_catalog.replace(pg_catalog.replace(v_parts[v_j OPERATOR(pg_catalog.*) 2],
+                                                                                 pg_catalog.chr(2), '\"'), pg_catalog.chr(1), '\\')
+                                      ELSE v_parts[v_j OPERATOR(pg_catalog.*) 2] END
+                                  OPERATOR(pg_catalog.||) '"';
+                    CONTINUE;
+                END IF;
+                v_pre := '"' OPERATOR(pg_catalog.||) v_s OPERATOR(pg_catalog.||) '":';
+                v_t := pg_catalog.substr(v_t, 3);  -- the value, if a scalar
+                v_c := pg_catalog.left(v_t, 1);
+                -- (A container's members follow; or true, false, null, a number.)
+            ELSIF v_c OPERATOR(pg_catalog.=) '}' THEN
+                v_close[v_open[v_sp]] := v_i;
+                v_sp := v_sp OPERATOR(pg_catalog.-) 1;
+                CONTINUE;
+            ELSIF v_c OPERATOR(pg_catalog.=) ']' THEN
+                v_sp := v_sp OPERATOR(pg_catalog.-) 1;
+                CONTINUE;
+            ELSIF v_sp OPERATOR(pg_catalog.>) 0 AND NOT v_obj[v_sp] THEN
+                -- A value in an array: after a comma unless it is the first.
+                v_pre := CASE WHEN v_count[v_sp] OPERATOR(pg_catalog.>) 0 THEN ',' ELSE '' END;
+                v_count[v_sp] := v_count[v_sp] OPERATOR(pg_catalog.+) 1;
+            ELSE
+                v_pre := '';  -- the document, or a member's container (its name is the token before)
+            END IF;
+            -- v_t is a value: a container opened, or a number or literal (after v_pre, the
+            -- piece's comma or name).
+            IF v_c OPERATOR(pg_catalog.=) '{' OR v_c OPERATOR(pg_catalog.=) '[' THEN
+                v_tok[v_i] := v_pre OPERATOR(pg_catalog.||) v_c;
+                -- Level v_sp (the document is level 0): from `depth` on, the error.
+                IF v_sp OPERATOR(pg_catalog.>=) depth THEN
+                    v_deep[pg_catalog.cardinality(v_deep) OPERATOR(pg_catalog.+) 1] := v_i;
+                END IF;
+                v_sp := v_sp OPERATOR(pg_catalog.+) 1;
+                v_open[v_sp] := v_i;
+                v_obj[v_sp] := v_c OPERATOR(pg_catalog.=) '{';
+                v_count[v_sp] := 0;
+            ELSIF v_t OPERATOR(pg_catalog.=) '' THEN
+                v_tok[v_i] := v_pre;  -- a member whose value is the container that follows
+            ELSIF v_c OPERATOR(pg_catalog.<>) 't' AND v_c OPERATOR(pg_catalog.<>) 'f' AND v_c OPERATOR(pg_catalog.<>) 'n'
+                  AND (pg_catalog.strpos(v_t, '.') OPERATOR(pg_catalog.>) 0
+                       OR pg_catalog.octet_length(v_t) OPERATOR(pg_catalog.>)
+                          (v_limit OPERATOR(pg_catalog.+) CASE WHEN v_c OPERATOR(pg_catalog.=) '-' THEN 1 ELSE 0 END)) THEN
+                -- A number to rewrite (a fraction, or an integer too long to be written as it
+                -- is): a fraction as the flat case above writes it where it can; the others
+                -- below, all in one statement.
+                IF exact AND v_t OPERATOR(pg_catalog.~) '^-?([1-9][0-9]{0,20}\.[0-9]+|0(\.0{0,5}[1-9][0-9]*|\.0+))$' THEN
+                    v_tok[v_i] := v_pre OPERATOR(pg_catalog.||) pg_catalog.rtrim(pg_catalog.rtrim(v_t, '0'), '.');
+                ELSE
+                    v_tok[v_i] := v_pre;
+                    v_k := pg_catalog.cardinality(v_nums) OPERATOR(pg_catalog.+) 1;
+                    v_nums[v_k] := v_i;
+                    v_numt[v_k] := v_t;
+                END IF;
+            ELSE
+                v_tok[v_i] := v_pre OPERATOR(pg_catalog.||) v_t;
+            END IF;
+        END LOOP;
+        -- The other numbers: _canon_layout or _canon_double (NULL: outside the double range, an
+        -- error below).
+        IF pg_catalog.cardinality(v_nums) OPERATOR(pg_catalog.>) 0 THEN
+            v_fmt := ARRAY(
+                SELECT CASE WHEN exact THEN idempotency._canon_layout(x.t)
+                            ELSE idempotency._canon_double(x.t::pg_catalog.numeric) END
+                  FROM (SELECT pg_catalog.unnest(v_numt) AS t) AS x);
+            FOR v_k IN 1 .. pg_catalog.cardinality(v_nums) LOOP
+                v_i := v_nums[v_k];
+                IF v_fmt[v_k] IS NULL THEN
+                    v_bad[pg_catalog.cardinality(v_bad) OPERATOR(pg_catalog.+) 1] := v_i;
+                    v_badt[pg_catalog.cardinality(v_badt) OPERATOR(pg_catalog.+) 1] := v_numt[v_k];
+                ELSE
+                    v_tok[v_i] := v_tok[v_i] OPERATOR(pg_catalog.||) v_fmt[v_k];
+                END IF;
+            END LOOP;
+        END IF;
+        -- The members of every object in canonical order of their names: the first written
+        -- without a comma, each moved to its place in its object (a shift, 0 where jsonb's
+        -- order of names, by length first, is already the canonical one). Names sort as their
+        -- UTF-8 bytes (COLLATE "C" in a UTF-8 database) unless one has a character of
+        -- U+E000..U+FFFF (see _canon_name_order).
+        v_diff := pg_catalog.array_fill(0, ARRAY[v_n OPERATOR(pg_catalog.+) 1]);
+        v_moved := false;
+        IF v_m OPERATOR(pg_catalog.>) 1 THEN
+            v_bytes := pg_catalog.getdatabaseencoding() OPERATOR(pg_catalog.=) 'UTF8';
+            IF v_bytes THEN
+                v_s := pg_catalog.array_to_string(v_mk, '');
+                v_bytes := pg_catalog.octet_length(v_s) OPERATOR(pg_catalog.=) pg_catalog.length(v_s)
+                           OR v_s OPERATOR(pg_catalog.!~) '[\uE000-\uFFFF]';
+            END IF;
+            SELECT pg_catalog.array_agg(r.s), pg_catalog.array_agg(r.e), pg_catalog.array_agg(r.shift),
+                   pg_catalog.array_agg(r.before OPERATOR(pg_catalog.=) 0)
+              INTO v_rs, v_re, v_rshift, v_rfirst
+              FROM (SELECT w.s, w.e, w.before,
+                           w.o OPERATOR(pg_catalog.+) 1 OPERATOR(pg_catalog.+) w.before OPERATOR(pg_catalog.-) w.s AS shift
+                      FROM (SELECT m.s, m.e, m.o,
+                                   (pg_catalog.sum(m.e OPERATOR(pg_catalog.-) m.s OPERATOR(pg_catalog.+) 1) OVER (
+                                        PARTITION BY m.o
+                                        ORDER BY CASE WHEN v_bytes THEN m.key END COLLATE pg_catalog."C",
+                                                 CASE WHEN NOT v_bytes THEN idempotency._canon_name_order(m.key) END)
+                                    OPERATOR(pg_catalog.-) (m.e OPERATOR(pg_catalog.-) m.s OPERATOR(pg_catalog.+) 1))::pg_catalog.int4 AS before
+                              FROM (SELECT u.s, u.o,
+                                           -- Its last token: before the next member of its object,
+                                           -- or before its object's end.
+                                           COALESCE(pg_catalog.lead(u.s) OVER (PARTITION BY u.o ORDER BY u.s), v_close[u.o])
+                                           OPERATOR(pg_catalog.-) 1 AS e,
+                                           -- The name (unescaped where it has an escape).
+                                           CASE WHEN NOT v_esc OR pg_catalog.strpos(u.k, '\') OPERATOR(pg_catalog.=) 0 THEN u.k
+                                                ELSE ('"' OPERATOR(pg_catalog.||) u.k OPERATOR(pg_catalog.||) '"')::pg_catalog.jsonb
+                                                     OPERATOR(pg_catalog.#>>) '{}'::pg_catalog.text[] END AS key
+                                      FROM (SELECT pg_catalog.unnest(v_ms) AS s, pg_catalog.unnest(v_mo) AS o,
+                                                   pg_catalog.unnest(v_mk) AS k) AS u) AS m) AS w) AS r
+             WHERE r.before OPERATOR(pg_catalog.<>) 0 OR r.shift OPERATOR(pg_catalog.<>) 0;
+            FOR v_k IN 1 .. COALESCE(pg_catalog.cardinality(v_rs), 0) LOOP
+                IF NOT v_rfirst[v_k] THEN
+                    v_tok[v_rs[v_k]] := ',' OPERATOR(pg_catalog.||) v_tok[v_rs[v_k]];
+                END IF;
+                IF v_rshift[v_k] OPERATOR(pg_catalog.<>) 0 THEN
+                    v_diff[v_rs[v_k]] := v_diff[v_rs[v_k]] OPERATOR(pg_catalog.+) v_rshift[v_k];
+                    v_diff[v_re[v_k] OPERATOR(pg_catalog.+) 1] := v_diff[v_re[v_k] OPERATOR(pg_catalog.+) 1]
+                                                                  OPERATOR(pg_catalog.-) v_rshift[v_k];
+                    v_moved := true;
+                END IF;
+            END LOOP;
+        END IF;
+        IF pg_catalog.cardinality(v_deep) OPERATOR(pg_catalog.=) 0 AND pg_catalog.cardinality(v_bad) OPERATOR(pg_catalog.=) 0 THEN
+            IF NOT v_moved THEN
+                RETURN pg_catalog.array_to_string(v_tok, '');
+            END IF;
+            v_pieces := pg_catalog.array_fill(NULL::pg_catalog.text, ARRAY[v_n]);
+            v_shift := 0;
+            FOR v_i IN 1 .. v_n LOOP
+                v_shift := v_shift OPERATOR(pg_catalog.+) v_diff[v_i];
+                v_pieces[v_i OPERATOR(pg_catalog.+) v_shift] := v_tok[v_i];
+            END LOOP;
+            RETURN pg_catalog.array_to_string(v_pieces, '');
+        END IF;
+        -- The first failure in canonical order is the one the native edition meets.
+        v_fail_at := NULL;
+        v_shift := 0;
+        v_k := 1;  -- the next of v_deep
+        v_j := 1;  -- the next of v_bad
+        FOR v_i IN 1 .. v_n LOOP
+            v_shift := v_shift OPERATOR(pg_catalog.+) v_diff[v_i];
+            IF v_i OPERATOR(pg_catalog.=) v_deep[v_k] OR v_i OPERATOR(pg_catalog.=) v_bad[v_j] THEN
+                IF v_fail_at IS NULL OR v_i OPERATOR(pg_catalog.+) v_shift OPERATOR(pg_catalog.<) v_fail_at THEN
+                    v_fail_at := v_i OPERATOR(pg_catalog.+) v_shift;
+                    v_fail := CASE WHEN v_i OPERATOR(pg_catalog.=) v_deep[v_k] THEN 'deep' ELSE 'number' END;
+                    v_bad_num := v_badt[v_j];
+                END IF;
+                IF v_i OPERATOR(pg_catalog.=) v_deep[v_k] THEN
+                    v_k := v_k OPERATOR(pg_catalog.+) 1;
+                ELSE
+                    v_j := v_j OPERATOR(pg_catalog.+) 1;
+                END IF;
+            END IF;
+        END LOOP;
+        IF v_fail OPERATOR(pg_catalog.<>) 'number' THEN
+            RAISE EXCEPTION USING
+                ERRCODE = 'statement_too_complex',
+                MESSAGE = arg OPERATOR(pg_catalog.||) ': document is nested deeper than 1000 levels';
+        END IF;
+    END IF;
+    -- The number as exact mode writes it (1e+309), abbreviated as the native edition does.
+    v_bad_num := idempotency._canon_layout(v_bad_num);
+    IF pg_catalog.length(v_bad_num) OPERATOR(pg_catalog.>) 40 THEN
+        v_bad_num := pg_catalog.left(v_bad_num, 40) OPERATOR(pg_catalog.||) '...';
+    END IF;
+    RAISE EXCEPTION USING
+        ERRCODE = 'numeric_value_out_of_range',
+        MESSAGE = pg_catalog.format('%s: number %s is outside the IEEE-754 double range', arg, v_bad_num),
+        HINT = 'RFC 8785 allows only IEEE-754 doubles: send such numbers as JSON strings, or use numbers => ''exact''';
+END
+$fn$;
+
+-- Portable edition: members left out of canonical_hash.
+--
+-- As crates/idempotency-core/src/exclusion.rs: plain names and JSON Pointers (RFC 6901), near-linear
+-- in the document and the list.
+--
+-- Part of the canonical form in SQL and PL/pgSQL (canonical.sql; sql/portable/README.md).
 
 -- Removes what `entries` name, with the native edition's result: a plain name removes a top-level
 -- member; an entry starting with '/' is an RFC 6901 JSON Pointer (an array index only in its
@@ -1781,7 +1998,7 @@ BEGIN
 END
 $fn$;
 
--- Portable edition: claims, and the mark protocol that orders the writes of one key.
+-- Portable edition: the mark protocol that orders the writes of one key.
 --
 -- A transaction marks each key it writes with a transaction-scoped advisory lock (its first
 -- 1000 keys), so that a claim of a key another open transaction is
@@ -1945,6 +2162,12 @@ CREATE TRIGGER idempotency_keys_mark
     FOR EACH ROW
     WHEN (pg_catalog.current_setting('idempotency_portable.marked', true) IS DISTINCT FROM 'on')
     EXECUTE FUNCTION idempotency._p_mark_row();
+
+-- Portable edition: claims.
+--
+-- claim and claim_many, on the mark protocol of marks.sql.
+--
+-- Part of the store in SQL and PL/pgSQL: sql/portable/README.md says how the files fit together.
 
 -- The answer to a claim that meets another open transaction's claim of the key.
 CREATE FUNCTION idempotency._p_busy()
@@ -2326,12 +2549,17 @@ BEGIN
     -- _p_check_size is called where the response may be too large (it raises): larger than the
     -- smallest limit there is (1 kB) while idempotency.max_response_size exists (set anywhere, by
     -- the session or an administrator), else larger than the default or the role's row allows.
-    IF p_response IS NOT NULL AND pg_catalog.pg_column_size(p_response) OPERATOR(pg_catalog.>) 1024 THEN
+    IF p_response IS NOT NULL THEN
         v_raw := pg_catalog.current_setting('idempotency.max_response_size', true);
-        IF v_raw IS NOT NULL
-           OR pg_catalog.pg_column_size(p_response)::bigint OPERATOR(pg_catalog.>)
-              (LEAST(4096, c.max_response_size)::bigint OPERATOR(pg_catalog.*) 1024) THEN
+        IF pg_catalog.pg_column_size(p_response) OPERATOR(pg_catalog.>) 1024
+           AND (v_raw IS NOT NULL
+                OR pg_catalog.pg_column_size(p_response)::bigint OPERATOR(pg_catalog.>)
+                   (LEAST(4096, c.max_response_size)::bigint OPERATOR(pg_catalog.*) 1024)) THEN
             PERFORM idempotency._p_check_size('response', pg_catalog.pg_column_size(p_response)::bigint, 'response');
+        ELSIF pg_catalog.btrim(v_raw) OPERATOR(pg_catalog.<>) ALL ('{"",4MB}'::pg_catalog.text[]) THEN
+            -- A bad value is refused by the call that reads it (natively by its SET), whatever
+            -- the response's size.
+            PERFORM idempotency._p_setting('idempotency.max_response_size', 4096, 'kB');
         END IF;
     END IF;
     IF pg_catalog.current_setting('transaction_read_only') OPERATOR(pg_catalog.=) 'on' THEN

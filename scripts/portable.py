@@ -41,8 +41,8 @@ ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), ".."))
 NATIVE = os.path.join(ROOT, "sql", "idempotency.sql")
 # In this order (sql/portable/README.md): the helpers of each file may use those of the files before.
 SOURCES = [os.path.join(ROOT, "sql", "portable", f + ".sql")
-           for f in ("canonical", "derivation", "settings", "checks", "signing", "claim", "complete", "sweep",
-                     "stats", "privileges")]
+           for f in ("messages", "numbers", "canonical", "exclusion", "derivation", "settings", "checks", "signing",
+                     "marks", "claim", "complete", "sweep", "stats", "privileges")]
 RELEASES = os.path.join(ROOT, "sql", "releases", "portable")
 DIST = os.path.join(ROOT, "dist")
 PLAIN_NAME = "idempotency-portable.sql"
