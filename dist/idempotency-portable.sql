@@ -1613,26 +1613,22 @@ DECLARE
     v_admin text;
     v_cap integer;
 BEGIN
+    -- The session's row (the SET ROLE role's when it has one, else the session user's).
+    SELECT CASE WHEN what OPERATOR(pg_catalog.=) 'response' THEN r.max_response_size
+                ELSE r.max_recovery_point_size END
+      INTO v_bound FROM idempotency.role_settings AS r
+     WHERE r.role::pg_catalog.oid OPERATOR(pg_catalog.=) COALESCE(
+           (SELECT s.role::pg_catalog.oid FROM idempotency.role_settings AS s
+             WHERE s.role::pg_catalog.oid OPERATOR(pg_catalog.=)
+                   (SELECT b.oid FROM pg_catalog.pg_roles AS b
+                     WHERE b.rolname OPERATOR(pg_catalog.=) pg_catalog.current_setting('role')::pg_catalog.name)),
+           (SELECT a.oid FROM pg_catalog.pg_roles AS a WHERE a.rolname OPERATOR(pg_catalog.=) SESSION_USER));
     IF what OPERATOR(pg_catalog.=) 'response' THEN
         setting := 'idempotency.max_response_size';
         v_default := 4096;
-        SELECT r.max_response_size INTO v_bound FROM idempotency.role_settings AS r
-         WHERE r.role::pg_catalog.oid OPERATOR(pg_catalog.=) COALESCE(
-               (SELECT s.role::pg_catalog.oid FROM idempotency.role_settings AS s
-                 WHERE s.role::pg_catalog.oid OPERATOR(pg_catalog.=)
-                       (SELECT b.oid FROM pg_catalog.pg_roles AS b
-                         WHERE b.rolname OPERATOR(pg_catalog.=) pg_catalog.current_setting('role')::pg_catalog.name)),
-               (SELECT a.oid FROM pg_catalog.pg_roles AS a WHERE a.rolname OPERATOR(pg_catalog.=) SESSION_USER));
     ELSE
         setting := 'idempotency.max_recovery_point_size';
         v_default := 64;
-        SELECT r.max_recovery_point_size INTO v_bound FROM idempotency.role_settings AS r
-         WHERE r.role::pg_catalog.oid OPERATOR(pg_catalog.=) COALESCE(
-               (SELECT s.role::pg_catalog.oid FROM idempotency.role_settings AS s
-                 WHERE s.role::pg_catalog.oid OPERATOR(pg_catalog.=)
-                       (SELECT b.oid FROM pg_catalog.pg_roles AS b
-                         WHERE b.rolname OPERATOR(pg_catalog.=) pg_catalog.current_setting('role')::pg_catalog.name)),
-               (SELECT a.oid FROM pg_catalog.pg_roles AS a WHERE a.rolname OPERATOR(pg_catalog.=) SESSION_USER));
     END IF;
     limit_kb := idempotency._p_setting(setting, v_default, 'kB');
     -- Nothing of the setting anywhere (no placeholder: no SET, no startup option, no entry an
