@@ -91,7 +91,7 @@ done
 PORTABLE=(test_model.py test_concurrency.py test_bad_input.py test_audit.py test_hashed_keys.py
           test_signed_keys.py test_privileges.py test_batch.py test_search_path.py
           test_expiry_and_dump.py test_patterns.py test_binding_settings.py test_partitioned.py
-          test_hardening.py test_pooler.py test_portable_update.py)
+          test_hardening.py test_pooler.py test_portable_update.py test_monitoring.py)
 for v in "${VERSIONS[@]}"; do
     case "$v" in
         15)
