@@ -349,3 +349,19 @@ def test_grants_keep_working_and_old_monitors_are_named(cluster, fresh_db):
             su.execute("DROP DATABASE IF EXISTS upgrade_grants WITH (FORCE)")
             for r in roles:
                 su.execute(f"DROP ROLE IF EXISTS {r}")
+
+
+def test_released_scripts_are_frozen():
+    """The install scripts of earlier releases (sql/releases/, the portable edition's in
+    sql/releases/portable/) are what was released: each matches its SHA256SUMS line, and every
+    script there has one. (A merge that renames dist/'s scripts into place can carry later edits
+    into them; the updates from them would then miss those edits.)"""
+    import hashlib
+    for folder in (os.path.join(ROOT, "sql", "releases"), os.path.join(ROOT, "sql", "releases", "portable")):
+        with open(os.path.join(folder, "SHA256SUMS")) as f:
+            sums = dict(reversed(line.split()) for line in f if line.strip())
+        scripts = sorted(n for n in os.listdir(folder) if n.endswith(".sql"))
+        assert scripts and sorted(sums) == scripts, f"{folder}: SHA256SUMS lists {sorted(sums)}, the folder {scripts}"
+        for name in scripts:
+            with open(os.path.join(folder, name), "rb") as f:
+                assert hashlib.sha256(f.read()).hexdigest() == sums[name], f"{folder}/{name} changed since its release"

@@ -179,8 +179,8 @@ CREATE TYPE idempotency.claim_result AS (
 -- Nesting deeper than 1000 levels is 54001, as in the native edition. Hashes are SHA-256 of
 -- the UTF-8 bytes of the exact form, whatever the database encoding.
 --
--- No recursion in PL/pgSQL (a document 1000 levels deep would exceed the stack): a nested
--- document is written by loops over the tokens of its text, with a stack of their own.
+-- No recursion in PL/pgSQL (a document 1000 levels deep would exceed the stack): a recursive
+-- query lists every value with its position, and the pieces are joined in that order.
 -- Every function pins search_path; every reference is schema-qualified.
 
 -- In a database whose encoding is not UTF-8, text is hashed as Unicode: a character without a
@@ -455,46 +455,6 @@ DECLARE
     v_bad_num  text;
     v_out      text;
     v_flat     boolean;
-    v_text     text;
-    v_tok      text[];
-    v_parts    text[];
-    v_esc      boolean;
-    v_mark     text;
-    v_pair     text;
-    v_close    integer[];
-    v_t        text;
-    v_s        text;
-    v_pre      text;
-    v_numt     text[] := '{}';
-    v_n        integer;
-    v_limit    integer;
-    v_c        text;
-    v_i        integer;
-    v_j        integer;
-    v_k        integer;
-    v_sp       integer := 0;
-    v_open     integer[] := '{}';
-    v_obj      boolean[] := '{}';
-    v_count    integer[] := '{}';
-    v_m        integer := 0;
-    v_ms       integer[] := '{}';
-    v_mo       integer[] := '{}';
-    v_mk       text[] := '{}';
-    v_nums     integer[] := '{}';
-    v_fmt      text[];
-    v_deep     integer[] := '{}';
-    v_bad      integer[] := '{}';
-    v_badt     text[] := '{}';
-    v_rs       integer[];
-    v_re       integer[];
-    v_rshift   integer[];
-    v_rfirst   boolean[];
-    v_diff     integer[];
-    v_moved    boolean;
-    v_bytes    boolean;
-    v_shift    integer;
-    v_pieces   text[];
-    v_fail_at  integer;
 BEGIN
     -- A container of scalars only (no nested object or array), in a UTF-8 database: written in
     -- one statement. Its strings and names come out of jsonb escaped as RFC 8785 says; integers
@@ -528,9 +488,7 @@ BEGIN
                   FROM pg_catalog.jsonb_each(doc) AS e;
                 RETURN v_out;
             END IF;
-        ELSIF v_kind OPERATOR(pg_catalog.=) 'array'
-              -- (Not with a nested container: its value would be written out here for nothing.)
-              AND NOT pg_catalog.jsonb_path_exists(doc, 'strict $ ? (exists (@[*] ? (@.type() == "object" || @.type() == "array")))') THEN
+        ELSIF v_kind OPERATOR(pg_catalog.=) 'array' THEN
             SELECT pg_catalog.bool_and(CASE pg_catalog.jsonb_typeof(a.value)
                        WHEN 'string' THEN true WHEN 'boolean' THEN true WHEN 'null' THEN true
                        WHEN 'number' THEN a.value::pg_catalog.text OPERATOR(pg_catalog.~)
@@ -561,229 +519,75 @@ BEGIN
     ELSIF v_kind OPERATOR(pg_catalog.<>) 'object' AND v_kind OPERATOR(pg_catalog.<>) 'array' THEN
         RETURN doc::pg_catalog.text;  -- a string (escaped as RFC 8785 says), true, false, null
     ELSE
-        -- A walk of the document's text, in time and memory linear in it whatever its nesting
-        -- (no value is copied once per level it is nested in). jsonb writes its text in one
-        -- pass, strings and names escaped as RFC 8785 says. Cut at its quotes, the text is its
-        -- strings (the even parts) between the rest (the odd parts: brackets, numbers, literals,
-        -- ", " and ": "), which, joined with a mark in place of each string, is cut into
-        -- tokens: a bracket, a value of an array, or a member (its name with ":", and its value
-        -- unless the value is a container). Each token is one piece of the canonical form, so
-        -- the form is the tokens in another order: within each object, its members (a member's
-        -- token and its value's tokens) in canonical order of their names. A first pass over the
-        -- tokens, with a stack of the open containers, writes the pieces and the commas of
-        -- arrays, and finds the members, the numbers to rewrite and the containers nested too
-        -- deep; one statement ranks the members of every object; each member's tokens then move
-        -- by one shift (its place in its object plus its enclosing members' shifts: a running
-        -- sum of differences), and the pieces are joined in that order.
-        -- (Splitting and replacing are much faster than a regular expression over long strings.)
-        v_text := doc::pg_catalog.text;
-        -- A quote inside a string is escaped: \" and \\ are made control characters for the
-        -- cut (jsonb writes none: it escapes them), and made again in each string taken.
-        v_esc := pg_catalog.strpos(v_text, '\') OPERATOR(pg_catalog.>) 0;
-        IF v_esc THEN
-            v_text := pg_catalog.replace(pg_catalog.replace(v_text, '\\', pg_catalog.chr(1)), '\"', pg_catalog.chr(2));
-        END IF;
-        v_parts := pg_catalog.string_to_array(v_text, '"');
-        v_text := NULL;
-        -- The odd parts joined by the mark chr(3) (gathered in a loop: a statement costs more
-        -- than a small document's parts); ": " made chr(4) (a member's name and its scalar value
-        -- make one token); then cut at brackets, commas and spaces.
-        v_mark := pg_catalog.chr(3);
-        v_tok := '{}';
-        FOR v_k IN 1 .. (pg_catalog.cardinality(v_parts) OPERATOR(pg_catalog.+) 1) OPERATOR(pg_catalog./) 2 LOOP
-            v_tok[v_k] := v_parts[v_k OPERATOR(pg_catalog.*) 2 OPERATOR(pg_catalog.-) 1];
-        END LOOP;
-        v_tok := pg_catalog.array_remove(pg_catalog.string_to_array(
-                     pg_catalog.replace(pg_catalog.replace(pg_catalog.replace(pg_catalog.replace(
-                         pg_catalog.replace(pg_catalog.replace(pg_catalog.array_to_string(v_tok, v_mark),
-                         ',', ' '), ': ', pg_catalog.chr(4)), '{', ' { '), '}', ' } '), '[', ' [ '), ']', ' ] '),
-                     ' '), '');
-        v_n := pg_catalog.cardinality(v_tok);
-        v_limit := CASE WHEN exact THEN 21 ELSE 15 END;
-        v_pair := v_mark OPERATOR(pg_catalog.||) pg_catalog.chr(4) OPERATOR(pg_catalog.||) v_mark;
-        v_close := pg_catalog.array_fill(0, ARRAY[v_n]);
-        v_j := 0;  -- the strings taken
-        FOR v_i IN 1 .. v_n LOOP
-            v_t := v_tok[v_i];
-            v_c := pg_catalog.left(v_t, 1);
-            IF v_c OPERATOR(pg_catalog.=) v_mark THEN
-                v_j := v_j OPERATOR(pg_catalog.+) 1;
-                v_s := CASE WHEN v_esc
-                            THEN pg_catalog.replace(pg_catalog.replace(v_parts[v_j OPERATOR(pg_catalog.*) 2],
-                                                                       pg_catalog.chr(2), '\"'), pg_catalog.chr(1), '\\')
-                            ELSE v_parts[v_j OPERATOR(pg_catalog.*) 2] END;
-                IF v_t OPERATOR(pg_catalog.=) v_mark THEN
-                    -- A string in an array.
-                    v_tok[v_i] := CASE WHEN v_count[v_sp] OPERATOR(pg_catalog.>) 0 THEN ',"' ELSE '"' END
-                                  OPERATOR(pg_catalog.||) v_s OPERATOR(pg_catalog.||) '"';
-                    v_count[v_sp] := v_count[v_sp] OPERATOR(pg_catalog.+) 1;
-                    CONTINUE;
-                END IF;
-                -- A member: it runs to the next member of its object, or the object's end.
-                v_m := v_m OPERATOR(pg_catalog.+) 1;
-                v_ms[v_m] := v_i;
-                v_mo[v_m] := v_open[v_sp];
-                v_mk[v_m] := v_s;
-                IF v_t OPERATOR(pg_catalog.=) v_pair THEN
-                    -- Its value a string.
-                    v_j := v_j OPERATOR(pg_catalog.+) 1;
-                    v_tok[v_i] := '"' OPERATOR(pg_catalog.||) v_s OPERATOR(pg_catalog.||) '":"'
-                                  OPERATOR(pg_catalog.||) CASE WHEN v_esc
-                                      THEN pg_catalog.replace(pg_catalog.replace(v_parts[v_j OPERATOR(pg_catalog.*) 2],
-                                                                                 pg_catalog.chr(2), '\"'), pg_catalog.chr(1), '\\')
-                                      ELSE v_parts[v_j OPERATOR(pg_catalog.*) 2] END
-                                  OPERATOR(pg_catalog.||) '"';
-                    CONTINUE;
-                END IF;
-                v_pre := '"' OPERATOR(pg_catalog.||) v_s OPERATOR(pg_catalog.||) '":';
-                v_t := pg_catalog.substr(v_t, 3);  -- the value, if a scalar
-                v_c := pg_catalog.left(v_t, 1);
-                -- (A container's members follow; or true, false, null, a number.)
-            ELSIF v_c OPERATOR(pg_catalog.=) '}' THEN
-                v_close[v_open[v_sp]] := v_i;
-                v_sp := v_sp OPERATOR(pg_catalog.-) 1;
-                CONTINUE;
-            ELSIF v_c OPERATOR(pg_catalog.=) ']' THEN
-                v_sp := v_sp OPERATOR(pg_catalog.-) 1;
-                CONTINUE;
-            ELSIF v_sp OPERATOR(pg_catalog.>) 0 AND NOT v_obj[v_sp] THEN
-                -- A value in an array: after a comma unless it is the first.
-                v_pre := CASE WHEN v_count[v_sp] OPERATOR(pg_catalog.>) 0 THEN ',' ELSE '' END;
-                v_count[v_sp] := v_count[v_sp] OPERATOR(pg_catalog.+) 1;
-            ELSE
-                v_pre := '';  -- the document, or a member's container (its name is the token before)
-            END IF;
-            -- v_t is a value: a container opened, or a number or literal (after v_pre, the
-            -- piece's comma or name).
-            IF v_c OPERATOR(pg_catalog.=) '{' OR v_c OPERATOR(pg_catalog.=) '[' THEN
-                v_tok[v_i] := v_pre OPERATOR(pg_catalog.||) v_c;
-                -- Level v_sp (the document is level 0): from `depth` on, the error.
-                IF v_sp OPERATOR(pg_catalog.>=) depth THEN
-                    v_deep[pg_catalog.cardinality(v_deep) OPERATOR(pg_catalog.+) 1] := v_i;
-                END IF;
-                v_sp := v_sp OPERATOR(pg_catalog.+) 1;
-                v_open[v_sp] := v_i;
-                v_obj[v_sp] := v_c OPERATOR(pg_catalog.=) '{';
-                v_count[v_sp] := 0;
-            ELSIF v_t OPERATOR(pg_catalog.=) '' THEN
-                v_tok[v_i] := v_pre;  -- a member whose value is the container that follows
-            ELSIF v_c OPERATOR(pg_catalog.<>) 't' AND v_c OPERATOR(pg_catalog.<>) 'f' AND v_c OPERATOR(pg_catalog.<>) 'n'
-                  AND (pg_catalog.strpos(v_t, '.') OPERATOR(pg_catalog.>) 0
-                       OR pg_catalog.octet_length(v_t) OPERATOR(pg_catalog.>)
-                          (v_limit OPERATOR(pg_catalog.+) CASE WHEN v_c OPERATOR(pg_catalog.=) '-' THEN 1 ELSE 0 END)) THEN
-                -- A number to rewrite (a fraction, or an integer too long to be written as it
-                -- is): a fraction as the flat case above writes it where it can; the others
-                -- below, all in one statement.
-                IF exact AND v_t OPERATOR(pg_catalog.~) '^-?([1-9][0-9]{0,20}\.[0-9]+|0(\.0{0,5}[1-9][0-9]*|\.0+))$' THEN
-                    v_tok[v_i] := v_pre OPERATOR(pg_catalog.||) pg_catalog.rtrim(pg_catalog.rtrim(v_t, '0'), '.');
-                ELSE
-                    v_tok[v_i] := v_pre;
-                    v_k := pg_catalog.cardinality(v_nums) OPERATOR(pg_catalog.+) 1;
-                    v_nums[v_k] := v_i;
-                    v_numt[v_k] := v_t;
-                END IF;
-            ELSE
-                v_tok[v_i] := v_pre OPERATOR(pg_catalog.||) v_t;
-            END IF;
-        END LOOP;
-        -- The other numbers: _canon_layout or _canon_double (NULL: outside the double range, an
-        -- error below).
-        IF pg_catalog.cardinality(v_nums) OPERATOR(pg_catalog.>) 0 THEN
-            v_fmt := ARRAY(
-                SELECT CASE WHEN exact THEN idempotency._canon_layout(x.t)
-                            ELSE idempotency._canon_double(x.t::pg_catalog.numeric) END
-                  FROM (SELECT pg_catalog.unnest(v_numt) AS t) AS x);
-            FOR v_k IN 1 .. pg_catalog.cardinality(v_nums) LOOP
-                v_i := v_nums[v_k];
-                IF v_fmt[v_k] IS NULL THEN
-                    v_bad[pg_catalog.cardinality(v_bad) OPERATOR(pg_catalog.+) 1] := v_i;
-                    v_badt[pg_catalog.cardinality(v_badt) OPERATOR(pg_catalog.+) 1] := v_numt[v_k];
-                ELSE
-                    v_tok[v_i] := v_tok[v_i] OPERATOR(pg_catalog.||) v_fmt[v_k];
-                END IF;
-            END LOOP;
-        END IF;
-        -- The members of every object in canonical order of their names: the first written
-        -- without a comma, each moved to its place in its object (a shift, 0 where jsonb's
-        -- order of names, by length first, is already the canonical one). Names sort as their
-        -- UTF-8 bytes (COLLATE "C" in a UTF-8 database) unless one has a character of
-        -- U+E000..U+FFFF (see _canon_name_order).
-        v_diff := pg_catalog.array_fill(0, ARRAY[v_n OPERATOR(pg_catalog.+) 1]);
-        v_moved := false;
-        IF v_m OPERATOR(pg_catalog.>) 1 THEN
-            v_bytes := pg_catalog.getdatabaseencoding() OPERATOR(pg_catalog.=) 'UTF8';
-            IF v_bytes THEN
-                v_s := pg_catalog.array_to_string(v_mk, '');
-                v_bytes := pg_catalog.octet_length(v_s) OPERATOR(pg_catalog.=) pg_catalog.length(v_s)
-                           OR v_s OPERATOR(pg_catalog.!~) '[\uE000-\uFFFF]';
-            END IF;
-            SELECT pg_catalog.array_agg(r.s), pg_catalog.array_agg(r.e), pg_catalog.array_agg(r.shift),
-                   pg_catalog.array_agg(r.before OPERATOR(pg_catalog.=) 0)
-              INTO v_rs, v_re, v_rshift, v_rfirst
-              FROM (SELECT w.s, w.e, w.before,
-                           w.o OPERATOR(pg_catalog.+) 1 OPERATOR(pg_catalog.+) w.before OPERATOR(pg_catalog.-) w.s AS shift
-                      FROM (SELECT m.s, m.e, m.o,
-                                   (pg_catalog.sum(m.e OPERATOR(pg_catalog.-) m.s OPERATOR(pg_catalog.+) 1) OVER (
-                                        PARTITION BY m.o
-                                        ORDER BY CASE WHEN v_bytes THEN m.key END COLLATE pg_catalog."C",
-                                                 CASE WHEN NOT v_bytes THEN idempotency._canon_name_order(m.key) END)
-                                    OPERATOR(pg_catalog.-) (m.e OPERATOR(pg_catalog.-) m.s OPERATOR(pg_catalog.+) 1))::pg_catalog.int4 AS before
-                              FROM (SELECT u.s, u.o,
-                                           -- Its last token: before the next member of its object,
-                                           -- or before its object's end.
-                                           COALESCE(pg_catalog.lead(u.s) OVER (PARTITION BY u.o ORDER BY u.s), v_close[u.o])
-                                           OPERATOR(pg_catalog.-) 1 AS e,
-                                           -- The name (unescaped where it has an escape).
-                                           CASE WHEN NOT v_esc OR pg_catalog.strpos(u.k, '\') OPERATOR(pg_catalog.=) 0 THEN u.k
-                                                ELSE ('"' OPERATOR(pg_catalog.||) u.k OPERATOR(pg_catalog.||) '"')::pg_catalog.jsonb
-                                                     OPERATOR(pg_catalog.#>>) '{}'::pg_catalog.text[] END AS key
-                                      FROM (SELECT pg_catalog.unnest(v_ms) AS s, pg_catalog.unnest(v_mo) AS o,
-                                                   pg_catalog.unnest(v_mk) AS k) AS u) AS m) AS w) AS r
-             WHERE r.before OPERATOR(pg_catalog.<>) 0 OR r.shift OPERATOR(pg_catalog.<>) 0;
-            FOR v_k IN 1 .. COALESCE(pg_catalog.cardinality(v_rs), 0) LOOP
-                IF NOT v_rfirst[v_k] THEN
-                    v_tok[v_rs[v_k]] := ',' OPERATOR(pg_catalog.||) v_tok[v_rs[v_k]];
-                END IF;
-                IF v_rshift[v_k] OPERATOR(pg_catalog.<>) 0 THEN
-                    v_diff[v_rs[v_k]] := v_diff[v_rs[v_k]] OPERATOR(pg_catalog.+) v_rshift[v_k];
-                    v_diff[v_re[v_k] OPERATOR(pg_catalog.+) 1] := v_diff[v_re[v_k] OPERATOR(pg_catalog.+) 1]
-                                                                  OPERATOR(pg_catalog.-) v_rshift[v_k];
-                    v_moved := true;
-                END IF;
-            END LOOP;
-        END IF;
-        IF pg_catalog.cardinality(v_deep) OPERATOR(pg_catalog.=) 0 AND pg_catalog.cardinality(v_bad) OPERATOR(pg_catalog.=) 0 THEN
-            IF NOT v_moved THEN
-                RETURN pg_catalog.array_to_string(v_tok, '');
-            END IF;
-            v_pieces := pg_catalog.array_fill(NULL::pg_catalog.text, ARRAY[v_n]);
-            v_shift := 0;
-            FOR v_i IN 1 .. v_n LOOP
-                v_shift := v_shift OPERATOR(pg_catalog.+) v_diff[v_i];
-                v_pieces[v_i OPERATOR(pg_catalog.+) v_shift] := v_tok[v_i];
-            END LOOP;
-            RETURN pg_catalog.array_to_string(v_pieces, '');
-        END IF;
+        -- Every value: its path (per level, its 4-byte rank in canonical order), its level
+        -- (the document is level 0; a container at level 1000 is nested 1001 deep), and what
+        -- is written before it ("," and the member's name). Containers at level `depth` are
+        -- not opened (they are the error). The pieces: each value's head and opening (or scalar), and each container's
+        -- closing at its path followed by \xff, after all its children's paths.
+        WITH RECURSIVE node(path, level, kind, v, head) AS (
+            SELECT ''::pg_catalog.bytea, 0, v_kind, doc, ''::pg_catalog.text
+            UNION ALL
+            SELECT n.path OPERATOR(pg_catalog.||) pg_catalog.int4send(c.pos::pg_catalog.int4),
+                   n.level OPERATOR(pg_catalog.+) 1, pg_catalog.jsonb_typeof(c.v), c.v, c.head
+              FROM node AS n,
+                   LATERAL (
+                       SELECT m.value AS v, m.pos,
+                              CASE WHEN m.pos OPERATOR(pg_catalog.>) 1 THEN ',' ELSE '' END
+                              OPERATOR(pg_catalog.||) pg_catalog.to_json(m.key)::pg_catalog.text
+                              OPERATOR(pg_catalog.||) ':' AS head
+                         FROM (SELECT e.key, e.value,
+                                      pg_catalog.row_number() OVER (
+                                          ORDER BY CASE WHEN pg_catalog.getdatabaseencoding() OPERATOR(pg_catalog.=) 'UTF8'
+                                                             AND e.key OPERATOR(pg_catalog.!~) '[\uE000-\uFFFF]'
+                                                        THEN pg_catalog.convert_to(e.key, 'UTF8')
+                                                        ELSE idempotency._canon_name_order(e.key) END) AS pos
+                                 FROM pg_catalog.jsonb_each(
+                                          CASE WHEN n.kind OPERATOR(pg_catalog.=) 'object' THEN n.v
+                                               ELSE '{}'::pg_catalog.jsonb END) AS e) AS m
+                       UNION ALL
+                       SELECT a.value, a.pos,
+                              CASE WHEN a.pos OPERATOR(pg_catalog.>) 1 THEN ',' ELSE '' END
+                         FROM pg_catalog.jsonb_array_elements(
+                                  CASE WHEN n.kind OPERATOR(pg_catalog.=) 'array' THEN n.v
+                                       ELSE '[]'::pg_catalog.jsonb END)
+                              WITH ORDINALITY AS a(value, pos)
+                   ) AS c
+             WHERE n.level OPERATOR(pg_catalog.<) depth
+               AND n.kind OPERATOR(pg_catalog.=) ANY ('{object,array}'::pg_catalog.text[])
+        ),
+        piece(path, level, kind, v, text) AS (
+            SELECT n.path, n.level, n.kind, n.v,
+                   n.head OPERATOR(pg_catalog.||) CASE n.kind
+                       WHEN 'object' THEN '{'
+                       WHEN 'array' THEN '['
+                       WHEN 'number' THEN
+                           CASE WHEN n.v::pg_catalog.text OPERATOR(pg_catalog.~)
+                                     CASE WHEN exact THEN '^(0|-?[1-9][0-9]{0,20})$' ELSE '^(0|-?[1-9][0-9]{0,14})$' END
+                                THEN n.v::pg_catalog.text
+                                WHEN exact THEN idempotency._canon_layout(n.v::pg_catalog.text)
+                                ELSE idempotency._canon_double(n.v::pg_catalog.numeric) END
+                       ELSE n.v::pg_catalog.text END
+              FROM node AS n
+            UNION ALL
+            SELECT n.path OPERATOR(pg_catalog.||) pg_catalog.decode('ff', 'hex'), n.level, 'close', NULL,
+                   CASE n.kind WHEN 'object' THEN '}' ELSE ']' END
+              FROM node AS n
+             WHERE n.kind OPERATOR(pg_catalog.=) ANY ('{object,array}'::pg_catalog.text[])
+        )
         -- The first failure in canonical order is the one the native edition meets.
-        v_fail_at := NULL;
-        v_shift := 0;
-        v_k := 1;  -- the next of v_deep
-        v_j := 1;  -- the next of v_bad
-        FOR v_i IN 1 .. v_n LOOP
-            v_shift := v_shift OPERATOR(pg_catalog.+) v_diff[v_i];
-            IF v_i OPERATOR(pg_catalog.=) v_deep[v_k] OR v_i OPERATOR(pg_catalog.=) v_bad[v_j] THEN
-                IF v_fail_at IS NULL OR v_i OPERATOR(pg_catalog.+) v_shift OPERATOR(pg_catalog.<) v_fail_at THEN
-                    v_fail_at := v_i OPERATOR(pg_catalog.+) v_shift;
-                    v_fail := CASE WHEN v_i OPERATOR(pg_catalog.=) v_deep[v_k] THEN 'deep' ELSE 'number' END;
-                    v_bad_num := v_badt[v_j];
-                END IF;
-                IF v_i OPERATOR(pg_catalog.=) v_deep[v_k] THEN
-                    v_k := v_k OPERATOR(pg_catalog.+) 1;
-                ELSE
-                    v_j := v_j OPERATOR(pg_catalog.+) 1;
-                END IF;
-            END IF;
-        END LOOP;
+        SELECT f.kind, f.v::pg_catalog.text,
+               (SELECT pg_catalog.string_agg(p.text, '' ORDER BY p.path) FROM piece AS p)
+          INTO v_fail, v_bad_num, v_out
+          FROM (SELECT 1) AS one
+          LEFT JOIN LATERAL (
+              SELECT p.kind, p.v FROM piece AS p
+               WHERE p.kind OPERATOR(pg_catalog.=) 'number' AND p.text IS NULL
+                  OR p.level OPERATOR(pg_catalog.>=) depth
+                     AND p.kind OPERATOR(pg_catalog.=) ANY ('{object,array}'::pg_catalog.text[])
+               ORDER BY p.path LIMIT 1) AS f ON true;
+        IF v_fail IS NULL THEN
+            RETURN v_out;
+        END IF;
         IF v_fail OPERATOR(pg_catalog.<>) 'number' THEN
             RAISE EXCEPTION USING
                 ERRCODE = 'statement_too_complex',

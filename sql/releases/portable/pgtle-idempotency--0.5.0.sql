@@ -1659,12 +1659,8 @@ $fn$;
 -- finds a key marked by another open transaction answers in_progress at once instead of
 -- waiting for that transaction (the native edition sees the uncommitted change itself). A
 -- transaction marks its first 1000 keys (the lock table is shared and finite; a backfill of
--- 100,000 keys in one transaction must work): a claim of a later one by another session, within
--- its own first 1000, waits until the backfill's transaction ends, as an INSERT would (a wait
--- one way only: the backfill waits for no claim). Past its first 1000, a claim
--- gets NULL (not marked, and no other transaction marked the key) and inserts without waiting
--- (_p_claim): two such transactions claiming the same keys would otherwise each wait for the
--- other's unmarked rows, a deadlock.
+-- 100,000 keys in one transaction must work): a claim of a later one by another session waits
+-- until the backfill's transaction ends, as an INSERT would.
 CREATE FUNCTION idempotency._p_mark(scope text, key text, wait boolean)
 RETURNS boolean
 LANGUAGE plpgsql VOLATILE
@@ -1682,12 +1678,7 @@ BEGIN
     END IF;
     IF v_count OPERATOR(pg_catalog.>=) 1000 THEN
         -- Not marked; a key another transaction marked is still refused.
-        IF wait THEN
-            RETURN true;
-        ELSIF idempotency._p_marked(scope, key) THEN
-            RETURN false;
-        END IF;
-        RETURN NULL;
+        RETURN wait OR NOT idempotency._p_marked(scope, key);
     END IF;
     IF NOT pg_catalog.pg_try_advisory_xact_lock(v_lock)
        AND NOT (wait AND idempotency._p_lock_retry(v_lock)) THEN
@@ -1794,44 +1785,6 @@ AS $fn$
                NULL, NULL)::idempotency.claim_result
 $fn$;
 
--- A token above the key's previous one `old`, for a restart or a takeover: the sequence's next
--- value, and where that is not above it (the sequence may lag behind the store after a restore
--- of rows without it), the sequence is first moved past it. Never into the upper half of the
--- sequence's range: the sequence is shared by every key, and one row whose token is there
--- (restored from a dump or written by hand; the sequence itself gets there only after handing
--- out half its range) would otherwise leave it next to nothing, or with bigint's maximum
--- nothing at all, so that every later claim of any key failed (2200H). The claim of such a key
--- is refused with 22003 instead (tokens must rise per key, so no smaller one is given), and the
--- sequence is left where it is: the key is usable again once forget or the sweep deleted its
--- row. As natively (next_token_above in src/store/sql.rs).
-CREATE FUNCTION idempotency._p_token_above(p_key text, old bigint)
-RETURNS bigint
-LANGUAGE plpgsql VOLATILE
-SET search_path = pg_catalog, pg_temp
-AS $fn$
-DECLARE
-    v_token bigint := pg_catalog.nextval('idempotency.token_seq');
-    v_highest bigint;
-BEGIN
-    IF v_token OPERATOR(pg_catalog.>) old THEN
-        RETURN v_token;
-    END IF;
-    SELECT s.seqmax OPERATOR(pg_catalog./) 2 INTO v_highest
-      FROM pg_catalog.pg_sequence AS s
-     WHERE s.seqrelid OPERATOR(pg_catalog.=) 'idempotency.token_seq'::pg_catalog.regclass;
-    IF old OPERATOR(pg_catalog.>) v_highest THEN
-        RAISE EXCEPTION USING
-            ERRCODE = 'numeric_value_out_of_range',
-            MESSAGE = idempotency._canon_message(pg_catalog.format(
-                'idempotency.claim: key %s has token %s, above the highest token a claim moves the token sequence past (%s): no larger token is issued for it',
-                idempotency._p_key_label(p_key), old, v_highest)),
-            HINT = 'the row was restored from a dump or written by hand; delete it with idempotency.forget(key, scope) (the sweep deletes it once it expires), then claim the key again';
-    END IF;
-    PERFORM pg_catalog.setval('idempotency.token_seq', old, true);
-    RETURN pg_catalog.nextval('idempotency.token_seq');
-END
-$fn$;
-
 -- The claim algorithm on a key in its stored form, arguments checked: the outcome table
 -- applied to the row, the row read and written through SQL. Never waits on another
 -- transaction's claim of the key beyond idempotency.claim_wait (see _p_mark; a row
@@ -1849,8 +1802,6 @@ DECLARE
     v_busy boolean;
     v_started timestamptz;
     v_wait integer;
-    v_mark boolean;
-    v_timeout text;
 BEGIN
     LOOP
         v_busy := false;
@@ -1863,50 +1814,8 @@ BEGIN
           FROM idempotency.idempotency_keys AS k
          WHERE k.scope OPERATOR(pg_catalog.=) p_scope AND k.key OPERATOR(pg_catalog.=) p_key;
         IF NOT FOUND THEN
-            v_mark := idempotency._p_mark(p_scope, p_key, false);
-            IF NOT v_mark THEN
+            IF NOT idempotency._p_mark(p_scope, p_key, false) THEN
                 v_busy := true;
-            ELSIF v_mark IS NULL THEN
-                -- Past the transaction's marks: another open transaction past its own may have
-                -- inserted the key unmarked, and an insert would wait for it (and it, in turn,
-                -- for this one's unmarked keys: a deadlock). The insert waits a millisecond at
-                -- most (lock_timeout, in a subtransaction that its timeout rolls back): a key
-                -- it would wait for longer is busy, as natively. (The transaction holds the
-                -- store's table lock from its earlier writes, so the wait can only be a row's.)
-                BEGIN
-                    v_timeout := pg_catalog.current_setting('lock_timeout');
-                    PERFORM pg_catalog.set_config('lock_timeout', '1ms', true);
-                    PERFORM pg_catalog.set_config('idempotency_portable.marked', 'on', true);
-                    IF NOT EXISTS (SELECT FROM pg_catalog.pg_rewrite AS w
-                                    WHERE w.ev_class OPERATOR(pg_catalog.=) 'idempotency.idempotency_keys'::pg_catalog.regclass) THEN
-                        INSERT INTO idempotency.idempotency_keys AS k
-                               (scope, key, request_hash, status, token, created_at, locked_until, expires_at, ttl)
-                        VALUES (p_scope, p_key, p_hash, 'in_progress', pg_catalog.nextval('idempotency.token_seq'), pg_catalog.now(),
-                                pg_catalog.now() OPERATOR(pg_catalog.+) p_lease, pg_catalog.now() OPERATOR(pg_catalog.+) p_ttl, p_ttl)
-                        ON CONFLICT (scope, key) DO NOTHING
-                        RETURNING k.token, k.expires_at INTO res.token, res.expires_at;
-                    ELSE
-                        -- A store with rules refuses ON CONFLICT (as below).
-                        INSERT INTO idempotency.idempotency_keys AS k
-                               (scope, key, request_hash, status, token, created_at, locked_until, expires_at, ttl)
-                        VALUES (p_scope, p_key, p_hash, 'in_progress', pg_catalog.nextval('idempotency.token_seq'), pg_catalog.now(),
-                                pg_catalog.now() OPERATOR(pg_catalog.+) p_lease, pg_catalog.now() OPERATOR(pg_catalog.+) p_ttl, p_ttl);
-                        SELECT k.token, k.expires_at INTO res.token, res.expires_at
-                          FROM idempotency.idempotency_keys AS k
-                         WHERE k.scope OPERATOR(pg_catalog.=) p_scope AND k.key OPERATOR(pg_catalog.=) p_key;
-                    END IF;
-                    PERFORM pg_catalog.set_config('idempotency_portable.marked', 'off', true);
-                    PERFORM pg_catalog.set_config('lock_timeout', v_timeout, true);
-                    IF res.token IS NOT NULL THEN
-                        res.outcome := 'new';
-                        RETURN res;
-                    END IF;
-                EXCEPTION
-                    WHEN lock_not_available THEN
-                        v_busy := true;
-                    WHEN unique_violation THEN
-                        NULL;  -- a row that got there first is read in the next round
-                END;
             ELSIF NOT EXISTS (SELECT FROM pg_catalog.pg_rewrite AS w
                                WHERE w.ev_class OPERATOR(pg_catalog.=) 'idempotency.idempotency_keys'::pg_catalog.regclass) THEN
                 INSERT INTO idempotency.idempotency_keys AS k
@@ -1984,7 +1893,13 @@ BEGIN
                 v_busy := EXISTS (SELECT FROM idempotency.idempotency_keys AS k
                                    WHERE k.scope OPERATOR(pg_catalog.=) p_scope AND k.key OPERATOR(pg_catalog.=) p_key);
             ELSIF r.expired THEN
-                v_token := idempotency._p_token_above(p_key, r.token);
+                -- A token above the key's previous one (the sequence may lag behind the store
+                -- after a restore of rows without it).
+                v_token := pg_catalog.nextval('idempotency.token_seq');
+                IF v_token OPERATOR(pg_catalog.<=) r.token THEN
+                    PERFORM pg_catalog.setval('idempotency.token_seq', r.token, true);
+                    v_token := pg_catalog.nextval('idempotency.token_seq');
+                END IF;
                 UPDATE idempotency.idempotency_keys AS k SET
                        request_hash = p_hash, status = 'in_progress', token = v_token,
                        response = NULL, response_status = NULL, recovery_point = NULL,
@@ -2000,7 +1915,13 @@ BEGIN
                 END IF;
             ELSIF (r.request_hash IS NULL OR p_hash IS NULL OR r.request_hash OPERATOR(pg_catalog.=) p_hash)
                   AND NOT r.completed AND r.lease_over THEN
-                v_token := idempotency._p_token_above(p_key, r.token);
+                -- A token above the key's previous one (the sequence may lag behind the store
+                -- after a restore of rows without it).
+                v_token := pg_catalog.nextval('idempotency.token_seq');
+                IF v_token OPERATOR(pg_catalog.<=) r.token THEN
+                    PERFORM pg_catalog.setval('idempotency.token_seq', r.token, true);
+                    v_token := pg_catalog.nextval('idempotency.token_seq');
+                END IF;
                 UPDATE idempotency.idempotency_keys AS k SET
                        request_hash = COALESCE(k.request_hash, p_hash), token = v_token,
                        locked_until = pg_catalog.now() OPERATOR(pg_catalog.+) p_lease,
@@ -2403,9 +2324,9 @@ BEGIN
                                                v_xact OPERATOR(pg_catalog.||) ':' OPERATOR(pg_catalog.||) (v_count OPERATOR(pg_catalog.+) 1), false);
             END IF;
         ELSE
-            -- Not marked (the transaction's first 1000 keys are): _p_claim inserts it without
-            -- waiting for another transaction's unmarked row (see _p_mark).
-            v_marked := false;
+            -- Not marked (the transaction's first 1000 keys are); a key another transaction
+            -- marked is still refused.
+            v_marked := pg_catalog.pg_try_advisory_lock_shared(v_lock) AND pg_catalog.pg_advisory_unlock_shared(v_lock);
         END IF;
         IF v_marked THEN
             v_set := pg_catalog.set_config('idempotency_portable.marked', 'on', true);
