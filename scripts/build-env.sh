@@ -15,7 +15,10 @@
 # values, or cargo rebuilds everything: scripts/test.sh sources this file before its first
 # cargo command, so the packages it makes (scripts/package.sh, debug profile) reuse its builds.
 # A RUSTFLAGS or CARGO_ENCODED_RUSTFLAGS already in the environment would override the mapping:
-# scripts/package.sh refuses to run with them set.
+# scripts/package.sh refuses to run with them set. SOURCE_DATE_EPOCH is removed from the build's
+# environment: the cc crate watches it, so a value that differs between two builds (the package's
+# times are the commit's) would make cargo build pgrx-pg-sys and everything above it again; the
+# library's bytes do not depend on it (scripts/package.sh sets the package's times itself).
 
 _be_root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd -P)
 _be_cargo_home=$(cd "${CARGO_HOME:-$HOME/.cargo}" 2>/dev/null && pwd -P || echo "${CARGO_HOME:-$HOME/.cargo}")
@@ -39,3 +42,4 @@ _be_c+=" -ffile-prefix-map=$_be_target=/target"
 export "CARGO_TARGET_${_be_var}_RUSTFLAGS=$_be_rust"
 export "CFLAGS_$(echo "$_be_triple" | tr '-' '_')=$_be_c"
 unset _be_root _be_cargo_home _be_target _be_cache _be_triple _be_var _be_rust _be_c
+unset SOURCE_DATE_EPOCH

@@ -69,8 +69,9 @@ done
 
 profile=${IDEMPOTENCY_PACKAGE_PROFILE:-release}
 case "$profile" in
-    release) pgrx_profile=() ;;
-    debug) pgrx_profile=(--debug) ;;
+    release) pgrx_profile=() xz_level=6 ;;
+    # A debug library is 14 MB stripped: xz at its lowest level, seconds instead of 15 or more.
+    debug) pgrx_profile=(--debug) xz_level=1 ;;
     *) die "IDEMPOTENCY_PACKAGE_PROFILE is '$profile': release or debug" ;;
 esac
 if [ -n "${RUSTFLAGS:-}${CARGO_ENCODED_RUSTFLAGS:-}" ]; then
@@ -95,7 +96,8 @@ else
 $dirty"
     fi
 fi
-export SOURCE_DATE_EPOCH=${SOURCE_DATE_EPOCH:-$(git log -1 --format=%ct "$rev")}
+# The payload's times (not the build's: build-env.sh keeps SOURCE_DATE_EPOCH from cargo).
+epoch=${SOURCE_DATE_EPOCH:-$(git log -1 --format=%ct "$rev")}
 
 # One version: Cargo.toml's, the control file's default_version ('@CARGO_VERSION@' is replaced by
 # cargo pgrx with Cargo.toml's), META.json's and the extension's version in META.json.
@@ -157,7 +159,7 @@ summary=$(json abstract)
 long=$(json description | fold -s -w 76 | sed 's/ *$//; s/^/ /')
 license=$(python3 -c 'import json,sys; print(json.load(open(sys.argv[1]))["license"])' "$tree/META.json")
 [ "$license" = postgresql ] || die "META.json's license is '$license': the copyright file below is the PostgreSQL Licence's"
-year=$(date -u -d "@$SOURCE_DATE_EPOCH" +%Y)
+year=$(date -u -d "@$epoch" +%Y)
 
 for m in "${wanted[@]}"; do
     pkg=postgresql-$m-idempotency
@@ -236,8 +238,8 @@ EOF
         echo "$long"
     } >"$root/DEBIAN/control"
     chmod 644 "$root/DEBIAN/control" "$root/DEBIAN/md5sums"
-    find "$root" -exec touch -h -d "@$SOURCE_DATE_EPOCH" {} +
-    dpkg-deb --root-owner-group -Zxz --build "$root" "$staging/$deb" >/dev/null
+    find "$root" -exec touch -h -d "@$epoch" {} +
+    SOURCE_DATE_EPOCH=$epoch dpkg-deb --root-owner-group -Zxz -z"$xz_level" --build "$root" "$staging/$deb" >/dev/null
 done
 
 # The portable edition: its scripts as committed, and the pg_tle scripts made from them where

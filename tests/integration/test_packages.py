@@ -230,11 +230,14 @@ def test_the_library_records_no_path_of_the_build_machine():
 @needs_packages
 def test_building_twice_gives_the_same_package():
     """Reproducible: the same sources and build give a byte-identical package (so the same file
-    list and payload checksums). scripts/test.sh builds the folder twice (IDEMPOTENCY_PACKAGES_AGAIN);
-    otherwise the second build is made here, with the profile of IDEMPOTENCY_PACKAGE_PROFILE."""
+    list and payload checksums). scripts/test.sh builds the folder twice on its first version
+    (IDEMPOTENCY_PACKAGES_AGAIN; empty on the others); where that is unset the second build is made
+    here, with the profile of IDEMPOTENCY_PACKAGE_PROFILE."""
     again = os.environ.get("IDEMPOTENCY_PACKAGES_AGAIN")
+    if again == "":
+        pytest.skip("scripts/test.sh builds the package twice on the first version only")
     made = None
-    if not again:
+    if again is None:
         made = tempfile.mkdtemp(prefix="idempotency-package-again-")
         again = os.path.join(made, "out")
         run(PACKAGE_SH, "--allow-dirty", "--out", again, MAJOR)
