@@ -115,7 +115,7 @@ for v in "${VERSIONS[@]}"; do
         elif [ "${IDEMPOTENCY_SKIP_PREVIOUS_PACKAGE:-0}" = 1 ]; then
             echo "   the previous release's package: skipped (IDEMPOTENCY_SKIP_PREVIOUS_PACKAGE=1, none cached)"
         elif git cat-file -e "$previous_commit^{commit}" 2>/dev/null; then
-            echo "   the previous release's package: built once (about 3 minutes), cached in $previous_packages"
+            echo "   the previous release's package: built once (under a minute), cached in $previous_packages"
             IDEMPOTENCY_PACKAGE_PROFILE=debug scripts/package.sh --commit "$previous_commit" \
                 --out "$previous_packages" 15 >/dev/null
             previous=("IDEMPOTENCY_PREVIOUS_PACKAGES=$previous_packages")
