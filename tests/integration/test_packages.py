@@ -8,8 +8,11 @@ each version:
   project's apt layout for NN), a library that records no path of the build machine and needs
   only the C library, and building twice gives the same bytes;
 * PostgreSQL 15 from Debian: `apt-get install ./postgresql-15-idempotency_*.deb` into the real
-  server (the files `cargo pgrx install` put there are set aside first and put back afterwards,
-  byte for byte, for the tests that run after this file), the demo's outcomes in a fresh cluster
+  server and package database, without the files `cargo pgrx install` put there, in a mount
+  namespace of this process whose /usr and /var are overlaid (nothing outside it sees a change:
+  the source install stays for the tests after this file and anything else on the machine; where
+  no namespace can be made, the source install's files are set aside and put back afterwards,
+  byte for byte), the demo's outcomes in a fresh cluster
   with the library preloaded, `ALTER EXTENSION ... UPDATE` from the previous release's package
   (IDEMPOTENCY_PREVIOUS_PACKAGES, built once and cached by scripts/test.sh) with keys in flight,
   then `apt-get remove` leaves no file and CREATE EXTENSION is refused;
@@ -278,6 +281,9 @@ def private_system():
     it drops them. The other tests (and anything else running on the machine) never see the
     package, nor the source install's files missing. Yields False, changing nothing, where the
     kernel or the container refuses a namespace."""
+    if os.environ.get("IDEMPOTENCY_APT_IN_PLACE") == "1":  # to test the other way (docs/testing.md)
+        yield False
+        return
     libc = ctypes.CDLL(None, use_errno=True)
     original = os.open("/proc/self/ns/mnt", os.O_RDONLY)
     if libc.unshare(CLONE_NEWNS) != 0:
@@ -285,6 +291,13 @@ def private_system():
         yield False
         return
     base = tempfile.mkdtemp(prefix="idempotency-apt-")
+
+    def leave():
+        if libc.setns(original, CLONE_NEWNS) != 0:
+            raise OSError(ctypes.get_errno(), "setns back to the original mount namespace")
+        os.close(original)
+        os.rmdir(base)
+
     try:
         run("mount", "--make-rprivate", "/")
         run("mount", "-t", "tmpfs", "tmpfs", base)
@@ -293,12 +306,14 @@ def private_system():
             os.makedirs(upper)
             os.makedirs(work)
             run("mount", "-t", "overlay", "overlay", "-o", f"lowerdir={d},upperdir={upper},workdir={work}", d)
+    except (subprocess.CalledProcessError, OSError):
+        leave()  # no overlay here (a container without the right): on the machine itself
+        yield False
+        return
+    try:
         yield True
     finally:
-        if libc.setns(original, CLONE_NEWNS) != 0:
-            raise OSError(ctypes.get_errno(), "setns back to the original mount namespace")
-        os.close(original)
-        os.rmdir(base)
+        leave()
 
 
 @pytest.fixture
