@@ -156,7 +156,7 @@ json() { python3 -c 'import json,sys; d=json.load(open(sys.argv[1])); [d:=d[k] f
 maintainer=$(json maintainer)
 homepage=$(json resources homepage 2>/dev/null || echo "https://pgxn.org/dist/idempotency/")
 summary=$(json abstract)
-long=$(json description | fold -s -w 76 | sed 's/ *$//; s/^/ /')
+long=$(json description | fold -s -w 76 | sed 's/ *$//; s/^$/./; s/^/ /')
 license=$(python3 -c 'import json,sys; print(json.load(open(sys.argv[1]))["license"])' "$tree/META.json")
 [ "$license" = postgresql ] || die "META.json's license is '$license': the copyright file below is the PostgreSQL Licence's"
 year=$(date -u -d "@$epoch" +%Y)
