@@ -117,6 +117,10 @@ found = {
     "META.json (version)": meta.get("version"),
     "META.json (provides.idempotency.version)": meta.get("provides", {}).get("idempotency", {}).get("version"),
 }
+core = os.path.join(tree, "crates", "idempotency-core", "Cargo.toml")
+if os.path.exists(core):  # released with the extension
+    with open(core, "rb") as f:
+        found["crates/idempotency-core/Cargo.toml (package.version)"] = tomllib.load(f)["package"]["version"]
 if len(set(found.values())) != 1:
     print("package.sh: the versions disagree:", file=sys.stderr)
     for where, v in found.items():

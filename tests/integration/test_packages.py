@@ -522,7 +522,8 @@ def test_package_refuses_a_dirty_tree(clone, tmp_path):
     assert "README.md" in err and "sql/idempotency--0.6.0--9.9.9.sql" in err
 
 
-@pytest.mark.parametrize("where", ["Cargo.toml", "idempotency.control", "META.json", "META.json provides"])
+@pytest.mark.parametrize("where", ["Cargo.toml", "idempotency.control", "META.json", "META.json provides",
+                                   "core crate"])
 def test_package_refuses_versions_that_disagree(clone, tmp_path, where):
     if where == "Cargo.toml":
         path, old, new, says = "Cargo.toml", f'version = "{VERSION}"', 'version = "9.9.9"', "Cargo.toml (package.version): 9.9.9"
@@ -531,9 +532,12 @@ def test_package_refuses_versions_that_disagree(clone, tmp_path, where):
                                 "idempotency.control (default_version): 9.9.9")
     elif where == "META.json":
         path, old, new, says = "META.json", f'"version": "{VERSION}",\n   "maintainer"', '"version": "9.9.9",\n   "maintainer"', "META.json (version): 9.9.9"
-    else:
+    elif where == "META.json provides":
         path, old, new, says = ("META.json", f'"version": "{VERSION}"\n', '"version": "9.9.9"\n',
                                 "META.json (provides.idempotency.version): 9.9.9")
+    else:
+        path, old, new, says = ("crates/idempotency-core/Cargo.toml", f'version = "{VERSION}"', 'version = "9.9.9"',
+                                "crates/idempotency-core/Cargo.toml (package.version): 9.9.9")
     text = (clone / path).read_text()
     assert old in text, (path, old)
     (clone / path).write_text(text.replace(old, new, 1))
