@@ -40,8 +40,10 @@ import pytest
 from cluster import PG_BIN, ROOT, Cluster
 from helpers import claim
 
-PACKAGES = os.environ.get("IDEMPOTENCY_PACKAGES")
-PREVIOUS = os.environ.get("IDEMPOTENCY_PREVIOUS_PACKAGES")
+# Absolute: apt-get takes a path with a slash in it for a file (else it is a package's name).
+PACKAGES = os.path.abspath(os.environ["IDEMPOTENCY_PACKAGES"]) if os.environ.get("IDEMPOTENCY_PACKAGES") else None
+PREVIOUS = (os.path.abspath(os.environ["IDEMPOTENCY_PREVIOUS_PACKAGES"])
+            if os.environ.get("IDEMPOTENCY_PREVIOUS_PACKAGES") else None)
 PACKAGE_SH = os.path.join(ROOT, "scripts", "package.sh")
 
 
