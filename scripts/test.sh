@@ -13,6 +13,15 @@
 # without them). The #[pg_test] tests (cargo pgrx test, a build of its own per version) run on
 # the first and the last version likewise; IDEMPOTENCY_PGRX_TEST_EVERYWHERE=1 runs them on the
 # versions between too (the integration core runs on every version either way).
+#
+# After each version's integration tests its Debian package is made (scripts/package.sh with
+# IDEMPOTENCY_PACKAGE_PROFILE=debug: it packages the debug build `cargo pgrx install` just made,
+# in seconds; a release build takes ten minutes or more per version) and tested as a user installs
+# it (tests/integration/test_packages.py): apt-get install into Debian's 15, the update from the
+# previous release's package and apt-get remove; on 16-18 the payload in a copy of the server. The
+# previous release's package is built once and cached in $IDEMPOTENCY_CACHE/packages (default
+# /var/cache/idempotency, keyed by its commit); IDEMPOTENCY_SKIP_PREVIOUS_PACKAGE=1 skips only the
+# update test where that cache is cold and the build is not wanted.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -26,6 +35,9 @@ CORE=(test_concurrency.py test_model.py test_canonical_oracle.py test_encodings.
       test_binding_settings.py test_portable.py test_pg_cron.py test_pooler.py)
 
 scripts/bootstrap.sh
+# The build's path mappings (no path of this machine in idempotency.so), the same for every build
+# below, so that scripts/package.sh reuses the builds of cargo pgrx install.
+source scripts/build-env.sh
 
 echo "== dist/: the portable edition is what scripts/portable.py builds from the sources"
 scripts/portable.py --check
@@ -48,7 +60,11 @@ cargo clippy --manifest-path examples/http-service/Cargo.toml --locked --all-tar
 cargo test --manifest-path examples/http-service/Cargo.toml --locked -q
 
 pgdata_dirs=()
-trap 'rm -rf "${pgdata_dirs[@]}"' EXIT
+packages=$(mktemp -d /tmp/idempotency-packages-XXXXXX)
+trap 'rm -rf "${pgdata_dirs[@]}" "$packages"' EXIT
+# The previous release, whose package the update test on 15 installs first (git tag v0.5.0).
+previous_commit=77427ba9c848efa40e8bfaab4402f2e19f2f5a14
+previous_packages=${IDEMPOTENCY_CACHE:-/var/cache/idempotency}/packages/0.5.0-$previous_commit-debug
 first=${VERSIONS[0]}
 last=${VERSIONS[-1]}
 for v in "${VERSIONS[@]}"; do
@@ -81,6 +97,34 @@ for v in "${VERSIONS[@]}"; do
         PG_BIN=$(dirname "$pg_config") python3 -m pytest -q --durations=10 -m "not slow" \
             "${CORE[@]/#/tests/integration/}"
     fi
+
+    echo "== PostgreSQL $v: its Debian package (scripts/package.sh, debug build), installed as a user would"
+    # --allow-dirty: a local run may have changes; the refusal itself is tested (test_packages.py).
+    # Twice on the first version: the test checks that both give the same bytes.
+    again=()
+    [ "$v" = "$first" ] && again=("$packages/$v-again")
+    for out in "$packages/$v" "${again[@]}"; do
+        IDEMPOTENCY_PACKAGE_PROFILE=debug scripts/package.sh --allow-dirty --out "$out" "$v" >/dev/null
+    done
+    previous=()
+    if [ "$v" = 15 ]; then
+        # After this version's packages: the previous release's build shares the target
+        # directory (and its dependencies' builds) and leaves cargo part of 15's to build again.
+        if [ -f "$previous_packages/SHA256SUMS" ]; then
+            previous=("IDEMPOTENCY_PREVIOUS_PACKAGES=$previous_packages")
+        elif [ "${IDEMPOTENCY_SKIP_PREVIOUS_PACKAGE:-0}" = 1 ]; then
+            echo "   the previous release's package: skipped (IDEMPOTENCY_SKIP_PREVIOUS_PACKAGE=1, none cached)"
+        elif git cat-file -e "$previous_commit^{commit}" 2>/dev/null; then
+            echo "   the previous release's package: built once (under a minute), cached in $previous_packages"
+            IDEMPOTENCY_PACKAGE_PROFILE=debug scripts/package.sh --commit "$previous_commit" \
+                --out "$previous_packages" 15 >/dev/null
+            previous=("IDEMPOTENCY_PREVIOUS_PACKAGES=$previous_packages")
+        else
+            echo "   the previous release's package: skipped (commit $previous_commit not in this clone, none cached)"
+        fi
+    fi
+    env "${previous[@]}" IDEMPOTENCY_PACKAGES="$packages/$v" IDEMPOTENCY_PACKAGES_AGAIN="${again[*]}" \
+        PG_BIN=$(dirname "$pg_config") python3 -m pytest -q -k "not refuses and not set_version" tests/integration/test_packages.py
 done
 
 # The portable edition (docs/managed.md) on servers that have no file of the native extension:

@@ -54,3 +54,13 @@ def test_the_core_crate_has_the_extensions_version():
     reader of its manifest is not told it is older than the code it holds."""
     with open(os.path.join(ROOT, "crates", "idempotency-core", "Cargo.toml"), "rb") as f:
         assert tomllib.load(f)["package"]["version"] == cargo_version()
+
+
+def test_the_control_files_default_version_is_the_crate_version():
+    """idempotency.control says default_version = '@CARGO_VERSION@', which cargo pgrx replaces with
+    Cargo.toml's package.version when it installs or packages the extension (test_packages.py checks
+    the packaged control file): one version, written in Cargo.toml (scripts/set-version.sh)."""
+    with open(os.path.join(ROOT, "idempotency.control")) as f:
+        m = re.search(r"^default_version = '([^']*)'$", f.read(), re.M)
+    assert m, "idempotency.control has no default_version"
+    assert m.group(1) in ("@CARGO_VERSION@", cargo_version())
