@@ -151,15 +151,15 @@ mod tests {
     }
 
     /// The portable edition quotes values as `abbreviate` does, from a list of the code points
-    /// Debug escapes (`idempotency._canon_debug_escapes` in sql/portable/canonical.sql): the list
+    /// Debug escapes (`idempotency._canon_debug_escapes` in sql/portable/messages.sql): the list
     /// must be this Rust's, or the two editions' messages differ (a new Rust may bring new
     /// Unicode tables; then the list is written again from this test's `got`).
     #[test]
     fn the_portable_editions_list_of_debug_escapes_is_this_rusts() {
-        let sql = include_str!("../../../sql/portable/canonical.sql");
+        let sql = include_str!("../../../sql/portable/messages.sql");
         let start = sql
             .find("CREATE FUNCTION idempotency._canon_debug_escapes()")
-            .expect("the function is in sql/portable/canonical.sql");
+            .expect("the function is in sql/portable/messages.sql");
         let body = &sql[start..];
         let body = &body[body.find("'{").expect("a literal") + 2..];
         let body = &body[..body.find("}'").expect("the literal's end")];
