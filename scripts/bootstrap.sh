@@ -6,7 +6,8 @@
 # (cargo pgrx test --runas uses it), cargo-pgrx 0.18.1, `cargo pgrx init` against every server,
 # the Python packages of the integration tests, pg_cron (the sweep recipe's test), PgBouncer (the tests
 # through a pooler, tests/integration/pooler.py), Prometheus' postgres_exporter and promtool (the
-# monitoring recipe's test, tests/integration/test_monitoring.py), and Node.js
+# monitoring recipe's test, tests/integration/test_monitoring.py), dpkg-dev (scripts/package.sh:
+# dpkg-deb, dpkg-shlibdeps), and Node.js
 # with the Node client package's dependencies (npm ci in clients/node). Safe to run again: it skips what is there.
 #
 # IDEMPOTENCY_PG_VERSIONS (default "15 16 17 18") limits the servers it installs.
@@ -15,7 +16,7 @@ cd "$(dirname "$0")/.."
 
 read -r -a VERSIONS <<<"${IDEMPOTENCY_PG_VERSIONS:-15 16 17 18}"
 APT_PACKAGES=(postgresql-15 postgresql-server-dev-15 libclang-dev clang sudo postgresql-15-cron pgbouncer
-              prometheus-postgres-exporter prometheus)
+              prometheus-postgres-exporter prometheus dpkg-dev)
 PIP_PACKAGES=("psycopg[binary]>=3.1,<3.3" "pytest>=8,<9" "rfc8785==0.1.4")
 
 # Node.js: any node on PATH will do (v18.3 or later); otherwise Debian's.
