@@ -33,6 +33,7 @@ created, ones a fresh install no longer has dropped), then the install script's 
 and revokes again when a function was created. The plain route records its release in the
 comment of schema idempotency (0.5.0 recorded none: it is recognised by its functions)."""
 
+import functools
 import os
 import re
 import sys
@@ -286,7 +287,9 @@ CORE = os.path.join(ROOT, "crates", "idempotency-core", "src")
 RULE = re.compile(r"@([A-Z][A-Z0-9_]*)@")
 
 
+@functools.lru_cache(maxsize=None)
 def rules():
+    """{NAME: value} of the core crate's integer constants (read once per run)."""
     found = {}
     if not os.path.isdir(CORE):
         fail(f"no {CORE}: the rules of the portable sources are that crate's constants")

@@ -257,6 +257,14 @@ def test_dist_is_current():
     assert result.returncode == 0, result.stderr
 
 
+def copy_of_the_sources(tmp_path):
+    """What scripts/portable.py reads and writes, copied under tmp_path (the build runs there)."""
+    for part in ("scripts", "sql", "dist", "crates"):
+        shutil.copytree(os.path.join(ROOT, part), tmp_path / part, ignore=shutil.ignore_patterns("target"))
+    for f in ("Cargo.toml", "idempotency.control"):
+        shutil.copy(os.path.join(ROOT, f), tmp_path / f)
+
+
 @pytest.mark.parametrize("edit, refusal", [
     ("LANGUAGE plpgsql STABLE", "the body of derive_key says 'STABLE'"),
     ("LANGUAGE plpgsql SECURITY DEFINER", "the body of derive_key says 'SECURITY'"),
@@ -266,10 +274,7 @@ def test_a_portable_body_cannot_change_the_native_declaration(tmp_path, edit, re
     """A portable body carries no declaration: its head and attributes are sql/idempotency.sql's,
     and the generator refuses a body that names volatility, parallel safety, strictness or
     SECURITY DEFINER itself (the one difference by design is listed in the generator)."""
-    for part in ("scripts", "sql", "dist", "crates"):
-        shutil.copytree(os.path.join(ROOT, part), tmp_path / part, ignore=shutil.ignore_patterns("target"))
-    for f in ("Cargo.toml", "idempotency.control"):
-        shutil.copy(os.path.join(ROOT, f), tmp_path / f)
+    copy_of_the_sources(tmp_path)
     source = tmp_path / "sql" / "portable" / "derivation.sql"
     text = source.read_text()
     assert "BODY idempotency.derive_key\nLANGUAGE plpgsql\n" in text
@@ -312,10 +317,7 @@ def test_the_portable_sources_write_no_literal_copy_of_a_core_rule():
 
 
 def test_a_portable_source_naming_an_unknown_rule_does_not_build(tmp_path):
-    for part in ("scripts", "sql", "dist", "crates"):
-        shutil.copytree(os.path.join(ROOT, part), tmp_path / part, ignore=shutil.ignore_patterns("target"))
-    for f in ("Cargo.toml", "idempotency.control"):
-        shutil.copy(os.path.join(ROOT, f), tmp_path / f)
+    copy_of_the_sources(tmp_path)
     source = tmp_path / "sql" / "portable" / "checks.sql"
     source.write_text(source.read_text().replace("@MAX_KEY_CHARS@", "@MAX_KEY_CHARZ@", 1))
     result = subprocess.run([str(tmp_path / "scripts" / "portable.py")], capture_output=True, text=True)
