@@ -25,6 +25,25 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
+# Each step's header says when it starts; the run ends with how long each step took (CI must
+# keep to 60 minutes on a fresh machine: this shows where they go).
+steps=()
+step() {
+    steps+=("$SECONDS $*")
+    echo "== $* [at ${SECONDS}s]"
+}
+report_steps() {
+    local i start next
+    echo "== time per step (s)"
+    for i in "${!steps[@]}"; do
+        start=${steps[$i]%% *}
+        next=$SECONDS
+        [ $((i + 1)) -lt ${#steps[@]} ] && next=${steps[$((i + 1))]%% *}
+        printf '%6d  %s\n' $((next - start)) "${steps[$i]#* }"
+    done
+    echo "   total ${SECONDS}s"
+}
+
 read -r -a VERSIONS <<<"${IDEMPOTENCY_PG_VERSIONS:-15 16 17 18}"
 # The integration suite's core, run on every version (the rest needs the HTTP and Node
 # examples, a standby or minutes of soak, and runs on the first version).
@@ -34,15 +53,19 @@ CORE=(test_concurrency.py test_model.py test_canonical_oracle.py test_encodings.
       test_hot_updates.py test_batch.py test_partitioned.py test_damaged_jsonb.py
       test_binding_settings.py test_portable.py test_pg_cron.py test_pooler.py)
 
+pgdata_dirs=()
+packages=$(mktemp -d /tmp/idempotency-packages-XXXXXX)
+trap 'rm -rf "${pgdata_dirs[@]}" "$packages"; report_steps' EXIT
+step "the prerequisites (scripts/bootstrap.sh)"
 scripts/bootstrap.sh
 # The build's path mappings (no path of this machine in idempotency.so), the same for every build
 # below, so that scripts/package.sh reuses the builds of cargo pgrx install.
 source scripts/build-env.sh
 
-echo "== dist/: the portable edition is what scripts/portable.py builds from the sources"
+step "dist/: the portable edition is what scripts/portable.py builds from the sources"
 scripts/portable.py --check
 
-echo "== cargo fmt --check, cargo clippy (PostgreSQL ${VERSIONS[*]})"
+step "cargo fmt --check, cargo clippy (PostgreSQL ${VERSIONS[*]})"
 cargo fmt --all -- --check
 for v in "${VERSIONS[@]}"; do
     cargo clippy --all-targets --no-default-features --features "pg$v" -- -D warnings
@@ -51,17 +74,14 @@ cargo clippy -p idempotency-core --all-targets --all-features -- -D warnings
 # The canonicalizer fuzz harness is a crate of its own (run by tests/integration/test_fuzz.py).
 (cd fuzz && cargo fmt -- --check && cargo clippy --release -- -D warnings)
 
-echo "== the pure core (crates/idempotency-core): unit and property tests, no PostgreSQL"
+step "the pure core (crates/idempotency-core): unit and property tests, no PostgreSQL"
 cargo test -p idempotency-core -q
 
-echo "== examples/http-service: fmt, clippy, unit tests (its end-to-end tests run with pytest)"
+step "examples/http-service: fmt, clippy, unit tests (its end-to-end tests run with pytest)"
 cargo fmt --manifest-path examples/http-service/Cargo.toml -- --check
 cargo clippy --manifest-path examples/http-service/Cargo.toml --locked --all-targets -- -D warnings
 cargo test --manifest-path examples/http-service/Cargo.toml --locked -q
 
-pgdata_dirs=()
-packages=$(mktemp -d /tmp/idempotency-packages-XXXXXX)
-trap 'rm -rf "${pgdata_dirs[@]}" "$packages"' EXIT
 # The previous release, whose package the update test on 15 installs first (git tag v0.5.0).
 previous_commit=77427ba9c848efa40e8bfaab4402f2e19f2f5a14
 previous_packages=${IDEMPOTENCY_CACHE:-/var/cache/idempotency}/packages/0.5.0-$previous_commit-debug
@@ -70,7 +90,7 @@ last=${VERSIONS[-1]}
 for v in "${VERSIONS[@]}"; do
     pg_config=$(scripts/pg-server.sh "$v")
     if [ "$v" = "$first" ] || [ "$v" = "$last" ] || [ "${IDEMPOTENCY_PGRX_TEST_EVERYWHERE:-0}" = 1 ]; then
-        echo "== PostgreSQL $v: unit and #[pg_test] tests (cargo pgrx test pg$v)"
+        step "PostgreSQL $v: unit and #[pg_test] tests (cargo pgrx test pg$v)"
         # initdb refuses root: the test cluster runs as postgres, in a fresh directory.
         pgdata=$(mktemp -u /tmp/idempotency-pgrx-XXXXXX)
         pgdata_dirs+=("$pgdata")
@@ -79,14 +99,14 @@ for v in "${VERSIONS[@]}"; do
         # in_progress at once, by design).
         cargo pgrx test "pg$v" --runas postgres --pgdata "$pgdata"
     else
-        echo "== PostgreSQL $v: #[pg_test] tests skipped (they run on $first and $last; IDEMPOTENCY_PGRX_TEST_EVERYWHERE=1 runs them here)"
+        step "PostgreSQL $v: #[pg_test] tests skipped (they run on $first and $last; IDEMPOTENCY_PGRX_TEST_EVERYWHERE=1 runs them here)"
     fi
 
     cargo pgrx install --pg-config "$pg_config" >/dev/null
-    echo "== PostgreSQL $v: isolation specs (tests/isolation: races as deterministic permutations)"
+    step "PostgreSQL $v: isolation specs (tests/isolation: races as deterministic permutations)"
     scripts/isolation.sh "$pg_config"
 
-    echo "== PostgreSQL $v: integration tests (pytest, real sessions against throwaway clusters)"
+    step "PostgreSQL $v: integration tests (pytest, real sessions against throwaway clusters)"
     scripts/pg-cron.sh "$v" >/dev/null  # schedule_sweep's tests (Debian's package on 15, built on 16-18)
     # No -m: the tests marked slow (pytest.ini) run too; `-m "not slow"` is only for quick local runs.
     if [ "$v" = "$first" ]; then
@@ -98,7 +118,7 @@ for v in "${VERSIONS[@]}"; do
             "${CORE[@]/#/tests/integration/}"
     fi
 
-    echo "== PostgreSQL $v: its Debian package (scripts/package.sh, debug build), installed as a user would"
+    step "PostgreSQL $v: its Debian package (scripts/package.sh, debug build), installed as a user would"
     # --allow-dirty: a local run may have changes; the refusal itself is tested (test_packages.py).
     # Twice on the first version: the test checks that both give the same bytes.
     again=()
@@ -139,22 +159,22 @@ PORTABLE=(test_model.py test_concurrency.py test_bad_input.py test_audit.py test
 for v in "${VERSIONS[@]}"; do
     case "$v" in
         15)
-            echo "== the portable edition, plain script, on PostgreSQL 15 without the library"
+            step "the portable edition, plain script, on PostgreSQL 15 without the library"
             portable_config=$(scripts/pg-portable.sh 15)
             route=plain
             ;;
         18)
             if [ ! -f "${PG_TLE_TARBALL_DIR:-../shared/vendor/pg_tle}/SHA256SUMS" ]; then
-                echo "== the portable edition through pg_tle: skipped (no pg_tle source tarball in ${PG_TLE_TARBALL_DIR:-../shared/vendor/pg_tle})"
+                step "the portable edition through pg_tle: skipped (no pg_tle source tarball in ${PG_TLE_TARBALL_DIR:-../shared/vendor/pg_tle})"
                 continue
             fi
-            echo "== the portable edition through pg_tle, on PostgreSQL 18 without the library"
+            step "the portable edition through pg_tle, on PostgreSQL 18 without the library"
             portable_config=$(scripts/pg-tle.sh 18)
             route=pgtle
             ;;
         *) continue ;;
     esac
-    echo "== the portable edition ($route): isolation specs (tests/isolation, as natively)"
+    step "the portable edition ($route): isolation specs (tests/isolation, as natively)"
     scripts/isolation.sh --portable "$route" "$portable_config"
     IDEMPOTENCY_EDITION=portable PG_BIN=$(dirname "$portable_config") \
         python3 -m pytest -q "${PORTABLE[@]/#/tests/integration/}"
@@ -163,13 +183,13 @@ done
 # The client packages (clients/): each built into its artifact (a wheel, an npm tarball, a crate) and
 # tested against throwaway clusters of the first version, where the extension is installed.
 first_bin=$(dirname "$(scripts/pg-server.sh "$first")")
-echo "== clients/python: the pg-idempotency wheel and its tests (PostgreSQL $first)"
+step "clients/python: the pg-idempotency wheel and its tests (PostgreSQL $first)"
 PG_BIN=$first_bin scripts/clients-python.sh
-echo "== clients/node: npm ci, type check, npm pack, the tests (PostgreSQL $first)"
+step "clients/node: npm ci, type check, npm pack, the tests (PostgreSQL $first)"
 PG_BIN=$first_bin scripts/clients-node.sh
-echo "== clients/rust: fmt, clippy, the tests, cargo package (PostgreSQL $first)"
+step "clients/rust: fmt, clippy, the tests, cargo package (PostgreSQL $first)"
 PG_BIN=$first_bin scripts/clients-rust.sh
-echo "== clients/conformance: the HTTP conformance suite against the five adapters (PostgreSQL $first)"
+step "clients/conformance: the HTTP conformance suite against the five adapters (PostgreSQL $first)"
 PG_BIN=$first_bin scripts/clients-conformance.sh
 
 # Citus (docs/scaling.md): a coordinator and two workers on PostgreSQL 18, Citus 14.0.1 built from
@@ -178,12 +198,12 @@ PG_BIN=$first_bin scripts/clients-conformance.sh
 for v in "${VERSIONS[@]}"; do
     [ "$v" = 18 ] || continue
     if [ -f "${CITUS_TARBALL_DIR:-../shared/vendor/citus}/SHA256SUMS" ]; then
-        echo "== Citus 14.0.1 on PostgreSQL 18: a coordinator and two workers"
+        step "Citus 14.0.1 on PostgreSQL 18: a coordinator and two workers"
         pg_config=$(scripts/citus.sh 18)
         CITUS_PG_BIN=$(dirname "$pg_config") PG_BIN=$(dirname "$pg_config") \
             python3 -m pytest -q -m citus tests/integration/test_citus.py
     else
-        echo "== Citus: skipped (no Citus source tarballs in ${CITUS_TARBALL_DIR:-../shared/vendor/citus})"
+        step "Citus: skipped (no Citus source tarballs in ${CITUS_TARBALL_DIR:-../shared/vendor/citus})"
     fi
 done
 
@@ -199,7 +219,7 @@ for v in "${VERSIONS[@]}"; do
     esac
 done
 if [ -n "$from" ] && [ -n "$to" ]; then
-    echo "== pg_upgrade from PostgreSQL $from to $to"
+    step "pg_upgrade from PostgreSQL $from to $to"
     PG_UPGRADE_FROM=$(dirname "$(scripts/pg-server.sh "$from")") \
         PG_UPGRADE_TO=$(dirname "$(scripts/pg-server.sh "$to")") \
         python3 -m pytest -q tests/integration/test_pg_upgrade.py
