@@ -1205,6 +1205,33 @@ BEGIN
 END
 $fn$;
 
+CREATE OR REPLACE FUNCTION idempotency._p_waited_for_sweep(p_xmax xid)
+RETURNS boolean
+LANGUAGE plpgsql VOLATILE
+SET search_path = pg_catalog, pg_temp
+AS $fn$
+DECLARE
+    v_mark integer := (p_xmax::pg_catalog.text::pg_catalog.int8)::pg_catalog.bit(32)::pg_catalog.int4;
+    v_timeout text := pg_catalog.current_setting('lock_timeout');
+BEGIN
+    IF pg_catalog.pg_try_advisory_lock(1768187245, v_mark) THEN
+        PERFORM pg_catalog.pg_advisory_unlock(1768187245, v_mark);
+        RETURN false;
+    END IF;
+    PERFORM pg_catalog.set_config('lock_timeout', GREATEST(idempotency._p_setting(
+                'idempotency.busy_retry_after', 1000, 'ms'), 1)::pg_catalog.text, true);
+    BEGIN
+        PERFORM pg_catalog.pg_advisory_lock(1768187245, v_mark);
+        PERFORM pg_catalog.pg_advisory_unlock(1768187245, v_mark);
+    EXCEPTION WHEN lock_not_available THEN
+        PERFORM pg_catalog.set_config('lock_timeout', v_timeout, true);
+        RETURN false;
+    END;
+    PERFORM pg_catalog.set_config('lock_timeout', v_timeout, true);
+    RETURN true;
+END
+$fn$;
+
 CREATE OR REPLACE FUNCTION idempotency._p_token_above(p_key text, old bigint)
 RETURNS bigint
 LANGUAGE plpgsql VOLATILE
@@ -1248,6 +1275,8 @@ DECLARE
     v_wait integer;
     v_mark boolean;
     v_timeout text;
+    v_xmax xid;
+    v_expired boolean;
 BEGIN
     LOOP
         v_busy := false;
@@ -1255,7 +1284,8 @@ BEGIN
                k.request_hash, k.token, k.response, k.response_status, k.recovery_point, k.expires_at,
                k.expires_at OPERATOR(pg_catalog.<=) pg_catalog.now() AS expired,
                k.locked_until OPERATOR(pg_catalog.<=) pg_catalog.now() AS lease_over,
-               GREATEST(k.locked_until OPERATOR(pg_catalog.-) pg_catalog.now(), '1 second'::pg_catalog.interval) AS retry_after
+               GREATEST(k.locked_until OPERATOR(pg_catalog.-) pg_catalog.now(), '1 second'::pg_catalog.interval) AS retry_after,
+               k.xmax AS holder
           INTO r
           FROM idempotency.idempotency_keys AS k
          WHERE k.scope OPERATOR(pg_catalog.=) p_scope AND k.key OPERATOR(pg_catalog.=) p_key;
@@ -1339,8 +1369,9 @@ BEGIN
         ELSIF NOT pg_catalog.pg_try_advisory_lock_shared(pg_catalog.hashtextextended(
                       pg_catalog.length(p_scope)::pg_catalog.text OPERATOR(pg_catalog.||) ':'
                       OPERATOR(pg_catalog.||) p_scope OPERATOR(pg_catalog.||) p_key, 5432)) THEN
-            -- _p_marked written out: another open transaction is changing the row.
-            v_busy := true;
+            -- _p_marked written out: another open transaction is changing the row (a sweep
+            -- deleting it, expired, is waited for; then the key is looked at again).
+            v_busy := NOT (r.expired AND idempotency._p_waited_for_sweep(r.holder));
         ELSIF NOT pg_catalog.pg_advisory_unlock_shared(pg_catalog.hashtextextended(
                       pg_catalog.length(p_scope)::pg_catalog.text OPERATOR(pg_catalog.||) ':'
                       OPERATOR(pg_catalog.||) p_scope OPERATOR(pg_catalog.||) p_key, 5432)) THEN
@@ -1367,6 +1398,7 @@ BEGIN
         ELSE
             -- Expired (restart) or lease over (takeover): lock the newest version without
             -- waiting, and decide again on it.
+            v_expired := r.expired;
             SELECT k.status OPERATOR(pg_catalog.=) 'completed'::idempotency.key_status AS completed,
                    k.request_hash, k.token, k.response, k.response_status, k.recovery_point, k.expires_at,
                    k.expires_at OPERATOR(pg_catalog.<=) pg_catalog.now() AS expired,
@@ -1377,9 +1409,15 @@ BEGIN
              WHERE k.scope OPERATOR(pg_catalog.=) p_scope AND k.key OPERATOR(pg_catalog.=) p_key
                FOR UPDATE SKIP LOCKED;
             IF NOT FOUND THEN
-                -- Still there: another claimer holds its row lock.
-                v_busy := EXISTS (SELECT FROM idempotency.idempotency_keys AS k
-                                   WHERE k.scope OPERATOR(pg_catalog.=) p_scope AND k.key OPERATOR(pg_catalog.=) p_key);
+                SELECT k.xmax INTO v_xmax
+                  FROM idempotency.idempotency_keys AS k
+                 WHERE k.scope OPERATOR(pg_catalog.=) p_scope AND k.key OPERATOR(pg_catalog.=) p_key;
+                IF FOUND AND v_expired AND idempotency._p_waited_for_sweep(v_xmax) THEN
+                    NULL;  -- a sweep held the expired row and has ended: look again
+                ELSE
+                    -- Still there: another claimer holds its row lock.
+                    v_busy := FOUND;
+                END IF;
             ELSIF r.expired THEN
                 v_token := idempotency._p_token_above(p_key, r.token);
                 UPDATE idempotency.idempotency_keys AS k SET
@@ -1926,6 +1964,41 @@ BEGIN
             HINT = 'pass the token that claim returned for this key';
     END IF;
     RETURN NULL;  -- not reached
+END
+$fn$;
+
+CREATE OR REPLACE FUNCTION idempotency.sweep(batch_size integer DEFAULT NULL)
+RETURNS bigint
+LANGUAGE plpgsql VOLATILE PARALLEL UNSAFE SECURITY DEFINER
+SET search_path = pg_catalog, pg_temp
+AS $fn$
+DECLARE
+    v_batch integer := idempotency._p_batch_size(sweep.batch_size);
+    v_prefix text;
+    v_total bigint := 0;
+    v_n bigint;
+BEGIN
+    PERFORM idempotency._p_refuse_read_only('sweep');
+    v_prefix := idempotency._p_sweep_prefix('sweep');
+    -- The sweep's mark, before any row is locked: a claim of an expired key this transaction
+    -- holds waits for it to end (idempotency._p_waited_for_sweep).
+    PERFORM pg_catalog.pg_advisory_xact_lock_shared(1768187245,
+                (pg_catalog.pg_current_xact_id()::pg_catalog.text::pg_catalog.int8)::pg_catalog.bit(32)::pg_catalog.int4);
+    LOOP
+        DELETE FROM idempotency.idempotency_keys AS k
+         USING (SELECT s.scope, s.key FROM idempotency.idempotency_keys AS s
+                 WHERE ((s.created_at AT TIME ZONE 'UTC') OPERATOR(pg_catalog.+) s.ttl)
+                       OPERATOR(pg_catalog.<=) (pg_catalog.now() AT TIME ZONE 'UTC')
+                   AND s.expires_at OPERATOR(pg_catalog.<=) pg_catalog.now()
+                   AND pg_catalog.starts_with(s.scope, v_prefix)
+                 ORDER BY ((s.created_at AT TIME ZONE 'UTC') OPERATOR(pg_catalog.+) s.ttl)
+                 LIMIT v_batch FOR UPDATE SKIP LOCKED) AS d
+         WHERE k.scope OPERATOR(pg_catalog.=) d.scope AND k.key OPERATOR(pg_catalog.=) d.key;
+        GET DIAGNOSTICS v_n = ROW_COUNT;
+        v_total := v_total OPERATOR(pg_catalog.+) v_n;
+        EXIT WHEN v_n OPERATOR(pg_catalog.<) v_batch;
+    END LOOP;
+    RETURN v_total;
 END
 $fn$;
 

@@ -2177,6 +2177,41 @@ AS $fn$
                NULL, NULL)::idempotency.claim_result
 $fn$;
 
+-- Whether the claim waited for a sweep that held the expired row it found and has now ended
+-- (then the key is looked at again: an expired key counts as absent whatever a sweep is doing).
+-- `p_xmax` is the row's holder: every sweep holds its transaction's mark,
+-- pg_advisory_xact_lock_shared(1768187245, its xid's low 32 bits), before it locks a row,
+-- so a holder whose mark is held is a sweep. Its end is waited for as a lock wait (which
+-- PostgreSQL's deadlock detection sees), at most busy_retry_after: a sweep called in a long
+-- transaction keeps its rows until that ends (then false, and the key is busy). False at once
+-- for any other holder (a claimer restarting the key, a forget).
+CREATE FUNCTION idempotency._p_waited_for_sweep(p_xmax xid)
+RETURNS boolean
+LANGUAGE plpgsql VOLATILE
+SET search_path = pg_catalog, pg_temp
+AS $fn$
+DECLARE
+    v_mark integer := (p_xmax::pg_catalog.text::pg_catalog.int8)::pg_catalog.bit(32)::pg_catalog.int4;
+    v_timeout text := pg_catalog.current_setting('lock_timeout');
+BEGIN
+    IF pg_catalog.pg_try_advisory_lock(1768187245, v_mark) THEN
+        PERFORM pg_catalog.pg_advisory_unlock(1768187245, v_mark);
+        RETURN false;
+    END IF;
+    PERFORM pg_catalog.set_config('lock_timeout', GREATEST(idempotency._p_setting(
+                'idempotency.busy_retry_after', 1000, 'ms'), 1)::pg_catalog.text, true);
+    BEGIN
+        PERFORM pg_catalog.pg_advisory_lock(1768187245, v_mark);
+        PERFORM pg_catalog.pg_advisory_unlock(1768187245, v_mark);
+    EXCEPTION WHEN lock_not_available THEN
+        PERFORM pg_catalog.set_config('lock_timeout', v_timeout, true);
+        RETURN false;
+    END;
+    PERFORM pg_catalog.set_config('lock_timeout', v_timeout, true);
+    RETURN true;
+END
+$fn$;
+
 -- A token above the key's previous one `old`, for a restart or a takeover: the sequence's next
 -- value, and where that is not above it (the sequence may lag behind the store after a restore
 -- of rows without it), the sequence is first moved past it. Never into the upper half of the
@@ -2234,6 +2269,8 @@ DECLARE
     v_wait integer;
     v_mark boolean;
     v_timeout text;
+    v_xmax xid;
+    v_expired boolean;
 BEGIN
     LOOP
         v_busy := false;
@@ -2241,7 +2278,8 @@ BEGIN
                k.request_hash, k.token, k.response, k.response_status, k.recovery_point, k.expires_at,
                k.expires_at OPERATOR(pg_catalog.<=) pg_catalog.now() AS expired,
                k.locked_until OPERATOR(pg_catalog.<=) pg_catalog.now() AS lease_over,
-               GREATEST(k.locked_until OPERATOR(pg_catalog.-) pg_catalog.now(), '1 second'::pg_catalog.interval) AS retry_after
+               GREATEST(k.locked_until OPERATOR(pg_catalog.-) pg_catalog.now(), '1 second'::pg_catalog.interval) AS retry_after,
+               k.xmax AS holder
           INTO r
           FROM idempotency.idempotency_keys AS k
          WHERE k.scope OPERATOR(pg_catalog.=) p_scope AND k.key OPERATOR(pg_catalog.=) p_key;
@@ -2325,8 +2363,9 @@ BEGIN
         ELSIF NOT pg_catalog.pg_try_advisory_lock_shared(pg_catalog.hashtextextended(
                       pg_catalog.length(p_scope)::pg_catalog.text OPERATOR(pg_catalog.||) ':'
                       OPERATOR(pg_catalog.||) p_scope OPERATOR(pg_catalog.||) p_key, 5432)) THEN
-            -- _p_marked written out: another open transaction is changing the row.
-            v_busy := true;
+            -- _p_marked written out: another open transaction is changing the row (a sweep
+            -- deleting it, expired, is waited for; then the key is looked at again).
+            v_busy := NOT (r.expired AND idempotency._p_waited_for_sweep(r.holder));
         ELSIF NOT pg_catalog.pg_advisory_unlock_shared(pg_catalog.hashtextextended(
                       pg_catalog.length(p_scope)::pg_catalog.text OPERATOR(pg_catalog.||) ':'
                       OPERATOR(pg_catalog.||) p_scope OPERATOR(pg_catalog.||) p_key, 5432)) THEN
@@ -2353,6 +2392,7 @@ BEGIN
         ELSE
             -- Expired (restart) or lease over (takeover): lock the newest version without
             -- waiting, and decide again on it.
+            v_expired := r.expired;
             SELECT k.status OPERATOR(pg_catalog.=) 'completed'::idempotency.key_status AS completed,
                    k.request_hash, k.token, k.response, k.response_status, k.recovery_point, k.expires_at,
                    k.expires_at OPERATOR(pg_catalog.<=) pg_catalog.now() AS expired,
@@ -2363,9 +2403,15 @@ BEGIN
              WHERE k.scope OPERATOR(pg_catalog.=) p_scope AND k.key OPERATOR(pg_catalog.=) p_key
                FOR UPDATE SKIP LOCKED;
             IF NOT FOUND THEN
-                -- Still there: another claimer holds its row lock.
-                v_busy := EXISTS (SELECT FROM idempotency.idempotency_keys AS k
-                                   WHERE k.scope OPERATOR(pg_catalog.=) p_scope AND k.key OPERATOR(pg_catalog.=) p_key);
+                SELECT k.xmax INTO v_xmax
+                  FROM idempotency.idempotency_keys AS k
+                 WHERE k.scope OPERATOR(pg_catalog.=) p_scope AND k.key OPERATOR(pg_catalog.=) p_key;
+                IF FOUND AND v_expired AND idempotency._p_waited_for_sweep(v_xmax) THEN
+                    NULL;  -- a sweep held the expired row and has ended: look again
+                ELSE
+                    -- Still there: another claimer holds its row lock.
+                    v_busy := FOUND;
+                END IF;
             ELSIF r.expired THEN
                 v_token := idempotency._p_token_above(p_key, r.token);
                 UPDATE idempotency.idempotency_keys AS k SET
@@ -3319,6 +3365,10 @@ DECLARE
 BEGIN
     PERFORM idempotency._p_refuse_read_only('sweep');
     v_prefix := idempotency._p_sweep_prefix('sweep');
+    -- The sweep's mark, before any row is locked: a claim of an expired key this transaction
+    -- holds waits for it to end (idempotency._p_waited_for_sweep).
+    PERFORM pg_catalog.pg_advisory_xact_lock_shared(1768187245,
+                (pg_catalog.pg_current_xact_id()::pg_catalog.text::pg_catalog.int8)::pg_catalog.bit(32)::pg_catalog.int4);
     LOOP
         DELETE FROM idempotency.idempotency_keys AS k
          USING (SELECT s.scope, s.key FROM idempotency.idempotency_keys AS s

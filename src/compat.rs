@@ -322,6 +322,16 @@ pub mod raw {
         ) -> pg_sys::IndexScanDesc;
     }
 
+    // Not in pgrx's bindings, for a test: `void enable_timeout_after(TimeoutId id, int
+    // delay_ms)` (utils/timeout.h), unchanged in 15-18, as is LOCK_TIMEOUT's place (third) in
+    // that enum.
+    #[cfg(any(test, feature = "pg_test"))]
+    unsafe extern "C-unwind" {
+        pub(crate) fn enable_timeout_after(id: c_int, delay_ms: c_int);
+    }
+    #[cfg(any(test, feature = "pg_test"))]
+    pub(crate) const LOCK_TIMEOUT: c_int = 2;
+
     // Not in pgrx's bindings, so not checked by the compiler: `Datum datumCopy(Datum value,
     // bool typByVal, int typLen)` (utils/datum.h), unchanged in 15-18.
     unsafe extern "C-unwind" {

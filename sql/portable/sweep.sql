@@ -17,6 +17,10 @@ DECLARE
 BEGIN
     PERFORM idempotency._p_refuse_read_only('sweep');
     v_prefix := idempotency._p_sweep_prefix('sweep');
+    -- The sweep's mark, before any row is locked: a claim of an expired key this transaction
+    -- holds waits for it to end (idempotency._p_waited_for_sweep).
+    PERFORM pg_catalog.pg_advisory_xact_lock_shared(@SWEEP_LOCK_CLASS@,
+                (pg_catalog.pg_current_xact_id()::pg_catalog.text::pg_catalog.int8)::pg_catalog.bit(32)::pg_catalog.int4);
     LOOP
         DELETE FROM idempotency.idempotency_keys AS k
          USING (SELECT s.scope, s.key FROM idempotency.idempotency_keys AS s

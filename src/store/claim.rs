@@ -84,6 +84,7 @@ pub fn claim(req: &ClaimRequest<'_>) -> ClaimResult {
                 None => match probe_or_insert(req, false, || insert(client, req)) {
                     Looked::Inserted(step) => step,
                     Looked::Found(Probe::Busy) => Ok(Step::Busy),
+                    Looked::Found(Probe::ExpiredHeld(xid)) => Ok(expired_held(xid)),
                     // Committed, but not in this REPEATABLE READ snapshot: the insert fails with
                     // a serialization error, as it should.
                     Looked::Found(Probe::Committed(_)) => insert(client, req),
@@ -123,6 +124,24 @@ pub fn claim(req: &ClaimRequest<'_>) -> ClaimResult {
     )
 }
 
+/// An expired row that the open transaction `xid` holds. A sweep deleting it is waited for, at
+/// most `idempotency.busy_retry_after` (the sweeper's batches take milliseconds), and the key
+/// looked at again: an expired key counts as absent whatever a sweep is doing. Any other holder
+/// is a claimer restarting the key (or a `forget`): busy, as a key being changed is.
+fn expired_held(xid: pg_sys::TransactionId) -> Step {
+    match heap::holder(xid) {
+        heap::Holder::Ended => Step::Again,
+        heap::Holder::Other => Step::Busy,
+        heap::Holder::Sweep => {
+            let limit = guc::int(&guc::BUSY_RETRY_AFTER).max(1);
+            match within_lock_timeout(limit, || heap::wait_for_sweep(xid)) {
+                Some(()) => Step::Again,
+                None => Step::Busy,
+            }
+        }
+    }
+}
+
 /// How long a claim that paused for a busy key waited in all (None if it never paused).
 fn waited(started: Option<Instant>, slept: bool) -> Option<Duration> {
     started.filter(|_| slept).map(|s| s.elapsed())
@@ -146,6 +165,7 @@ fn claim_read_committed(req: &ClaimRequest<'_>, path: Path) -> Result<Step, pgrx
     match found {
         Looked::Inserted(step) => step,
         Looked::Found(Probe::Busy) => Ok(Step::Busy),
+        Looked::Found(Probe::ExpiredHeld(xid)) => Ok(expired_held(xid)),
         Looked::Found(Probe::Committed(row)) => {
             match decision::decide(stored(&row), request_hash(req)) {
                 d @ (Decision::Replay | Decision::Mismatch | Decision::InProgress) => {
@@ -255,6 +275,7 @@ fn decide(
                 }
                 return Ok(match probe(req.scope, req.key, false) {
                     Probe::Busy => Step::Busy,
+                    Probe::ExpiredHeld(xid) => expired_held(xid),
                     // Still there, so another claimer holds its row lock while it decides on a
                     // takeover: the key is busy (spinning here would only burn rounds).
                     Probe::Committed(_) => Step::Busy,
@@ -482,7 +503,18 @@ fn store_has_rules() -> bool {
 /// then, or on a unique violation (`23505`), the subtransaction is rolled back (its writes
 /// undone) and None returned. Any other error rolls the subtransaction back and is raised as
 /// it was.
-fn without_waiting<R>(f: impl FnOnce() -> R) -> Option<R> {
+///
+/// The lock timeout is a timer that, when it fires, asks for a cancel (an interrupt) that is
+/// raised at the next interrupt check. If it fires as the lock is granted, the wait ends well
+/// and `f` may return before any check: the `55P03` would then be raised later, in the
+/// caller's statement, outside this handling. So pending interrupts are processed here, before
+/// the subtransaction ends: such a late timeout is answered as a wait (None).
+pub(crate) fn without_waiting<R>(f: impl FnOnce() -> R) -> Option<R> {
+    within_lock_timeout(1, f)
+}
+
+/// [`without_waiting`] with a lock wait ended after `ms` milliseconds.
+fn within_lock_timeout<R>(ms: i32, f: impl FnOnce() -> R) -> Option<R> {
     use pgrx::pg_sys::PgTryBuilder;
     use std::panic::AssertUnwindSafe;
     // SAFETY: the subtransaction is begun and ended here, on every path: released after `f`
@@ -508,9 +540,10 @@ fn without_waiting<R>(f: impl FnOnce() -> R) -> Option<R> {
         };
         pg_sys::BeginInternalSubTransaction(std::ptr::null());
         pg_sys::MemoryContextSwitchTo(context);
-        pg_sys::LockTimeout = 1;
+        pg_sys::LockTimeout = ms;
         PgTryBuilder::new(AssertUnwindSafe(|| {
             let r = f();
+            pgrx::check_for_interrupts!();
             pg_sys::LockTimeout = timeout;
             pg_sys::ReleaseCurrentSubTransaction();
             restore();

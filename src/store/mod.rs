@@ -35,6 +35,8 @@ mod sweep;
 
 pub(crate) use catalog::column_is;
 pub use catalog::{role_settings, stored_key};
+#[cfg(any(test, feature = "pg_test"))]
+pub(crate) use claim::without_waiting;
 pub use claim::{claim, claim_many};
 pub use complete::complete;
 pub use heap::{now_plus, transaction_start};

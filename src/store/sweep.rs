@@ -116,6 +116,8 @@ pub fn sweep_batch(batch: i64, prefix: &str) -> i64 {
 
 fn delete_expired(batch: i64, prefix: &str) -> i64 {
     let _path = PinnedSearchPath::pin();
+    // Before any row is locked: a claim of a key this batch holds waits for it to end.
+    super::heap::announce_sweep();
     // The statement matches rows by ctid, which a table inheriting from the store shares.
     check_no_inheritance_children(&layout());
     let from = |at: pg_sys::Timestamp| {

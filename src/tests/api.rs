@@ -17,6 +17,42 @@ mod tests {
             .unwrap()
     }
 
+    /// A lock timeout that fires as the lock is granted leaves only a pending interrupt, raised
+    /// at the next interrupt check: the no-wait block of claim_many answers it as a wait (its
+    /// writes undone), and nothing is left to fail the caller's statement later with 55P03.
+    #[pg_test]
+    fn a_lock_timeout_firing_as_the_wait_ends_is_answered_as_a_wait_not_raised_later() {
+        let count =
+            "SELECT count(*) FROM idempotency.idempotency_keys WHERE key = 'late-timeout-k'";
+        let answered = crate::store::without_waiting(|| {
+            // The block's write, done (and checked) before the timer: any statement after it
+            // would check for interrupts itself.
+            Spi::run("SELECT idempotency.claim('late-timeout-k')").unwrap();
+            assert_eq!(one::<i64>(count), Some(1));
+            // SAFETY: arms the lock timeout as a lock wait does (the id is LOCK_TIMEOUT), then
+            // spins without an interrupt check until its handler has marked the interrupt
+            // pending: the state a wait leaves when the timer fires as the lock is granted.
+            unsafe {
+                crate::compat::raw::enable_timeout_after(crate::compat::raw::LOCK_TIMEOUT, 1);
+                let start = std::time::Instant::now();
+                while std::ptr::read_volatile(std::ptr::addr_of!(pg_sys::InterruptPending)) == 0
+                    && start.elapsed() < std::time::Duration::from_secs(5)
+                {
+                    std::hint::spin_loop();
+                }
+                assert_ne!(
+                    std::ptr::read_volatile(std::ptr::addr_of!(pg_sys::InterruptPending)),
+                    0
+                );
+            }
+            42
+        });
+        assert_eq!(answered, None);
+        // Nothing pending: a check now raises nothing (before, 55P03 here).
+        pgrx::check_for_interrupts!();
+        assert_eq!(one::<i64>(count), Some(0));
+    }
+
     fn one<T: FromDatum + IntoDatum>(sql: &str) -> Option<T> {
         Spi::get_one::<T>(sql).unwrap()
     }

@@ -2,6 +2,7 @@
 pg_dump keeping the store."""
 
 import subprocess
+import threading
 import time
 
 import psycopg
@@ -188,3 +189,77 @@ def test_a_restored_row_with_a_token_at_bigints_maximum_is_refused_and_the_resto
             assert all(r[0] == "new" for r in fresh), fresh
     finally:
         subprocess.run([f"{PG_BIN}/dropdb", *conn, "restored-max"], check=True)
+
+
+def _expired(db, *keys):
+    """Claims and completes each key with a 1 s TTL, then waits until all have expired."""
+    for k in keys:
+        assert claim(db, k, {"a": 1}, ttl="1 second", lease="1 second")[0] == "new"
+        db.execute("SELECT idempotency.complete(%s, '{\"v\": 1}')", (k,))
+    time.sleep(1.2)  # the TTL running out is the subject
+    expired = db.execute("SELECT count(*) FROM idempotency.idempotency_keys "
+                         "WHERE key = ANY(%s) AND expires_at <= now()", (list(keys),)).fetchone()[0]
+    assert expired == len(keys)
+
+
+def _claim_in_thread(connect, key, request, setting=None):
+    """Starts a claim in a session of its own; returns (thread, result list)."""
+    out = []
+
+    def run():
+        with connect() as c:
+            if setting:
+                c.execute(setting)
+            t0 = time.monotonic()
+            out.append((claim(c, key, request), time.monotonic() - t0))
+
+    t = threading.Thread(target=run)
+    t.start()
+    return t, out
+
+
+def test_an_expired_key_a_sweep_is_deleting_is_new_once_the_sweep_ends(db, connect):
+    """An expired key counts as absent whatever a sweep is doing: a claim that meets the sweep's
+    transaction holding the key waits for it (not answering in_progress) and is new."""
+    _expired(db, "swept-1")
+    with connect() as sweeper:
+        sweeper.execute("BEGIN")
+        assert sweeper.execute("SELECT idempotency.sweep()").fetchone()[0] == 1
+        t, out = _claim_in_thread(connect, "swept-1", {"a": 2})
+        t.join(0.3)
+        assert t.is_alive() and not out, out  # waiting for the sweep, not answered
+        sweeper.execute("COMMIT")
+        t.join(10)
+    (outcome, token, *_), _ = out[0]
+    assert outcome == "new" and token is not None, out
+    assert db.execute("SELECT status::text FROM idempotency.idempotency_keys WHERE key = 'swept-1'").fetchone() == ("in_progress",)
+
+
+def test_a_claim_waits_for_a_sweep_at_most_busy_retry_after(db, connect):
+    """A sweep in a transaction that outlasts busy_retry_after: the claim answers in_progress
+    with that retry, and the key is new once the sweep has ended."""
+    _expired(db, "swept-2")
+    with connect() as sweeper:
+        sweeper.execute("BEGIN")
+        assert sweeper.execute("SELECT idempotency.sweep()").fetchone()[0] == 1
+        t, out = _claim_in_thread(connect, "swept-2", {"a": 2}, "SET idempotency.busy_retry_after = 200")
+        t.join(10)
+        (outcome, _, _, _, retry_after, *_), took = out[0]
+        assert outcome == "in_progress" and retry_after.total_seconds() == 0.2, out
+        assert took >= 0.19, took
+        sweeper.execute("COMMIT")
+    assert claim(db, "swept-2", {"a": 2})[0] == "new"
+
+
+def test_an_expired_key_another_claimer_is_restarting_is_in_progress_at_once(db, connect):
+    """Only a sweep is waited for: an expired key that another open transaction has claimed
+    anew answers in_progress without waiting."""
+    _expired(db, "restarted")
+    with connect() as holder:
+        holder.execute("BEGIN")
+        assert claim(holder, "restarted", {"a": 2})[0] == "new"
+        t, out = _claim_in_thread(connect, "restarted", {"a": 2}, "SET idempotency.busy_retry_after = 5000")
+        t.join(10)
+        (outcome, *_), took = out[0]
+        assert outcome == "in_progress" and took < 2.5, out
+        holder.execute("ROLLBACK")

@@ -15,6 +15,13 @@ pub enum Decision {
     TakeOver,
 }
 
+/// An expired key counts as absent even while a sweep is deleting it: the transaction of every
+/// sweep holds the advisory lock (`SWEEP_LOCK_CLASS`, its transaction id's low 32 bits as an
+/// int4) in share mode before it locks a row, so that a claim which finds an expired row held
+/// by another transaction can tell a sweep (wait for it to end, then claim the key anew) from
+/// another claimer (in progress). "idem" in ASCII.
+pub const SWEEP_LOCK_CLASS: i32 = 1_768_187_245;
+
 /// What `claim` answers: the four outcomes of the SQL API contract (`claim_result.outcome`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Outcome {

@@ -77,6 +77,87 @@ impl Drop for KeyInsertLock {
     }
 }
 
+/// The advisory lock of a sweep's (sub)transaction `xid`: the lock
+/// `pg_advisory_xact_lock_shared(SWEEP_LOCK_CLASS, xid)` takes (two int4 keys, `locktag_field4`
+/// 2), so that the portable edition's sweeps and claims use the same one.
+fn sweep_mark(xid: pg_sys::TransactionId) -> pg_sys::LOCKTAG {
+    // SAFETY: reads a backend variable, set at connection.
+    let database = unsafe { pg_sys::MyDatabaseId };
+    pg_sys::LOCKTAG {
+        locktag_field1: database.to_u32(),
+        locktag_field2: crate::decision::SWEEP_LOCK_CLASS as u32,
+        locktag_field3: xid.into_inner(),
+        locktag_field4: 2,
+        locktag_type: pg_sys::LockTagType::LOCKTAG_ADVISORY as u8,
+        locktag_lockmethodid: pg_sys::USER_LOCKMETHOD as u8,
+    }
+}
+
+/// Marks the current (sub)transaction, whose statements are about to lock and delete expired
+/// rows, as a sweep's ([`crate::decision::SWEEP_LOCK_CLASS`]): its mark, held in
+/// share mode until the transaction ends.
+pub(crate) fn announce_sweep() {
+    // SAFETY: assigns the transaction id the sweep's row locks will carry (it writes anyway),
+    // then takes a transaction-level advisory lock in share mode on a tag built here (the lock
+    // manager copies it); share locks never wait for each other, and no one holds the
+    // exclusive mode but for an instant ([`holder`]).
+    unsafe {
+        let xid = pg_sys::GetCurrentTransactionId();
+        pg_sys::LockAcquire(
+            &sweep_mark(xid),
+            pg_sys::ShareLock as pg_sys::LOCKMODE,
+            false,
+            false,
+        );
+    }
+}
+
+/// Waits for the sweep (sub)transaction `xid` to end: a wait for its mark in exclusive mode,
+/// released at once (a lock wait, which `lock_timeout` ends with 55P03 and which PostgreSQL's
+/// deadlock detection sees).
+pub(crate) fn wait_for_sweep(xid: pg_sys::TransactionId) {
+    let tag = sweep_mark(xid);
+    let exclusive = pg_sys::ExclusiveLock as pg_sys::LOCKMODE;
+    // SAFETY: a session-level lock on a tag built here, waited for interruptibly; released at
+    // once with the same tag and mode. An ERROR while waiting (a timeout) leaves it not taken.
+    unsafe {
+        pg_sys::LockAcquire(&tag, exclusive, true, false);
+        pg_sys::LockRelease(&tag, exclusive, true);
+    }
+}
+
+/// Who holds a row that transaction `xid` has locked or is deleting.
+pub(crate) enum Holder {
+    /// A sweep, still running.
+    Sweep,
+    /// Another transaction, still running.
+    Other,
+    /// No one any more: `xid` has ended.
+    Ended,
+}
+
+/// Whether `xid` is a running sweep's (sub)transaction: its mark is held (a try for the mark in
+/// exclusive mode fails; the try, when it succeeds, is released at once).
+pub(crate) fn holder(xid: pg_sys::TransactionId) -> Holder {
+    let tag = sweep_mark(xid);
+    let exclusive = pg_sys::ExclusiveLock as pg_sys::LOCKMODE;
+    // SAFETY: a session-level try on a tag built here, never waiting; released with the same
+    // tag and mode when taken. TransactionIdIsInProgress reads the shared proc array.
+    unsafe {
+        if pg_sys::LockAcquire(&tag, exclusive, true, true)
+            == pg_sys::LockAcquireResult::LOCKACQUIRE_NOT_AVAIL
+        {
+            return Holder::Sweep;
+        }
+        pg_sys::LockRelease(&tag, exclusive, true);
+        if pg_sys::TransactionIdIsInProgress(xid) {
+            Holder::Other
+        } else {
+            Holder::Ended
+        }
+    }
+}
+
 pub(crate) fn seconds_left(locked_until: Option<pg_sys::TimestampTz>) -> Interval {
     let now = transaction_start();
     let left = locked_until.map(|t| t.saturating_sub(now)).unwrap_or(0);

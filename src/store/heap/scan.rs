@@ -302,6 +302,10 @@ pub(crate) enum Probe {
     Absent,
     /// Another open transaction is inserting, updating or deleting the row.
     Busy,
+    /// The committed version has expired, and the open transaction `xid` is locking, changing
+    /// or deleting it: a sweep, or a claimer restarting the key (see
+    /// [`super::holder`]).
+    ExpiredHeld(pg_sys::TransactionId),
     /// The newest committed version (or our own transaction's).
     Committed(Row),
     /// The row changed between the index scan and the heap fetch (an update of an indexed
@@ -381,6 +385,12 @@ pub(crate) fn probe(scope: &str, key: &str, confirm_miss: bool) -> Probe {
         Probe::Changed
     } else if !v.exists {
         Probe::Absent
+    } else if v.xmin == pg_sys::InvalidTransactionId
+        && v.xmax != pg_sys::InvalidTransactionId
+        && v.get(Column::ExpiresAt)
+            .is_some_and(|d| d.value() as i64 <= transaction_start())
+    {
+        Probe::ExpiredHeld(v.xmax)
     } else if v.xmin != pg_sys::InvalidTransactionId || v.xmax != pg_sys::InvalidTransactionId {
         Probe::Busy
     } else {
