@@ -153,6 +153,79 @@ def test_distribute_refuses_off_the_coordinator_and_without_citus(citus, coord):
         coord.execute("DROP DATABASE plain WITH (FORCE)")
 
 
+def test_distribute_refuses_bad_input_and_changes_nothing(citus):
+    """distribute() with an application table of another tenant type, one that is not
+    distributed, or a text column of another collation, and distribute() while a worker is down:
+    a clear error naming what is wrong, and nothing done (the store stays a local table that
+    answers, no node has a tenant column); with the input right and the node back, it
+    distributes, the keys claimed before kept."""
+    info = citus.add_database("badinput")
+    with psycopg.connect(info(), autocommit=True) as c:
+        c.execute("CREATE SCHEMA shop")
+        c.execute("CREATE TABLE shop.orders (tenant_id bigint NOT NULL, order_id bigint NOT NULL, "
+                  "PRIMARY KEY (tenant_id, order_id))")
+        c.execute("SELECT create_distributed_table('shop.orders', 'tenant_id', shard_count => 4)")
+        c.execute("CREATE TABLE shop.plain (tenant_id uuid PRIMARY KEY)")
+        c.execute("CREATE TABLE shop.named (name text NOT NULL PRIMARY KEY)")
+        c.execute("SELECT create_distributed_table('shop.named', 'name', shard_count => 4)")
+        c.execute("CREATE EXTENSION idempotency")
+        r = claim(c, "before", {"a": 1}, scope="7")
+        assert r[0] == "new", r
+        complete(c, "before", {"kept": True}, scope="7", token=r[1])
+
+        def nothing_changed(down=None):
+            distributed = c.execute(
+                "SELECT count(*) FROM pg_dist_partition WHERE logicalrelid IN "
+                "('idempotency.idempotency_keys'::regclass, 'idempotency.audit'::regclass)").fetchone()[0]
+            assert distributed == 0
+            for node in citus.nodes:
+                if node is down:
+                    continue
+                with psycopg.connect(info(node), autocommit=True) as n:
+                    tenant = n.execute("SELECT count(*) FROM pg_attribute WHERE attname = 'tenant' AND attrelid IN "
+                                       "('idempotency.idempotency_keys'::regclass, 'idempotency.audit'::regclass)").fetchone()[0]
+                    assert tenant == 0, node
+            again = claim(c, "before", {"a": 1}, scope="7")
+            assert again[:3] == ("replay", r[1], {"kept": True}), again
+
+        bad = [
+            ("SELECT idempotency.distribute(tenant_type => 'uuid', colocate_with => 'shop.orders')",
+             "distributed by tenant_id of type bigint, not tenant_type uuid", "tenant_type => 'bigint'"),
+            ("SELECT idempotency.distribute(tenant_type => 'text', colocate_with => 'shop.orders')",
+             "of type bigint, not tenant_type text", "tenant_type => 'bigint'"),
+            ("SELECT idempotency.distribute(tenant_type => 'uuid', colocate_with => 'shop.plain')",
+             "shop.plain is not a hash-distributed Citus table", "create_distributed_table"),
+            ("SELECT idempotency.distribute(tenant_type => 'text', colocate_with => 'shop.named')",
+             'distributed by name of collation', 'COLLATE "C"'),
+        ]
+        for statement, message, hint in bad:
+            with pytest.raises(psycopg.Error) as e:
+                c.execute(statement)
+            assert e.value.sqlstate == "22023", (statement, str(e.value))
+            assert message in e.value.diag.message_primary, (statement, e.value.diag.message_primary)
+            assert hint in e.value.diag.message_hint, (statement, e.value.diag.message_hint)
+            nothing_changed()
+
+        victim = citus.workers[1]
+        victim.stop()
+        try:
+            with pytest.raises(psycopg.Error) as e:
+                c.execute("SELECT idempotency.distribute(tenant_type => 'bigint', colocate_with => 'shop.orders')")
+            assert e.value.sqlstate == "08000", str(e.value)
+            assert f":{victim.port} is unreachable, and nothing was changed" in e.value.diag.message_primary
+            assert "again once every node is reachable" in e.value.diag.message_hint
+            nothing_changed(down=victim)
+        finally:
+            victim.restart()
+            victim.wait_ready()
+
+        c.execute("SELECT idempotency.distribute(tenant_type => 'bigint', colocate_with => 'shop.orders')")
+        assert c.execute("SELECT count(*) FROM pg_dist_partition WHERE logicalrelid = "
+                         "'idempotency.idempotency_keys'::regclass").fetchone()[0] == 1
+        kept = c.execute("SELECT outcome::text, token, response FROM idempotency.claim('before', '{\"a\": 1}'::jsonb, 7::bigint)").fetchone()
+        assert kept == ("replay", r[1], {"kept": True}), kept
+
+
 def test_claim_complete_replay_mismatch_over_many_scopes(citus, coord):
     scopes = [f"tenant-{i}" for i in range(300)]
     tokens = {}
