@@ -8,7 +8,7 @@
 # '@CARGO_VERSION@', which cargo pgrx replaces with it); this writes it there and into the copies
 # that must agree: crates/idempotency-core/Cargo.toml (released with the extension), META.json
 # (its version and the extension's in "provides") and Cargo.lock. scripts/package.sh and
-# tests/integration/test_packaging.py refuse versions that disagree.
+# tests/static/test_packaging.py refuse versions that disagree.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 

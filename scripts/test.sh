@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # Runs every test, on every supported PostgreSQL major version: installs the prerequisites,
-# checks formatting and lints (each version's code paths), runs the unit and #[pg_test] tests
+# runs the checks that read files only (tests/static: the docs' links, the layering of src/, the
+# product's text, the packaging metadata; no server, nothing built, seconds), checks formatting
+# and lints (each version's code paths), runs the unit and #[pg_test] tests
 # (cargo pgrx test pgNN), the isolation specs (tests/isolation, PostgreSQL's isolation tester)
 # and the integration tests against throwaway clusters (concurrency, crashes, oracle, dump,
 # upgrades, ...): the whole suite on PostgreSQL 15, its core on 16, 17
@@ -62,6 +64,10 @@ scripts/bootstrap.sh
 # The build's path mappings (no path of this machine in idempotency.so), the same for every build
 # below, so that scripts/package.sh reuses the builds of cargo pgrx install.
 source scripts/build-env.sh
+
+# First what needs neither a server nor a build: a dead link or an upward call fails in seconds.
+step "static checks (tests/static: docs, links, layering, product text, packaging files), no server"
+python3 -m pytest -q tests/static
 
 step "dist/: the portable edition is what scripts/portable.py builds from the sources"
 scripts/portable.py --check

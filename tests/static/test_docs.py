@@ -17,12 +17,6 @@ DOCS = sorted(
 LINK = re.compile(r"\[(?:[^\[\]]|\[[^\]]*\])*\]\(\s*<?([^)\s>]+)>?(?:\s+\"[^\"]*\")?\s*\)")
 
 
-@pytest.fixture(autouse=True)
-def clean_table():
-    """conftest's autouse fixture starts a cluster: these tests read files only."""
-    yield
-
-
 def slug(heading):
     """GitHub's anchor for a heading: lower case, punctuation dropped, spaces to hyphens."""
     text = re.sub(r"`|\*\*|\[([^\]]*)\]\([^)]*\)", lambda m: m.group(1) or "", heading.strip())

@@ -36,12 +36,6 @@ PATTERNS = [
 ]
 
 
-@pytest.fixture(autouse=True)
-def clean_table():
-    """conftest's autouse fixture starts a cluster: these tests read files only."""
-    yield
-
-
 def tracked_files():
     out = subprocess.run(["git", "ls-files", "-z"], cwd=ROOT, capture_output=True, check=True).stdout
     files = [f for f in out.decode().split("\0") if f]

@@ -8,8 +8,6 @@ reaches neither. Reads the sources; needs no server."""
 import os
 import re
 
-import pytest
-
 ROOT = os.path.normpath(os.path.join(os.path.dirname(__file__), "..", ".."))
 SRC = os.path.join(ROOT, "src")
 
@@ -24,12 +22,6 @@ LAYERS = [
     ["compat", "local"],
 ]
 LAYER = {m: i for i, layer in enumerate(LAYERS) for m in layer}
-
-
-@pytest.fixture(autouse=True)
-def clean_table():
-    """conftest's autouse fixture starts a cluster: these tests read files only."""
-    yield
 
 
 def code(path):

@@ -1,4 +1,6 @@
-"""META.json (the PGXN distribution metadata) against the PGXN Meta Spec v1.0.0 and the crate."""
+"""META.json (the PGXN distribution metadata) against the PGXN Meta Spec v1.0.0 and the crate, and
+the versions that must agree (Cargo.toml, the core crate, the control file). Reads the files;
+needs no server."""
 
 import json
 import os
