@@ -153,7 +153,7 @@ def test_distribute_refuses_off_the_coordinator_and_without_citus(citus, coord):
         coord.execute("DROP DATABASE plain WITH (FORCE)")
 
 
-def test_distribute_refuses_bad_input_and_changes_nothing(citus):
+def test_distribute_refuses_bad_input_and_changes_nothing(citus, coord):
     """distribute() with an application table of another tenant type, one that is not
     distributed, or a text column of another collation, and distribute() while a worker is down:
     a clear error naming what is wrong, and nothing done (the store stays a local table that
@@ -218,6 +218,14 @@ def test_distribute_refuses_bad_input_and_changes_nothing(citus):
         finally:
             victim.restart()
             victim.wait_ready()
+        deadline = time.monotonic() + 30
+        while True:  # the module's coordinator session drops its connections to the restarted worker
+            try:
+                coord.execute("SELECT count(*) FROM idempotency.idempotency_keys").fetchone()
+                break
+            except psycopg.Error:
+                assert time.monotonic() < deadline
+                time.sleep(0.5)
 
         c.execute("SELECT idempotency.distribute(tenant_type => 'bigint', colocate_with => 'shop.orders')")
         assert c.execute("SELECT count(*) FROM pg_dist_partition WHERE logicalrelid = "
