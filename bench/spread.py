@@ -143,14 +143,14 @@ def load_header(samples):
     """The report's line on the machine's load over the whole run."""
     s = load_summary(samples)
     if s is None:
-        return "load average during the run: not available on this system."
-    return (f"{LOAD_HEADER} {s[0]:.2f}, range {s[1]:.2f}-{s[2]:.2f} ({len(samples)} samples, before and "
-            "after each run; the benchmark's own processes count in it).")
+        return "Load average during the run: not available on this system."
+    return (f"{LOAD_HEADER.capitalize()} {s[0]:.2f}, range {s[1]:.2f}-{s[2]:.2f} ({len(samples)} samples, "
+            "before and after each run; the benchmark's own processes count in it).")
 
 
 def parse_load_header(line):
     """(mean, min, max) from a line load_header wrote, or None."""
-    m = re.search(re.escape(LOAD_HEADER) + r" ([\d.]+), range ([\d.]+)-([\d.]+)", line)
+    m = re.search(re.escape(LOAD_HEADER) + r" ([\d.]+), range ([\d.]+)-([\d.]+)", line, re.I)
     return tuple(float(x) for x in m.groups()) if m else None
 
 
