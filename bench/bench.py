@@ -33,6 +33,7 @@ from cluster import PG_BIN, Cluster, free_port  # noqa: E402
 import psycopg  # noqa: E402
 
 import hot_in_flight  # noqa: E402
+import spread  # noqa: E402
 
 CLIENTS = [1, 4, 16]
 REQUEST = '{"amount": 100, "currency": "EUR"}'
@@ -135,14 +136,47 @@ def median(xs):
     return statistics.median(xs) if xs else float("nan")
 
 
+# The load average of the whole run, sampled before and after each measured run (the report's
+# header gives its mean and range; each target row, the samples around its own runs).
+LOAD = spread.LoadLog()
+
+
+class Rounds(tuple):
+    """(median tps, median p99 ms) of a variant's runs, which the tables and the chart read, with
+    each round's (tps, p99) kept in .rounds and the load average samples around its runs in
+    .load: a ratio to another variant is then taken round by round (ratio())."""
+
+    def __new__(cls, rounds, load=()):
+        rounds = [tuple(x) for x in rounds]
+        self = super().__new__(cls, (median([x[0] for x in rounds]), median([x[1] for x in rounds])))
+        self.rounds = rounds
+        self.load = list(load)
+        return self
+
+    def scaled(self, factor):
+        """The same rounds with their rate multiplied by `factor` (transactions to keys)."""
+        return Rounds([(x[0] * factor, x[1]) for x in self.rounds], self.load)
+
+
+def ratio(side, other, i=0):
+    """side's figure (i = 0: the rate) over other's, round by round: a spread.Ratio with the load
+    around the runs of both. A side measured once (a bare tuple) counts as one round."""
+    def per_round(x):
+        return [r[i] for r in x.rounds] if isinstance(x, Rounds) else [x[i]]
+    return spread.Ratio.of(per_round(side), per_round(other),
+                           load=getattr(side, "load", []) + getattr(other, "load", []))
+
+
 def alternate(rounds, variants, run):
-    """Runs every variant once per round, reversing the order every other round."""
+    """Runs every variant once per round, reversing the order every other round: {variant:
+    Rounds}, whose round r of one variant ran next to round r of every other."""
     results = {v: [] for v in variants}
+    loads = {v: [] for v in variants}
     for r in range(rounds):
         order = variants if r % 2 == 0 else list(reversed(variants))
         for v in order:
-            results[v].append(run(v))
-    return {v: (median([x[0] for x in xs]), median([x[1] for x in xs])) for v, xs in results.items()}
+            results[v].append(LOAD.around(lambda: run(v), loads[v]))
+    return {v: Rounds(xs, loads[v]) for v, xs in results.items()}
 
 
 def write_table(variant):
@@ -170,9 +204,9 @@ def update_counters(cluster, table):
                          (table,)).fetchone()
 
 
-def counting_hot(cluster, hot, variant, run):
+def counting_hot(cluster, hot, variant, run, runs=None):
     """Runs run() (a write workload) and adds the updates it made, and how many were HOT, to
-    hot[variant]."""
+    hot[variant]; the run's own HOT ratio to runs[variant] (its spread over the runs)."""
     table = write_table(variant)
     upd0, hot0 = update_counters(cluster, table)
     result = run()
@@ -180,6 +214,8 @@ def counting_hot(cluster, hot, variant, run):
     total = hot.setdefault(variant, [0, 0])
     total[0] += upd1 - upd0
     total[1] += hot1 - hot0
+    if runs is not None:
+        runs.setdefault(variant, []).append(hot_ratio((upd1 - upd0, hot1 - hot0)))
     return result
 
 
@@ -237,8 +273,10 @@ def make_doc(size):
 
 
 def hashing(cluster, seconds):
-    """MB/s of canonical_hash, sha256(doc::text) and the PL/pgSQL canonicalizer."""
-    results = {}
+    """MB/s of canonical_hash, sha256(doc::text) and the PL/pgSQL canonicalizer: {label: {name:
+    best MB/s}}, and {label: {name: [MB/s per round, None where it did not run]}} with the load
+    samples of each label, for the ratios round by round."""
+    results, per_round, loads = {}, {}, {}
     for label, size, copies in [("200 B", 200, 20000), ("10 KB", 10_000, 2000), ("1 MB", 1_000_000, 20)]:
         doc = make_doc(size)
         sql(cluster, "DELETE FROM bench.docs")
@@ -250,20 +288,22 @@ def hashing(cluster, seconds):
         exprs = [("canonical_hash", "idempotency.canonical_hash(doc)"),
                  ("sha256(doc::text)", "sha256(convert_to(doc::text, 'UTF8'))"),
                  ("PL/pgSQL canonicalizer", "sha256(convert_to(bench.plpgsql_canonical(doc), 'UTF8'))")]
-        rates = {name: [] for name, _ in exprs}
+        rates = {name: [None] * 5 for name, _ in exprs}
         spent = {name: 0.0 for name, _ in exprs}
+        loads[label] = []
         for i in range(5):
             for name, expr in (exprs if i % 2 == 0 else list(reversed(exprs))):
-                if rates[name] and spent[name] > seconds:
+                if any(rates[name]) and spent[name] > seconds:
                     continue  # the PL/pgSQL canonicalizer is 20x slower: a run or two is plenty
                 started = time.monotonic()
-                sql(cluster, f"SELECT count({expr}) FROM bench.docs")
+                LOAD.around(lambda: sql(cluster, f"SELECT count({expr}) FROM bench.docs"), loads[label])
                 took = time.monotonic() - started
                 spent[name] += took
-                rates[name].append(nbytes / took / 1e6)
-        row = {name: max(r) for name, r in rates.items()}
+                rates[name][i] = nbytes / took / 1e6
+        row = {name: max(x for x in r if x is not None) for name, r in rates.items()}
         results[label] = row
-    return results
+        per_round[label] = rates
+    return results, per_round, loads
 
 
 # Expired rows as the sweeper meets them: random keys and request hashes, a response of a
@@ -398,8 +438,9 @@ def sweep_bench(cluster, seconds, rounds, logdir):
     of one side moves by up to a third from round to round."""
     sql(cluster, "VACUUM idempotency.idempotency_keys")
     swept0 = swept_so_far(cluster)
+    rate_load, load = [], []
     sql(cluster, EXPIRED_ROWS, ("x",))
-    first, last = wait_swept(cluster, swept0, 1_000_000)
+    first, last = LOAD.around(lambda: wait_swept(cluster, swept0, 1_000_000), rate_load)
     rate = (last[1] - first[1]) / (last[0] - first[0]) if first and last and last[0] > first[0] else float("nan")
 
     runs = []
@@ -410,7 +451,8 @@ def sweep_bench(cluster, seconds, rounds, logdir):
     for r in range(max(rounds, SWEEP_ROUNDS)):
         sql(cluster, "CHECKPOINT")
         swept1 = swept_so_far(cluster)
-        res = windowed_p99(cluster, length, "sweep-windows", logdir, first_on=r % 2 == 1)
+        res = LOAD.around(lambda: windowed_p99(cluster, length, "sweep-windows", logdir, first_on=r % 2 == 1),
+                          load)
         during_swept = swept_so_far(cluster) - swept1
         without, during = res[False], res[True]
         runs.append((without, during, during_swept))
@@ -430,7 +472,7 @@ def sweep_bench(cluster, seconds, rounds, logdir):
             "tps_without": median([w[0] for w, _, _ in runs]), "tps_during": median([d[0] for _, d, _ in runs]),
             "swept_during_load": int(median([n for _, _, n in runs])), "rounds": len(runs),
             "ratios": [d[1] / w[1] for w, d, _ in runs],
-            "ratio": median([d[1] / w[1] for w, d, _ in runs])}
+            "ratio": median([d[1] / w[1] for w, d, _ in runs]), "load": load, "rate_load": rate_load}
 
 
 def main():
@@ -490,7 +532,7 @@ def main():
         # lookup, which would tilt the read comparisons.
         # Each write workload's HOT updates (n_tup_hot_upd / n_tup_upd of its table), over all
         # its runs: a completion that changes no indexed column adds no index entries.
-        report["hot"] = {}
+        report["hot"], report["hot_runs"] = {}, {}
         for group, label in ((reads, "reads"), (writes, "writes")):
             for clients in CLIENTS:
                 print(f"== PostgreSQL {label}, {clients} clients", flush=True)
@@ -498,13 +540,14 @@ def main():
                 def run(v):
                     def bench():
                         return pgbench(cluster, group[v], clients, args.seconds, group[v][:-4], logdir)
-                    return counting_hot(cluster, report["hot"], v, bench) if group is writes else bench()
+                    return (counting_hot(cluster, report["hot"], v, bench, report["hot_runs"]) if group is writes
+                            else bench())
 
                 res = alternate(args.rounds, list(group), run)
                 for v, r in res.items():
                     pg[(v, clients)] = r
-        pg[("extension: in_progress, 16 sessions on 100 hot keys", 16)] = pgbench(
-            cluster, "ext_contention.sql", 16, args.seconds, "contention", logdir)
+        pg[("extension: in_progress, 16 sessions on 100 hot keys", 16)] = LOAD.around(lambda: pgbench(
+            cluster, "ext_contention.sql", 16, args.seconds, "contention", logdir))
         # At Redis's durability (appendfsync everysec loses up to a second of writes on a crash):
         # the extension and the floor with synchronous_commit = off (up to three times
         # wal_writer_delay of commits lost, never a torn or corrupt store), claim-only
@@ -526,8 +569,12 @@ def main():
                     for clients in CLIENTS:
                         for name, cmd in [("SET NX EX", SETNX), ("Lua check-and-set", LUA)]:
                             label = f"redis: {name}" + (", appendfsync everysec" if aof else ", no persistence")
-                            runs = [redis_bench(server.port, clients, args.seconds, cmd) for _ in range(args.rounds)]
-                            redis[(label, clients)] = (median([x[0] for x in runs]), median([x[1] for x in runs]))
+                            # Each round kept: round r pairs with round r of the PostgreSQL
+                            # rows (those ran before, not alternating with these).
+                            load = []
+                            runs = [LOAD.around(lambda: redis_bench(server.port, clients, args.seconds, cmd), load)
+                                    for _ in range(args.rounds)]
+                            redis[(label, clients)] = Rounds(runs, load)
                 finally:
                     server.stop()
 
@@ -543,12 +590,15 @@ def main():
         sweep = sweep_bench(cluster, args.seconds, args.rounds, logdir)
 
         print("== hashing", flush=True)
-        hashes = hashing(cluster, args.seconds)
+        hashes, report["hash_rounds"], report["hash_load"] = hashing(cluster, args.seconds)
 
         # Last, since it empties the store: completions with 200 claims in flight (8 sessions),
         # at the store's own fill factor (bench/hot_in_flight.py).
         print("== completions with 200 claims in flight", flush=True)
-        report["in_flight"] = hot_in_flight.measure(cluster, IN_FLIGHT_SIZES, pairs=250 if args.quick else 2000)
+        in_flight_load = []
+        report["in_flight"] = LOAD.around(
+            lambda: hot_in_flight.measure(cluster, IN_FLIGHT_SIZES, pairs=250 if args.quick else 2000), in_flight_load)
+        report["in_flight_load"] = in_flight_load
         report["version"] = sql(cluster, "SHOW server_version")[0][0]
     finally:
         cluster.destroy()
@@ -594,14 +644,16 @@ def batch_bench(cluster, seconds, rounds, logdir):
     # Compact again (the batches added and deleted up to a million rows): the comparisons after
     # this one find the store as populated.
     sql(cluster, "VACUUM FULL ANALYZE idempotency.idempotency_keys")
-    return {v: (tps * BATCH, p99) for v, (tps, p99) in res.items()}
+    return {v: r.scaled(BATCH) for v, r in res.items()}
 
 
 def scale_bench(cluster, args, logdir):
     """claim+complete at 4 clients on the 10,000 replay keys, then with args.big more rows."""
     small = sql(cluster, "SELECT count(*) FROM idempotency.idempotency_keys")[0][0]
-    scale = {}
-    scale["small"] = (small, pgbench(cluster, "ext_one_tx.sql", 4, args.seconds * 2, "scale-small", logdir))
+    scale = {"load": []}
+    # One run each (the big table's load takes minutes): the report says it has no spread.
+    scale["small"] = (small, LOAD.around(lambda: pgbench(cluster, "ext_one_tx.sql", 4, args.seconds * 2,
+                                                         "scale-small", logdir), scale["load"]))
     sql(cluster, f"""INSERT INTO idempotency.idempotency_keys
                        (key, request_hash, status, token, response, response_status, expires_at, ttl, completed_at)
                      SELECT 'big-' || i, (SELECT idempotency.canonical_hash('{REQUEST}')), 'completed', i, '{{"ok": true}}',
@@ -609,7 +661,8 @@ def scale_bench(cluster, args, logdir):
                        FROM generate_series(1, {args.big}) i""")
     sql(cluster, "VACUUM ANALYZE idempotency.idempotency_keys")
     big = sql(cluster, "SELECT count(*) FROM idempotency.idempotency_keys")[0][0]
-    scale["big"] = (big, pgbench(cluster, "ext_one_tx.sql", 4, args.seconds * 2, "scale-big", logdir))
+    scale["big"] = (big, LOAD.around(lambda: pgbench(cluster, "ext_one_tx.sql", 4, args.seconds * 2,
+                                                     "scale-big", logdir), scale["load"]))
     sql(cluster, "DELETE FROM idempotency.idempotency_keys WHERE key LIKE 'big-%'")
     sql(cluster, "VACUUM idempotency.idempotency_keys")
     return scale
@@ -631,9 +684,12 @@ def write_results(args, report, pg, redis, scale, sweep, hashes):
              "(the floor's table given a copy of the store's rows; the store compacted after them), then the "
              "reads (primary-key SELECT, replay, mismatch), for every client count, while the floor's table and "
              "the extension's hold the same rows; then the writes.", "",
+             spread.rule_text()
+             + (" This run had one round per comparison, so no ratio has a spread." if args.rounds < 2 else ""), "",
              f"Server: PostgreSQL {report['version']}; run on {time.strftime('%Y-%m-%d', time.gmtime())}"
              + (" without the Redis comparisons" if not redis else "")
              + (" and without the scale comparison" if scale is None else "") + ".", "",
+             spread.load_header(LOAD.samples), "",
              "## Throughput (transactions/s) and p99 latency (ms) by client count", "",
              "| comparison | " + " | ".join(f"{c} clients tps | p99" for c in CLIENTS) + " |",
              "|---|" + "---|---|" * len(CLIENTS)]
@@ -645,71 +701,83 @@ def write_results(args, report, pg, redis, scale, sweep, hashes):
             v = src.get((name, c))
             cells += [fmt(v[0]) if v else "", fmt(v[1], 2) if v else ""]
         lines.append(f"| {name} | " + " | ".join(cells) + " |")
-    lines += ["", "## Targets", "", "| target | measured | met |", "|---|---|---|"]
+    lines += ["", "## Targets", "",
+              "| target | measured, median (min-max) | met | load average, mean (min-max) |", "|---|---|---|---|"]
     lines_note = []
 
-    def target(desc, value, ok):
-        lines.append(f"| {desc} | {value} | {'yes' if ok else '**no**'} |")
+    def target(desc, measured, op, goal, digits=2):
+        """A row of the table: `measured` (a spread.Ratio) judged against `op goal`."""
+        lines.append(f"| {desc} | {measured.cell(digits)} | {spread.met_cell(spread.judge(measured, op, goal))} | "
+                     f"{spread.load_cell(measured.load)} |")
+
+    def once(value, load):
+        """A figure measured once: one round, no spread (the row says so)."""
+        return spread.Ratio([value], load)
 
     for c in CLIENTS:
-        r = pg[(one, c)][0] / pg[(floor, c)][0]
         if c in (4, 16):
-            target(f"claim+complete ≥ 0.90 × floor at {c} clients", f"{r:.2f}", r >= 0.90)
-        rr = pg[(one, c)][0] / pg[(ref, c)][0]
-        target(f"claim+complete > PL/pgSQL reference at {c} clients", f"{rr:.2f}", rr > 1.0)
+            target(f"claim+complete ≥ 0.90 × floor at {c} clients", ratio(pg[(one, c)], pg[(floor, c)]), "≥", 0.90)
+        target(f"claim+complete > PL/pgSQL reference at {c} clients", ratio(pg[(one, c)], pg[(ref, c)]), ">", 1.0)
     for c in CLIENTS:
-        r = pg[(replay, c)][0] / pg[(sel, c)][0]
-        target(f"replay ≥ 0.80 × primary-key SELECT at {c} clients", f"{r:.2f}", r >= 0.80)
+        target(f"replay ≥ 0.80 × primary-key SELECT at {c} clients", ratio(pg[(replay, c)], pg[(sel, c)]), "≥", 0.80)
     batch = report.get("batch")
     if batch:
         names = list(BATCH_SCRIPTS)
-        r = batch[names[1]][0] / batch[names[0]][0]
-        target("claim_many 100 fresh keys ≥ 0.90 × multi-row INSERT floor (keys/s, 1 client)", f"{r:.2f}", r >= 0.90)
+        target("claim_many 100 fresh keys ≥ 0.90 × multi-row INSERT floor (keys/s, 1 client)",
+               ratio(batch[names[1]], batch[names[0]]), "≥", 0.90)
     if scale:
         (n_small, (t_small, _)), (n_big, (t_big, _)) = scale["small"], scale["big"]
-        r = t_big / t_small
-        target(f"claim+complete at {n_big:,} rows ≥ 0.80 × at {n_small:,} rows (4 clients)", f"{r:.2f}", r >= 0.80)
-    target("sweep ≥ 100,000 rows/s (1M expired rows, background sweeper)", fmt(sweep["rows_per_second"]),
-           sweep["rows_per_second"] >= 100_000)
-    r = sweep["ratio"]
-    target(f"claim p99 during the sweep ≤ 1.05 × without (8 sessions, median of {sweep['rounds']} rounds' ratios, "
-           f"{SWEEP_WINDOW:g} s windows)",
-           f"{r:.2f} ({sweep['p99_during']:.2f} ms vs {sweep['p99_without']:.2f} ms, medians)", r <= 1.05)
+        target(f"claim+complete at {n_big:,} rows ≥ 0.80 × at {n_small:,} rows (4 clients; one run each, "
+               "no spread)", once(t_big / t_small, scale["load"]), "≥", 0.80)
+    target("sweep ≥ 100,000 rows/s (1M expired rows, background sweeper; one run, no spread)",
+           once(sweep["rows_per_second"], sweep["rate_load"]), "≥", 100_000, digits=0)
+    target(f"claim p99 during the sweep ≤ 1.05 × without (8 sessions, {sweep['rounds']} rounds' ratios, "
+           f"{SWEEP_WINDOW:g} s windows; p99 {sweep['p99_during']:.2f} ms vs {sweep['p99_without']:.2f} ms, medians)",
+           spread.Ratio(sweep["ratios"], sweep["load"]), "≤", 1.05)
     leased = "extension: claim, then complete (leased)"
-    if leased in report.get("hot", {}):
-        r = hot_ratio(report["hot"][leased])
-        target("leased completions HOT ≥ 0.90 (n_tup_hot_upd / n_tup_upd)", f"{r:.2f}", r >= 0.90)
+    if leased in report.get("hot_runs", {}):
+        load = [x for c in CLIENTS for x in getattr(pg.get((leased, c)), "load", [])]
+        target("leased completions HOT ≥ 0.90 (n_tup_hot_upd / n_tup_upd, over its runs)",
+               spread.Ratio(report["hot_runs"][leased], load), "≥", 0.90)
     setnx, lua = "redis: SET NX EX, appendfsync everysec", "redis: Lua check-and-set, appendfsync everysec"
     claim_only, pair = list(EQUAL_DURABILITY)[1], list(EQUAL_DURABILITY)[3]
     for i, name in ((1, claim_only), (3, pair)):
         floor_name = list(EQUAL_DURABILITY)[i - 1]
         if (name, 16) in pg and (floor_name, 16) in pg:
-            lines_note.append(f"- {name} / {floor_name}, 16 clients: {pg[(name, 16)][0] / pg[(floor_name, 16)][0]:.2f}.")
+            lines_note.append(f"- {name} / {floor_name}, 16 clients: {ratio(pg[(name, 16)], pg[(floor_name, 16)]).cell()}.")
     for name, other, goal in ((claim_only, setnx, 0.5), (pair, lua, None)):
         if (name, 16) in pg and (other, 16) in redis:
-            r = pg[(name, 16)][0] / redis[(other, 16)][0]
+            r = ratio(pg[(name, 16)], redis[(other, 16)])
             if goal is None:  # reported, no target
-                lines_note.append(f"- {name} / {other}, 16 clients: {r:.2f}.")
+                lines_note.append(f"- {name} / {other}, 16 clients: {r.cell()}.")
             else:
                 target(f"claim only (synchronous_commit = off) ≥ {goal:.1f} × SET NX EX (appendfsync everysec) "
-                       "at 16 clients", f"{r:.2f}", r >= goal)
+                       "at 16 clients (round r of Redis's runs, after PostgreSQL's, against round r)", r, "≥", goal)
     for r in report.get("in_flight", {}).get("results", []):
         if r["size"]:
             target(f"completions HOT with 200 claims in flight, {r['size']:,} B responses ≥ 0.90 "
-                   f"(n_tup_hot_upd / n_tup_upd, fillfactor {r['fillfactor']})", f"{r['ratio']:.2f}",
-                   r["ratio"] >= 0.90)
+                   f"(n_tup_hot_upd / n_tup_upd, fillfactor {r['fillfactor']}; one run, no spread)",
+                   once(r["ratio"], report.get("in_flight_load", [])), "≥", 0.90)
+    hash_rounds = report.get("hash_rounds", {})
     for label in ("10 KB", "1 MB"):
-        r = hashes[label]["canonical_hash"] / hashes[label]["sha256(doc::text)"]
-        target(f"canonical_hash ≥ 0.5 × sha256(doc::text) at {label}", f"{r:.2f}", r >= 0.5)
+        if label in hash_rounds:
+            r = spread.Ratio.of(hash_rounds[label]["canonical_hash"], hash_rounds[label]["sha256(doc::text)"],
+                                report["hash_load"][label])
+        else:
+            r = once(hashes[label]["canonical_hash"] / hashes[label]["sha256(doc::text)"], [])
+        target(f"canonical_hash ≥ 0.5 × sha256(doc::text) at {label}", r, "≥", 0.5)
     if batch:
         names = list(BATCH_SCRIPTS)
         lines += ["", "## Batches: 100 keys per statement, 1 client (keys/s)", "",
-                  "| comparison | keys/s | p99 per statement (ms) | ratio to its floor |", "|---|---|---|---|"]
+                  "| comparison | keys/s | p99 per statement (ms) | ratio to its floor, median (min-max) |",
+                  "|---|---|---|---|"]
         for i, name in enumerate(names):
             floor_name = names[i - i % 2]
-            ratio = "" if i % 2 == 0 else f"{batch[name][0] / batch[floor_name][0]:.2f}"
-            lines.append(f"| {name} | {fmt(batch[name][0])} | {fmt(batch[name][1], 2)} | {ratio} |")
+            cell = "" if i % 2 == 0 else ratio(batch[name], batch[floor_name]).cell()
+            lines.append(f"| {name} | {fmt(batch[name][0])} | {fmt(batch[name][1], 2)} | {cell} |")
     lines += ["", "## Hashing throughput (MB/s of document text)", "",
+              "The best of up to five alternating runs of each; the target's ratio above is the median of "
+              "the runs' ratios round by round.", "",
               "| document | canonical_hash | sha256(doc::text) | PL/pgSQL canonicalizer |", "|---|---|---|---|"]
     for label, row in hashes.items():
         lines.append(f"| {label} | {row['canonical_hash']:.1f} | {row['sha256(doc::text)']:.1f} | "
@@ -718,13 +786,16 @@ def write_results(args, report, pg, redis, scale, sweep, hashes):
         lines += ["", "## HOT updates per write workload", "",
                   "Updates of the workload's table over all its runs (every client count and round), from "
                   "`pg_stat_user_tables` (`n_tup_hot_upd / n_tup_upd`): a HOT update adds no index entries.", "",
-                  "| workload | updates | HOT | HOT ratio |", "|---|---|---|---|"]
+                  "| workload | updates | HOT | HOT ratio | per run, median (min-max) |", "|---|---|---|---|---|"]
         for v, (updates, hot_updates) in report["hot"].items():
-            lines.append(f"| {v} | {updates:,} | {hot_updates:,} | {fmt(hot_ratio((updates, hot_updates)), 2)} |")
+            per_run = spread.Ratio(report.get("hot_runs", {}).get(v, [])).cell()
+            lines.append(f"| {v} | {updates:,} | {hot_updates:,} | {fmt(hot_ratio((updates, hot_updates)), 2)} | "
+                         f"{per_run} |")
     if report.get("in_flight"):
         lines += ["", "## Completions with 200 claims in flight", "",
                   "`bench/hot_in_flight.py` (which also compares fill factors: `--fillfactor N`). The pairs/s "
-                  "depend on the machine's load; the HOT ratio, the WAL and the sizes do not.", "",
+                  "depend on the machine's load; the HOT ratio, the WAL and the sizes do not. One run per "
+                  "response size, so its ratios have no spread.", "",
                   hot_in_flight.table(report["in_flight"]["results"], report["in_flight"]["args"]).rstrip()]
     if lines_note:
         lines += ["", "## At equal durability", "",
@@ -785,45 +856,79 @@ BEGIN, END = "<!-- per-version table: bench.py --summary -->", "<!-- end of per-
 
 
 def read_report(path):
-    """The server version and the Targets rows (description -> (measured, met)) of a report."""
-    version, rows = None, {}
+    """The server version, the Targets rows (description -> (measured, verdict: spread.YES, NO or
+    NOT_SHOWN)) and the load average over the run ((mean, min, max), None where the report has
+    none) of a report. Reads both formats: the one before the spreads (`| target | measured |
+    met |`, a bare figure, yes or **no**: judged as it was then) and the one with them (the
+    measured cell `median (min-max)`, *not shown* too, and a load column)."""
+    version, rows, load, section = None, {}, None, None
     with open(path) as f:
         for line in f:
             if line.startswith("Server: PostgreSQL "):
                 version = line[len("Server: PostgreSQL "):].split(";")[0].strip()
+            if line.startswith("## "):
+                section = line[3:].strip()
+            if load is None:
+                load = spread.parse_load_header(line)
+            if section != "Targets":
+                continue
             cells = [c.strip() for c in line.strip().strip("|").split("|")]
-            if len(cells) == 3 and cells[2] in ("yes", "**no**"):
-                rows[cells[0]] = (cells[1], cells[2] == "yes")
-    return version, rows
+            if len(cells) >= 3 and cells[2] in spread.CELL_VERDICT:
+                rows[cells[0]] = (cells[1], spread.CELL_VERDICT[cells[2]])
+    return version, rows, load
+
+
+def summary_cell(hit):
+    """A cell of the per-version table: the measured ratio (`median (min-max)`, or the bare
+    figure of a report without spreads), in bold if it missed its target, in italics and marked
+    if its spread crossed it."""
+    if hit is None:
+        return ""
+    measured, verdict = hit
+    text = spread.measured_text(measured)
+    if verdict == spread.NO:
+        return f"**{text}**"
+    if verdict == spread.NOT_SHOWN:
+        return f"*{text}, not shown*"
+    return text
 
 
 README_BEGIN = "<!-- per-version targets: bench/bench.py --summary writes this table -->"
 README_END = "<!-- end of per-version targets -->"
 
 
-def write_summary():
-    """Rewrites the per-version table in RESULTS.md from RESULTS.md and RESULTS-pgNN.md."""
+def write_summary(here=HERE, readme=os.path.join(HERE, "..", "README.md")):
+    """Rewrites the per-version table in RESULTS.md from RESULTS.md and RESULTS-pgNN.md (in
+    `here`), and its copy in `readme`."""
     reports = []
-    for name in sorted(os.listdir(HERE)):
+    for name in sorted(os.listdir(here)):
         if name == "RESULTS.md" or (name.startswith("RESULTS-pg") and name.endswith(".md")):
-            version, rows = read_report(os.path.join(HERE, name))
+            version, rows, load = read_report(os.path.join(here, name))
             if version:
-                reports.append((int(version.split(".")[0]), version, name, rows))
+                reports.append((int(version.split(".")[0]), version, name, rows, load))
     reports.sort()
-    main = os.path.join(HERE, "RESULTS.md")
+    main = os.path.join(here, "RESULTS.md")
     if not reports or not os.path.exists(main):
         return
     table = [BEGIN, "", "## Targets on every supported version", "",
              "The target ratios from the latest report of each version (`bench/run.sh --pg NN`; "
-             "the full report of each is linked). A ratio that misses its target is in bold.", "",
-             "| target | " + " | ".join(f"[{v}]({n})" for _, v, n, _ in reports) + " |",
+             "the full report of each is linked), each the median of its run's alternating rounds with "
+             "their spread, `median (min-max)` (a bare figure was measured once, or comes from a report "
+             "written before the spreads were recorded). A ratio that misses its target is in bold; one "
+             "whose median meets it but whose spread crosses it is in italics, marked not shown "
+             "(the rule: each report's header).", "",
+             "| target | " + " | ".join(f"[{v}]({n})" for _, v, n, _, _ in reports) + " |",
              "|---|" + "---|" * len(reports)]
     for prefix, label in SUMMARY_TARGETS:
         cells = []
-        for _, _, _, rows in reports:
-            hit = next(((m, ok) for d, (m, ok) in rows.items() if d.startswith(prefix)), None)
-            cells.append("" if hit is None else (hit[0].split(" (")[0] if hit[1] else f"**{hit[0].split(' (')[0]}**"))
+        for _, _, _, rows, _ in reports:
+            hit = next((hit for d, hit in rows.items() if d.startswith(prefix)), None)
+            cells.append(summary_cell(hit))
         table.append(f"| {label} | " + " | ".join(cells) + " |")
+    # The machine's load during each run, where the report recorded it.
+    if any(load for *_, load in reports):
+        table.append("| load average during the run, 1-min mean (range) | " + " | ".join(
+            "" if load is None else f"{load[0]:.2f} ({load[1]:.2f}-{load[2]:.2f})" for *_, load in reports) + " |")
     table += ["", END]
     with open(main) as f:
         text = f.read()
@@ -835,8 +940,7 @@ def write_summary():
     with open(main, "w") as f:
         f.write(text)
     # The README's copy: the same rows, its links into bench/, between its own markers.
-    readme = os.path.join(HERE, "..", "README.md")
-    if os.path.exists(readme):
+    if readme and os.path.exists(readme):
         with open(readme) as f:
             text = f.read()
         if README_BEGIN in text and README_END in text:

@@ -33,7 +33,10 @@ delegation itself: the bare INSERT and UPDATE each in a PL/pgSQL function distri
 
     PG_BIN=... python3 bench/citus.py --bare --seconds 5 --repeat 3 --clients 4,8
 
-(each cell the median of `--repeat` runs, the store's and the bare script's alternating).
+(`--repeat` rounds per cell, 3 by default with `--bare`, 1 without; the store's and the bare
+script's runs alternating, the order reversed every other round; tps are medians, a ratio the
+median of the rounds' ratios with their min-max, and the store's styles are judged against the
+target of 0.90 by bench/spread.py's rule: yes, no, or not shown when the spread crosses it).
 """
 
 import argparse
@@ -49,8 +52,13 @@ from citus_cluster import CitusCluster, citus_missing  # noqa: E402
 
 import psycopg  # noqa: E402
 
+import spread  # noqa: E402
+
 SCRIPTS = ["one_tx", "leased", "replay"]
 SQL_ONLY_DB = "sql_only"
+TARGET = 0.90  # the store's styles against the bare statements, on the cluster
+# The load average of the whole run, sampled before and after each run.
+LOAD = spread.LoadLog()
 
 
 def setup(conn):
@@ -77,14 +85,17 @@ def main():
     ap.add_argument("--clients", default="1,8")
     ap.add_argument("--bare", action="store_true",
                     help="the store's styles against the bare statements, on the cluster only")
-    ap.add_argument("--repeat", type=int, default=1,
-                    help="with --bare: runs per cell, alternating, the median reported")
+    ap.add_argument("--repeat", type=int,
+                    help="rounds per cell, alternating, the median reported with the min-max "
+                         "(default 3 with --bare, 1 without)")
     ap.add_argument("--out", help="with --bare: also write the report to bench/OUT.md")
     args = ap.parse_args()
     missing = citus_missing()
     if missing:
         sys.exit(missing)
     clients = [int(c) for c in args.clients.split(",")]
+    if args.repeat is None:
+        args.repeat = 3 if args.bare else 1
     if args.bare:
         return bare(clients, args.seconds, args.repeat, args.out)
     single = Cluster(settings={"shared_preload_libraries": "'idempotency'"}).start()
@@ -105,15 +116,20 @@ def main():
         with citus.connect() as c:
             c.execute("SELECT idempotency.distribute()")
             setup(c)
+        if args.repeat < 2:
+            print("One round per cell: the ratios have no spread (--repeat N for N alternating rounds).")
         print("| script | clients | one node (tps) | one node, SQL path (tps) | Citus coordinator (tps) "
-              "| SQL path / direct | Citus / one node |")
+              "| SQL path / direct, median (min-max) | Citus / one node, median (min-max) |")
         print("|---|---|---|---|---|---|---|")
         for script in SCRIPTS:
             for n in clients:
-                a = pgbench(single, script, n, args.seconds)
-                q = pgbench(single, script, n, args.seconds, SQL_ONLY_DB)
-                b = pgbench(citus.coordinator, script, n, args.seconds)
-                print(f"| {script} | {n} | {a:.0f} | {q:.0f} | {b:.0f} | {q / a:.2f} | {b / a:.2f} |", flush=True)
+                a, q, b, _ = rounds(args.repeat, [
+                    lambda: pgbench(single, script, n, args.seconds),
+                    lambda: pgbench(single, script, n, args.seconds, SQL_ONLY_DB),
+                    lambda: pgbench(citus.coordinator, script, n, args.seconds)])
+                print(f"| {script} | {n} | {statistics.median(a):.0f} | {statistics.median(q):.0f} | "
+                      f"{statistics.median(b):.0f} | {spread.Ratio.of(q, a).cell()} | {spread.Ratio.of(b, a).cell()} |",
+                      flush=True)
     finally:
         single.destroy()
         if citus:
@@ -144,14 +160,33 @@ END $fn$""", "SELECT create_distributed_function('bench.ins(text,text,bigint)', 
              "SELECT create_distributed_function('bench.upd(text,text)', 's', colocate_with => 'bench.bare')"]
 
 
+def rounds(repeat, runs):
+    """Each of `runs` (functions returning tps) once per round, the order reversed every other
+    round (on a busy machine the load changes from one run to the next, and a ratio is taken
+    round by round): [tps per round] for each run, then the load average samples around them."""
+    out = [[] for _ in runs]
+    load = []
+    for r in range(repeat):
+        order = list(range(len(runs))) if r % 2 == 0 else list(reversed(range(len(runs))))
+        for i in order:
+            out[i].append(LOAD.around(runs[i], load))
+    return out + [load]
+
+
 def pair(node, ext, raw, n, seconds, repeat):
-    """tps of `ext` and of `raw`, each the median of `repeat` runs, the two alternating (on a
-    busy machine the load changes from one run to the next)."""
-    a, b = [], []
-    for _ in range(repeat):
-        a.append(pgbench(node, ext, n, seconds))
-        b.append(pgbench(node, raw, n, seconds))
-    return statistics.median(a), statistics.median(b)
+    """The store's `ext` against the bare `raw`, `repeat` alternating rounds: (tps of ext per
+    round, tps of raw per round, spread.Ratio of ext over raw round by round)."""
+    a, b, load = rounds(repeat, [lambda: pgbench(node, ext, n, seconds), lambda: pgbench(node, raw, n, seconds)])
+    return a, b, spread.Ratio.of(a, b, load)
+
+
+def pair_row(label, n, a, b, r, target=True):
+    """A row: tps medians, the ratio with its spread, and (for the store's styles) the target
+    judged, with the load during the cell's runs."""
+    met = spread.met_cell(spread.judge(r, "≥", TARGET)) if target else ""
+    goal = f"≥ {TARGET:.2f}" if target else ""
+    return (f"| {label} | {n} | {statistics.median(a):.0f} | {statistics.median(b):.0f} | {r.cell()} | {goal} | "
+            f"{met} | {spread.load_cell(r.load)} |")
 
 
 def uptime():
@@ -176,12 +211,12 @@ def bare(clients, seconds, repeat, out=None):
             c.execute(BARE_TABLE)
             c.execute("SELECT create_distributed_table('bench.bare', 'scope', "
                       "colocate_with => 'idempotency.idempotency_keys')")
-        emit("| style | clients | extension (tps) | bare statements (tps) | extension / bare |")
-        emit("|---|---|---|---|---|")
+        emit("| style | clients | extension (tps) | bare statements (tps) | extension / bare, median (min-max) "
+             "| target | met | load average, mean (min-max) |")
+        emit("|---|---|---|---|---|---|---|---|")
         for n in clients:
             for ext, raw in (("one_tx", "bare_one_tx"), ("leased", "bare_leased")):
-                a, b = pair(citus.coordinator, ext, raw, n, seconds, repeat)
-                emit(f"| {ext} | {n} | {a:.0f} | {b:.0f} | {a / b:.2f} |")
+                emit(pair_row(ext, n, *pair(citus.coordinator, ext, raw, n, seconds, repeat)))
         # The one-transaction style with claim and complete force-delegated (docs/scaling.md):
         # the calls themselves run on the worker, inside the transaction.
         with citus.connect() as c:
@@ -189,8 +224,8 @@ def bare(clients, seconds, repeat, out=None):
                 c.execute("SELECT create_distributed_function(%s, 'scope', colocate_with => "
                           "'idempotency.idempotency_keys', force_delegation => true)", (f,))
         for n in clients:
-            a, b = pair(citus.coordinator, "one_tx", "bare_one_tx", n, seconds, repeat)
-            emit(f"| one_tx, force_delegation | {n} | {a:.0f} | {b:.0f} | {a / b:.2f} |")
+            emit(pair_row("one_tx, force_delegation", n,
+                          *pair(citus.coordinator, "one_tx", "bare_one_tx", n, seconds, repeat)))
         with citus.connect() as c:
             for statement in DELEGATED:
                 c.execute(statement)
@@ -199,11 +234,13 @@ def bare(clients, seconds, repeat, out=None):
              "PL/pgSQL function distributed as claim and complete are (delegated_leased) against the "
              "bare statements (bare_leased):")
         emit("")
-        emit("| clients | delegated functions (tps) | bare statements (tps) | delegated / bare |")
-        emit("|---|---|---|---|")
+        emit("| clients | delegated functions (tps) | bare statements (tps) | delegated / bare, median (min-max) "
+             "| load average, mean (min-max) |")
+        emit("|---|---|---|---|---|")
         for n in clients:
-            a, b = pair(citus.coordinator, "delegated_leased", "bare_leased", n, seconds, repeat)
-            emit(f"| {n} | {a:.0f} | {b:.0f} | {a / b:.2f} |")
+            a, b, r = pair(citus.coordinator, "delegated_leased", "bare_leased", n, seconds, repeat)
+            emit(f"| {n} | {statistics.median(a):.0f} | {statistics.median(b):.0f} | {r.cell()} | "
+                 f"{spread.load_cell(r.load)} |")
         with citus.connect() as c:
             server = c.execute("SELECT version()").fetchone()[0].split(" on ")[0]
             cit = c.execute("SELECT extversion FROM pg_extension WHERE extname = 'citus'").fetchone()[0]
@@ -214,9 +251,12 @@ def bare(clients, seconds, repeat, out=None):
             f.write("# Citus: the store against the bare statements\n\n"
                     f"Written by `bench/citus.py --bare --seconds {seconds} --repeat {repeat} "
                     f"--clients {','.join(map(str, clients))} --out {out}` ({server}, citus extension {cit}, a "
-                    "coordinator and two workers on one machine; each cell the median of the runs, "
-                    "the store's and the bare script's alternating). The machine's load "
-                    f"(`uptime`) at the start: `{started}`; at the end: `{uptime()}`.\n\n")
+                    f"coordinator and two workers on one machine; {repeat} round{'s' if repeat > 1 else ''} per "
+                    "cell, the store's and the bare script's runs alternating, tps the medians). The "
+                    f"machine's load (`uptime`) at the start: `{started}`; at the end: `{uptime()}`.\n\n"
+                    + spread.rule_text()
+                    + (" This run had one round per cell, so no ratio has a spread." if repeat < 2 else "")
+                    + "\n\n" + spread.load_header(LOAD.samples) + "\n\n")
             f.write("\n".join(lines) + "\n")
 
 

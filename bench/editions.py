@@ -12,7 +12,8 @@ release build of the native edition). Options:
   --script PATH the portable edition's script (default dist/idempotency-portable.sql)
 
 What it measures, at 4 and 16 clients, in alternating rounds (the order reversed every other
-round, medians reported):
+round; tps are medians, a ratio the median of the rounds' ratios with their min-max, judged by
+bench/spread.py's rule):
 - claim + complete in one transaction against the floor (INSERT ... ON CONFLICT + UPDATE of a
   table of the store's shape): target >= 0.80 for the portable edition;
 - the replay of a completed key against a primary-key SELECT of a row: target >= 0.80;
@@ -40,10 +41,14 @@ from cluster import PG_BIN, Cluster  # noqa: E402
 import psycopg  # noqa: E402
 
 from bench import REQUEST, SERVER_SETTINGS, make_doc  # noqa: E402
+import spread  # noqa: E402
 
 EDITIONS = ["native", "portable"]
 CLIENTS = [4, 16]
 PGBENCH_ENV = dict(os.environ, PGOPTIONS="-c client_min_messages=error")
+TARGET = 0.80  # the portable edition against the floor
+# The load average of the whole run, sampled before and after each run.
+LOAD = spread.LoadLog()
 PAIRS = [
     ("claim + complete, one transaction", "ext_one_tx.sql", "floor: INSERT ON CONFLICT + UPDATE", "floor_write.sql"),
     ("replay", "ext_replay.sql", "floor: primary-key SELECT", "floor_read.sql"),
@@ -146,43 +151,54 @@ def install(cluster, edition, script):
 
 
 def throughput(cluster, args):
-    """{(edition, label, clients): (ext tps, floor tps)}"""
+    """{(edition, label, clients): ([ext tps per round], [floor tps per round], [load samples])}:
+    the rounds are kept, so the ratio of the two is taken round by round."""
     out = {}
     for clients in CLIENTS:
         for label, ext, _floor_label, floor in PAIRS:
-            runs = {}
+            runs, load = {}, []
             variants = [(e, s) for e in EDITIONS for s in (ext, floor)]
             for r in range(args.rounds):
                 for v in (variants if r % 2 == 0 else list(reversed(variants))):
-                    runs.setdefault(v, []).append(pgbench(cluster, v[0], v[1], clients, args.seconds))
+                    runs.setdefault(v, []).append(
+                        LOAD.around(lambda: pgbench(cluster, v[0], v[1], clients, args.seconds), load))
             for e in EDITIONS:
-                out[(e, label, clients)] = (statistics.median(runs[(e, ext)]), statistics.median(runs[(e, floor)]))
+                out[(e, label, clients)] = (runs[(e, ext)], runs[(e, floor)], load)
             print(f"  {label}, {clients} clients: " + ", ".join(
-                f"{e} {out[(e, label, clients)][0]:.0f} / floor {out[(e, label, clients)][1]:.0f}"
+                f"{e} {statistics.median(out[(e, label, clients)][0]):.0f} / floor "
+                f"{statistics.median(out[(e, label, clients)][1]):.0f} ({ratio(out[(e, label, clients)]).cell()})"
                 for e in EDITIONS), flush=True)
     return out
 
 
+def ratio(cell):
+    """The extension's tps over the floor's, round by round, of a throughput() cell."""
+    return spread.Ratio.of(cell[0], cell[1], cell[2])
+
+
 def ceiling(cluster, args):
-    """{(label, clients): (wrapped tps, reference tps, floor tps)}, in the portable edition's database."""
+    """{(label, clients): ([wrapped tps per round], [reference tps per round], [floor tps per
+    round], [load samples])}, in the portable edition's database."""
     out = {}
     for clients in CLIENTS:
         for label, wrapped, reference, floor in CEILINGS:
-            runs = {}
+            runs, load = {}, []
             order = [wrapped, reference, floor]
             for r in range(args.rounds):
                 for s in (order if r % 2 == 0 else list(reversed(order))):
-                    runs.setdefault(s, []).append(pgbench(cluster, "portable", s, clients, args.seconds))
-            out[(label, clients)] = tuple(statistics.median(runs[s]) for s in order)
-            w, ref, f = out[(label, clients)]
+                    runs.setdefault(s, []).append(
+                        LOAD.around(lambda: pgbench(cluster, "portable", s, clients, args.seconds), load))
+            out[(label, clients)] = tuple(runs[s] for s in order) + (load,)
+            w, ref, f = (statistics.median(runs[s]) for s in order)
             print(f"  ceiling {label}, {clients} clients: wrapped {w:.0f} / reference {ref:.0f} / floor {f:.0f}",
                   flush=True)
     return out
 
 
 def hashing(cluster, args):
-    """{(edition, label): MB/s of canonical_hash}"""
-    out = {}
+    """{(edition, label): best MB/s of canonical_hash} and {label: spread.Ratio of the portable
+    edition's MB/s over the native one's, round by round}"""
+    out, ratios = {}, {}
     for label, size, copies in DOCS:
         doc = make_doc(size)
         for e in EDITIONS:
@@ -194,37 +210,48 @@ def hashing(cluster, args):
                                 "FROM bench.docs")[0][0] for e in EDITIONS]
         assert same[0] == same[1], f"the editions hash the {label} documents differently"
         rates = {e: [] for e in EDITIONS}
+        load = []
         for r in range(max(args.rounds, 3)):
             for e in (EDITIONS if r % 2 == 0 else list(reversed(EDITIONS))):
                 started = time.monotonic()
-                sql(cluster, e, "SELECT count(idempotency.canonical_hash(doc)) FROM bench.docs")
+                LOAD.around(lambda: sql(cluster, e, "SELECT count(idempotency.canonical_hash(doc)) FROM bench.docs"),
+                            load)
                 rates[e].append(nbytes / (time.monotonic() - started) / 1e6)
         for e in EDITIONS:
             out[(e, label)] = max(rates[e])
+        ratios[label] = spread.Ratio.of(rates["portable"], rates["native"], load)
         print(f"  canonical_hash {label}: " + ", ".join(f"{e} {out[(e, label)]:.1f} MB/s" for e in EDITIONS),
               flush=True)
-    return out
+    return out, ratios
 
 
-def write(path, args, version, tput, hashes, ceil):
+def write(path, args, version, tput, hashes, ceil, hash_ratios):
     lines = [
         "# The two editions side by side",
         "",
         f"`bench/run.sh --edition portable` on PostgreSQL {version}: one server (fsync on, synchronous_commit",
         "on, shared_buffers 256MB, the native library preloaded), the native edition and the portable one",
         "(dist/idempotency-portable.sql) each in its own database with its own floor table; pgbench",
-        f"`-M prepared`, {args.seconds} s runs, {args.rounds} alternating rounds, medians; on a shared 2-core",
+        f"`-M prepared`, {args.seconds} s runs, {args.rounds} alternating rounds (tps: medians); on a shared 2-core",
         "machine: read the ratios, not the absolute figures.",
         "",
-        "| workload | clients | native (tps) | native / floor | portable (tps) | portable / floor | target |",
-        "|---|---|---|---|---|---|---|",
+        spread.rule_text() + (" This run had one round per comparison, so no ratio has a spread."
+                              if args.rounds < 2 else ""),
+        "",
+        spread.load_header(LOAD.samples),
+        "",
+        "| workload | clients | native (tps) | native / floor | portable (tps) | portable / floor | target | met "
+        "| load average, mean (min-max) |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for label, _ext, floor_label, _floor in PAIRS:
         for clients in CLIENTS:
-            n, nf = tput[("native", label, clients)]
-            p, pf = tput[("portable", label, clients)]
-            lines.append(f"| {label} (vs {floor_label}) | {clients} | {n:.0f} | {n / nf:.2f} | {p:.0f} | "
-                         f"{p / pf:.2f} | portable >= 0.80 |")
+            native, portable = tput[("native", label, clients)], tput[("portable", label, clients)]
+            r = ratio(portable)
+            lines.append(f"| {label} (vs {floor_label}) | {clients} | {statistics.median(native[0]):.0f} | "
+                         f"{ratio(native).cell()} | {statistics.median(portable[0]):.0f} | {r.cell()} | "
+                         f"portable ≥ {TARGET:.2f} | {spread.met_cell(spread.judge(r, '≥', TARGET))} | "
+                         f"{spread.load_cell(r.load)} |")
     lines += [
         "",
         "The ceiling of any edition in PL/pgSQL under the same rules: the floor's own statements, each",
@@ -240,13 +267,16 @@ def write(path, args, version, tput, hashes, ceil):
     ]
     for label, _wrapped, _reference, _floor in CEILINGS:
         for clients in CLIENTS:
-            w, ref, f = ceil[(label, clients)]
-            p, pf = tput[("portable", label, clients)]
-            lines.append(f"| {label} | {clients} | {f:.0f} | {w / f:.2f} | {ref / f:.2f} | {p / pf:.2f} |")
-    lines += ["", "| canonical_hash | native (MB/s) | portable (MB/s) | portable / native |", "|---|---|---|---|"]
+            w, ref, f, load = ceil[(label, clients)]
+            lines.append(f"| {label} | {clients} | {statistics.median(f):.0f} | "
+                         f"{spread.Ratio.of(w, f, load).cell()} | {spread.Ratio.of(ref, f, load).cell()} | "
+                         f"{ratio(tput[('portable', label, clients)]).cell()} |")
+    lines += ["", "canonical_hash: the best of the runs of each edition; the ratio round by round "
+              "(median, min-max).", "",
+              "| canonical_hash | native (MB/s) | portable (MB/s) | portable / native |", "|---|---|---|---|"]
     for label, _size, _copies in DOCS:
         n, p = hashes[("native", label)], hashes[("portable", label)]
-        lines.append(f"| {label} documents | {n:.1f} | {p:.1f} | {p / n:.2f} |")
+        lines.append(f"| {label} documents | {n:.1f} | {p:.1f} | {hash_ratios[label].cell()} |")
     lines.append("")
     with open(path, "w") as f:
         f.write("\n".join(lines))
@@ -270,8 +300,8 @@ def main():
         version = sql(cluster, "native", "SHOW server_version")[0][0]
         tput = throughput(cluster, args)
         ceil = ceiling(cluster, args)
-        hashes = hashing(cluster, args)
-        write(os.path.join(HERE, f"{args.out}.md"), args, version, tput, hashes, ceil)
+        hashes, hash_ratios = hashing(cluster, args)
+        write(os.path.join(HERE, f"{args.out}.md"), args, version, tput, hashes, ceil, hash_ratios)
     finally:
         cluster.destroy()
 

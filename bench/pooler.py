@@ -23,7 +23,8 @@ Each round runs the four variants (direct extension, direct floor, pooled extens
 floor), in the reverse order every other round; each round's ratio is the extension's tps over
 the floor's of the same route in that round, and the report gives the median of these ratios with
 their minimum and maximum. Target: the extension through the pooler >= 0.95 of the floor through
-the same pooler.
+the same pooler, judged by bench/spread.py's rule (yes, no, or not shown when the median meets it
+but the spread crosses it). The load average is sampled before and after each run.
 
 `-M prepared` is not measured: named prepared statements live in one server connection, and a
 transaction pooler hands the next transaction to any of its connections (PgBouncer 1.18 cannot
@@ -62,6 +63,7 @@ _pooler = _integration_pooler()
 PGBOUNCER, PgBouncer = _pooler.PGBOUNCER, _pooler.PgBouncer
 
 from bench import REQUEST, SERVER_SETTINGS, populate_replay_keys, sql  # noqa: E402
+import spread  # noqa: E402
 
 CLIENTS = [4, 16]
 ROUTES = ["direct", "pooler"]
@@ -72,6 +74,8 @@ PAIRS = [
     ("claim + complete, one transaction", "ext_one_tx.sql", "INSERT ON CONFLICT + UPDATE", "floor_write.sql"),
 ]
 TARGET = 0.95
+# The load average of the whole run, sampled before and after each run.
+LOAD = spread.LoadLog()
 
 
 def pgbench(host, port, dbname, script, clients, seconds, protocol):
@@ -92,8 +96,9 @@ def endpoints(cluster, bouncer):
     return {"direct": (cluster.dir, cluster.port), "pooler": (bouncer.dir, bouncer.port)}
 
 
-def measure(cluster, bouncer, args, loads):
-    """{(label, protocol, clients, route): ([ext tps per round], [floor tps per round])}"""
+def measure(cluster, bouncer, args):
+    """{(label, protocol, clients, route): ([ext tps per round], [floor tps per round], [load
+    average samples around the runs of that route's pair])}"""
     ends = endpoints(cluster, bouncer)
     out = {}
     for label, ext, _floor_label, floor in PAIRS:
@@ -101,13 +106,15 @@ def measure(cluster, bouncer, args, loads):
             for clients in CLIENTS:
                 variants = [(route, script) for route in ROUTES for script in (ext, floor)]
                 runs = {v: [] for v in variants}
+                loads = {route: [] for route in ROUTES}
                 for r in range(args.rounds):
                     for v in (variants if r % 2 == 0 else list(reversed(variants))):
                         host, port = ends[v[0]]
-                        runs[v].append(pgbench(host, port, cluster.dbname, v[1], clients, args.seconds, protocol))
-                        loads.append(os.getloadavg()[0])
+                        runs[v].append(LOAD.around(
+                            lambda: pgbench(host, port, cluster.dbname, v[1], clients, args.seconds, protocol),
+                            loads[v[0]]))
                 for route in ROUTES:
-                    out[(label, protocol, clients, route)] = (runs[(route, ext)], runs[(route, floor)])
+                    out[(label, protocol, clients, route)] = (runs[(route, ext)], runs[(route, floor)], loads[route])
                 print(f"  {label}, -M {protocol}, {clients} clients: " + ", ".join(
                     f"{route} {statistics.median(out[(label, protocol, clients, route)][0]):.0f} / floor "
                     f"{statistics.median(out[(label, protocol, clients, route)][1]):.0f} "
@@ -115,14 +122,14 @@ def measure(cluster, bouncer, args, loads):
     return out
 
 
-def ratios(cell):
-    ext, floor = cell
-    return [e / f for e, f in zip(ext, floor)]
+def ratio(cell):
+    """The first side's tps over the second's, round by round (a spread.Ratio), with the load
+    samples of the cell if it has them."""
+    return spread.Ratio.of(cell[0], cell[1], cell[2] if len(cell) > 2 else ())
 
 
 def fmt_ratio(cell):
-    rs = ratios(cell)
-    return f"{statistics.median(rs):.2f} ({min(rs):.2f}-{max(rs):.2f})"
+    return ratio(cell).cell()
 
 
 def start_pooler(cluster, pool_size):
@@ -255,7 +262,7 @@ def build_info(package):
         ", no uncommitted changes in src/, sql/ or crates/")
 
 
-def write(path, args, vers, res, load_before, loads, pools, started, took, build):
+def write(path, args, vers, res, load_before, pools, started, took, build):
     pg, bouncer, pgbench_version = vers
     lines = ["# Through a connection pooler", ""]
     if args.quick:
@@ -275,32 +282,32 @@ def write(path, args, vers, res, load_before, loads, pools, started, took, build
     lines += para(
         f"{args.seconds} s runs, {args.rounds} round{'s' if args.rounds > 1 else ''}; each round runs the "
         "four variants of a row (direct extension, direct floor, pooled extension, pooled floor), in the "
-        "reverse order every other round. A ratio is the median of the rounds' ratios (the extension's "
-        "tps over the floor's on the same route in the same round), with their minimum and maximum; tps "
-        "are medians over the rounds. `-M prepared` is not run: a transaction pooler cannot serve named "
-        "prepared statements.")
+        "reverse order every other round; a round's ratio is the extension's tps over the floor's on the "
+        "same route in that round, and tps are medians over the rounds. `-M prepared` is not run: a "
+        "transaction pooler cannot serve named prepared statements."
+        + (" This run had one round, so no ratio has a spread." if args.rounds < 2 else ""))
+    lines += para(spread.rule_text())
     lines += para(
-        f"Load average (1 minute) of this shared 2-core machine: {load_before:.2f} before the first run; "
-        f"after each run {min(loads):.2f} to {max(loads):.2f} (median {statistics.median(loads):.2f}; "
-        "pgbench, PgBouncer and the server themselves count in it). Read the ratios, not the absolute "
-        "figures.")
+        f"Load average (1 minute) of this shared 2-core machine before the first run: {load_before:.2f}. "
+        + spread.load_header(LOAD.samples) + " Read the ratios, not the absolute figures.")
     lines += [
         "| workload (against the floor) | protocol | clients | route | extension (tps) | floor (tps) | "
-        "extension / floor, median (min-max) | target |",
-        "|---|---|---|---|---:|---:|---|---|",
+        "extension / floor, median (min-max) | target | met | load average, mean (min-max) |",
+        "|---|---|---|---|---:|---:|---|---|---|---|",
     ]
     for label, _ext, floor_label, _floor in PAIRS:
         for protocol in args.protocols:
             for clients in CLIENTS:
                 for route in ROUTES:
                     cell = res[(label, protocol, clients, route)]
-                    target = ""
+                    r = ratio(cell)
+                    target = met = ""
                     if route == "pooler":
-                        met = statistics.median(ratios(cell)) >= TARGET
-                        target = f">= {TARGET:.2f}: {'met' if met else 'not met'}"
+                        target = f"≥ {TARGET:.2f}"
+                        met = spread.met_cell(spread.judge(r, "≥", TARGET))
                     lines.append(f"| {label} ({floor_label}) | {protocol} | {clients} | {route} | "
                                  f"{statistics.median(cell[0]):.0f} | {statistics.median(cell[1]):.0f} | "
-                                 f"{fmt_ratio(cell)} | {target} |")
+                                 f"{r.cell()} | {target} | {met} | {spread.load_cell(r.load)} |")
     lines += [
         "",
         "What the pooler costs each side: pooled tps over direct tps of the same side, medians over",
@@ -339,7 +346,7 @@ def main():
         ap.error("--protocols takes simple and/or extended (a transaction pooler cannot serve prepared)")
     started = time.strftime("%Y-%m-%d %H:%M", time.gmtime())
     t0 = time.monotonic()
-    load_before = os.getloadavg()[0]
+    load_before = spread.loadavg()
     if args.package is None:
         args.package = default_package()
     build = build_info(args.package)
@@ -363,8 +370,7 @@ def main():
         # measured round does not pay for them.
         for host, port in endpoints(cluster, bouncer).values():
             pgbench(host, port, cluster.dbname, "select_one.sql", max(CLIENTS), 1, "simple")
-        loads = []
-        res = measure(cluster, bouncer, args, loads)
+        res = measure(cluster, bouncer, args)
         pools = ", ".join(f"{k} {v}" for k, v in pool_state(bouncer, cluster.dbname).items())
     finally:
         if bouncer is not None:
@@ -372,7 +378,7 @@ def main():
         if cluster is not None:
             cluster.destroy()
         shutil.rmtree(tmp, ignore_errors=True)
-    write(os.path.join(HERE, f"{args.out}.md"), args, vers, res, load_before, loads, pools, started,
+    write(os.path.join(HERE, f"{args.out}.md"), args, vers, res, load_before, pools, started,
           time.monotonic() - t0, build)
 
 
