@@ -5,7 +5,7 @@
 #   3. npm pack: the artifact, clients/node/dist/pg-idempotency-<version>.tgz;
 #   4. the artifact installed into a fresh npm project, which loads it;
 #   5. the tests (node:test) against throwaway PostgreSQL clusters, direct and through PgBouncer in
-#      each mode of IDEMPOTENCY_POOLER_MODES (default "direct transaction session"): PG_BIN (default
+#      each mode of IDEMPOTENCY_POOLER_MODES (default "direct transaction"; "direct transaction session" adds session mode): PG_BIN (default
 #      /usr/lib/postgresql/15/bin) with the extension installed (`cargo pgrx install`); as root
 #      the clusters run as the postgres OS user (runuser), as tests/integration/cluster.py does.
 #      tests/otel.test.js (spans and metrics through @opentelemetry/api, read back with the SDK's
@@ -34,8 +34,8 @@ trap 'rm -rf "$fresh"' EXIT
     npm install --no-audit --no-fund --loglevel=error "$tgz" pg@8 >/dev/null &&
     node -e "const m = require('pg-idempotency'); for (const f of ['idempotent', 'idempotentTransaction', 'idempotentBatch', 'claimMany', 'completeMany', 'expressIdempotency', 'fastifyIdempotency']) if (typeof m[f] !== 'function') throw new Error(f + ' missing'); if (Object.keys(require.cache).some((p) => p.includes('@opentelemetry'))) throw new Error('OpenTelemetry loaded without the optional peer'); console.log('pg-idempotency loads from the tarball, without @opentelemetry/api')")
 
-# Direct, and through PgBouncer in transaction and session mode (IDEMPOTENCY_POOLER_MODES).
-for mode in ${IDEMPOTENCY_POOLER_MODES:-direct transaction session}; do
+# Direct, and through PgBouncer in each mode of IDEMPOTENCY_POOLER_MODES.
+for mode in ${IDEMPOTENCY_POOLER_MODES:-direct transaction}; do
     echo "== clients/node: tests (node --test, throwaway clusters on ${PG_BIN:-/usr/lib/postgresql/15/bin}; $mode)"
     IDEMPOTENCY_TEST_POOLER=$mode npm test
 done

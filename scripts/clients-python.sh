@@ -8,8 +8,8 @@
 # CLIENTS_PYTHON_VENV (default target/clients-python-venv) is the virtualenv; the wheel is left
 # in clients/python/dist. Needs PyPI (pip) and python3 with venv.
 #
-# The tests run once per route in IDEMPOTENCY_POOLER_MODES (default "direct transaction session"):
-# direct to the cluster, and through PgBouncer in transaction and in session mode
+# The tests run once per route in IDEMPOTENCY_POOLER_MODES (default "direct transaction"; "direct transaction session" adds session mode):
+# direct to the cluster, and through PgBouncer in transaction (and session) mode
 # (IDEMPOTENCY_TEST_POOLER, tests/integration/pooler.py). The OpenTelemetry tests (tests/test_otel.py,
 # the `otel` extra read back with the SDK's in-memory exporter) run in the direct mode only: they
 # skip themselves in the others.
@@ -31,7 +31,7 @@ echo "== clients/python: install the wheel with its test dependencies"
 "$VENV/bin/python" -m pip install -q --disable-pip-version-check "${wheel}[test,binary]"
 
 cd clients/python
-for mode in ${IDEMPOTENCY_POOLER_MODES:-direct transaction session}; do
+for mode in ${IDEMPOTENCY_POOLER_MODES:-direct transaction}; do
     echo "== clients/python: tests against a throwaway cluster ($mode)"
     IDEMPOTENCY_TEST_POOLER=$mode "$VENV/bin/python" -m pytest -q -p no:cacheprovider tests
 done
