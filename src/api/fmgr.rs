@@ -1,6 +1,6 @@
-//! The raw V1 entry points: `claim`, `complete` (through `_complete`) and `claim_many`, on
-//! every request's path, read their arguments by position and form their results themselves;
-//! and the role_settings trigger.
+//! The raw fmgr entry points (the version-1 calling convention): `claim`, `complete` (through
+//! `_complete`) and `claim_many`, on every request's path, read their arguments by position and
+//! form their results themselves; and the role_settings trigger.
 
 use super::args::*;
 use super::result::*;
