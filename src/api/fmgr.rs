@@ -137,7 +137,7 @@ pub extern "C-unwind" fn idempotency_claim_many(fcinfo: pg_sys::FunctionCallInfo
                 ))
                 .to_string(),
             };
-            stored.push(store::stored_key(key));
+            stored.push(store::stored_form(key));
         }
         let (ttl, lease) = ttl_and_lease(pg_getarg(fcinfo, 3), pg_getarg(fcinfo, 4));
         let (ttl, lease) = (ttl.value, lease.value);
