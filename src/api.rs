@@ -8,9 +8,9 @@
 //! is written with typed arguments (`functions`, `#[pg_extern(sql = false)]`), exported under
 //! the name the SQL declarations give it ([`export_as`]).
 //!
-//! By role: `v1` holds the raw entry points, `exports` the symbols every release's scripts
-//! declare for the typed functions (`functions`), `args` reading and checking arguments,
-//! `result` forming the rows the library returns.
+//! By role: `fmgr` holds the raw entry points (PostgreSQL's version-1 calling convention),
+//! `exports` the symbols every release's scripts declare for the typed functions (`functions`),
+//! `args` reading and checking arguments, `result` forming the rows the library returns.
 //!
 //! The counters (`stats`) of the calls' outcomes are counted here, each event once the store
 //! has done it; the rows a sweep deletes are counted by the store's sweep, which the background
@@ -48,6 +48,6 @@ macro_rules! export_as {
 
 mod args;
 mod exports;
+mod fmgr;
 mod functions;
 mod result;
-mod v1;

@@ -351,7 +351,7 @@ pub(super) fn checked_key_and_scope(
 /// store keeps keys hashed).
 pub(super) fn key_and_scope(key: Option<Text<'_>>, scope: Option<Text<'_>>) -> (String, String) {
     let (key, scope) = checked_key_and_scope(key, scope);
-    (store::stored_key(key), scope)
+    (store::stored_form(key), scope)
 }
 
 /// An optional `ttl` argument (NULL: the caller's default applies), checked when given.

@@ -34,7 +34,7 @@ mod sql;
 mod sweep;
 
 pub(crate) use catalog::column_is;
-pub use catalog::{role_settings, stored_key};
+pub use catalog::{role_settings, stored_form};
 #[cfg(any(test, feature = "pg_test"))]
 pub(crate) use claim::without_waiting;
 pub use claim::{claim, claim_many};

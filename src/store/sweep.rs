@@ -70,8 +70,8 @@ static CURSOR: crate::local::BackendLocal<Cell<pg_sys::Timestamp>> =
 const DT_NOBEGIN: pg_sys::Timestamp = i64::MIN;
 
 /// Whether the store has the sweep index (0.4.0 on): a store not yet updated has its index on
-/// `expires_at` instead (swept by the 0.3.0 statement, `sql::sweep_by_expires_at_sql`), which
-/// the update drops.
+/// `expires_at` instead (swept by the 0.3.0 statement, `sql::sweep::sweep_by_expires_at_sql`),
+/// which the update drops.
 fn sweep_index_exists() -> bool {
     relation_oid(c"idempotency_keys_expires_at_idx") == pg_sys::InvalidOid
 }

@@ -54,7 +54,8 @@ def sweep_sql(conn):
 def test_the_statements_sweep_key_is_the_expression_the_sweep_index_is_on():
     """Every statement that reads the sweep key is built from one text of it (`SWEEP_KEY`): it
     must be the expression the install script indexes, or the sweep would scan the table."""
-    src = open(os.path.join(ROOT, "src", "store", "sql.rs")).read()
+    folder = os.path.join(ROOT, "src", "store", "sql")
+    src = "".join(open(os.path.join(folder, name)).read() for name in sorted(os.listdir(folder)))
     key = re.search(r'pub\(crate\) const SWEEP_KEY: &str = "(.*?)";', src, re.S).group(1)
     script = open(os.path.join(ROOT, "sql", "idempotency.sql")).read()
     index = re.search(r"CREATE INDEX idempotency_keys_sweep_idx[^;]*;", script).group(0)

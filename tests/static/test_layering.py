@@ -68,9 +68,12 @@ def test_calls_only_go_down():
 
 def test_inside_the_store_sql_and_heap_stay_apart_and_the_catalog_is_below_both():
     store = os.path.join(SRC, "store")
-    sql = code(os.path.join(store, "sql.rs"))
-    assert "fn " in sql
-    assert not re.search(r"\bheap::", sql), "store/sql.rs reaches the writes below SQL"
+    sql_files = sorted(os.listdir(os.path.join(store, "sql")))
+    assert "mod.rs" in sql_files, "the statements are the folder store/sql/"
+    for name in sql_files:
+        sql = code(os.path.join(store, "sql", name))
+        assert "fn " in sql
+        assert not re.search(r"\bheap::", sql), f"store/sql/{name} reaches the writes below SQL"
     for name in os.listdir(os.path.join(store, "heap")):
         text = code(os.path.join(store, "heap", name))
         assert not re.search(r"\bsql::", text), f"store/heap/{name} reaches the statements"

@@ -36,8 +36,8 @@ pub(super) fn is_citus_table(relid: pg_sys::Oid) -> bool {
 /// `t % TOKEN_STRIDE == g`: its `token_seq` counts up by the stride from a value of its class
 /// (`idempotency.distribute()` sets this up on every node). Tokens are then unique across the
 /// cluster, and a node can always find a token of its own above a key's current one, whatever
-/// node gave that (a takeover, see `sql::next_token_above`). Group ids of 65,536 and more are
-/// refused.
+/// node gave that (a takeover, see `sql::claim::next_token_above`). Group ids of 65,536 and more
+/// are refused.
 const TOKEN_STRIDE: i64 = 1 << 16;
 
 /// Audit ids on Citus: node `g`'s `audit_id_seq` counts from `g << 48` (the coordinator's from

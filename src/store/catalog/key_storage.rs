@@ -84,8 +84,9 @@ pub(crate) fn keys_hashed() -> bool {
 }
 
 /// The form in which `key` is stored: itself, or its keyed hash in hex when the store keeps
-/// keys hashed (`idempotency.set_key_storage`).
-pub fn stored_key(key: String) -> String {
+/// keys hashed (`idempotency.set_key_storage`). The SQL function `idempotency._stored_key`
+/// returns it, once its key and scope are checked.
+pub fn stored_form(key: String) -> String {
     match key_storage() {
         KeyStorage::Plain => key,
         KeyStorage::Keyed(secret) => crate::signing::hashed_key(&key, &secret),

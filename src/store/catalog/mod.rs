@@ -21,7 +21,7 @@ mod role_settings;
 
 pub(crate) use columns::{looked_up_index, Column, COLUMNS, LOOKED_UP, LOOKED_UP_COUNT};
 pub(crate) use direct::{direct_layout, direct_layout_for_write, DirectLayout};
-pub use key_storage::{key_label, stored_key};
+pub use key_storage::{key_label, stored_form};
 pub(crate) use key_storage::{keys_hashed, KeyStorage};
 pub use role_settings::role_settings;
 

@@ -1,6 +1,6 @@
-//! The raw V1 entry points: `claim`, `complete` (through `_complete`) and `claim_many`, on
-//! every request's path, read their arguments by position and form their results themselves;
-//! and the role_settings trigger.
+//! The raw fmgr entry points (the version-1 calling convention): `claim`, `complete` (through
+//! `_complete`) and `claim_many`, on every request's path, read their arguments by position and
+//! form their results themselves; and the role_settings trigger.
 
 use super::args::*;
 use super::result::*;
@@ -137,7 +137,7 @@ pub extern "C-unwind" fn idempotency_claim_many(fcinfo: pg_sys::FunctionCallInfo
                 ))
                 .to_string(),
             };
-            stored.push(store::stored_key(key));
+            stored.push(store::stored_form(key));
         }
         let (ttl, lease) = ttl_and_lease(pg_getarg(fcinfo, 3), pg_getarg(fcinfo, 4));
         let (ttl, lease) = (ttl.value, lease.value);
