@@ -12,7 +12,7 @@ import pytest
 from psycopg.types.json import Jsonb
 
 from cluster import Cluster
-from helpers import race_sessions
+from helpers import race_sessions, wait_until
 
 PATTERNS_DIR = os.path.join(os.path.dirname(__file__), "..", "..", "examples", "patterns")
 PATTERNS = ["payment", "webhook", "queue", "workflow", "cron"]
@@ -321,11 +321,8 @@ def run_in_thread(fn):
     return t, box
 
 
-def wait_for(cond, timeout=20):
-    deadline = time.time() + timeout
-    while not cond():
-        assert time.time() < deadline, "timed out"
-        time.sleep(0.05)
+def wait_for(cond, timeout=30):
+    return wait_until(cond, timeout=timeout)
 
 
 def test_workflow_crash_in_step_2_resumes_without_redoing_step_1(app, db):
