@@ -5,14 +5,13 @@ import hashlib
 import hmac
 import os
 import threading
-import time
 import uuid
 
 import psycopg
 import pytest
 
 from cluster import EDITION, Cluster
-from helpers import claim
+from helpers import claim, wait_until
 
 
 @pytest.fixture
@@ -139,7 +138,10 @@ def test_switch_waits_for_open_claims_and_other_sessions_follow(hashed_cluster):
         t = threading.Thread(target=lambda: done.append(
             b.execute("SELECT idempotency.set_key_storage('sha256')").fetchone()[0]))
         t.start()
-        time.sleep(0.5)
+        wait_until(lambda: other.execute(
+            "SELECT wait_event IS NOT NULL AND wait_event <> 'ClientRead' FROM pg_stat_activity "
+            "WHERE pid = %s AND state = 'active'", (b.info.backend_pid,)).fetchone(),
+            what="the switch waiting")
         assert not done  # waits for the open claim's transaction
         a.commit()
         t.join(10)
