@@ -440,6 +440,284 @@ SELECT pg_catalog.current_database() AS database,
         UNION ALL
         SELECT * FROM idempotency._cluster_stats()
          WHERE pg_catalog.to_regclass('pg_catalog.pg_dist_partition') IS NOT NULL) AS s;
+-- distribute() checks the application's table (colocate_with) and that every node is reachable
+-- before it changes anything.
+CREATE OR REPLACE FUNCTION idempotency.distribute(
+    tenant_type   regtype,
+    shard_count   integer DEFAULT NULL,
+    colocate_with regclass DEFAULT NULL)
+RETURNS void
+LANGUAGE plpgsql VOLATILE
+SET search_path = pg_catalog, pg_temp
+AS $fn$
+DECLARE
+    v_changed boolean := false;
+    v_rel regclass;
+    v_fn regprocedure;
+    v_node record;
+    v_floor bigint := 0;
+    v_type pg_catalog.regtype := tenant_type;
+    v_current pg_catalog.regtype;
+    v_column text;
+    v_app_column name;
+    v_app_type pg_catalog.regtype;
+    v_app_collation oid;
+BEGIN
+    IF v_type IS NOT NULL AND v_type OPERATOR(pg_catalog.<>) ALL (ARRAY['text', 'bigint', 'uuid']::pg_catalog.regtype[]) THEN
+        RAISE EXCEPTION USING
+            ERRCODE = 'invalid_parameter_value',
+            MESSAGE = pg_catalog.format('tenant_type must be text, bigint or uuid, not %s', v_type),
+            HINT = 'distribute by the type of the tenant id the application''s tables are distributed by; text: by scope';
+    END IF;
+    IF NOT EXISTS (SELECT FROM pg_catalog.pg_extension AS e WHERE e.extname OPERATOR(pg_catalog.=) 'citus') THEN
+        RAISE EXCEPTION USING
+            ERRCODE = 'feature_not_supported',
+            MESSAGE = 'idempotency.distribute needs Citus: the citus extension is not installed in this database',
+            HINT = 'on a Citus coordinator run CREATE EXTENSION citus first; a single PostgreSQL node needs no distribution';
+    END IF;
+    IF (SELECT g.groupid FROM pg_catalog.pg_dist_local_group AS g) OPERATOR(pg_catalog.<>) 0 THEN
+        RAISE EXCEPTION USING
+            ERRCODE = 'object_not_in_prerequisite_state',
+            MESSAGE = 'idempotency.distribute must run on the Citus coordinator; this node is a worker',
+            HINT = 'connect to the coordinator and call idempotency.distribute() there';
+    END IF;
+
+    IF (SELECT c.relkind FROM pg_catalog.pg_class AS c
+         WHERE c.oid OPERATOR(pg_catalog.=) 'idempotency.idempotency_keys'::pg_catalog.regclass) OPERATOR(pg_catalog.=) 'p' THEN
+        RAISE EXCEPTION USING
+            ERRCODE = 'feature_not_supported',
+            MESSAGE = 'idempotency.distribute cannot distribute a partitioned store (idempotency.partitions)',
+            HINT = 'on Citus create the extension with idempotency.partitions = 0: the shards split the store instead';
+    END IF;
+    SELECT pg_catalog.column_to_column_name(p.logicalrelid, p.partkey) INTO v_column
+      FROM pg_catalog.pg_dist_partition AS p
+     WHERE p.logicalrelid OPERATOR(pg_catalog.=) 'idempotency.idempotency_keys'::pg_catalog.regclass
+       AND p.partmethod OPERATOR(pg_catalog.=) 'h';
+    SELECT a.atttypid::pg_catalog.regtype INTO v_current FROM pg_catalog.pg_attribute AS a
+     WHERE a.attrelid OPERATOR(pg_catalog.=) 'idempotency.idempotency_keys'::pg_catalog.regclass
+       AND a.attname OPERATOR(pg_catalog.=) v_column AND NOT a.attisdropped;
+    IF NOT EXISTS (SELECT FROM pg_catalog.pg_dist_partition AS p
+                    WHERE p.logicalrelid OPERATOR(pg_catalog.=) 'idempotency.idempotency_keys'::pg_catalog.regclass) THEN
+        v_type := COALESCE(v_type, 'text'::pg_catalog.regtype);
+        IF distribute.colocate_with IS NOT NULL AND distribute.shard_count IS NOT NULL THEN
+            RAISE EXCEPTION USING
+                ERRCODE = 'invalid_parameter_value',
+                MESSAGE = 'idempotency.distribute takes shard_count or colocate_with, not both',
+                HINT = 'the store colocated with a table has that table''s shards';
+        END IF;
+        -- Checked before anything changes (the tenant columns are added on each node by a
+        -- command of its own, which a later failure would not undo): the application's table is
+        -- hash-distributed by a column of the store's type (and, for text, collation "C", the
+        -- scope's, as Citus requires of colocated columns), and every node is reachable.
+        IF distribute.colocate_with IS NOT NULL THEN
+            SELECT a.attname, a.atttypid::pg_catalog.regtype, a.attcollation
+              INTO v_app_column, v_app_type, v_app_collation
+              FROM pg_catalog.pg_dist_partition AS p
+              JOIN pg_catalog.pg_attribute AS a
+                ON a.attrelid OPERATOR(pg_catalog.=) p.logicalrelid
+               AND a.attname OPERATOR(pg_catalog.=) pg_catalog.column_to_column_name(p.logicalrelid, p.partkey)
+             WHERE p.logicalrelid OPERATOR(pg_catalog.=) distribute.colocate_with
+               AND p.partmethod OPERATOR(pg_catalog.=) 'h';
+            IF NOT FOUND THEN
+                RAISE EXCEPTION USING
+                    ERRCODE = 'invalid_parameter_value',
+                    MESSAGE = pg_catalog.format('idempotency.distribute: colocate_with %s is not a hash-distributed Citus table',
+                                                distribute.colocate_with),
+                    HINT = 'distribute the application''s table by its tenant id first (create_distributed_table), or leave colocate_with out';
+            END IF;
+            IF v_app_type OPERATOR(pg_catalog.<>) v_type THEN
+                RAISE EXCEPTION USING
+                    ERRCODE = 'invalid_parameter_value',
+                    MESSAGE = pg_catalog.format('idempotency.distribute: colocate_with %s is distributed by %I of type %s, not tenant_type %s',
+                                                distribute.colocate_with, v_app_column, v_app_type, v_type),
+                    HINT = CASE WHEN v_app_type OPERATOR(pg_catalog.=) ANY (ARRAY['text', 'bigint', 'uuid']::pg_catalog.regtype[])
+                                THEN pg_catalog.format('pass tenant_type => %L', v_app_type)
+                                ELSE 'the store is distributed by text (its scope), bigint or uuid: colocate it with a table distributed by one of those' END;
+            END IF;
+            IF v_type OPERATOR(pg_catalog.=) 'text'::pg_catalog.regtype
+               AND v_app_collation OPERATOR(pg_catalog.<>) 'pg_catalog."C"'::pg_catalog.regcollation THEN
+                RAISE EXCEPTION USING
+                    ERRCODE = 'invalid_parameter_value',
+                    MESSAGE = pg_catalog.format('idempotency.distribute: colocate_with %s is distributed by %I of collation %s, not "C" (the scope''s)',
+                                                distribute.colocate_with, v_app_column, v_app_collation::pg_catalog.regcollation),
+                    HINT = 'Citus colocates columns of the same collation: declare the application''s column COLLATE "C"';
+            END IF;
+        END IF;
+        FOR v_node IN
+            SELECT r.nodename, r.nodeport, r.success, r.result
+              FROM pg_catalog.run_command_on_workers('SELECT 1') AS r
+        LOOP
+            IF NOT v_node.success THEN
+                RAISE EXCEPTION USING
+                    ERRCODE = 'connection_exception',
+                    MESSAGE = pg_catalog.format('idempotency.distribute: Citus node %s:%s is unreachable, and nothing was changed: %s',
+                                                v_node.nodename, v_node.nodeport, v_node.result),
+                    HINT = 'call idempotency.distribute() again once every node is reachable';
+            END IF;
+        END LOOP;
+        IF v_type OPERATOR(pg_catalog.<>) 'text'::pg_catalog.regtype THEN
+            -- The statements that name the tenant are the library's (claim, complete).
+            IF (SELECT l.lanname FROM pg_catalog.pg_proc AS f
+                  JOIN pg_catalog.pg_language AS l ON l.oid OPERATOR(pg_catalog.=) f.prolang
+                 WHERE f.oid OPERATOR(pg_catalog.=) 'idempotency.claim(text, jsonb, text, interval, interval)'::pg_catalog.regprocedure)
+               OPERATOR(pg_catalog.<>) 'c' THEN
+                RAISE EXCEPTION USING
+                    ERRCODE = 'feature_not_supported',
+                    MESSAGE = 'idempotency.distribute: a store distributed by its tenant needs the native edition (the library)',
+                    HINT = 'distribute the portable edition''s store by scope: idempotency.distribute()';
+            END IF;
+            PERFORM idempotency._tenant_columns(v_type);
+            FOR v_node IN
+                SELECT r.nodename, r.nodeport, r.success, r.result
+                  FROM pg_catalog.run_command_on_workers(
+                           pg_catalog.format('SELECT idempotency._tenant_columns(%L)', v_type)) AS r
+            LOOP
+                IF NOT v_node.success THEN
+                    RAISE EXCEPTION USING
+                        ERRCODE = 'connection_exception',
+                        MESSAGE = pg_catalog.format('idempotency.distribute could not add the tenant column on Citus node %s:%s: %s',
+                                                    v_node.nodename, v_node.nodeport, v_node.result),
+                        HINT = 'call idempotency.distribute() again once every node is reachable';
+                END IF;
+            END LOOP;
+            v_column := 'tenant';
+        ELSE
+            v_column := 'scope';
+        END IF;
+        PERFORM pg_catalog.create_distributed_table('idempotency.idempotency_keys', v_column,
+                                                    colocate_with => COALESCE(distribute.colocate_with::pg_catalog.text, 'none'),
+                                                    shard_count => distribute.shard_count);
+        v_changed := true;
+    ELSIF v_column IS NULL OR v_column OPERATOR(pg_catalog.<>) ALL (ARRAY['scope', 'tenant']) THEN
+        RAISE EXCEPTION USING
+            ERRCODE = 'object_not_in_prerequisite_state',
+            MESSAGE = 'idempotency.idempotency_keys is a Citus table, but not hash-distributed by scope or tenant',
+            HINT = 'Citus cannot convert the tables of an extension (undistribute_table refuses them): copy the store out, re-create the extension and copy it back (docs/scaling.md, "Undistributing the store"), then call idempotency.distribute()';
+    ELSIF v_type IS NOT NULL AND v_type OPERATOR(pg_catalog.<>) v_current THEN
+        RAISE EXCEPTION USING
+            ERRCODE = 'object_not_in_prerequisite_state',
+            MESSAGE = pg_catalog.format('idempotency.distribute: the store is distributed by a tenant of type %s already, not %s',
+                                        v_current, v_type),
+            HINT = 'a distributed store keeps its distribution: copy the store out, re-create the extension and copy it back (docs/scaling.md, "Undistributing the store"), then distribute it again';
+    ELSIF distribute.colocate_with IS NOT NULL
+          AND (SELECT p.colocationid FROM pg_catalog.pg_dist_partition AS p
+                WHERE p.logicalrelid OPERATOR(pg_catalog.=) distribute.colocate_with) IS DISTINCT FROM
+              (SELECT p.colocationid FROM pg_catalog.pg_dist_partition AS p
+                WHERE p.logicalrelid OPERATOR(pg_catalog.=) 'idempotency.idempotency_keys'::pg_catalog.regclass) THEN
+        RAISE EXCEPTION USING
+            ERRCODE = 'object_not_in_prerequisite_state',
+            MESSAGE = pg_catalog.format('idempotency.distribute: the store is distributed already, and not colocated with %s',
+                                        distribute.colocate_with),
+            HINT = pg_catalog.format('colocate the table with the store: SELECT alter_distributed_table(%L, colocate_with => ''idempotency.idempotency_keys'')',
+                                     distribute.colocate_with::pg_catalog.text);
+    ELSE
+        v_type := v_current;
+    END IF;
+
+    IF NOT EXISTS (SELECT FROM pg_catalog.pg_dist_partition AS p
+                    WHERE p.logicalrelid OPERATOR(pg_catalog.=) 'idempotency.audit'::pg_catalog.regclass) THEN
+        IF v_column OPERATOR(pg_catalog.=) 'scope'
+           AND NOT EXISTS (SELECT FROM pg_catalog.pg_constraint AS c
+                            WHERE c.conrelid OPERATOR(pg_catalog.=) 'idempotency.audit'::pg_catalog.regclass
+                              AND c.conname OPERATOR(pg_catalog.=) 'audit_pkey'
+                              AND c.conkey OPERATOR(pg_catalog.=) ARRAY[2, 1]::pg_catalog.int2[]) THEN
+            ALTER TABLE idempotency.audit DROP CONSTRAINT audit_pkey,
+                ADD CONSTRAINT audit_pkey PRIMARY KEY (scope, id);
+        END IF;
+        PERFORM pg_catalog.create_distributed_table('idempotency.audit', v_column,
+                                                    colocate_with => 'idempotency.idempotency_keys');
+        v_changed := true;
+    END IF;
+
+    FOREACH v_rel IN ARRAY ARRAY['idempotency.config', 'idempotency.signing_secrets']::pg_catalog.regclass[] LOOP
+        IF NOT EXISTS (SELECT FROM pg_catalog.pg_dist_partition AS p
+                        WHERE p.logicalrelid OPERATOR(pg_catalog.=) v_rel) THEN
+            PERFORM pg_catalog.create_reference_table(v_rel);
+            v_changed := true;
+        END IF;
+    END LOOP;
+
+    -- A store distributed by scope: the functions by their scope argument; by its tenant: the
+    -- overloads of claim and complete whose scope is of the tenant's type (a text argument
+    -- cannot be the distribution argument of a function colocated with a bigint or uuid column).
+    FOREACH v_fn IN ARRAY CASE WHEN v_type OPERATOR(pg_catalog.=) 'text'::pg_catalog.regtype THEN ARRAY[
+        'idempotency.claim(text, jsonb, text, interval, interval)',
+        'idempotency.complete(text, jsonb, integer, text, bigint, interval)',
+        'idempotency.checkpoint(text, text, text, bigint)',
+        'idempotency.release(text, text, bigint)',
+        'idempotency.forget(text, text)',
+        'idempotency.lookup(text, text)',
+        -- A batch has one scope: delegated whole to the worker holding its shard.
+        'idempotency.claim_many(text[], jsonb[], text, interval, interval)',
+        'idempotency.complete_many(text[], jsonb[], integer[], text, bigint[], interval)']::pg_catalog.regprocedure[]
+      ELSE ARRAY[
+        pg_catalog.format('idempotency.claim(text, jsonb, %s, interval, interval)', v_type)::pg_catalog.regprocedure,
+        pg_catalog.format('idempotency.complete(text, jsonb, integer, %s, bigint, interval)', v_type)::pg_catalog.regprocedure]
+      END LOOP
+        IF NOT EXISTS (SELECT FROM pg_catalog.pg_dist_object AS o
+                        WHERE o.classid OPERATOR(pg_catalog.=) 'pg_catalog.pg_proc'::pg_catalog.regclass
+                          AND o.objid OPERATOR(pg_catalog.=) v_fn::pg_catalog.oid
+                          AND o.distribution_argument_index IS NOT NULL) THEN
+            PERFORM pg_catalog.create_distributed_function(v_fn, distribution_arg_name => 'scope',
+                                                           colocate_with => 'idempotency.idempotency_keys');
+            v_changed := true;
+        END IF;
+    END LOOP;
+
+    -- Citus copies the rows of a table it distributes into the shards, and leaves them in the
+    -- coordinator's own (shell) table too, where nothing reads or sweeps them: empty it. Every
+    -- call looks, so a store distributed before with its rows left there is emptied as well.
+    FOREACH v_rel IN ARRAY ARRAY['idempotency.idempotency_keys', 'idempotency.audit',
+                                 'idempotency.config', 'idempotency.signing_secrets']::pg_catalog.regclass[] LOOP
+        IF pg_catalog.pg_relation_size(v_rel) OPERATOR(pg_catalog.>) 0 THEN
+            PERFORM pg_catalog.truncate_local_data_after_distributing_table(v_rel);
+            RAISE NOTICE 'idempotency.distribute: emptied the coordinator''s local table of % (its rows are in the shards)', v_rel;
+            v_changed := true;
+        END IF;
+    END LOOP;
+
+    -- Token classes and audit id ranges, on every node (nodes added later get theirs at the
+    -- next call; until then claims there are refused). A node given its class starts above
+    -- every token any node handed out so far (its class may hold tokens handed out before
+    -- the classes, on a single node or by an older release).
+    FOR v_node IN
+        SELECT r.nodeid, r.success, r.result FROM pg_catalog.run_command_on_all_nodes(
+            $cmd$SELECT t.last_value FROM idempotency.token_seq AS t$cmd$) AS r
+    LOOP
+        IF NOT v_node.success THEN
+            RAISE EXCEPTION USING
+                ERRCODE = 'connection_exception',
+                MESSAGE = pg_catalog.format('idempotency.distribute could not read the token sequence of Citus node %s: %s',
+                                            v_node.nodeid, v_node.result),
+                HINT = 'call idempotency.distribute() again once every node is reachable';
+        END IF;
+        v_floor := GREATEST(v_floor, v_node.result::bigint);
+    END LOOP;
+    v_floor := GREATEST(v_floor, (SELECT pg_catalog.max(k.token) FROM idempotency.idempotency_keys AS k));
+    FOR v_node IN
+        SELECT n.nodename, n.nodeport, r.success, r.result
+          FROM pg_catalog.run_command_on_all_nodes(
+                   pg_catalog.format('SELECT idempotency._node_sequences(%s)', v_floor)) AS r
+          LEFT JOIN pg_catalog.pg_dist_node AS n ON n.nodeid OPERATOR(pg_catalog.=) r.nodeid
+    LOOP
+        IF NOT v_node.success THEN
+            RAISE EXCEPTION USING
+                ERRCODE = 'connection_exception',
+                MESSAGE = pg_catalog.format('idempotency.distribute could not set the token and audit id ranges of Citus node %s:%s: %s',
+                                            v_node.nodename, v_node.nodeport, v_node.result),
+                HINT = 'call idempotency.distribute() again once every node is reachable';
+        END IF;
+        IF v_node.result OPERATOR(pg_catalog.<>) '' THEN
+            RAISE NOTICE 'idempotency.distribute: node %:% now hands out %', v_node.nodename, v_node.nodeport, v_node.result;
+            v_changed := true;
+        END IF;
+    END LOOP;
+
+    IF NOT v_changed THEN
+        RAISE NOTICE 'idempotency.distribute: the store is distributed already; nothing changed';
+    END IF;
+END
+$fn$;
 
 -- The functions whose definition changed, or that are new, as a fresh install creates them.
 
@@ -1999,6 +2277,283 @@ BEGIN
         EXIT WHEN v_n OPERATOR(pg_catalog.<) v_batch;
     END LOOP;
     RETURN v_total;
+END
+$fn$;
+
+CREATE OR REPLACE FUNCTION idempotency.distribute(
+    tenant_type   regtype,
+    shard_count   integer DEFAULT NULL,
+    colocate_with regclass DEFAULT NULL)
+RETURNS void
+LANGUAGE plpgsql VOLATILE
+SET search_path = pg_catalog, pg_temp
+AS $fn$
+DECLARE
+    v_changed boolean := false;
+    v_rel regclass;
+    v_fn regprocedure;
+    v_node record;
+    v_floor bigint := 0;
+    v_type pg_catalog.regtype := tenant_type;
+    v_current pg_catalog.regtype;
+    v_column text;
+    v_app_column name;
+    v_app_type pg_catalog.regtype;
+    v_app_collation oid;
+BEGIN
+    IF v_type IS NOT NULL AND v_type OPERATOR(pg_catalog.<>) ALL (ARRAY['text', 'bigint', 'uuid']::pg_catalog.regtype[]) THEN
+        RAISE EXCEPTION USING
+            ERRCODE = 'invalid_parameter_value',
+            MESSAGE = pg_catalog.format('tenant_type must be text, bigint or uuid, not %s', v_type),
+            HINT = 'distribute by the type of the tenant id the application''s tables are distributed by; text: by scope';
+    END IF;
+    IF NOT EXISTS (SELECT FROM pg_catalog.pg_extension AS e WHERE e.extname OPERATOR(pg_catalog.=) 'citus') THEN
+        RAISE EXCEPTION USING
+            ERRCODE = 'feature_not_supported',
+            MESSAGE = 'idempotency.distribute needs Citus: the citus extension is not installed in this database',
+            HINT = 'on a Citus coordinator run CREATE EXTENSION citus first; a single PostgreSQL node needs no distribution';
+    END IF;
+    IF (SELECT g.groupid FROM pg_catalog.pg_dist_local_group AS g) OPERATOR(pg_catalog.<>) 0 THEN
+        RAISE EXCEPTION USING
+            ERRCODE = 'object_not_in_prerequisite_state',
+            MESSAGE = 'idempotency.distribute must run on the Citus coordinator; this node is a worker',
+            HINT = 'connect to the coordinator and call idempotency.distribute() there';
+    END IF;
+
+    IF (SELECT c.relkind FROM pg_catalog.pg_class AS c
+         WHERE c.oid OPERATOR(pg_catalog.=) 'idempotency.idempotency_keys'::pg_catalog.regclass) OPERATOR(pg_catalog.=) 'p' THEN
+        RAISE EXCEPTION USING
+            ERRCODE = 'feature_not_supported',
+            MESSAGE = 'idempotency.distribute cannot distribute a partitioned store (idempotency.partitions)',
+            HINT = 'on Citus create the extension with idempotency.partitions = 0: the shards split the store instead';
+    END IF;
+    SELECT pg_catalog.column_to_column_name(p.logicalrelid, p.partkey) INTO v_column
+      FROM pg_catalog.pg_dist_partition AS p
+     WHERE p.logicalrelid OPERATOR(pg_catalog.=) 'idempotency.idempotency_keys'::pg_catalog.regclass
+       AND p.partmethod OPERATOR(pg_catalog.=) 'h';
+    SELECT a.atttypid::pg_catalog.regtype INTO v_current FROM pg_catalog.pg_attribute AS a
+     WHERE a.attrelid OPERATOR(pg_catalog.=) 'idempotency.idempotency_keys'::pg_catalog.regclass
+       AND a.attname OPERATOR(pg_catalog.=) v_column AND NOT a.attisdropped;
+    IF NOT EXISTS (SELECT FROM pg_catalog.pg_dist_partition AS p
+                    WHERE p.logicalrelid OPERATOR(pg_catalog.=) 'idempotency.idempotency_keys'::pg_catalog.regclass) THEN
+        v_type := COALESCE(v_type, 'text'::pg_catalog.regtype);
+        IF distribute.colocate_with IS NOT NULL AND distribute.shard_count IS NOT NULL THEN
+            RAISE EXCEPTION USING
+                ERRCODE = 'invalid_parameter_value',
+                MESSAGE = 'idempotency.distribute takes shard_count or colocate_with, not both',
+                HINT = 'the store colocated with a table has that table''s shards';
+        END IF;
+        -- Checked before anything changes (the tenant columns are added on each node by a
+        -- command of its own, which a later failure would not undo): the application's table is
+        -- hash-distributed by a column of the store's type (and, for text, collation "C", the
+        -- scope's, as Citus requires of colocated columns), and every node is reachable.
+        IF distribute.colocate_with IS NOT NULL THEN
+            SELECT a.attname, a.atttypid::pg_catalog.regtype, a.attcollation
+              INTO v_app_column, v_app_type, v_app_collation
+              FROM pg_catalog.pg_dist_partition AS p
+              JOIN pg_catalog.pg_attribute AS a
+                ON a.attrelid OPERATOR(pg_catalog.=) p.logicalrelid
+               AND a.attname OPERATOR(pg_catalog.=) pg_catalog.column_to_column_name(p.logicalrelid, p.partkey)
+             WHERE p.logicalrelid OPERATOR(pg_catalog.=) distribute.colocate_with
+               AND p.partmethod OPERATOR(pg_catalog.=) 'h';
+            IF NOT FOUND THEN
+                RAISE EXCEPTION USING
+                    ERRCODE = 'invalid_parameter_value',
+                    MESSAGE = pg_catalog.format('idempotency.distribute: colocate_with %s is not a hash-distributed Citus table',
+                                                distribute.colocate_with),
+                    HINT = 'distribute the application''s table by its tenant id first (create_distributed_table), or leave colocate_with out';
+            END IF;
+            IF v_app_type OPERATOR(pg_catalog.<>) v_type THEN
+                RAISE EXCEPTION USING
+                    ERRCODE = 'invalid_parameter_value',
+                    MESSAGE = pg_catalog.format('idempotency.distribute: colocate_with %s is distributed by %I of type %s, not tenant_type %s',
+                                                distribute.colocate_with, v_app_column, v_app_type, v_type),
+                    HINT = CASE WHEN v_app_type OPERATOR(pg_catalog.=) ANY (ARRAY['text', 'bigint', 'uuid']::pg_catalog.regtype[])
+                                THEN pg_catalog.format('pass tenant_type => %L', v_app_type)
+                                ELSE 'the store is distributed by text (its scope), bigint or uuid: colocate it with a table distributed by one of those' END;
+            END IF;
+            IF v_type OPERATOR(pg_catalog.=) 'text'::pg_catalog.regtype
+               AND v_app_collation OPERATOR(pg_catalog.<>) 'pg_catalog."C"'::pg_catalog.regcollation THEN
+                RAISE EXCEPTION USING
+                    ERRCODE = 'invalid_parameter_value',
+                    MESSAGE = pg_catalog.format('idempotency.distribute: colocate_with %s is distributed by %I of collation %s, not "C" (the scope''s)',
+                                                distribute.colocate_with, v_app_column, v_app_collation::pg_catalog.regcollation),
+                    HINT = 'Citus colocates columns of the same collation: declare the application''s column COLLATE "C"';
+            END IF;
+        END IF;
+        FOR v_node IN
+            SELECT r.nodename, r.nodeport, r.success, r.result
+              FROM pg_catalog.run_command_on_workers('SELECT 1') AS r
+        LOOP
+            IF NOT v_node.success THEN
+                RAISE EXCEPTION USING
+                    ERRCODE = 'connection_exception',
+                    MESSAGE = pg_catalog.format('idempotency.distribute: Citus node %s:%s is unreachable, and nothing was changed: %s',
+                                                v_node.nodename, v_node.nodeport, v_node.result),
+                    HINT = 'call idempotency.distribute() again once every node is reachable';
+            END IF;
+        END LOOP;
+        IF v_type OPERATOR(pg_catalog.<>) 'text'::pg_catalog.regtype THEN
+            -- The statements that name the tenant are the library's (claim, complete).
+            IF (SELECT l.lanname FROM pg_catalog.pg_proc AS f
+                  JOIN pg_catalog.pg_language AS l ON l.oid OPERATOR(pg_catalog.=) f.prolang
+                 WHERE f.oid OPERATOR(pg_catalog.=) 'idempotency.claim(text, jsonb, text, interval, interval)'::pg_catalog.regprocedure)
+               OPERATOR(pg_catalog.<>) 'c' THEN
+                RAISE EXCEPTION USING
+                    ERRCODE = 'feature_not_supported',
+                    MESSAGE = 'idempotency.distribute: a store distributed by its tenant needs the native edition (the library)',
+                    HINT = 'distribute the portable edition''s store by scope: idempotency.distribute()';
+            END IF;
+            PERFORM idempotency._tenant_columns(v_type);
+            FOR v_node IN
+                SELECT r.nodename, r.nodeport, r.success, r.result
+                  FROM pg_catalog.run_command_on_workers(
+                           pg_catalog.format('SELECT idempotency._tenant_columns(%L)', v_type)) AS r
+            LOOP
+                IF NOT v_node.success THEN
+                    RAISE EXCEPTION USING
+                        ERRCODE = 'connection_exception',
+                        MESSAGE = pg_catalog.format('idempotency.distribute could not add the tenant column on Citus node %s:%s: %s',
+                                                    v_node.nodename, v_node.nodeport, v_node.result),
+                        HINT = 'call idempotency.distribute() again once every node is reachable';
+                END IF;
+            END LOOP;
+            v_column := 'tenant';
+        ELSE
+            v_column := 'scope';
+        END IF;
+        PERFORM pg_catalog.create_distributed_table('idempotency.idempotency_keys', v_column,
+                                                    colocate_with => COALESCE(distribute.colocate_with::pg_catalog.text, 'none'),
+                                                    shard_count => distribute.shard_count);
+        v_changed := true;
+    ELSIF v_column IS NULL OR v_column OPERATOR(pg_catalog.<>) ALL (ARRAY['scope', 'tenant']) THEN
+        RAISE EXCEPTION USING
+            ERRCODE = 'object_not_in_prerequisite_state',
+            MESSAGE = 'idempotency.idempotency_keys is a Citus table, but not hash-distributed by scope or tenant',
+            HINT = 'Citus cannot convert the tables of an extension (undistribute_table refuses them): copy the store out, re-create the extension and copy it back (docs/scaling.md, "Undistributing the store"), then call idempotency.distribute()';
+    ELSIF v_type IS NOT NULL AND v_type OPERATOR(pg_catalog.<>) v_current THEN
+        RAISE EXCEPTION USING
+            ERRCODE = 'object_not_in_prerequisite_state',
+            MESSAGE = pg_catalog.format('idempotency.distribute: the store is distributed by a tenant of type %s already, not %s',
+                                        v_current, v_type),
+            HINT = 'a distributed store keeps its distribution: copy the store out, re-create the extension and copy it back (docs/scaling.md, "Undistributing the store"), then distribute it again';
+    ELSIF distribute.colocate_with IS NOT NULL
+          AND (SELECT p.colocationid FROM pg_catalog.pg_dist_partition AS p
+                WHERE p.logicalrelid OPERATOR(pg_catalog.=) distribute.colocate_with) IS DISTINCT FROM
+              (SELECT p.colocationid FROM pg_catalog.pg_dist_partition AS p
+                WHERE p.logicalrelid OPERATOR(pg_catalog.=) 'idempotency.idempotency_keys'::pg_catalog.regclass) THEN
+        RAISE EXCEPTION USING
+            ERRCODE = 'object_not_in_prerequisite_state',
+            MESSAGE = pg_catalog.format('idempotency.distribute: the store is distributed already, and not colocated with %s',
+                                        distribute.colocate_with),
+            HINT = pg_catalog.format('colocate the table with the store: SELECT alter_distributed_table(%L, colocate_with => ''idempotency.idempotency_keys'')',
+                                     distribute.colocate_with::pg_catalog.text);
+    ELSE
+        v_type := v_current;
+    END IF;
+
+    IF NOT EXISTS (SELECT FROM pg_catalog.pg_dist_partition AS p
+                    WHERE p.logicalrelid OPERATOR(pg_catalog.=) 'idempotency.audit'::pg_catalog.regclass) THEN
+        IF v_column OPERATOR(pg_catalog.=) 'scope'
+           AND NOT EXISTS (SELECT FROM pg_catalog.pg_constraint AS c
+                            WHERE c.conrelid OPERATOR(pg_catalog.=) 'idempotency.audit'::pg_catalog.regclass
+                              AND c.conname OPERATOR(pg_catalog.=) 'audit_pkey'
+                              AND c.conkey OPERATOR(pg_catalog.=) ARRAY[2, 1]::pg_catalog.int2[]) THEN
+            ALTER TABLE idempotency.audit DROP CONSTRAINT audit_pkey,
+                ADD CONSTRAINT audit_pkey PRIMARY KEY (scope, id);
+        END IF;
+        PERFORM pg_catalog.create_distributed_table('idempotency.audit', v_column,
+                                                    colocate_with => 'idempotency.idempotency_keys');
+        v_changed := true;
+    END IF;
+
+    FOREACH v_rel IN ARRAY ARRAY['idempotency.config', 'idempotency.signing_secrets']::pg_catalog.regclass[] LOOP
+        IF NOT EXISTS (SELECT FROM pg_catalog.pg_dist_partition AS p
+                        WHERE p.logicalrelid OPERATOR(pg_catalog.=) v_rel) THEN
+            PERFORM pg_catalog.create_reference_table(v_rel);
+            v_changed := true;
+        END IF;
+    END LOOP;
+
+    -- A store distributed by scope: the functions by their scope argument; by its tenant: the
+    -- overloads of claim and complete whose scope is of the tenant's type (a text argument
+    -- cannot be the distribution argument of a function colocated with a bigint or uuid column).
+    FOREACH v_fn IN ARRAY CASE WHEN v_type OPERATOR(pg_catalog.=) 'text'::pg_catalog.regtype THEN ARRAY[
+        'idempotency.claim(text, jsonb, text, interval, interval)',
+        'idempotency.complete(text, jsonb, integer, text, bigint, interval)',
+        'idempotency.checkpoint(text, text, text, bigint)',
+        'idempotency.release(text, text, bigint)',
+        'idempotency.forget(text, text)',
+        'idempotency.lookup(text, text)',
+        -- A batch has one scope: delegated whole to the worker holding its shard.
+        'idempotency.claim_many(text[], jsonb[], text, interval, interval)',
+        'idempotency.complete_many(text[], jsonb[], integer[], text, bigint[], interval)']::pg_catalog.regprocedure[]
+      ELSE ARRAY[
+        pg_catalog.format('idempotency.claim(text, jsonb, %s, interval, interval)', v_type)::pg_catalog.regprocedure,
+        pg_catalog.format('idempotency.complete(text, jsonb, integer, %s, bigint, interval)', v_type)::pg_catalog.regprocedure]
+      END LOOP
+        IF NOT EXISTS (SELECT FROM pg_catalog.pg_dist_object AS o
+                        WHERE o.classid OPERATOR(pg_catalog.=) 'pg_catalog.pg_proc'::pg_catalog.regclass
+                          AND o.objid OPERATOR(pg_catalog.=) v_fn::pg_catalog.oid
+                          AND o.distribution_argument_index IS NOT NULL) THEN
+            PERFORM pg_catalog.create_distributed_function(v_fn, distribution_arg_name => 'scope',
+                                                           colocate_with => 'idempotency.idempotency_keys');
+            v_changed := true;
+        END IF;
+    END LOOP;
+
+    -- Citus copies the rows of a table it distributes into the shards, and leaves them in the
+    -- coordinator's own (shell) table too, where nothing reads or sweeps them: empty it. Every
+    -- call looks, so a store distributed before with its rows left there is emptied as well.
+    FOREACH v_rel IN ARRAY ARRAY['idempotency.idempotency_keys', 'idempotency.audit',
+                                 'idempotency.config', 'idempotency.signing_secrets']::pg_catalog.regclass[] LOOP
+        IF pg_catalog.pg_relation_size(v_rel) OPERATOR(pg_catalog.>) 0 THEN
+            PERFORM pg_catalog.truncate_local_data_after_distributing_table(v_rel);
+            RAISE NOTICE 'idempotency.distribute: emptied the coordinator''s local table of % (its rows are in the shards)', v_rel;
+            v_changed := true;
+        END IF;
+    END LOOP;
+
+    -- Token classes and audit id ranges, on every node (nodes added later get theirs at the
+    -- next call; until then claims there are refused). A node given its class starts above
+    -- every token any node handed out so far (its class may hold tokens handed out before
+    -- the classes, on a single node or by an older release).
+    FOR v_node IN
+        SELECT r.nodeid, r.success, r.result FROM pg_catalog.run_command_on_all_nodes(
+            $cmd$SELECT t.last_value FROM idempotency.token_seq AS t$cmd$) AS r
+    LOOP
+        IF NOT v_node.success THEN
+            RAISE EXCEPTION USING
+                ERRCODE = 'connection_exception',
+                MESSAGE = pg_catalog.format('idempotency.distribute could not read the token sequence of Citus node %s: %s',
+                                            v_node.nodeid, v_node.result),
+                HINT = 'call idempotency.distribute() again once every node is reachable';
+        END IF;
+        v_floor := GREATEST(v_floor, v_node.result::bigint);
+    END LOOP;
+    v_floor := GREATEST(v_floor, (SELECT pg_catalog.max(k.token) FROM idempotency.idempotency_keys AS k));
+    FOR v_node IN
+        SELECT n.nodename, n.nodeport, r.success, r.result
+          FROM pg_catalog.run_command_on_all_nodes(
+                   pg_catalog.format('SELECT idempotency._node_sequences(%s)', v_floor)) AS r
+          LEFT JOIN pg_catalog.pg_dist_node AS n ON n.nodeid OPERATOR(pg_catalog.=) r.nodeid
+    LOOP
+        IF NOT v_node.success THEN
+            RAISE EXCEPTION USING
+                ERRCODE = 'connection_exception',
+                MESSAGE = pg_catalog.format('idempotency.distribute could not set the token and audit id ranges of Citus node %s:%s: %s',
+                                            v_node.nodename, v_node.nodeport, v_node.result),
+                HINT = 'call idempotency.distribute() again once every node is reachable';
+        END IF;
+        IF v_node.result OPERATOR(pg_catalog.<>) '' THEN
+            RAISE NOTICE 'idempotency.distribute: node %:% now hands out %', v_node.nodename, v_node.nodeport, v_node.result;
+            v_changed := true;
+        END IF;
+    END LOOP;
+
+    IF NOT v_changed THEN
+        RAISE NOTICE 'idempotency.distribute: the store is distributed already; nothing changed';
+    END IF;
 END
 $fn$;
 

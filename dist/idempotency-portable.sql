@@ -4322,6 +4322,9 @@ DECLARE
     v_type pg_catalog.regtype := tenant_type;
     v_current pg_catalog.regtype;
     v_column text;
+    v_app_column name;
+    v_app_type pg_catalog.regtype;
+    v_app_collation oid;
 BEGIN
     IF v_type IS NOT NULL AND v_type OPERATOR(pg_catalog.<>) ALL (ARRAY['text', 'bigint', 'uuid']::pg_catalog.regtype[]) THEN
         RAISE EXCEPTION USING
@@ -4365,6 +4368,56 @@ BEGIN
                 MESSAGE = 'idempotency.distribute takes shard_count or colocate_with, not both',
                 HINT = 'the store colocated with a table has that table''s shards';
         END IF;
+        -- Checked before anything changes (the tenant columns are added on each node by a
+        -- command of its own, which a later failure would not undo): the application's table is
+        -- hash-distributed by a column of the store's type (and, for text, collation "C", the
+        -- scope's, as Citus requires of colocated columns), and every node is reachable.
+        IF distribute.colocate_with IS NOT NULL THEN
+            SELECT a.attname, a.atttypid::pg_catalog.regtype, a.attcollation
+              INTO v_app_column, v_app_type, v_app_collation
+              FROM pg_catalog.pg_dist_partition AS p
+              JOIN pg_catalog.pg_attribute AS a
+                ON a.attrelid OPERATOR(pg_catalog.=) p.logicalrelid
+               AND a.attname OPERATOR(pg_catalog.=) pg_catalog.column_to_column_name(p.logicalrelid, p.partkey)
+             WHERE p.logicalrelid OPERATOR(pg_catalog.=) distribute.colocate_with
+               AND p.partmethod OPERATOR(pg_catalog.=) 'h';
+            IF NOT FOUND THEN
+                RAISE EXCEPTION USING
+                    ERRCODE = 'invalid_parameter_value',
+                    MESSAGE = pg_catalog.format('idempotency.distribute: colocate_with %s is not a hash-distributed Citus table',
+                                                distribute.colocate_with),
+                    HINT = 'distribute the application''s table by its tenant id first (create_distributed_table), or leave colocate_with out';
+            END IF;
+            IF v_app_type OPERATOR(pg_catalog.<>) v_type THEN
+                RAISE EXCEPTION USING
+                    ERRCODE = 'invalid_parameter_value',
+                    MESSAGE = pg_catalog.format('idempotency.distribute: colocate_with %s is distributed by %I of type %s, not tenant_type %s',
+                                                distribute.colocate_with, v_app_column, v_app_type, v_type),
+                    HINT = CASE WHEN v_app_type OPERATOR(pg_catalog.=) ANY (ARRAY['text', 'bigint', 'uuid']::pg_catalog.regtype[])
+                                THEN pg_catalog.format('pass tenant_type => %L', v_app_type)
+                                ELSE 'the store is distributed by text (its scope), bigint or uuid: colocate it with a table distributed by one of those' END;
+            END IF;
+            IF v_type OPERATOR(pg_catalog.=) 'text'::pg_catalog.regtype
+               AND v_app_collation OPERATOR(pg_catalog.<>) 'pg_catalog."C"'::pg_catalog.regcollation THEN
+                RAISE EXCEPTION USING
+                    ERRCODE = 'invalid_parameter_value',
+                    MESSAGE = pg_catalog.format('idempotency.distribute: colocate_with %s is distributed by %I of collation %s, not "C" (the scope''s)',
+                                                distribute.colocate_with, v_app_column, v_app_collation::pg_catalog.regcollation),
+                    HINT = 'Citus colocates columns of the same collation: declare the application''s column COLLATE "C"';
+            END IF;
+        END IF;
+        FOR v_node IN
+            SELECT r.nodename, r.nodeport, r.success, r.result
+              FROM pg_catalog.run_command_on_workers('SELECT 1') AS r
+        LOOP
+            IF NOT v_node.success THEN
+                RAISE EXCEPTION USING
+                    ERRCODE = 'connection_exception',
+                    MESSAGE = pg_catalog.format('idempotency.distribute: Citus node %s:%s is unreachable, and nothing was changed: %s',
+                                                v_node.nodename, v_node.nodeport, v_node.result),
+                    HINT = 'call idempotency.distribute() again once every node is reachable';
+            END IF;
+        END LOOP;
         IF v_type OPERATOR(pg_catalog.<>) 'text'::pg_catalog.regtype THEN
             -- The statements that name the tenant are the library's (claim, complete).
             IF (SELECT l.lanname FROM pg_catalog.pg_proc AS f
