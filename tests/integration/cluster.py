@@ -133,13 +133,16 @@ class Cluster:
 
     def wait_ready(self, timeout=30):
         import psycopg
-        from helpers import wait_until
-
-        def accepts():
-            with psycopg.connect(self.conninfo(), autocommit=True) as c:
-                return c.execute("SELECT 1").fetchone()
-
-        wait_until(accepts, timeout=timeout, interval=0.2, what="the server accepting connections")
+        deadline = time.time() + timeout
+        while True:
+            try:
+                with psycopg.connect(self.conninfo(), autocommit=True) as c:
+                    c.execute("SELECT 1")
+                    return
+            except psycopg.OperationalError:
+                if time.time() > deadline:
+                    raise
+                time.sleep(0.2)
 
     def server_log(self):
         with open(self.log, encoding="utf-8", errors="replace") as f:

@@ -1,47 +1,13 @@
 """Helpers shared by the integration tests: one claim call as SQL, the paths the library reports
 taking, and races of real sessions released together by a barrier (the at-most-one-`new` races
-of test_concurrency.py, the storms of test_examples.py and test_patterns.py), and waiting for an
-event with a deadline (wait_until) instead of sleeping for a guessed time."""
+of test_concurrency.py, the storms of test_examples.py and test_patterns.py)."""
 
 import threading
-import time
 
 import psycopg
 from psycopg.types.json import Jsonb
 
 SESSIONS = 24
-
-
-def wait_until(predicate, timeout=30, interval=0.05, what="the condition"):
-    """Calls predicate() until it returns a truthy value and returns that value; fails with an
-    AssertionError naming `what` and the last value (or error) after `timeout` seconds. A
-    predicate that raises (a server still restarting) counts as not yet true."""
-    deadline = time.monotonic() + timeout
-    last = None
-    while True:
-        try:
-            last = predicate()
-            if last:
-                return last
-        except Exception as e:  # e.g. psycopg.OperationalError while a node restarts
-            last = e
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout}s waiting for {what}; last: {last!r}")
-        time.sleep(interval)
-
-
-def waiting_pids(conn, pid=None):
-    """The backends that wait for a lock held by another session (pg_blocking_pids non-empty),
-    or whether backend `pid` does: a session known to block before the test goes on."""
-    if pid is not None:
-        return conn.execute("SELECT cardinality(pg_blocking_pids(%s)) > 0", (pid,)).fetchone()[0]
-    return [r[0] for r in conn.execute(
-        "SELECT pid FROM pg_stat_activity WHERE cardinality(pg_blocking_pids(pid)) > 0").fetchall()]
-
-
-def last_sweep_at(conn):
-    """The newest stats.last_sweep_at over the cluster's databases (NULL before any round)."""
-    return conn.execute("SELECT max(last_sweep_at) FROM idempotency.stats").fetchone()[0]
 
 
 def race(cluster, worker, n=SESSIONS):

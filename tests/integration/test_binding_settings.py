@@ -19,7 +19,7 @@ import pytest
 from psycopg.types.json import Jsonb
 
 from cluster import EDITION, Cluster
-from helpers import claim, wait_until
+from helpers import claim
 
 DB = "tenantdb"
 SETTINGS = ("idempotency.scope_prefix", "idempotency.audit",
@@ -745,11 +745,13 @@ def server_setting(bcluster, su, name, value):
     su.execute(f"RESET {name}")
     su.execute("SELECT pg_reload_conf()")
     try:
-        def reached():
+        for _ in range(100):
             with connect(bcluster, "postgres") as check:
-                return check.execute("SELECT current_setting(%s, true)", (name,)).fetchone()[0] == value
-
-        wait_until(reached, what=f"{name} = {value} in new sessions")
+                if check.execute("SELECT current_setting(%s, true)", (name,)).fetchone()[0] == value:
+                    break
+            time.sleep(0.05)
+        else:
+            raise AssertionError(f"{name} = {value} did not reach new sessions")
         yield
     finally:
         su.execute(f"ALTER SYSTEM RESET {name}")

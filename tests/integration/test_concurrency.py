@@ -10,7 +10,7 @@ import psycopg
 import pytest
 from psycopg.types.json import Jsonb
 
-from helpers import claim, race, wait_until
+from helpers import claim, race
 
 
 def check_invariant(results, final_response, conn, key, request):
@@ -73,9 +73,7 @@ def test_expired_lease_takeover_race(cluster, db):
     first = claim(db, "race-takeover", request, lease="1 second")
     assert first[0] == "new"
     db.execute("SELECT idempotency.checkpoint('race-takeover', 'step-2', token => %s)", (first[1],))
-    # The lease runs out (moved back rather than waited for: the race is the subject here).
-    db.execute("UPDATE idempotency.idempotency_keys SET locked_until = now() - interval '1 second' "
-               "WHERE key = 'race-takeover'")
+    time.sleep(1.2)
 
     def worker(conn, i):
         r = claim(conn, "race-takeover", request, lease="30 seconds")
@@ -302,10 +300,12 @@ def test_a_write_marks_its_key_once_a_claims_check_lets_go(connect):
         done = threading.Event()
         thread = threading.Thread(target=lambda: (writer.execute(write, args), done.set()))
         thread.start()
-        # natively nothing waits; a wait would show as PgSleep (trying again)
-        wait_until(lambda: done.is_set() or other.execute("SELECT wait_event FROM pg_stat_activity WHERE pid = %s",
-                                                          (writer_pid,)).fetchone()[0] == "PgSleep",
-                   interval=0.001, what="the write done or waiting")
+        deadline = time.monotonic() + 10
+        while not done.is_set() and time.monotonic() < deadline:  # natively nothing waits
+            if other.execute("SELECT wait_event FROM pg_stat_activity WHERE pid = %s",
+                             (writer_pid,)).fetchone()[0] == "PgSleep":
+                break  # trying again
+            time.sleep(0.001)
         checker.execute("SELECT pg_advisory_unlock_shared(hashtextextended(%s, 5432))", (number,))
         thread.join(10)
         assert done.is_set(), key
@@ -358,10 +358,15 @@ def test_a_completion_waits_for_a_takeover_or_forget_in_flight_and_answers_from_
             assert other.execute(theirs).fetchone()[0] is not None
             thread = threading.Thread(target=call)
             thread.start()
-            seen = wait_until(lambda: "ended" if not thread.is_alive() else watcher.execute(
-                "SELECT wait_event_type FROM pg_stat_activity WHERE pid = %s", (worker_pid,)).fetchone()[0] == "Lock",
-                interval=0.005, what="the call waiting for the row lock")
-            assert seen is True and "r" not in answer, (key, answer)
+            waited = False
+            deadline = time.monotonic() + 10
+            while thread.is_alive() and time.monotonic() < deadline:
+                if watcher.execute("SELECT wait_event_type FROM pg_stat_activity WHERE pid = %s",
+                                   (worker_pid,)).fetchone()[0] == "Lock":
+                    waited = True
+                    break
+                time.sleep(0.005)
+            assert waited and "r" not in answer, (key, answer)
         thread.join(10)
         assert answer.get("r") == expected, (key, answer)
         row = db.execute("SELECT status::text, token > %s FROM idempotency.idempotency_keys WHERE key = %s",
